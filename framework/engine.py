@@ -1,0 +1,214 @@
+"""The 3D-parallel train step: one pure, jitted function (state, tokens) -> (state, metrics).
+
+Layout of one step on the (pipe, data, tensor) mesh:
+  1. a `shard_map` that is manual over `pipe` and `data` (and leaves `tensor` to the
+     compiler, which partitions every matmul Megatron-style from the parameter
+     shardings in `framework/sharding.py`) runs on each (pipe, data) device:
+       - embed this replica's batch, split it into microbatches,
+       - run the pipeline schedule (`framework/pipeline/`), head + loss on the last rank,
+       - differentiate that locally, then reduce: gradients over `data` once
+         (`framework/data_parallel.py`), pipe-replicated parameters (embedding, head)
+         over `pipe`;
+  2. outside it, AdamW updates the parameters with the optimizer state sharded like them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from framework import data_parallel, sharding
+from framework.config import ModelConfig, OptimConfig, ParallelConfig
+from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_params,
+                             param_logical_axes)
+from framework.optim import lr_schedule, make_optimizer
+from framework.pipeline import layout
+from framework.pipeline.executor import run_forward, varying
+from framework.pipeline.schedule import Schedule, make_schedule
+
+MANUAL = ("pipe", "data")
+
+
+@dataclasses.dataclass
+class Engine:
+    """Everything needed to run steps for one (model, parallel) configuration."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    mesh: jax.sharding.Mesh
+    schedule: Schedule
+    optimizer: optax.GradientTransformation
+    lr: optax.Schedule
+    param_specs: dict  # PartitionSpecs of the train-layout parameters
+    zero1_dims: dict | None
+    state_shardings: dict = None
+    step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
+
+    def __post_init__(self):
+        self.state_shardings = self._state_shardings()
+        self.step_fn = self._jit_step()
+
+    def _state_shardings(self):
+        """Optimizer moments are sharded exactly like the parameters they track."""
+        params = sharding.named(self.mesh, self.param_specs)
+        replicated = NamedSharding(self.mesh, P())
+        shapes = abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
+        opt = optax.tree_map_params(self.optimizer, lambda _, sh: sh,
+                                    jax.eval_shape(self.optimizer.init, shapes), params,
+                                    transform_non_params=lambda _: replicated)
+        return {"params": params, "opt_state": opt, "step": replicated}
+
+    @property
+    def n_chunks(self) -> int:
+        return self.schedule.n_chunks
+
+    def shard_params(self, canonical):
+        """Canonical params (host or device) -> train layout, placed on the mesh."""
+        params = layout.canonical_to_train(canonical, self.parallel.pipeline, self.n_chunks)
+        return jax.device_put(params, self.state_shardings["params"])
+
+    def canonical_params(self, params):
+        return layout.train_to_canonical(params)
+
+    def init_state(self, canonical):
+        """Train state {params, opt_state, step} from canonical params, on the mesh."""
+        params = self.shard_params(canonical)
+        init = lambda p: {"params": p, "opt_state": self.optimizer.init(p),
+                          "step": jnp.zeros((), jnp.int32)}
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
+
+    def loss_and_grads_fn(self):
+        """Jitted (params, tokens) -> (loss, grads in train layout, useful ticks): the
+        step without the optimizer, for parity tests and audits."""
+        fn = build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
+                                  self.param_specs, self.zero1_dims)
+        return jax.jit(fn)
+
+    def batch_sharding(self):
+        return NamedSharding(self.mesh, P("data"))
+
+    def shard_batch(self, tokens):
+        return jax.device_put(tokens, self.batch_sharding())
+
+    def _jit_step(self):
+        loss_and_grads = build_loss_and_grads(self.model, self.parallel, self.mesh,
+                                              self.schedule, self.param_specs, self.zero1_dims)
+
+        def train_step(state, tokens):
+            loss, grads, useful = loss_and_grads(state["params"], tokens)
+            updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            metrics = {
+                "train/loss": loss,
+                "train/grad_norm": optax.tree.norm(grads),
+                "train/lr": self.lr(state["step"]),
+                "pipeline/useful_ticks": useful,
+            }
+            return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+        return jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding()),
+                       out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+    def step(self, state, tokens):
+        """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
+        return self.step_fn(state, tokens)
+
+    def host_metrics(self, metrics) -> dict:
+        out = {k: float(v) for k, v in metrics.items() if k != "pipeline/useful_ticks"}
+        out["pipeline/bubble_fraction"] = self.schedule.formula_bubble
+        out["pipeline/bubble_fraction_measured"] = measured_bubble(
+            self.schedule, np.asarray(metrics["pipeline/useful_ticks"]))
+        return out
+
+
+def measured_bubble(schedule: Schedule, useful_per_stage) -> float:
+    """1 - useful stage-ticks / executed stage-ticks, from the executor's counters.
+    For autodiff schedules the executor counts its forward ticks; autodiff replays
+    exactly those ticks backwards, so the fraction is the same for the whole step."""
+    executed = schedule.executed_rows().n_ticks * schedule.n_stages
+    return 1.0 - float(np.sum(useful_per_stage)) / executed
+
+
+def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
+                 total_steps: int, mesh) -> Engine:
+    """Assumes `parallel` was validated (framework.config.validate) for this mesh."""
+    schedule = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                             parallel.virtual_stages)
+    axes = layout.train_axes(param_logical_axes(model))
+    specs = sharding.param_specs(axes)
+    dims = None
+    if parallel.zero1 and parallel.data > 1:
+        shapes = abstract_train_params(model, parallel.pipeline, schedule.n_chunks)
+        dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
+        specs = data_parallel.add_data_axis(specs, dims)
+    return Engine(model, parallel, mesh, schedule, make_optimizer(optim, total_steps),
+                  lr_schedule(optim, total_steps), specs, dims)
+
+
+def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
+    """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves); allocates nothing."""
+    return jax.eval_shape(lambda: layout.canonical_to_train(
+        init_params(model, jax.random.key(0)), n_stages, n_chunks))
+
+
+def _manual_only(spec: P) -> P:
+    """shard_map in/out specs may name only the manual axes."""
+    return P(*(a if a in MANUAL else None for a in spec))
+
+
+def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
+                         schedule: Schedule, param_specs, zero1_dims):
+    """(params, tokens) -> (mean loss, gradients, useful ticks per stage)."""
+    m = parallel.microbatches
+    p = parallel.pipeline
+    manual_specs = jax.tree.map(_manual_only, param_specs, is_leaf=lambda s: isinstance(s, P))
+    stage_fn = partial(apply_layers, model, remat=parallel.remat)
+
+    def local_loss(params, tokens, n_tokens_global):
+        """This (pipe, data) device's share of the mean loss: nonzero on the last rank."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
+        b, seq = inputs.shape
+        x = Embed(model).apply({"params": params["embed"]}, inputs)  # [b, seq, embed]
+        x_mb = x.reshape((m, b // m) + x.shape[1:])  # [micro, mb, seq, embed]
+        chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
+        outputs, useful = run_forward(schedule, stage_fn, chunks, x_mb)
+        logits = Head(model).apply({"params": params["head"]}, outputs.reshape(x.shape),
+                                   tied_table=params["embed"]["table"])
+        loss = cross_entropy_sum(logits, targets) / n_tokens_global
+        is_last = jax.lax.axis_index("pipe") == p - 1
+        return jnp.where(is_last, loss, 0.0), useful
+
+    def body(params, tokens):
+        n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
+        if zero1_dims is not None:
+            params = data_parallel.gather_params(params, zero1_dims)
+        params = jax.tree.map(lambda a: varying(a, MANUAL), params)
+        with sharding_rules(parallel):
+            (loss, useful), grads = jax.value_and_grad(local_loss, has_aux=True)(
+                params, tokens, n_tokens_global)
+        # Stage parameters live on one rank; the others are used on several ranks
+        # (embedding on rank 0, head on the last, both when tied): sum over `pipe`.
+        if degenerate:  # one (pipe, data) device: nothing to reduce
+            return loss, grads, useful[None]
+        grads = {k: v if k == "stages" else jax.lax.psum(v, "pipe") for k, v in grads.items()}
+        grads = data_parallel.reduce_gradients(grads, zero1_dims)
+        return jax.lax.psum(loss, MANUAL), grads, useful[None]
+
+    # XLA rejects all-reduces over a manual subgroup of size 1, and with pipe = data = 1
+    # every collective over them would be the identity anyway: skip them and the
+    # replication check that would demand them.
+    degenerate = p * parallel.data == 1
+    return jax.shard_map(body, mesh=mesh, in_specs=(manual_specs, P("data")),
+                         out_specs=(P(), manual_specs, P("pipe")), axis_names=set(MANUAL),
+                         check_vma=not degenerate)
+
+
+def sharding_rules(parallel: ParallelConfig):
+    import flax.linen as nn
+    return nn.logical_axis_rules(sharding.activation_rules(parallel.sequence_parallel))

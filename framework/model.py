@@ -1,0 +1,237 @@
+"""A Llama decoder in Flax (linen), written in *logical* axes only.
+
+Every parameter and every constrained activation carries logical axis names
+(`embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...). The table that maps them to the
+(pipe, data, tensor) mesh lives in `framework/sharding.py`; this file never sees a mesh.
+
+The model is split into three pieces so a pipeline can place them: `Embed` (token
+ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
+these) and `Head` (final norm + LM head). `init_params` returns the *canonical*
+parameter tree: {'embed', 'layers' (stacked along a leading `layers` axis), 'head'}.
+
+Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
+GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from framework.config import ModelConfig
+
+Array = jax.Array
+constrain = nn.with_logical_constraint  # no-op unless the caller set logical rules
+init_normal = nn.initializers.normal(stddev=0.02)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):  # x: [..., embed]
+        scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale).astype(x.dtype)
+
+
+def rotary(x, theta: float):
+    """Rotary position embedding (Su et al. 2021), rotate-half form.
+    x: [batch, seq, ..., head_dim]; positions are 0..seq-1."""
+    seq, dim = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [dim/2]
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
+    angles = angles.reshape((1, seq) + (1,) * (x.ndim - 3) + (dim // 2,))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention.
+
+    q, k and v come from one fused weight laid out per kv group, [embed, kv_heads,
+    q_per_kv + 2, head_dim]: group g holds its q_per_kv query heads, then its key and
+    its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
+    (column-parallel), and the fused matmul needs one reduction in the backward instead
+    of three. The output projection is row-parallel: one reduction in the forward
+    (Megatron-LM, Shoeybi et al. 2019)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):  # x: [batch, seq, embed]
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        d, h, kv, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+        r = h // kv  # query heads per kv head; query head i belongs to group i // r
+        wqkv = _param(self, "wqkv", (d, kv, r + 2, hd), ("embed", "kv_heads", "qkv", "head_dim"))
+        wo = _param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"))
+        qkv = jnp.einsum("bsd,dgjk->bsgjk", x.astype(dt), wqkv.astype(dt))
+        qkv = constrain(qkv, ("batch", "seq_full", "kv_heads", "qkv", "head_dim"))
+        q = rotary(qkv[:, :, :, :r], c.rope_theta)  # [b, s, kv@tensor, r, hd]
+        k = rotary(qkv[:, :, :, r], c.rope_theta)  # [b, s, kv@tensor, hd]
+        v = qkv[:, :, :, r + 1]
+        b, s = x.shape[:2]
+        scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)
+        return jnp.einsum("bshk,hkd->bsd", out, wo.astype(dt))  # partial sums over tensor
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: gate and up fused in one column-parallel weight
+    [embed, 2, mlp] (one backward reduction), row-parallel down projection."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):  # x: [batch, seq, embed]
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
+        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
+        gate_up = jnp.einsum("bsd,dcf->bscf", x.astype(dt), w_in.astype(dt))
+        gate_up = constrain(gate_up, ("batch", "seq_full", "gate_up", "mlp"))
+        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [b, s, mlp@tensor]
+        return hidden @ w_down.astype(dt)  # partial sums over tensor
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):  # x: [batch, seq@(tensor if seq-parallel), embed]
+        residual_axes = ("batch", "seq", "embed")
+        x = constrain(x, residual_axes)
+        h = x + constrain(Attention(self.cfg, name="attn")(
+            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)), residual_axes)
+        out = h + constrain(MLP(self.cfg, name="mlp")(
+            RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h)), residual_axes)
+        return constrain(out, residual_axes)
+
+
+class Embed(nn.Module):
+    """Token embedding, vocabulary-parallel over `tensor`."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq, embed]
+        table = _param(self, "table", (self.cfg.vocab_size, self.cfg.d_model), ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return constrain(x, ("batch", "seq", "embed"))
+
+
+class Head(nn.Module):
+    """Final RMSNorm + LM head (vocabulary-parallel over `tensor`). With tied
+    embeddings the caller passes the embedding table as `tied_table`."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, tied_table=None):  # x: [batch, seq, embed] -> [b, s, vocab] f32
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x = RMSNorm(c.norm_eps, name="norm")(x).astype(dt)
+        if c.tie_embeddings:
+            w = tied_table.T  # [embed, vocab@tensor]
+        else:
+            w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
+        x = constrain(x, ("batch", "seq_full", "embed"))
+        logits = (x @ w.astype(dt)).astype(jnp.float32)
+        return constrain(logits, ("batch", "seq_full", "vocab"))
+
+
+def cross_entropy_sum(logits, targets):
+    """Sum of token cross-entropies. logits: [b, s, vocab@tensor] f32, targets: [b, s].
+    The label logit is picked with a one-hot product (not a gather) so a vocabulary-
+    sharded logits tensor is reduced over `tensor` instead of being all-gathered."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, s]
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    label_logit = jnp.sum(logits * onehot, axis=-1)
+    return jnp.sum(log_z - label_logit)
+
+
+# ---------------------------------------------------------------------------------
+# Parameters in canonical layout.
+
+
+def _is_axes(a):
+    return isinstance(a, tuple)
+
+
+def _unbox(boxed):
+    """Splits Flax's boxed params into (arrays, logical axis tuples)."""
+    axes = nn.get_partition_spec(boxed)  # PartitionSpec of logical names per leaf
+    axes = jax.tree.map(tuple, axes, is_leaf=_is_axes)
+    return nn.meta.unbox(boxed), axes
+
+
+def init_params_and_axes(cfg: ModelConfig, key):
+    """(params, logical_axes) in canonical layout; axes are tuples of names."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    x = jnp.zeros((1, 2, cfg.d_model), jnp.float32)
+    embed, embed_axes = _unbox(Embed(cfg).init(k_embed, tokens)["params"])
+    init_layer = lambda k: Block(cfg).init(k, x)["params"]
+    layers = jax.vmap(lambda k: nn.meta.unbox(init_layer(k)))(
+        jax.random.split(k_layers, cfg.n_layers))
+    _, layer_axes = _unbox(jax.eval_shape(init_layer, k_layers))
+    layer_axes = jax.tree.map(lambda a: ("layers",) + a, layer_axes, is_leaf=_is_axes)
+    head, head_axes = _unbox(Head(cfg).init(k_head, x, tied_table=embed["table"])["params"])
+    params = {"embed": embed, "layers": layers, "head": head}
+    axes = {"embed": embed_axes, "layers": layer_axes, "head": head_axes}
+    return params, axes
+
+
+def init_params(cfg: ModelConfig, key):
+    """Canonical parameters {'embed', 'layers', 'head'}; layers stacked on axis 0."""
+    return init_params_and_axes(cfg, key)[0]
+
+
+def param_logical_axes(cfg: ModelConfig):
+    """Logical axis names of every canonical parameter, without allocating them."""
+    found = {}
+
+    def shapes_only():
+        params, found["axes"] = init_params_and_axes(cfg, jax.random.key(0))
+        return params
+
+    jax.eval_shape(shapes_only)
+    return found["axes"]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    c = cfg
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
+    layer = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
+    return c.vocab_size * c.d_model + c.n_layers * layer + head
+
+
+REMAT_POLICIES = {
+    "full": None,  # save only each layer's input; recompute the rest in the backward
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
+
+def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none"):
+    """Runs a stack of decoder layers under `scan` (compile time independent of depth).
+    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]."""
+
+    def layer(x, layer_params):
+        return Block(cfg).apply({"params": layer_params}, x)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)
+    return x

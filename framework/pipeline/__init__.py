@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as tables, stage layout, and the executors."""

@@ -1,0 +1,58 @@
+"""Executes the forward rows of a GPipe or circular schedule table on one pipe rank.
+
+Runs inside a `shard_map` that is manual over `pipe`: every rank runs the same tick
+loop, reads its own action from the table, applies its layer chunk and passes the
+result to the next rank with `ppermute`. The backward pass is JAX autodiff of this
+loop, which replays the table's ticks in reverse (the mirrored half of the table).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework.pipeline.schedule import FWD, Schedule
+
+AXIS = "pipe"
+
+
+def varying(x, axes=(AXIS,)):
+    """Marks x as (possibly) different on each device of `axes` (a shard_map type)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
+    """chunks: this rank's parameters [n_chunks, layers_per_chunk, ...].
+    x_mb: [microbatches, mb, seq, embed], the embedded inputs (read by rank 0).
+    Returns (outputs [microbatches, mb, seq, embed], meaningful on the last rank;
+    useful: how many ticks this rank spent on a real microbatch)."""
+    table = schedule.executed_rows()
+    p, v = schedule.n_stages, schedule.n_chunks
+    rank = jax.lax.axis_index(AXIS)
+    ring = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
+    rows = {k: jnp.asarray(getattr(table, k)) for k in ("action", "microbatch", "chunk")}
+
+    def tick(carry, row):
+        recv, parked, outputs, useful = carry
+        valid = row["action"][rank] == FWD
+        mb, chunk = row["microbatch"][rank], row["chunk"][rank]
+        # Rank 0 starts a microbatch (chunk 0) or takes it back from the ring (chunk > 0).
+        first = x_mb[mb] if v == 1 else jnp.where(chunk == 0, x_mb[mb], parked[mb])
+        out = stage_fn(jax.tree.map(lambda c: c[chunk], chunks), jnp.where(rank == 0, first, recv))
+        done = valid & (rank == p - 1) & (chunk == v - 1)
+        outputs = outputs.at[mb].set(jnp.where(done, out, outputs[mb]))
+        recv = jax.lax.ppermute(out, AXIS, ring) if p > 1 else out
+        if v > 1:  # rank 0 parks what the last rank sent until its turn comes
+            last_mb, last_chunk = row["microbatch"][p - 1], row["chunk"][p - 1]
+            park = (rank == 0) & (row["action"][p - 1] == FWD) & (last_chunk < v - 1)
+            parked = parked.at[last_mb].set(jnp.where(park, recv, parked[last_mb]))
+        return (recv, parked, outputs, useful + valid.astype(jnp.int32)), None
+
+    axes = (AXIS,) + tuple(sorted(jax.typeof(x_mb).manual_axis_type.varying - {AXIS}))
+    zeros = lambda shape, dtype=x_mb.dtype: varying(jnp.zeros(shape, dtype), axes)
+    parked = zeros(x_mb.shape) if v > 1 else None  # rank 0's ring buffer, by microbatch
+    init = (zeros(x_mb.shape[1:]), parked, zeros(x_mb.shape), varying(jnp.zeros((), jnp.int32)))
+    (_, _, outputs, useful), _ = jax.lax.scan(tick, init, rows)
+    return outputs, useful

@@ -1,0 +1,82 @@
+"""Shared fixtures for the parity tests: a tiny model and the single-device reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework import reference
+from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from framework.engine import build_engine
+from framework.mesh import make_mesh
+from framework.model import init_params
+from framework.optim import make_optimizer
+
+# Small enough to compile in seconds, shaped so tensor=4 and pipeline*virtual=8 divide.
+MODEL = ModelConfig(vocab_size=128, d_model=64, n_layers=8, n_heads=8, n_kv_heads=4,
+                    d_ff=128, dtype="float32")
+TRAIN = TrainConfig(seq_len=16, global_batch_size=16, steps=5, seed=0)
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0)
+
+
+def tokens(step: int, train: TrainConfig = TRAIN, model: ModelConfig = MODEL):
+    return reference.tokens_for_step(train.seed, step, train.global_batch_size,
+                                     train.seq_len, model.vocab_size)
+
+
+def params(model: ModelConfig = MODEL):
+    return init_params(model, jax.random.key(0))
+
+
+def engine(pipeline=1, data=1, tensor=1, microbatches=1, model=MODEL, train=TRAIN,
+           optim=OPTIM, **parallel_kw):
+    par = ParallelConfig(pipeline=pipeline, data=data, tensor=tensor,
+                         microbatches=microbatches, **parallel_kw)
+    par = validate(model, par, train, par.n_devices)
+    return build_engine(model, par, optim, train.steps, make_mesh(par))
+
+
+def reference_grads(model=MODEL, step=0):
+    return jax.jit(lambda p, t: reference.loss_and_grads(p, t, model))(params(model), tokens(step))
+
+
+def reference_losses(n_steps, model=MODEL, optim=OPTIM, train=TRAIN):
+    opt = make_optimizer(optim, train.steps)
+    p = params(model)
+    state = opt.init(p)
+    step = reference.reference_train_step(model, opt)
+    losses = []
+    for i in range(n_steps):
+        p, state, loss = step(p, state, tokens(i))
+        losses.append(float(loss))
+    return losses, p
+
+
+def engine_grads(eng, step=0):
+    loss, grads, _ = eng.loss_and_grads_fn()(eng.shard_params(params(eng.model)),
+                                             eng.shard_batch(tokens(step)))
+    return float(loss), eng.canonical_params(grads)
+
+
+def engine_losses(eng, n_steps):
+    state = eng.init_state(params(eng.model))
+    losses = []
+    for i in range(n_steps):
+        state, metrics = eng.step(state, eng.shard_batch(tokens(i)))
+        losses.append(float(metrics["train/loss"]))
+    return losses, eng.canonical_params(state["params"])
+
+
+def max_rel_err(tree, ref_tree) -> dict:
+    """Per leaf: max |a - b| / max |b|."""
+    def one(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return jax.tree.map(one, tree, ref_tree)
+
+
+def worst(errs: dict) -> float:
+    return max(jax.tree.leaves(errs))
