@@ -15,6 +15,7 @@ Layout of one step on the (pipe, data, tensor) mesh:
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from framework import data_parallel, sharding
+from framework import audit, data_parallel, sharding
 from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_params,
                              param_logical_axes)
@@ -49,6 +50,7 @@ class Engine:
     zero1_dims: dict | None
     state_shardings: dict = None
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
+    _compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
 
     def __post_init__(self):
         self.state_shardings = self._state_shardings()
@@ -115,9 +117,32 @@ class Engine:
         return jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, None), donate_argnums=0)
 
+    def compile(self, state, tokens) -> dict:
+        """Compiles the step once for these shapes (later `step` calls reuse it) and
+        returns what the compiled program says about itself: compile time, per-device
+        memory (XLA's memory analysis) and bytes sent per device per step on each mesh
+        axis (the communication audit)."""
+        start = time.perf_counter()
+        self._compiled = self.step_fn.lower(state, tokens).compile()
+        stats = {"perf/compile_time_s": time.perf_counter() - start}
+        mem = self._compiled.memory_analysis()
+        if mem is not None:
+            # Arguments + outputs + temporaries, donated (aliased) buffers counted once:
+            # everything XLA's buffer assignment holds at the step's high-water mark.
+            stats["memory/peak_bytes_per_device"] = int(
+                mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes)
+            stats["memory/temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
+            stats["memory/argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
+        found = audit.collectives(self._compiled.as_text(), dict(self.mesh.shape))
+        for axis, nbytes in audit.bytes_per_axis(found, dict(self.mesh.shape)).items():
+            stats[f"comm/bytes_per_step/{axis}"] = float(nbytes)
+        return stats
+
     def step(self, state, tokens):
         """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
-        return self.step_fn(state, tokens)
+        fn = self._compiled if self._compiled is not None else self.step_fn
+        return fn(state, tokens)
 
     def host_metrics(self, metrics) -> dict:
         out = {k: float(v) for k, v in metrics.items() if k != "pipeline/useful_ticks"}
