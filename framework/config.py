@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -92,6 +93,80 @@ class TrainConfig:
     global_batch_size: int = 16
     steps: int = 100
     seed: int = 0
+    resume: str = "auto"  # auto: continue from the newest complete checkpoint | never
+    resume_from: Optional[str] = None  # a checkpoint (or checkpoint folder) of another run
+
+
+@dataclass
+class DataConfig:
+    """Token source. kind: synthetic | markov | text | tokens (see framework/data.py)."""
+
+    kind: str = "synthetic"
+    path: Optional[str] = None  # text: a UTF-8 file; tokens: a flat uint16/uint32 file
+    token_dtype: str = "uint16"  # tokens: dtype of the binary file
+    holdout_fraction: float = 0.05  # share of the data kept out of training for eval/loss
+    markov_concentration: float = 0.1  # markov: Dirichlet concentration of each row
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between eval/loss measurements (0: never)
+    batches: int = 2  # held-out batches averaged per evaluation
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0: only the final / preemption one)
+    keep: int = 3  # newest checkpoints kept on disk
+    dir: Optional[str] = None  # default: <run output folder>/checkpoints
+    async_save: bool = True
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "framework"
+    group: Optional[str] = None  # default: the sweep's name in multirun, else none
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # steps between logged metrics
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True  # the terminal progress bar
+
+
+@dataclass
+class DevicesConfig:
+    platform: str = "auto"  # auto | cpu | gpu | tpu
+    local_device_count: Optional[int] = None  # simulated CPU devices per process
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-host: leave all three unset for one process (or for auto-detection on
+    SLURM / Cloud TPU, which jax.distributed.initialize() does from the environment)."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+
+
+@dataclass
+class RunConfig:
+    """The whole run, as Hydra composes it. Components receive only their own slice."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:
