@@ -31,6 +31,7 @@ from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_
 from framework.optim import lr_schedule, make_optimizer
 from framework.pipeline import layout
 from framework.pipeline.executor import run_forward, varying
+from framework.pipeline.one_f_one_b import run_1f1b
 from framework.pipeline.schedule import Schedule, make_schedule
 
 MANUAL = ("pipe", "data")
@@ -60,7 +61,7 @@ class Engine:
         """Optimizer moments are sharded exactly like the parameters they track."""
         params = sharding.named(self.mesh, self.param_specs)
         replicated = NamedSharding(self.mesh, P())
-        shapes = abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
+        shapes = self.abstract_params()
         opt = optax.tree_map_params(self.optimizer, lambda _, sh: sh,
                                     jax.eval_shape(self.optimizer.init, shapes), params,
                                     transform_non_params=lambda _: replicated)
@@ -84,6 +85,10 @@ class Engine:
         init = lambda p: {"params": p, "opt_state": self.optimizer.init(p),
                           "step": jnp.zeros((), jnp.int32)}
         return jax.jit(init, out_shardings=self.state_shardings)(params)
+
+    def abstract_params(self):
+        """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves)."""
+        return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
 
     def loss_and_grads_fn(self):
         """Jitted (params, tokens) -> (loss, grads in train layout, useful ticks): the
@@ -152,12 +157,19 @@ class Engine:
         return out
 
 
-def measured_bubble(schedule: Schedule, useful_per_stage) -> float:
-    """1 - useful stage-ticks / executed stage-ticks, from the executor's counters.
-    For autodiff schedules the executor counts its forward ticks; autodiff replays
-    exactly those ticks backwards, so the fraction is the same for the whole step."""
+def idle_stage_ticks(schedule: Schedule, useful_per_stage) -> int:
+    """Idle stage-ticks of the whole step, from the executor's per-stage counters of
+    ticks that processed a real microbatch. Autodiff schedules count their forward
+    ticks; autodiff replays exactly those ticks backwards, so both halves idle alike."""
     executed = schedule.executed_rows().n_ticks * schedule.n_stages
-    return 1.0 - float(np.sum(useful_per_stage)) / executed
+    idle = executed - int(np.sum(useful_per_stage))
+    return 2 * idle if schedule.backward_by_autodiff else idle
+
+
+def measured_bubble(schedule: Schedule, useful_per_stage) -> float:
+    """1 - useful stage-ticks / executed stage-ticks (both halves of the step)."""
+    total = schedule.n_ticks * schedule.n_stages
+    return idle_stage_ticks(schedule, useful_per_stage) / total
 
 
 def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
@@ -195,19 +207,39 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
     manual_specs = jax.tree.map(_manual_only, param_specs, is_leaf=lambda s: isinstance(s, P))
     stage_fn = partial(apply_layers, model, remat=parallel.remat)
 
-    def local_loss(params, tokens, n_tokens_global):
-        """This (pipe, data) device's share of the mean loss: nonzero on the last rank."""
+    embed_fn = lambda e, ids: Embed(model).apply({"params": e}, ids)
+
+    def head_loss_fn(head, embed, y, targets, n_tokens_global):
+        logits = Head(model).apply({"params": head}, y, tied_table=embed["table"])
+        return cross_entropy_sum(logits, targets) / n_tokens_global
+
+    def microbatches(a):  # [b, ...] -> [micro, b / micro, ...]
+        return a.reshape((m, a.shape[0] // m) + a.shape[1:])
+
+    def autodiff_loss(params, tokens, n_tokens_global):
+        """GPipe / circular: this device's share of the mean loss (nonzero on the last
+        rank); its gradient is taken by autodiff through the whole tick loop."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
-        b, seq = inputs.shape
-        x = Embed(model).apply({"params": params["embed"]}, inputs)  # [b, seq, embed]
-        x_mb = x.reshape((m, b // m) + x.shape[1:])  # [micro, mb, seq, embed]
+        x_mb = microbatches(embed_fn(params["embed"], inputs))  # [micro, mb, seq, embed]
         chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
         outputs, useful = run_forward(schedule, stage_fn, chunks, x_mb)
-        logits = Head(model).apply({"params": params["head"]}, outputs.reshape(x.shape),
-                                   tied_table=params["embed"]["table"])
-        loss = cross_entropy_sum(logits, targets) / n_tokens_global
-        is_last = jax.lax.axis_index("pipe") == p - 1
-        return jnp.where(is_last, loss, 0.0), useful
+        y = outputs.reshape((-1,) + outputs.shape[2:])
+        loss = head_loss_fn(params["head"], params["embed"], y, targets, n_tokens_global)
+        return jnp.where(jax.lax.axis_index("pipe") == p - 1, loss, 0.0), useful
+
+    def value_and_grad(params, tokens, n_tokens_global):
+        if schedule.backward_by_autodiff:
+            return jax.value_and_grad(autodiff_loss, has_aux=True)(params, tokens, n_tokens_global)
+        # 1F1B: the tick loop computes the gradients itself.
+        local = {"embed": params["embed"], "head": params["head"],
+                 "chunk": jax.tree.map(lambda a: a[0, 0], params["stages"])}
+        loss, g, useful = run_1f1b(
+            schedule, stage_fn, embed_fn,
+            lambda h, e, y, t: head_loss_fn(h, e, y, t, n_tokens_global),
+            local, microbatches(tokens[:, :-1]), microbatches(tokens[:, 1:]))
+        grads = {"embed": g["embed"], "head": g["head"],
+                 "stages": jax.tree.map(lambda a: a[None, None], g["chunk"])}
+        return (loss, useful), grads
 
     def body(params, tokens):
         n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
@@ -215,8 +247,7 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
             params = data_parallel.gather_params(params, zero1_dims)
         params = jax.tree.map(lambda a: varying(a, MANUAL), params)
         with sharding_rules(parallel):
-            (loss, useful), grads = jax.value_and_grad(local_loss, has_aux=True)(
-                params, tokens, n_tokens_global)
+            (loss, useful), grads = value_and_grad(params, tokens, n_tokens_global)
         # Stage parameters live on one rank; the others are used on several ranks
         # (embedding on rank 0, head on the last, both when tied): sum over `pipe`.
         if degenerate:  # one (pipe, data) device: nothing to reduce

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 IDLE, FWD, BWD = 0, 1, 2
+SCHEDULE_NAMES = ("gpipe", "circular", "1f1b")
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +63,22 @@ class Schedule:
         t = int((self.action == FWD).any(axis=1).nonzero()[0].max()) + 1
         return Schedule(self.name, self.n_stages, self.n_microbatches, self.n_chunks,
                         self.action[:t], self.microbatch[:t], self.chunk[:t], True)
+
+    def max_pending(self, kind: int) -> int:
+        """Most messages of one kind (FWD: activations to the next stage, BWD: gradients
+        to the previous one) sent on a link but not yet consumed: the receive slots an
+        executor needs. A message sent at tick t is usable from tick t + 1."""
+        step = 1 if kind == FWD else -1
+        worst = 0
+        for dst in range(self.n_stages):
+            src = dst - step
+            if not 0 <= src < self.n_stages:
+                continue
+            sent = np.cumsum(self.action[:, src] == kind)
+            used = np.cumsum(self.action[:, dst] == kind)
+            pending = np.concatenate([[0], sent[:-1]]) - np.concatenate([[0], used[:-1]])
+            worst = max(worst, int(pending.max()))
+        return worst
 
     def max_in_flight(self) -> np.ndarray:
         """Per stage: the most microbatches whose forward ran but backward did not."""

@@ -1,0 +1,131 @@
+"""Executes a 1F1B schedule table on one pipe rank, backward included.
+
+GPipe lets autodiff differentiate the whole forward tick loop, so every microbatch's
+activations stay alive until the backward starts. 1F1B instead interleaves: after a
+few warm-up forwards each stage alternates a forward of one microbatch with the
+backward of an older one. In SPMD JAX that means the tick loop itself must carry the
+backward:
+
+  forward  F(i): y, vjp = jax.vjp(stage, params, x). The VJP's residuals (the
+           activations the backward needs; parameters are excluded, they are shared)
+           go into a stash slot. The last stage also runs head + loss and keeps dL/dy.
+  backward B(i): rebuild the VJP from stash slot i, pull the incoming gradient through
+           it, accumulate the parameter gradients, send dx to the previous stage.
+
+Only as many microbatches as the table keeps in flight (at most `pipeline` on stage 0)
+hold a stash slot, so activation memory no longer grows with the microbatch count.
+Each tick every rank runs the branch its table cell names (`lax.switch`: idle, F or B),
+then activations move one stage forward and gradients one stage back (`ppermute`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from framework.pipeline.executor import AXIS, varying
+from framework.pipeline.schedule import BWD, FWD, IDLE, Schedule
+
+
+def _split_vjp(vjp_fn, params):
+    """VJP pytree -> (leaves that are activations, treedef, which leaves are params)."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    index = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    param_slot = [index.get(id(leaf)) for leaf in leaves]
+    acts = [leaf for leaf, slot in zip(leaves, param_slot) if slot is None]
+    return acts, treedef, param_slot
+
+
+def _join_vjp(acts, treedef, param_slot, params):
+    flat_params, it = jax.tree.leaves(params), iter(acts)
+    return jax.tree.unflatten(treedef, [next(it) if s is None else flat_params[s]
+                                        for s in param_slot])
+
+
+def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, inputs, targets):
+    """params: {'embed', 'chunk' ([layers_per_stage, ...] of this rank), 'head'},
+    already varying over the manual axes. inputs/targets: [microbatches, mb, seq].
+    embed_fn(embed_params, ids) -> x; stage_fn(chunk_params, x) -> y;
+    head_loss_fn(head_params, embed_params, y, targets) -> this microbatch's loss share.
+    Returns (loss share of this rank, grads like params, useful ticks of this rank)."""
+    p = schedule.n_stages
+    rank = jax.lax.axis_index(AXIS)
+    is_first, is_last = rank == 0, rank == p - 1
+    rows = {k: jnp.asarray(getattr(schedule, k)) for k in ("action", "microbatch")}
+    n_stash = int(schedule.max_in_flight().max())
+    n_recv = max(1, schedule.max_pending(FWD), schedule.max_pending(BWD))
+    axes = tuple(sorted(jax.typeof(inputs).manual_axis_type.varying | {AXIS}))
+    zeros = lambda like: varying(jnp.zeros(like.shape, like.dtype), axes)
+
+    # Trace one forward to learn the stash's shapes (the values are dead code, which
+    # the compiler drops; eval_shape cannot trace shard_map's varying types).
+    x_shape = embed_fn(params["embed"], inputs[0])
+    acts_shape, _, _ = _split_vjp(jax.vjp(stage_fn, params["chunk"], x_shape)[1], params["chunk"])
+    slots = lambda n, a: zeros(jax.ShapeDtypeStruct((n,) + a.shape, a.dtype))
+    stash = [slots(n_stash, a) for a in acts_shape]
+    buf = slots(n_recv, x_shape)
+
+    def forward(c, mb):
+        x = jax.lax.cond(is_first, lambda: embed_fn(params["embed"], inputs[mb]),
+                         lambda: c["recv_f"][mb % n_recv])
+        y, vjp_fn = jax.vjp(stage_fn, params["chunk"], x)
+        acts, _, _ = _split_vjp(vjp_fn, params["chunk"])
+        c["stash"] = [s.at[mb % n_stash].set(a) for s, a in zip(c["stash"], acts)]
+
+        def head(c):  # last stage: loss of this microbatch and dL/dy for its backward
+            loss, (g_head, g_embed, dy) = jax.value_and_grad(head_loss_fn, argnums=(0, 1, 2))(
+                params["head"], params["embed"], y, targets[mb])
+            c = dict(c, loss=c["loss"] + loss, dy=c["dy"].at[mb % n_stash].set(dy))
+            c["grads"] = dict(c["grads"], head=_add(c["grads"]["head"], g_head),
+                              embed=_add(c["grads"]["embed"], g_embed))
+            return c
+
+        c = jax.lax.cond(is_last, head, lambda c: c, c)
+        return c, y, jnp.zeros_like(y)
+
+    def backward(c, mb):
+        dy = jnp.where(is_last, c["dy"][mb % n_stash], c["recv_b"][mb % n_recv])
+        _, probe = jax.vjp(stage_fn, params["chunk"], jnp.zeros_like(dy))  # structure only
+        _, treedef, slots = _split_vjp(probe, params["chunk"])
+        acts = [s[mb % n_stash] for s in c["stash"]]
+        g_chunk, dx = _join_vjp(acts, treedef, slots, params["chunk"])(dy)
+        g_embed = jax.lax.cond(
+            is_first, lambda: jax.vjp(lambda e: embed_fn(e, inputs[mb]), params["embed"])[1](dx)[0],
+            lambda: jax.tree.map(jnp.zeros_like, params["embed"]))
+        c["grads"] = dict(c["grads"], chunk=_add(c["grads"]["chunk"], g_chunk),
+                          embed=_add(c["grads"]["embed"], g_embed))
+        return c, jnp.zeros_like(dx), dx
+
+    def idle(c, mb):
+        return c, jnp.zeros_like(buf[0]), jnp.zeros_like(buf[0])
+
+    def tick(c, row):
+        act, mb = row["action"][rank], row["microbatch"][rank]
+        c, send_f, send_b = jax.lax.switch(act, [idle, forward, backward], c, mb)
+        c["useful"] = c["useful"] + (act != IDLE).astype(jnp.int32)
+        if p > 1:  # activations one stage forward, gradients one stage back
+            got_f = jax.lax.ppermute(send_f, AXIS, [(i, i + 1) for i in range(p - 1)])
+            got_b = jax.lax.ppermute(send_b, AXIS, [(i + 1, i) for i in range(p - 1)])
+            prev, nxt = jnp.maximum(rank - 1, 0), jnp.minimum(rank + 1, p - 1)
+            c["recv_f"] = _store(c["recv_f"], got_f, row["microbatch"][prev] % n_recv,
+                                 (rank > 0) & (row["action"][prev] == FWD))
+            c["recv_b"] = _store(c["recv_b"], got_b, row["microbatch"][nxt] % n_recv,
+                                 (rank < p - 1) & (row["action"][nxt] == BWD))
+        return c, None
+
+    carry = {
+        "recv_f": buf, "recv_b": buf, "stash": stash,
+        "dy": slots(n_stash, x_shape),
+        "grads": jax.tree.map(zeros, params), "loss": zeros(jnp.zeros((), jnp.float32)),
+        "useful": varying(jnp.zeros((), jnp.int32)),
+    }
+    carry, _ = jax.lax.scan(tick, carry, rows)
+    return carry["loss"], carry["grads"], carry["useful"]
+
+
+def _add(acc, g):
+    return jax.tree.map(jnp.add, acc, g)
+
+
+def _store(buf, value, slot, keep):
+    return buf.at[slot].set(jnp.where(keep, value, buf[slot]))
