@@ -1,0 +1,228 @@
+"""Checkpoints: exact resume, restore under other (pipeline, data, tensor, schedule,
+zero1) layouts, keep/metadata, and incomplete checkpoints never picked.
+
+One (2, 2, 2) engine trains 10 steps on the Markov dataset uninterrupted; a second run
+of the same engine saves at steps 2, 4, 6 (asynchronously, keep=2) and keeps training.
+Everything else restores step 6 into fresh engines and continues to step 10.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from framework import checkpoint, data
+from framework.checkpoint import Checkpointer
+from framework.checkpoint_layout import to_canonical
+from framework.config import ConfigError, DataConfig, TrainConfig
+from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, worst
+
+LAYOUT = (2, 2, 2, 2)  # (pipeline, data, tensor, microbatches) of the saving run
+SAVE_AT, STEPS = 6, 10
+DATASET = data.make_dataset(DataConfig(kind="markov"), TRAIN, MODEL.vocab_size)
+
+
+def run(eng, state, start, stop, ckpt=None, save_at=()):
+    """Steps start..stop-1 on the dataset's batches; saves after the steps in save_at."""
+    losses = []
+    for step in range(start, stop):
+        tokens = data.sharded_batch(DATASET.train_batch, step, eng.batch_sharding(),
+                                    DATASET.global_shape)
+        state, metrics = eng.step(state, tokens)
+        losses.append(float(metrics["train/loss"]))
+        if step + 1 in save_at:
+            ckpt.save(step + 1, eng, state, {"note": "test run"})
+    return state, losses
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def canonical_host(eng, state):
+    return host(to_canonical(state))
+
+
+def rel(a, b):
+    return np.abs(np.asarray(a) - np.asarray(b)) / np.abs(np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    eng = engine(*LAYOUT)
+    state, losses = run(eng, eng.init_state(params()), 0, STEPS)
+    return eng, losses, host(eng.canonical_params(state["params"]))
+
+
+@pytest.fixture(scope="module")
+def saved(uninterrupted, tmp_path_factory):
+    """(folder, losses of the saving run, canonical state at step 6 on the host)."""
+    eng = uninterrupted[0]
+    folder = str(tmp_path_factory.mktemp("checkpoints"))
+    ckpt = Checkpointer(folder, keep=2, async_save=True)
+    state, losses = run(eng, eng.init_state(params()), 0, SAVE_AT, ckpt, save_at={2, 4, 6})
+    at_save = canonical_host(eng, state)
+    # The next steps donate the state's buffers while the save may still be writing.
+    state, more = run(eng, state, SAVE_AT, STEPS)
+    ckpt.wait()
+    ckpt.close()
+    return folder, losses + more, at_save
+
+
+def test_async_saves_do_not_disturb_training_and_keep_the_newest(uninterrupted, saved):
+    folder, losses, _ = saved
+    assert losses == uninterrupted[1]
+    ckpt = Checkpointer(folder, keep=2)
+    assert ckpt.complete_steps() == [4, 6]  # step 2 pruned by keep=2
+    meta = ckpt.metadata(6)
+    assert meta["step"] == 6 and meta["note"] == "test run"
+    assert (meta["parallel"]["pipeline"], meta["parallel"]["data"],
+            meta["parallel"]["tensor"]) == LAYOUT[:3]
+    assert checkpoint.locate(os.path.join(folder, "6")) == (folder, 6)
+    assert checkpoint.locate(folder) == (folder, None)
+    ckpt.close()
+
+
+def test_resume_equals_uninterrupted_run(uninterrupted, saved):
+    _, ref_losses, ref_params = uninterrupted
+    fresh = engine(*LAYOUT)  # as in a new process: nothing shared with the saving run
+    ckpt = Checkpointer(saved[0], keep=2)
+    state = ckpt.restore(fresh)
+    ckpt.close()
+    assert int(state["step"]) == SAVE_AT
+    assert jax.tree.map(lambda a: a.sharding, state) == fresh.state_shardings
+    state, losses = run(fresh, state, SAVE_AT, STEPS)
+    assert np.max(rel(losses, ref_losses[SAVE_AT:])) <= 1e-6, (losses, ref_losses)
+    final = host(fresh.canonical_params(state["params"]))
+    assert jax.tree.all(jax.tree.map(np.array_equal, final, ref_params))
+
+
+# Another layout runs other float reductions (other psum trees, other matmul splits), so
+# losses agree to float32 rounding, not bit for bit: 1e-5 relative.
+@pytest.mark.parametrize("layout", [(4, 1, 2, 4), (1, 8, 1, 1)], ids=str)
+def test_restore_under_another_layout_continues_the_same_run(layout, uninterrupted, saved):
+    _, ref_losses, ref_params = uninterrupted
+    eng = engine(*layout)
+    ckpt = Checkpointer(saved[0], keep=2)
+    state = ckpt.restore(eng)
+    ckpt.close()
+    assert jax.tree.map(lambda a: a.sharding, state) == eng.state_shardings
+    state, losses = run(eng, state, SAVE_AT, STEPS)
+    assert np.max(rel(losses, ref_losses[SAVE_AT:])) <= 1e-5, (losses, ref_losses)
+    assert worst(max_rel_err(host(eng.canonical_params(state["params"])), ref_params)) <= 1e-4
+
+
+def test_round_trip_through_circular_zero1_layout_is_exact(uninterrupted, saved, tmp_path):
+    """Restored into interleaved chunks with ZeRO-1 (moments sharded over `data`), saved
+    again from there, restored into the original layout: bit-identical state."""
+    _, _, at_save = saved
+    circular = engine(2, 2, 2, 2, schedule="circular", virtual_stages=2, zero1=True)
+    ckpt = Checkpointer(saved[0], keep=2)
+    state = ckpt.restore(circular)
+    ckpt.close()
+    assert jax.tree.map(lambda a: a.sharding, state) == circular.state_shardings
+    assert jax.tree.all(jax.tree.map(np.array_equal, canonical_host(circular, state), at_save))
+    again = Checkpointer(str(tmp_path), keep=1, async_save=False)
+    again.save(SAVE_AT, circular, state)
+    back = again.restore(uninterrupted[0])
+    again.close()
+    assert jax.tree.all(jax.tree.map(np.array_equal, canonical_host(uninterrupted[0], back),
+                                     at_save))
+
+
+def test_incomplete_checkpoints_are_never_picked(uninterrupted, saved, tmp_path):
+    folder = str(tmp_path / "run")
+    shutil.copytree(saved[0], folder)
+    # A save cut short by a crash: Orbax's temporary folder, half written.
+    tmp = os.path.join(folder, "8.orbax-checkpoint-tmp-1700000000000")
+    shutil.copytree(os.path.join(folder, "6"), tmp)
+    os.remove(os.path.join(tmp, "state", "manifest.ocdbt"))
+    # A step folder without its completion markers (e.g. a partial copy by hand).
+    shutil.copytree(os.path.join(folder, "6", "state"), os.path.join(folder, "9", "state"))
+    ckpt = Checkpointer(folder, keep=2)
+    assert ckpt.latest_step() == SAVE_AT
+    assert 9 not in ckpt.complete_steps()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint of step 9"):
+        ckpt.restore(uninterrupted[0], step=9)
+    state = ckpt.restore(uninterrupted[0])
+    ckpt.close()
+    assert not os.path.exists(tmp)  # leftovers of the cut-short save are cleaned up
+    assert jax.tree.all(jax.tree.map(np.array_equal,
+                                     canonical_host(uninterrupted[0], state), saved[2]))
+
+
+def test_an_empty_folder_has_no_checkpoint(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "none"))
+    assert ckpt.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.restore(None)
+    ckpt.close()
+
+
+def test_resume_point_prefers_the_runs_own_checkpoints(uninterrupted, saved, tmp_path):
+    eng, other = uninterrupted[0], saved[0]
+    own = Checkpointer(str(tmp_path / "own"), keep=2, async_save=False)
+    resume_point = checkpoint.resume_point
+    assert resume_point(TrainConfig(resume="auto"), own) is None
+    assert resume_point(TrainConfig(resume="auto", resume_from=other), own) == (other, 6)
+    step4 = os.path.join(other, "4")
+    assert resume_point(TrainConfig(resume="never", resume_from=step4), own) == (other, 4)
+    state = checkpoint.resume(TrainConfig(resume_from=step4), own, eng)
+    assert int(state["step"]) == 4
+    own.save(4, eng, state)  # the run goes on and checkpoints into its own folder
+    assert resume_point(TrainConfig(resume="auto", resume_from=other), own) == (own.directory, 4)
+    empty = Checkpointer(str(tmp_path / "empty"))
+    bad = [(TrainConfig(resume="never"), own, "train.resume=never but"),
+           (TrainConfig(resume="sometimes"), own, "train.resume='sometimes' is not one of"),
+           (TrainConfig(resume_from=str(tmp_path / "x")), empty, "is not a checkpoint folder"),
+           (TrainConfig(resume_from=os.path.join(other, "5")), empty,
+            "no complete checkpoint of step 5")]
+    for train, ckpt, message in bad:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resume_point(train, ckpt)
+    own.close()
+    empty.close()
+
+
+def test_a_non_finite_state_is_never_saved(uninterrupted, tmp_path):
+    eng = uninterrupted[0]
+    ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
+    state = eng.init_state(params())
+    ckpt.save(1, eng, state)
+    poisoned = dict(state, params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan),
+                                                state["params"]))
+    with pytest.raises(checkpoint.NonFiniteStateError, match="refusing to checkpoint step 2"):
+        ckpt.save(2, eng, poisoned)
+    assert ckpt.complete_steps() == [1]
+    ckpt.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_write_their_own_shards_and_read_back_theirs(tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed on localhost) save at (2, 2, 2) and
+    restore at (1, 8, 1) and (4, 1, 2); each process reads only its rows of a batch."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "multihost_checkpoint.py")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port, folder = free_port(), str(tmp_path / "ckpt")
+    procs = [subprocess.Popen([sys.executable, script, str(i), str(port), folder], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0 and "OK" in out, out[-3000:]
+    # Each process wrote its own shard files; between them they hold rows 0-7 and 8-15.
+    assert {d for d in os.listdir(os.path.join(folder, "0", "state"))
+            if d.startswith("ocdbt.process_")} == {"ocdbt.process_0", "ocdbt.process_1"}
+    assert "rows=0..7 n=8" in outputs[0] and "rows=8..15 n=8" in outputs[1]
