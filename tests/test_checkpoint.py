@@ -6,6 +6,7 @@ of the same engine saves at steps 2, 4, 6 (asynchronously, keep=2) and keeps tra
 Everything else restores step 6 into fresh engines and continues to step 10.
 """
 
+import functools
 import os
 import re
 import shutil
@@ -41,6 +42,12 @@ def run(eng, state, start, stop, ckpt=None, save_at=()):
     return state, losses
 
 
+@functools.lru_cache(maxsize=1)
+def initial_params():
+    """The canonical initial parameters, built once (Flax init takes seconds here)."""
+    return params()
+
+
 def host(tree):
     return jax.tree.map(np.asarray, tree)
 
@@ -56,7 +63,7 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def uninterrupted():
     eng = engine(*LAYOUT)
-    state, losses = run(eng, eng.init_state(params()), 0, STEPS)
+    state, losses = run(eng, eng.init_state(initial_params()), 0, STEPS)
     return eng, losses, host(eng.canonical_params(state["params"]))
 
 
@@ -66,7 +73,7 @@ def saved(uninterrupted, tmp_path_factory):
     eng = uninterrupted[0]
     folder = str(tmp_path_factory.mktemp("checkpoints"))
     ckpt = Checkpointer(folder, keep=2, async_save=True)
-    state, losses = run(eng, eng.init_state(params()), 0, SAVE_AT, ckpt, save_at={2, 4, 6})
+    state, losses = run(eng, eng.init_state(initial_params()), 0, SAVE_AT, ckpt, save_at={2, 4, 6})
     at_save = canonical_host(eng, state)
     # The next steps donate the state's buffers while the save may still be writing.
     state, more = run(eng, state, SAVE_AT, STEPS)
@@ -193,7 +200,7 @@ def test_resume_point_prefers_the_runs_own_checkpoints(uninterrupted, saved, tmp
 def test_a_non_finite_state_is_never_saved(uninterrupted, tmp_path):
     eng = uninterrupted[0]
     ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
-    state = eng.init_state(params())
+    state = eng.init_state(initial_params())
     ckpt.save(1, eng, state)
     poisoned = dict(state, params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan),
                                                 state["params"]))
