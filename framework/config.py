@@ -128,6 +128,7 @@ class WandbConfig:
     project: str = "framework"
     group: Optional[str] = None  # default: the sweep's name in multirun, else none
     entity: Optional[str] = None
+    name: Optional[str] = None  # run name; default: the degrees, e.g. pp2-dp2-tp2-mb8
 
 
 @dataclass

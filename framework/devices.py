@@ -1,0 +1,134 @@
+"""Which devices a run uses, decided before JAX starts its backend.
+
+`devices.platform`:
+    auto  the accelerators JAX finds (GPU or TPU), else simulated CPU devices
+    cpu   simulated CPU devices, even when accelerators are present
+    gpu   / tpu: that platform, or a one-line error when it is missing
+
+CPU devices are simulated with `jax_num_cpu_devices`, which must be set before the
+first JAX call that starts a backend; afterwards the count is fixed for the process
+(hence one process per job in multirun, see `framework/sweep.py`). How many:
+    devices.local_device_count, if set;
+    else pipeline * data * tensor when all three degrees are given;
+    else (parallel.data = -1) max(8, pipeline * tensor), and data fills the rest.
+On a single CPU the simulated devices share its cores: they show the parallel program
+and its overhead, never a speed-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from framework.config import ConfigError, DevicesConfig, ParallelConfig
+
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+DEFAULT_SIMULATED = 8  # CPU devices simulated when parallel.data = -1
+
+
+@dataclass(frozen=True)
+class DeviceSet:
+    devices: tuple  # the jax.Device objects the run may use, in jax.devices() order
+    platform: str  # "cpu", "gpu" or "tpu"
+    simulated: bool  # CPU devices simulated by XLA (not real parallel hardware)
+    kind: str  # device_kind of the first device, e.g. "NVIDIA H100 80GB HBM3"
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+
+def simulated_count(devices: DevicesConfig, parallel: ParallelConfig) -> int:
+    """How many CPU devices to simulate for this run (see the module docstring)."""
+    if devices.local_device_count is not None:
+        if devices.local_device_count < 1:
+            raise ConfigError(f"devices.local_device_count={devices.local_device_count} "
+                              f"must be >= 1 (or null to size it from the degrees)")
+        return devices.local_device_count
+    fixed = max(parallel.pipeline, 1) * max(parallel.tensor, 1)
+    if parallel.data == -1:
+        return max(DEFAULT_SIMULATED, fixed)
+    return fixed * max(parallel.data, 1)
+
+
+COMPILE_CACHE = Path("~/.cache/framework/jax-compile").expanduser()
+
+
+def enable_compile_cache() -> None:
+    """JAX's persistent compilation cache, so a configuration compiled once loads in a
+    fraction of a second next time (sweeps, repeated runs, the tests). JAX reads
+    JAX_COMPILATION_CACHE_DIR itself; when it is set (even empty, which disables the
+    cache) this leaves it alone."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+
+
+def _check_platform(platform: str) -> None:
+    if platform not in PLATFORMS:
+        raise ConfigError(f"devices.platform={platform!r} is not one of {', '.join(PLATFORMS)}")
+
+
+def start(devices: DevicesConfig, parallel: ParallelConfig) -> DeviceSet:
+    """Configures JAX for `devices.platform`, starts its backend and returns the devices.
+    Must be the first thing in the process that starts a JAX backend."""
+    _check_platform(devices.platform)
+    import jax
+
+    try:  # only the CPU backend reads this (harmless on GPU/TPU); raises once started
+        jax.config.update("jax_num_cpu_devices", simulated_count(devices, parallel))
+    except RuntimeError as err:
+        raise RuntimeError("devices.start() must run before anything starts a JAX "
+                           "backend (the device count is fixed per process)") from err
+    if devices.platform != "auto":
+        jax.config.update("jax_platforms", devices.platform)
+    try:
+        found = tuple(jax.devices())
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"devices.platform={devices.platform} is not available here "
+                          f"({first}); use devices.platform=auto or cpu") from None
+    platform = found[0].platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind))
+
+
+# A tiny program run in a child process, so the parent never starts a backend (and on
+# GPUs never takes their memory): which platform would this run get, with how many devices?
+_PROBE = """
+import json, sys, jax
+if sys.argv[1] != "auto":
+    jax.config.update("jax_platforms", sys.argv[1])
+d = jax.devices()
+print(json.dumps({"platform": d[0].platform, "count": len(d)}))
+"""
+
+
+@lru_cache(maxsize=None)
+def _probe(platform: str) -> tuple[str, int] | None:
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, platform], capture_output=True,
+                             text=True, timeout=300, check=True).stdout
+        found = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return found["platform"], found["count"]
+
+
+def planned_count(devices: DevicesConfig, parallel: ParallelConfig) -> int | None:
+    """The device count a run with these settings will see, without starting a backend
+    in this process (None when it cannot be known). Used to name sweep jobs."""
+    if parallel.data != -1:
+        return parallel.n_devices
+    if devices.platform == "cpu":
+        return simulated_count(devices, parallel)
+    found = _probe(devices.platform)
+    if found is None:
+        return None
+    platform, count = found
+    return simulated_count(devices, parallel) if platform == "cpu" else count
