@@ -1,0 +1,148 @@
+"""Command-line entry point, the only module that knows Hydra:
+
+    python -m framework.run recipe=llama_small_3d [key=value ...]
+    python -m framework.run -m recipe=llama_small_3d parallel.pipeline=1,2 parallel.data=-1
+
+Configuration: `conf/config.yaml` (groups model/, parallel/, optim/, data/,
+logging/) on top of the typed schema `framework.config.RunConfig`, then a recipe from
+the top-level `recipes/` folder. Recipes are registered as the config group `recipe`
+from the package's location, so they are found from any working directory.
+
+Bad input (unknown recipe, misspelled key, wrong type, invalid degrees) ends with
+exit status 2 and one line on stderr, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework import devices, sweep
+from framework.config import (ConfigError, DevicesConfig, ParallelConfig, RunConfig,
+                              resolve_data_degree)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = ROOT / "conf"
+RECIPES_DIR = ROOT / "recipes"
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # set: the user wants tracebacks
+
+
+def register_configs() -> None:
+    """The schema, the recipes (group `recipe`, global package) and the resolvers."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path),
+                    package="_global_")
+    OmegaConf.register_new_resolver("job_dirname", _job_dirname, replace=True)
+
+
+def _swept_keys(root: DictConfig) -> set[str]:
+    """Keys this sweep varies: `a=1,2`-style arguments and hydra.sweeper.params."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, keys = OverridesParser.create(), set()
+    for arg in sys.argv[1:]:
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # flags such as -m, --cfg and their values
+            continue
+        if override.is_sweep_override():
+            keys.add(override.key_or_group)
+    params = OmegaConf.select(root, "hydra.sweeper.params", default=None) or {}
+    return keys | set(params)
+
+
+def _job_dirname(*, _root_: DictConfig) -> str:
+    """hydra.sweep.subdir: the job's resolved degrees (+ other swept settings)."""
+    try:
+        parallel = ParallelConfig(**OmegaConf.to_container(_root_.parallel, resolve=True))
+        found = DevicesConfig(**OmegaConf.to_container(_root_.devices, resolve=True))
+        count = devices.planned_count(found, parallel)
+        if count is not None:
+            try:
+                parallel = resolve_data_degree(parallel, count)
+            except ConfigError:
+                pass  # the job itself reports this; its folder keeps dp-1
+        task = list(_root_.hydra.overrides.task)
+        return sweep.job_name(parallel.mesh_name, task, _swept_keys(_root_))
+    except Exception:  # never break the sweep over a folder name
+        return f"job{_root_.hydra.job.num}"
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        _launch_job(cfg, hc)
+        return
+    from framework import train  # JAX and friends load only when a run starts
+
+    run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    try:
+        train.run(run_cfg, Path(hc.runtime.output_dir),
+                  OmegaConf.to_container(cfg, resolve=True))
+    except ConfigError as err:  # exit here: Hydra would add a line of its own
+        _user_error(err)
+
+
+def _launch_job(cfg: DictConfig, hc) -> None:
+    """Multirun parent: this job runs in its own process (see framework/sweep.py)."""
+    job_dir = Path(hc.runtime.output_dir)
+    group = cfg.logging.wandb.group or Path(hc.sweep.dir).name
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if _USER_FULL_ERROR is not None:
+        env["HYDRA_FULL_ERROR"] = _USER_FULL_ERROR
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
+                            parallel, env)
+    print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
+
+
+def one_line(err: BaseException) -> str:
+    """A user error as one line: Hydra's message, what caused it, the valid options."""
+    def first(e):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return lines[0].rstrip(".") if lines else type(e).__name__
+
+    parts = [first(err)]
+    if err.__cause__ is not None:
+        parts.append(first(err.__cause__))
+    full_key = getattr(err, "full_key", None)
+    if isinstance(err, OmegaConfBaseException) and full_key:
+        parts.append(f"key {full_key}")
+    text = ": ".join(parts)
+    if isinstance(err, MissingConfigException) and err.options:
+        text += f" (available: {', '.join(sorted(err.options))})"
+    return text
+
+
+def main() -> None:
+    register_configs()
+    # Hydra prints composition errors over several lines (and a traceback for errors
+    # in the task); with HYDRA_FULL_ERROR it raises them instead, and we print one line.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _main()
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        _user_error(err)
+
+
+def _user_error(err: BaseException):
+    if _USER_FULL_ERROR == "1":
+        raise err
+    print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+    sys.exit(sweep.USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()
