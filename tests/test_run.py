@@ -1,0 +1,184 @@
+"""The command line, as a user runs it: `python -m framework.run ...` in a subprocess,
+from a working directory outside the repository (recipes must still be found)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from framework import run as run_cli
+from framework.config import RunConfig, validate
+from framework.pipeline.schedule import make_schedule
+from framework.train import check_run
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+TINY_STEPS, TINY_EVERY = 6, 2  # recipes/llama_tiny_debug.yaml
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The subprocesses share one fresh JAX compilation cache (the tests' own, so a
+    stale user cache can neither help nor hurt): repeated compilations load from it."""
+    cache = tmp_path_factory.mktemp("jax_compile_cache")
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+
+def framework_run(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "framework.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """The offline W&B run file read back with W&B's own reader (`wandb leet inspect`)."""
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json",
+                          str(files[0])], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def compose_recipe(name: str, *overrides: str) -> RunConfig:
+    run_cli.register_configs()
+    with initialize_config_dir(config_dir=str(run_cli.CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"recipe={name}", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_composes_and_validates(name):
+    cfg = compose_recipe(name)
+    assert isinstance(cfg, RunConfig)
+    check_run(cfg)
+    n_devices = cfg.parallel.n_devices if cfg.parallel.data != -1 else 8
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, n_devices)
+    bubble = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                           parallel.virtual_stages).formula_bubble
+    assert bubble <= 0.34, (name, bubble)
+
+
+def test_recipes_have_their_promised_shapes():
+    small = compose_recipe("llama_small_3d")
+    assert (small.parallel.pipeline, small.parallel.data, small.parallel.tensor) == (2, 2, 2)
+    assert (small.parallel.pipeline - 1) / (small.parallel.microbatches
+                                            + small.parallel.pipeline - 1) <= 0.30
+    node = compose_recipe("llama_1b_8gpu")
+    assert node.parallel.n_devices == 8 and node.devices.platform == "gpu"
+    assert compose_recipe("llama_tiny_debug", "train.steps=3").train.steps == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, env):
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    run_dir = cwd / "run"
+    proc = framework_run("recipe=llama_tiny_debug", f"hydra.run.dir={run_dir}", cwd=cwd,
+                         env=env)
+    return proc, run_dir
+
+
+def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
+    proc, run_dir = tiny_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh pipe=2 data=2 tensor=2 on 8 cpu devices (simulated)" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(TINY_EVERY, TINY_STEPS + 1, TINY_EVERY))
+    for key in ("train/loss", "train/grad_norm", "train/lr", "perf/step_time_s",
+                "perf/tokens_per_sec", "perf/tokens_per_sec_per_device",
+                "perf/tflops_per_device", "perf/mfu", "pipeline/bubble_fraction",
+                "pipeline/bubble_fraction_measured", "memory/peak_bytes_per_device"):
+        assert all(key in r for r in records), key
+    assert records[-1]["perf/tokens_per_sec"] > 0 and records[-1]["perf/mfu"] is None
+    assert records[0]["perf/compile_time_s"] > 0
+    assert "perf/compile_time_s" not in records[1]  # reported once
+    assert abs(records[-1]["pipeline/bubble_fraction"] - 1 / 3) < 1e-9  # pp=2, mb=2
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["parallel"]["pipeline"] == summary["parallel"]["data"] == 2
+    assert summary["train/loss"] == records[-1]["train/loss"]
+    assert summary["memory/peak_bytes_per_device"] > 0
+
+
+def test_offline_wandb_history_read_back_from_the_run_file(tiny_run):
+    proc, run_dir = tiny_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = wandb_records(run_dir)
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert len(history) == TINY_STEPS // TINY_EVERY
+    assert all("perf/tokens_per_sec" in h and "pipeline/bubble_fraction" in h
+               for h in history)
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert run["display_name"] == "pp2-dp2-tp2-mb2"
+    assert run["config"]["update"]["parallel"]["tensor"] == 2  # the resolved config
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory, env):
+    """pipeline=1,2,3 on a 4-layer model with data=tensor=1: jobs need 1 and 2 devices,
+    and pipeline=3 is invalid (4 layers do not split into 3 stages)."""
+    cwd = tmp_path_factory.mktemp("sweep_cwd")
+    folder = cwd / "sweep"
+    proc = framework_run("-m", "recipe=llama_tiny_debug", "parallel.pipeline=1,2,3",
+                         "parallel.data=1", "parallel.tensor=1", "train.steps=2",
+                         "logging.progress=false", f"hydra.sweep.dir={folder}", cwd=cwd,
+                         env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+def test_multirun_runs_jobs_with_different_device_counts_and_skips_invalid(sweep_dir):
+    ok = {n: json.loads((sweep_dir / n / "summary.json").read_text())
+          for n in ("pp1-dp1-tp1-mb2", "pp2-dp1-tp1-mb2")}
+    assert [s["status"] for s in ok.values()] == ["completed", "completed"]
+    assert [s["n_devices"] for s in ok.values()] == [1, 2]
+    skipped = json.loads((sweep_dir / "pp3-dp1-tp1-mb2" / "summary.json").read_text())
+    assert skipped["status"] == "skipped"
+    assert "model.n_layers=4 is not divisible by parallel.pipeline=3" in skipped["reason"]
+    groups = {next(r["run"]["run_group"] for r in wandb_records(sweep_dir / n)
+                   if r["type"] == "run") for n in ok}
+    assert groups == {sweep_dir.name}  # one W&B group for the whole sweep
+
+
+def test_sweep_report_writes_table_and_chart(sweep_dir, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "sweep_report.py"),
+                           str(sweep_dir), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    table = (tmp_path / "sweep_report.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| pp")]
+    assert len(rows) == 3
+    assert "| 2 | 1 | 1 | 2 |" in table and "skipped: model.n_layers" in table
+    png = (tmp_path / "sweep_report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["recipe=no_such_recipe"], "Could not find 'recipe/no_such_recipe'"),
+    (["recipe=llama_tiny_debug", "paralel.pipeline=2"], "Key 'paralel' not in 'RunConfig'"),
+    (["recipe=llama_tiny_debug", "train.steps=many"], "train.steps=many"),
+    (["recipe=llama_tiny_debug", "parallel.pipeline=3"], "parallel.pipeline=3"),
+], ids=["unknown-recipe", "misspelled-key", "wrong-type", "invalid-degree"])
+def test_user_errors_exit_nonzero_with_one_line(args, expected, tmp_path, env):
+    proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr and "mesh pipe=" not in proc.stdout  # no compile
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path, env):
+    proc = framework_run("recipe=llama_small_3d", "parallel.microbatches=16", "--cfg", "job",
+                         cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.parallel.microbatches == 16 and printed.model.d_model == 256
