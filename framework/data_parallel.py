@@ -5,7 +5,8 @@ Without ZeRO every data replica holds all parameters and optimizer state, and th
 per-replica gradient sums are all-reduced (`psum`). With ZeRO-1 (Rajbhandari et al.
 2020) parameters and optimizer state are stored sharded over `data` along one
 dimension per leaf: the step all-gathers the parameters, reduce-scatters the
-gradients (`psum_scatter`) and each replica updates only its own shard.
+gradients and each replica updates only its own shard (with fp32 parameters the
+stored parameters are the master copy, so it is sharded too).
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ def add_data_axis(specs, dims):
 
 
 def gather_params(params, dims):
-    """ZeRO-1: full parameters for the forward from this replica's shards."""
+    """ZeRO-1: the full parameters for this step from this replica's shards."""
     return jax.tree.map(
         lambda x, d: x if d is None else jax.lax.all_gather(x, AXIS, axis=d, tiled=True),
         params, dims, is_leaf=lambda x: x is None)
 
 
 def reduce_gradients(grads, dims=None):
-    """The one gradient reduction over `data` per step. dims=None: all-reduce every
-    leaf; otherwise reduce-scatter leaves that have a ZeRO-1 dimension."""
+    """The one reduction of the gradients over `data` per step: all-reduce every leaf,
+    or with ZeRO-1 (`dims`) reduce-scatter each leaf onto its shard."""
     if dims is None:
         return jax.lax.psum(grads, AXIS)
     return jax.tree.map(

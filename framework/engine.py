@@ -1,15 +1,18 @@
 """The 3D-parallel train step: one pure, jitted function (state, tokens) -> (state, metrics).
 
 Layout of one step on the (pipe, data, tensor) mesh:
-  1. a `shard_map` that is manual over `pipe` and `data` (and leaves `tensor` to the
-     compiler, which partitions every matmul Megatron-style from the parameter
-     shardings in `framework/sharding.py`) runs on each (pipe, data) device:
-       - embed this replica's batch, split it into microbatches,
-       - run the pipeline schedule (`framework/pipeline/`), head + loss on the last rank,
-       - differentiate that locally, then reduce: gradients over `data` once
-         (`framework/data_parallel.py`), pipe-replicated parameters (embedding, head)
-         over `pipe`;
+  1. a `shard_map` over all three axes runs on every device, with its shards of the
+     parameters (laid out by `framework/sharding.py`) and its data replica's rows:
+       - embed the rows, split them into microbatches,
+       - run the pipeline schedule (`framework/pipeline/`): each stage's layers, with
+         Megatron's tensor-parallel collectives inside (`framework/tensor_parallel.py`),
+         head + loss on the last rank,
+       - differentiate that locally, then reduce each gradient once: over `data`
+         (`framework/data_parallel.py`), and over `pipe` for the parameters several
+         ranks use (embedding, head);
   2. outside it, AdamW updates the parameters with the optimizer state sharded like them.
+Every collective is explicit, so the compiled program holds exactly the communication
+written here (`framework/audit.py` lists it).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from framework.optim import lr_schedule, make_optimizer
 from framework.pipeline import layout
 from framework.pipeline.executor import run_forward, varying
 from framework.pipeline.one_f_one_b import run_1f1b
+from framework.tensor_parallel import TensorParallel
 from framework.pipeline.schedule import Schedule, make_schedule
 
-MANUAL = ("pipe", "data")
+MANUAL = ("pipe", "data")  # replicated parameters are made per-device over these
 
 
 @dataclasses.dataclass
@@ -194,24 +198,17 @@ def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
         init_params(model, jax.random.key(0)), n_stages, n_chunks))
 
 
-def _manual_only(spec: P) -> P:
-    """shard_map in/out specs may name only the manual axes."""
-    return P(*(a if a in MANUAL else None for a in spec))
-
-
 def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
                          schedule: Schedule, param_specs, zero1_dims):
     """(params, tokens) -> (mean loss, gradients, useful ticks per stage)."""
-    m = parallel.microbatches
-    p = parallel.pipeline
-    manual_specs = jax.tree.map(_manual_only, param_specs, is_leaf=lambda s: isinstance(s, P))
-    stage_fn = partial(apply_layers, model, remat=parallel.remat)
-
-    embed_fn = lambda e, ids: Embed(model).apply({"params": e}, ids)
+    m, p = parallel.microbatches, parallel.pipeline
+    tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
+    stage_fn = partial(apply_layers, model, remat=parallel.remat, tp=tp)
+    embed_fn = lambda e, ids: Embed(model, tp).apply({"params": e}, ids)
 
     def head_loss_fn(head, embed, y, targets, n_tokens_global):
-        logits = Head(model).apply({"params": head}, y, tied_table=embed["table"])
-        return cross_entropy_sum(logits, targets) / n_tokens_global
+        logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
+        return cross_entropy_sum(logits, targets, tp) / n_tokens_global
 
     def microbatches(a):  # [b, ...] -> [micro, b / micro, ...]
         return a.reshape((m, a.shape[0] // m) + a.shape[1:])
@@ -241,30 +238,29 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
                  "stages": jax.tree.map(lambda a: a[None, None], g["chunk"])}
         return (loss, useful), grads
 
+    # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
+    # every tensor device computes their full gradient from identical activations; with
+    # it each device sees its slice of the sequence, so they are summed over `tensor`.
+    tensor_replicated = jax.tree.map(lambda s: "tensor" not in s, param_specs,
+                                     is_leaf=lambda s: isinstance(s, P))
+    vary_over = MANUAL + (("tensor",) if tp.sequence_parallel else ())
+
     def body(params, tokens):
+        """Runs on each device: params are its shards, tokens its data replica's rows."""
         n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
         if zero1_dims is not None:
             params = data_parallel.gather_params(params, zero1_dims)
-        params = jax.tree.map(lambda a: varying(a, MANUAL), params)
-        with sharding_rules(parallel):
-            (loss, useful), grads = value_and_grad(params, tokens, n_tokens_global)
+        # Differentiate per device (no implicit sums), then reduce each gradient once.
+        params = jax.tree.map(lambda a: varying(a, vary_over), params)
+        (loss, useful), grads = value_and_grad(params, tokens, n_tokens_global)
+        if tp.sequence_parallel:
+            grads = jax.tree.map(lambda g, r: jax.lax.psum(g, "tensor") if r else g,
+                                 grads, tensor_replicated)
         # Stage parameters live on one rank; the others are used on several ranks
         # (embedding on rank 0, head on the last, both when tied): sum over `pipe`.
-        if degenerate:  # one (pipe, data) device: nothing to reduce
-            return loss, grads, useful[None]
         grads = {k: v if k == "stages" else jax.lax.psum(v, "pipe") for k, v in grads.items()}
         grads = data_parallel.reduce_gradients(grads, zero1_dims)
         return jax.lax.psum(loss, MANUAL), grads, useful[None]
 
-    # XLA rejects all-reduces over a manual subgroup of size 1, and with pipe = data = 1
-    # every collective over them would be the identity anyway: skip them and the
-    # replication check that would demand them.
-    degenerate = p * parallel.data == 1
-    return jax.shard_map(body, mesh=mesh, in_specs=(manual_specs, P("data")),
-                         out_specs=(P(), manual_specs, P("pipe")), axis_names=set(MANUAL),
-                         check_vma=not degenerate)
-
-
-def sharding_rules(parallel: ParallelConfig):
-    import flax.linen as nn
-    return nn.logical_axis_rules(sharding.activation_rules(parallel.sequence_parallel))
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P("data")),
+                         out_specs=(P(), param_specs, P("pipe")))

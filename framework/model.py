@@ -1,8 +1,12 @@
-"""A Llama decoder in Flax (linen), written in *logical* axes only.
+"""A Llama decoder in Flax (linen), written in *logical* axes.
 
-Every parameter and every constrained activation carries logical axis names
-(`embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...). The table that maps them to the
-(pipe, data, tensor) mesh lives in `framework/sharding.py`; this file never sees a mesh.
+Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`, `mlp`,
+`vocab`, ...); the table that maps them to the (pipe, data, tensor) mesh lives in
+`framework/sharding.py`. The model never sees a mesh: a tensor-parallel engine runs it
+on each device's shard of the weights (shapes are read from the weights, so the same
+code runs whole or sharded) and hands it a `TensorParallel` object whose two Megatron
+operators the blocks call around their matmuls (`framework/tensor_parallel.py`); the
+default one does nothing, which is the single-device model.
 
 The model is split into three pieces so a pipeline can place them: `Embed` (token
 ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
@@ -20,9 +24,9 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.config import ModelConfig
+from framework.tensor_parallel import TensorParallel
 
-Array = jax.Array
-constrain = nn.with_logical_constraint  # no-op unless the caller set logical rules
+NO_TP = TensorParallel()
 init_normal = nn.initializers.normal(stddev=0.02)
 
 
@@ -61,20 +65,20 @@ class Attention(nn.Module):
     q_per_kv + 2, head_dim]: group g holds its q_per_kv query heads, then its key and
     its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
     (column-parallel), and the fused matmul needs one reduction in the backward instead
-    of three. The output projection is row-parallel: one reduction in the forward
-    (Megatron-LM, Shoeybi et al. 2019)."""
+    of three. The output projection is row-parallel: one reduction in the forward."""
 
     cfg: ModelConfig
+    tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x):  # x: [batch, seq, embed]
+    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        d, h, kv, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-        r = h // kv  # query heads per kv head; query head i belongs to group i // r
+        d, hd, r = c.d_model, c.head_dim, c.n_heads // c.n_kv_heads  # r: q heads per kv head
+        kv, h = self.tp.local(c.n_kv_heads), self.tp.local(c.n_heads)  # this device's heads
         wqkv = _param(self, "wqkv", (d, kv, r + 2, hd), ("embed", "kv_heads", "qkv", "head_dim"))
         wo = _param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"))
-        qkv = jnp.einsum("bsd,dgjk->bsgjk", x.astype(dt), wqkv.astype(dt))
-        qkv = constrain(qkv, ("batch", "seq_full", "kv_heads", "qkv", "head_dim"))
+        x = self.tp.enter(x).astype(dt)  # [b, s, embed]
+        qkv = jnp.einsum("bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b, s, kv@tensor, r+2, hd]
         q = rotary(qkv[:, :, :, :r], c.rope_theta)  # [b, s, kv@tensor, r, hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta)  # [b, s, kv@tensor, hd]
         v = qkv[:, :, :, r + 1]
@@ -83,8 +87,8 @@ class Attention(nn.Module):
         causal = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)
-        return jnp.einsum("bshk,hkd->bsd", out, wo.astype(dt))  # partial sums over tensor
+        out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)  # heads@tensor
+        return self.tp.exit(jnp.einsum("bshk,hkd->bsd", out, wo.astype(dt)))
 
 
 class MLP(nn.Module):
@@ -92,73 +96,79 @@ class MLP(nn.Module):
     [embed, 2, mlp] (one backward reduction), row-parallel down projection."""
 
     cfg: ModelConfig
+    tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x):  # x: [batch, seq, embed]
+    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
-        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
-        gate_up = jnp.einsum("bsd,dcf->bscf", x.astype(dt), w_in.astype(dt))
-        gate_up = constrain(gate_up, ("batch", "seq_full", "gate_up", "mlp"))
-        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [b, s, mlp@tensor]
-        return hidden @ w_down.astype(dt)  # partial sums over tensor
+        f = self.tp.local(c.d_ff)
+        w_in = _param(self, "w_gate_up", (c.d_model, 2, f), ("embed", "gate_up", "mlp"))
+        w_down = _param(self, "w_down", (f, c.d_model), ("mlp", "embed"))
+        x = self.tp.enter(x).astype(dt)
+        gate_up = jnp.einsum("bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
+        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        return self.tp.exit(hidden @ w_down.astype(dt))
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """One pre-norm decoder layer: h = x + attn(norm(x)), out = h + mlp(norm(h))."""
 
     cfg: ModelConfig
+    tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x):  # x: [batch, seq@(tensor if seq-parallel), embed]
-        residual_axes = ("batch", "seq", "embed")
-        x = constrain(x, residual_axes)
-        h = x + constrain(Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)), residual_axes)
-        out = h + constrain(MLP(self.cfg, name="mlp")(
-            RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h)), residual_axes)
-        return constrain(out, residual_axes)
+    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
+        h = x + Attention(self.cfg, self.tp, name="attn")(
+            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x))
+        return h + MLP(self.cfg, self.tp, name="mlp")(
+            RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
 
 
 class Embed(nn.Module):
-    """Token embedding, vocabulary-parallel over `tensor`."""
+    """Token embedding, vocabulary-parallel: each device looks up the ids that fall in
+    its slice of the table, zeros elsewhere, and `exit` sums the slices."""
 
     cfg: ModelConfig
+    tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq, embed]
-        table = _param(self, "table", (self.cfg.vocab_size, self.cfg.d_model), ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
-        return constrain(x, ("batch", "seq", "embed"))
+    def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq(/tp), embed]
+        c = self.cfg
+        table = _param(self, "table", (self.tp.local(c.vocab_size), c.d_model), ("vocab", "embed"))
+        local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
+        mine = (local >= 0) & (local < table.shape[0])
+        x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
+        return self.tp.exit(x.astype(jnp.dtype(c.dtype)))
 
 
 class Head(nn.Module):
-    """Final RMSNorm + LM head (vocabulary-parallel over `tensor`). With tied
-    embeddings the caller passes the embedding table as `tied_table`."""
+    """Final RMSNorm + LM head (vocabulary-parallel). With tied embeddings the caller
+    passes the embedding table as `tied_table`. Returns this device's vocabulary slice
+    of the logits, [batch, seq, vocab@tensor] float32."""
 
     cfg: ModelConfig
+    tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, tied_table=None):  # x: [batch, seq, embed] -> [b, s, vocab] f32
+    def __call__(self, x, tied_table=None):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = RMSNorm(c.norm_eps, name="norm")(x).astype(dt)
+        x = self.tp.enter(RMSNorm(c.norm_eps, name="norm")(x)).astype(dt)
         if c.tie_embeddings:
             w = tied_table.T  # [embed, vocab@tensor]
         else:
-            w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
-        x = constrain(x, ("batch", "seq_full", "embed"))
-        logits = (x @ w.astype(dt)).astype(jnp.float32)
-        return constrain(logits, ("batch", "seq_full", "vocab"))
+            w = _param(self, "w", (c.d_model, self.tp.local(c.vocab_size)), ("embed", "vocab"))
+        return (x @ w.astype(dt)).astype(jnp.float32)
 
 
-def cross_entropy_sum(logits, targets):
-    """Sum of token cross-entropies. logits: [b, s, vocab@tensor] f32, targets: [b, s].
-    The label logit is picked with a one-hot product (not a gather) so a vocabulary-
-    sharded logits tensor is reduced over `tensor` instead of being all-gathered."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, s]
-    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-    label_logit = jnp.sum(logits * onehot, axis=-1)
-    return jnp.sum(log_z - label_logit)
+def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP):
+    """Sum of token cross-entropies over a vocabulary-parallel logits tensor.
+    logits: [b, s, vocab@tensor] f32 (this device's slice), targets: [b, s] int32.
+    log Z = max + log sum exp(logits - max), both reduced over the vocabulary slices."""
+    peak = tp.vocab_max(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))  # [b, s]
+    log_z = peak + jnp.log(tp.vocab_sum(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)))
+    local = targets - tp.vocab_offset(logits.shape[-1])  # one_hot is zero off this slice
+    label = tp.vocab_sum(jnp.sum(logits * jax.nn.one_hot(local, logits.shape[-1]), axis=-1))
+    return jnp.sum(log_z - label)
 
 
 # ---------------------------------------------------------------------------------
@@ -224,12 +234,12 @@ REMAT_POLICIES = {
 }
 
 
-def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none"):
+def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]."""
 
     def layer(x, layer_params):
-        return Block(cfg).apply({"params": layer_params}, x)
+        return Block(cfg, tp).apply({"params": layer_params}, x)
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])

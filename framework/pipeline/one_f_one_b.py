@@ -54,16 +54,21 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     rows = {k: jnp.asarray(getattr(schedule, k)) for k in ("action", "microbatch")}
     n_stash = int(schedule.max_in_flight().max())
     n_recv = max(1, schedule.max_pending(FWD), schedule.max_pending(BWD))
-    axes = tuple(sorted(jax.typeof(inputs).manual_axis_type.varying | {AXIS}))
-    zeros = lambda like: varying(jnp.zeros(like.shape, like.dtype), axes)
+    base = jax.typeof(inputs).manual_axis_type.varying | {AXIS}
+
+    def zeros(like, n=None):
+        """Zeros shaped like `like` (with n slots in front), of a type at least as
+        device-varying as `like`, as the loop carry needs."""
+        axes = base | jax.typeof(like).manual_axis_type.varying
+        shape = like.shape if n is None else (n,) + like.shape
+        return varying(jnp.zeros(shape, like.dtype), tuple(sorted(axes)))
 
     # Trace one forward to learn the stash's shapes (the values are dead code, which
     # the compiler drops; eval_shape cannot trace shard_map's varying types).
     x_shape = embed_fn(params["embed"], inputs[0])
     acts_shape, _, _ = _split_vjp(jax.vjp(stage_fn, params["chunk"], x_shape)[1], params["chunk"])
-    slots = lambda n, a: zeros(jax.ShapeDtypeStruct((n,) + a.shape, a.dtype))
-    stash = [slots(n_stash, a) for a in acts_shape]
-    buf = slots(n_recv, x_shape)
+    stash = [zeros(a, n_stash) for a in acts_shape]
+    buf = zeros(x_shape, n_recv)
 
     def forward(c, mb):
         x = jax.lax.cond(is_first, lambda: embed_fn(params["embed"], inputs[mb]),
@@ -115,7 +120,7 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
 
     carry = {
         "recv_f": buf, "recv_b": buf, "stash": stash,
-        "dy": slots(n_stash, x_shape),
+        "dy": zeros(x_shape, n_stash),
         "grads": jax.tree.map(zeros, params), "loss": zeros(jnp.zeros((), jnp.float32)),
         "useful": varying(jnp.zeros((), jnp.int32)),
     }
