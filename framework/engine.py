@@ -101,6 +101,14 @@ class Engine:
                                   self.param_specs, self.zero1_dims)
         return jax.jit(fn)
 
+    def eval_loss_fn(self):
+        """Jitted (params, tokens) -> mean loss, forward only (for eval/loss). 1F1B
+        evaluates with the GPipe forward: without a backward there is nothing to
+        interleave."""
+        fn = build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
+                                  self.param_specs, self.zero1_dims, forward_only=True)
+        return jax.jit(fn, in_shardings=(self.state_shardings["params"], self.batch_sharding()))
+
     def batch_sharding(self):
         return NamedSharding(self.mesh, P("data"))
 
@@ -199,8 +207,9 @@ def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
 
 
 def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
-                         schedule: Schedule, param_specs, zero1_dims):
-    """(params, tokens) -> (mean loss, gradients, useful ticks per stage)."""
+                         schedule: Schedule, param_specs, zero1_dims, forward_only=False):
+    """(params, tokens) -> (mean loss, gradients, useful ticks per stage), or with
+    `forward_only` just the mean loss."""
     m, p = parallel.microbatches, parallel.pipeline
     tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
     stage_fn = partial(apply_layers, model, remat=parallel.remat, tp=tp)
@@ -213,7 +222,7 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
     def microbatches(a):  # [b, ...] -> [micro, b / micro, ...]
         return a.reshape((m, a.shape[0] // m) + a.shape[1:])
 
-    def autodiff_loss(params, tokens, n_tokens_global):
+    def autodiff_loss(params, tokens, n_tokens_global, schedule=schedule):
         """GPipe / circular: this device's share of the mean loss (nonzero on the last
         rank); its gradient is taken by autodiff through the whole tick loop."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
@@ -244,6 +253,17 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
     tensor_replicated = jax.tree.map(lambda s: "tensor" not in s, param_specs,
                                      is_leaf=lambda s: isinstance(s, P))
     vary_over = MANUAL + (("tensor",) if tp.sequence_parallel else ())
+
+    def eval_body(params, tokens):
+        n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
+        if zero1_dims is not None:
+            params = data_parallel.gather_params(params, zero1_dims)
+        forward = schedule if schedule.backward_by_autodiff else make_schedule("gpipe", p, m)
+        loss, _ = autodiff_loss(params, tokens, n_tokens_global, forward)
+        return jax.lax.psum(loss, MANUAL)
+
+    if forward_only:
+        return jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P("data")), out_specs=P())
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""

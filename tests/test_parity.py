@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import (engine, engine_grads, engine_losses, max_rel_err, reference_grads,
-                           reference_losses, worst)
+from tests.helpers import (engine, engine_grads, engine_losses, max_rel_err, params, reference_grads,
+                           reference_losses, tokens, worst)
 
 LAYOUTS = [  # (pipeline, data, tensor, microbatches)
     (1, 1, 1, 1), (2, 1, 1, 2), (4, 1, 1, 4), (1, 2, 1, 1), (1, 8, 1, 2), (1, 1, 2, 1),
@@ -63,3 +63,11 @@ def test_tied_embeddings_and_bfloat16_compute():
 def test_remat_keeps_parity(remat, ref_grads):
     _, grads = engine_grads(engine(2, 2, 2, 2, remat=remat))
     assert worst(max_rel_err(grads, ref_grads[1])) <= 1e-4
+
+
+@pytest.mark.parametrize("kw", [dict(schedule="1f1b"), dict(zero1=True, sequence_parallel=True)],
+                         ids=["1f1b", "zero1+sp"])
+def test_eval_loss_is_the_forward_loss(kw, ref_grads):
+    eng = engine(2, 2, 2, 4, **kw)
+    loss = eng.eval_loss_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref_grads[0])) <= 1e-5 * float(ref_grads[0])
