@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def check_run(cfg: RunConfig) -> None:
                     "leave distributed.* unset")
     if errs:
         raise ConfigError("; ".join(errs))
+    unwired = [name for name, value in (("eval.every", cfg.eval.every),
+                                        ("checkpoint.every", cfg.checkpoint.every),
+                                        ("train.resume_from", cfg.train.resume_from)) if value]
+    if unwired:
+        warnings.warn(f"{', '.join(unwired)} not wired into framework.run yet: ignored",
+                      stacklevel=2)
 
 
 def make_batches(dataset, engine):
@@ -67,12 +74,17 @@ def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict) ->
     return Tracker(run_dir, sinks, base)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('h') else 's'}"
+
+
 def start_line(mesh, simulated: bool, cfg: RunConfig, engine) -> str:
     sched = engine.schedule
     p = cfg.model
     return (f"{describe(mesh, simulated)} | {count_params(p) / 1e6:.2f}M params "
             f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}) | schedule "
-            f"{sched.name}: {sched.n_stages} stages x {sched.n_microbatches} microbatches, "
+            f"{sched.name}: {_plural(sched.n_stages, 'stage')} x "
+            f"{_plural(sched.n_microbatches, 'microbatch')}, "
             f"bubble {sched.formula_bubble:.1%} | batch {cfg.train.global_batch_size} x "
             f"{cfg.train.seq_len} tokens, {cfg.train.steps} steps")
 
