@@ -7,10 +7,11 @@ import io
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
 from framework import devices, flops, sweep, tracking
 from framework.config import ConfigError, DevicesConfig, ModelConfig, ParallelConfig
-from framework.run import one_line
+from framework.run import _job_dirname, one_line
 
 
 @pytest.mark.parametrize("degrees,local,expected", [
@@ -38,6 +39,18 @@ def test_job_names_come_from_degrees_and_other_swept_settings():
     assert (sweep.job_name("pp2-dp2-tp2-mb8", task, {"parallel.pipeline", "optim.lr"})
             == "pp2-dp2-tp2-mb8_optim.lr=0.01")
     assert sweep.quote("/a/b=c,d") == "'/a/b=c,d'"
+
+
+def test_sweep_job_folder_resolves_data_fill_without_starting_jax(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["run", "-m", "parallel.pipeline=1,2", "optim.lr=1e-3,1e-2"])
+    root = OmegaConf.create({
+        "parallel": {"pipeline": 2, "data": -1, "tensor": 1, "microbatches": 4},
+        "devices": {"platform": "cpu", "local_device_count": None},
+        "hydra": {"job": {"num": 3},
+                  "overrides": {"task": ["parallel.pipeline=2", "optim.lr=1e-2"]}}})
+    assert _job_dirname(_root_=root) == "pp2-dp4-tp1-mb4_optim.lr=1e-2"
+    root.parallel.pipeline = "oops"  # never breaks the sweep over a folder name
+    assert _job_dirname(_root_=root) == "job3"
 
 
 def test_flops_per_token_counts_matmul_params_and_attention():
