@@ -12,6 +12,12 @@ algorithms on a group of n devices and a per-device buffer of S bytes:
     all-to-all (n-1)/n*S     collective-permute S, by the devices that send.
 A collective over several axes is split between them as a hierarchical ring would
 (one pass per axis), so the per-axis totals add up.
+
+A static program cannot say how often a branch of a conditional runs. The engine wraps
+work that only some ranks or ticks do in named scopes (the embedding on the first
+pipeline rank, the 1F1B forward and backward branches, ...) and passes `scope_weights`:
+the fraction of devices x executions on which that scope actually runs, taken from its
+schedule table. A collective inside such scopes counts that fraction of its runs.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class Collective:
     kind: str
     axes: tuple[str, ...]  # mesh axes the groups span, e.g. ("tensor",)
     shapes: list[tuple[str, tuple[int, ...]]]  # per-device result buffers (dtype, shape)
-    executions: int  # per step
+    executions: float  # per step, averaged over devices (loop trips x scope weights)
     group_size: int
     senders: float  # fraction of devices that send (1 except for permutes)
     pairs: list[tuple[int, int]] | None  # collective-permute source -> target
@@ -142,7 +148,18 @@ def _axes_of(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
+def _scope_weight(line: str, scope_weights: dict[str, float] | None) -> float:
+    m = re.search(r'op_name="([^"]*)"', line)
+    if not scope_weights or not m:
+        return 1.0
+    weight = 1.0
+    for part in re.split(r"[/()]", m.group(1)):
+        weight *= scope_weights.get(part, 1.0)
+    return weight
+
+
+def collectives(hlo: str, mesh_shape: dict[str, int],
+                scope_weights: dict[str, float] | None = None) -> list[Collective]:
     """All collectives of a compiled program. mesh_shape: {'pipe': 2, 'data': 2, ...} in
     mesh order; device i of the program is mesh.devices.flat[i]."""
     n = int(np.prod(list(mesh_shape.values())))
@@ -177,7 +194,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 senders = sum(len(g) for g in groups if len(g) > 1) / n
             axes = tuple(sorted({a for g in groups for a in _axes_of(g, mesh_shape)},
                                 key=list(mesh_shape).index))
-            found.append(Collective(kind, axes, shapes, mult[comp], size, senders, pairs, m.group(1)))
+            runs = mult[comp] * _scope_weight(line, scope_weights)
+            found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, m.group(1)))
     return found
 
 
@@ -206,6 +224,6 @@ def report(found: list[Collective]) -> str:
         shapes = ", ".join(f"{dt}{list(s)}" for dt, s in c.shapes[:3])
         if len(c.shapes) > 3:
             shapes += f", ... ({len(c.shapes)} buffers)"
-        rows.append(f"{c.kind:<19}{'+'.join(c.axes) or '-':<16}{c.executions:>6}"
+        rows.append(f"{c.kind:<19}{'+'.join(c.axes) or '-':<16}{c.executions:>6.4g}"
                     f"{c.buffer_bytes:>12,}{c.bytes_per_step:>14,.0f}  {shapes}")
     return "\n".join(rows)

@@ -33,10 +33,11 @@ from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_
                              param_logical_axes)
 from framework.optim import lr_schedule, make_optimizer
 from framework.pipeline import layout
-from framework.pipeline.executor import run_forward, varying
-from framework.pipeline.one_f_one_b import run_1f1b
+from framework.pipeline.executor import ON_FIRST, ON_LAST, SEND, only_on, run_forward, varying
+from framework.pipeline.one_f_one_b import (BACKWARD as F1B_BACKWARD, FORWARD as F1B_FORWARD,
+                                             SEND_BACKWARD, SEND_FORWARD, run_1f1b)
 from framework.tensor_parallel import TensorParallel
-from framework.pipeline.schedule import Schedule, make_schedule
+from framework.pipeline.schedule import BWD, FWD, Schedule, make_schedule
 
 MANUAL = ("pipe", "data")  # replicated parameters are made per-device over these
 
@@ -151,10 +152,27 @@ class Engine:
                 - mem.alias_size_in_bytes)
             stats["memory/temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
             stats["memory/argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
-        found = audit.collectives(self._compiled.as_text(), dict(self.mesh.shape))
+        found = self.collectives(self._compiled.as_text())
         for axis, nbytes in audit.bytes_per_axis(found, dict(self.mesh.shape)).items():
             stats[f"comm/bytes_per_step/{axis}"] = float(nbytes)
         return stats
+
+    def collectives(self, hlo: str) -> list:
+        """The communication audit of a compiled program of this engine."""
+        return audit.collectives(hlo, dict(self.mesh.shape), self.scope_weights())
+
+    def scope_weights(self) -> dict[str, float]:
+        """How often the conditionally executed scopes run, from the schedule table."""
+        table, p = self.schedule, self.schedule.n_stages
+        weights = {ON_FIRST: 1 / p, ON_LAST: 1 / p}
+        if table.backward_by_autodiff:
+            weights[SEND] = float(table.executed_rows().sends(FWD).mean())
+        else:  # 1F1B: per-tick branches of the tick loop
+            weights[F1B_FORWARD] = float((table.action == FWD).mean())
+            weights[F1B_BACKWARD] = float((table.action == BWD).mean())
+            weights[SEND_FORWARD] = float(table.sends(FWD).mean())
+            weights[SEND_BACKWARD] = float(table.sends(BWD).mean())
+        return weights
 
     def step(self, state, tokens):
         """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
@@ -226,12 +244,18 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
         """GPipe / circular: this device's share of the mean loss (nonzero on the last
         rank); its gradient is taken by autodiff through the whole tick loop."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
-        x_mb = microbatches(embed_fn(params["embed"], inputs))  # [micro, mb, seq, embed]
+        rank = jax.lax.axis_index("pipe")
+        b, seq = inputs.shape
+        seq_local = seq // parallel.tensor if tp.sequence_parallel else seq
+        x = only_on(ON_FIRST, rank == 0, lambda: embed_fn(params["embed"], inputs),
+                    lambda: zeros((b, seq_local, model.d_model), jnp.dtype(model.dtype)))
         chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
-        outputs, useful = run_forward(schedule, stage_fn, chunks, x_mb)
-        y = outputs.reshape((-1,) + outputs.shape[2:])
-        loss = head_loss_fn(params["head"], params["embed"], y, targets, n_tokens_global)
-        return jnp.where(jax.lax.axis_index("pipe") == p - 1, loss, 0.0), useful
+        outputs, useful = run_forward(schedule, stage_fn, chunks, microbatches(x))
+        y = outputs.reshape(x.shape)  # [b, seq(/tensor), embed], the last rank's output
+        loss = only_on(ON_LAST, rank == p - 1, lambda: head_loss_fn(
+            params["head"], params["embed"], y, targets, n_tokens_global),
+            lambda: zeros((), jnp.float32, MANUAL))
+        return loss, useful
 
     def value_and_grad(params, tokens, n_tokens_global):
         if schedule.backward_by_autodiff:
@@ -254,10 +278,14 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
                                      is_leaf=lambda s: isinstance(s, P))
     vary_over = MANUAL + (("tensor",) if tp.sequence_parallel else ())
 
+    def zeros(shape, dtype, axes=vary_over):  # typed like the activations they stand for
+        return varying(jnp.zeros(shape, dtype), axes)
+
     def eval_body(params, tokens):
         n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
         if zero1_dims is not None:
             params = data_parallel.gather_params(params, zero1_dims)
+        params = jax.tree.map(lambda a: varying(a, vary_over), params)
         forward = schedule if schedule.backward_by_autodiff else make_schedule("gpipe", p, m)
         loss, _ = autodiff_loss(params, tokens, n_tokens_global, forward)
         return jax.lax.psum(loss, MANUAL)

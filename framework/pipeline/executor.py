@@ -15,6 +15,21 @@ import numpy as np
 from framework.pipeline.schedule import FWD, Schedule
 
 AXIS = "pipe"
+# Named scopes around work only some ranks do. The communication audit reads them from
+# the compiled program's op names to count those collectives for those ranks only.
+ON_FIRST, ON_LAST = "on_first_stage", "on_last_stage"
+SEND = "pipe_send"  # ticks on which some rank sends an activation on
+
+
+def only_on(scope: str, pred, fn, otherwise):
+    """`fn()` where `pred` holds (this rank), `otherwise()` elsewhere: the other ranks
+    skip the work and its collectives instead of computing and discarding it."""
+
+    def run():
+        with jax.named_scope(scope):
+            return fn()
+
+    return jax.lax.cond(pred, run, otherwise)
 
 
 def varying(x, axes=(AXIS,)):
@@ -33,6 +48,7 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
     rank = jax.lax.axis_index(AXIS)
     ring = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
     rows = {k: jnp.asarray(getattr(table, k)) for k in ("action", "microbatch", "chunk")}
+    rows["send"] = jnp.asarray(table.sends(FWD))  # the same on every rank
 
     def tick(carry, row):
         recv, parked, outputs, useful = carry
@@ -43,7 +59,10 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
         out = stage_fn(jax.tree.map(lambda c: c[chunk], chunks), jnp.where(rank == 0, first, recv))
         done = valid & (rank == p - 1) & (chunk == v - 1)
         outputs = outputs.at[mb].set(jnp.where(done, out, outputs[mb]))
-        recv = jax.lax.ppermute(out, AXIS, ring) if p > 1 else out
+        if p > 1:  # skipped on ticks where no rank has anything to pass on
+            recv = only_on(SEND, row["send"], lambda: jax.lax.ppermute(out, AXIS, ring), lambda: out)
+        else:
+            recv = out
         if v > 1:  # rank 0 parks what the last rank sent until its turn comes
             last_mb, last_chunk = row["microbatch"][p - 1], row["chunk"][p - 1]
             park = (rank == 0) & (row["action"][p - 1] == FWD) & (last_chunk < v - 1)

@@ -23,8 +23,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from framework.pipeline.executor import AXIS, varying
+from framework.pipeline.executor import AXIS, ON_FIRST, ON_LAST, only_on, varying
 from framework.pipeline.schedule import BWD, FWD, IDLE, Schedule
+
+
+FORWARD, BACKWARD = "f1b_forward", "f1b_backward"  # named scopes, for the audit
+SEND_FORWARD, SEND_BACKWARD = "pipe_send_forward", "pipe_send_backward"
 
 
 def _split_vjp(vjp_fn, params):
@@ -52,6 +56,8 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     rank = jax.lax.axis_index(AXIS)
     is_first, is_last = rank == 0, rank == p - 1
     rows = {k: jnp.asarray(getattr(schedule, k)) for k in ("action", "microbatch")}
+    rows["send_f"] = jnp.asarray(schedule.sends(FWD))  # the same on every rank
+    rows["send_b"] = jnp.asarray(schedule.sends(BWD))
     n_stash = int(schedule.max_in_flight().max())
     n_recv = max(1, schedule.max_pending(FWD), schedule.max_pending(BWD))
     base = jax.typeof(inputs).manual_axis_type.varying | {AXIS}
@@ -71,8 +77,12 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     buf = zeros(x_shape, n_recv)
 
     def forward(c, mb):
-        x = jax.lax.cond(is_first, lambda: embed_fn(params["embed"], inputs[mb]),
-                         lambda: c["recv_f"][mb % n_recv])
+        with jax.named_scope(FORWARD):
+            return _forward(c, mb)
+
+    def _forward(c, mb):
+        x = only_on(ON_FIRST, is_first, lambda: embed_fn(params["embed"], inputs[mb]),
+                    lambda: c["recv_f"][mb % n_recv])
         y, vjp_fn = jax.vjp(stage_fn, params["chunk"], x)
         acts, _, _ = _split_vjp(vjp_fn, params["chunk"])
         c["stash"] = [s.at[mb % n_stash].set(a) for s, a in zip(c["stash"], acts)]
@@ -85,17 +95,22 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
                               embed=_add(c["grads"]["embed"], g_embed))
             return c
 
-        c = jax.lax.cond(is_last, head, lambda c: c, c)
+        c = only_on(ON_LAST, is_last, lambda: head(c), lambda: c)
         return c, y, jnp.zeros_like(y)
 
     def backward(c, mb):
+        with jax.named_scope(BACKWARD):
+            return _backward(c, mb)
+
+    def _backward(c, mb):
         dy = jnp.where(is_last, c["dy"][mb % n_stash], c["recv_b"][mb % n_recv])
         _, probe = jax.vjp(stage_fn, params["chunk"], jnp.zeros_like(dy))  # structure only
         _, treedef, slots = _split_vjp(probe, params["chunk"])
         acts = [s[mb % n_stash] for s in c["stash"]]
         g_chunk, dx = _join_vjp(acts, treedef, slots, params["chunk"])(dy)
-        g_embed = jax.lax.cond(
-            is_first, lambda: jax.vjp(lambda e: embed_fn(e, inputs[mb]), params["embed"])[1](dx)[0],
+        g_embed = only_on(
+            ON_FIRST, is_first,
+            lambda: jax.vjp(lambda e: embed_fn(e, inputs[mb]), params["embed"])[1](dx)[0],
             lambda: jax.tree.map(jnp.zeros_like, params["embed"]))
         c["grads"] = dict(c["grads"], chunk=_add(c["grads"]["chunk"], g_chunk),
                           embed=_add(c["grads"]["embed"], g_embed))
@@ -109,8 +124,10 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
         c, send_f, send_b = jax.lax.switch(act, [idle, forward, backward], c, mb)
         c["useful"] = c["useful"] + (act != IDLE).astype(jnp.int32)
         if p > 1:  # activations one stage forward, gradients one stage back
-            got_f = jax.lax.ppermute(send_f, AXIS, [(i, i + 1) for i in range(p - 1)])
-            got_b = jax.lax.ppermute(send_b, AXIS, [(i + 1, i) for i in range(p - 1)])
+            got_f = only_on(SEND_FORWARD, row["send_f"], lambda: jax.lax.ppermute(
+                send_f, AXIS, [(i, i + 1) for i in range(p - 1)]), lambda: send_f)
+            got_b = only_on(SEND_BACKWARD, row["send_b"], lambda: jax.lax.ppermute(
+                send_b, AXIS, [(i + 1, i) for i in range(p - 1)]), lambda: send_b)
             prev, nxt = jnp.maximum(rank - 1, 0), jnp.minimum(rank + 1, p - 1)
             c["recv_f"] = _store(c["recv_f"], got_f, row["microbatch"][prev] % n_recv,
                                  (rank > 0) & (row["action"][prev] == FWD))

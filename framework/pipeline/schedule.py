@@ -80,6 +80,17 @@ class Schedule:
             worst = max(worst, int(pending.max()))
         return worst
 
+    def sends(self, kind: int) -> np.ndarray:
+        """[ticks] bool: does any rank send a message of this kind after this tick?
+        FWD: a forward whose output another rank consumes (every rank but the last,
+        and the last too while its chunk goes around the ring again); BWD: a
+        backward on any rank but the first."""
+        if kind == BWD:
+            return (self.action[:, 1:] == BWD).any(axis=1)
+        fwd = self.action == FWD
+        last_passes_on = fwd[:, -1] & (self.chunk[:, -1] < self.n_chunks - 1)
+        return fwd[:, :-1].any(axis=1) | last_passes_on
+
     def max_in_flight(self) -> np.ndarray:
         """Per stage: the most microbatches whose forward ran but backward did not."""
         live = np.cumsum((self.action == FWD).astype(int) - (self.action == BWD), axis=0)
