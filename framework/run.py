@@ -135,6 +135,9 @@ def main() -> None:
         _main()
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         _user_error(err)
+    except KeyboardInterrupt:  # summary.json already says "interrupted"
+        print("error: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def _user_error(err: BaseException):
