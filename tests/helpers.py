@@ -27,8 +27,15 @@ def tokens(step: int, train: TrainConfig = TRAIN, model: ModelConfig = MODEL):
                                      train.seq_len, model.vocab_size)
 
 
+_PARAMS = {}
+
+
 def params(model: ModelConfig = MODEL):
-    return init_params(model, jax.random.key(0))
+    """Initial canonical parameters (jitted init, cached per model: eager Flax init
+    of a stacked model takes seconds on CPU)."""
+    if repr(model) not in _PARAMS:
+        _PARAMS[repr(model)] = jax.jit(lambda key: init_params(model, key))(jax.random.key(0))
+    return _PARAMS[repr(model)]
 
 
 def engine(pipeline=1, data=1, tensor=1, microbatches=1, model=MODEL, train=TRAIN,
