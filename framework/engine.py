@@ -36,8 +36,8 @@ from framework.pipeline import layout
 from framework.pipeline.executor import ON_FIRST, ON_LAST, SEND, only_on, run_forward, varying
 from framework.pipeline.one_f_one_b import (BACKWARD as F1B_BACKWARD, FORWARD as F1B_FORWARD,
                                              SEND_BACKWARD, SEND_FORWARD, run_1f1b)
-from framework.tensor_parallel import TensorParallel
 from framework.pipeline.schedule import BWD, FWD, Schedule, make_schedule
+from framework.tensor_parallel import TensorParallel
 
 MANUAL = ("pipe", "data")  # replicated parameters are made per-device over these
 
