@@ -95,6 +95,9 @@ class TrainConfig:
     seed: int = 0
     resume: str = "auto"  # auto: continue from the newest complete checkpoint | never
     resume_from: Optional[str] = None  # a checkpoint (or checkpoint folder) of another run
+    # End this invocation after this step, with a checkpoint (status "stopped"); the LR
+    # schedule still spans train.steps, and the same command without it continues.
+    stop_at: Optional[int] = None
 
 
 @dataclass
@@ -146,11 +149,12 @@ class DevicesConfig:
 
 @dataclass
 class DistributedConfig:
-    """Multi-host: leave all three unset for one process (or for auto-detection on
-    SLURM / Cloud TPU, which jax.distributed.initialize() does from the environment)."""
+    """Multi-host (framework/distributed.py): unset for one process, or for one task of
+    a multi-task SLURM step (detected); all three for an explicit launch; or
+    num_processes=-1 to let jax.distributed.initialize() detect the cluster."""
 
     coordinator_address: Optional[str] = None  # host:port of process 0
-    num_processes: Optional[int] = None
+    num_processes: Optional[int] = None  # -1: detect (SLURM, Cloud TPU, Open MPI); 1: never
     process_id: Optional[int] = None
 
 

@@ -10,7 +10,9 @@ first JAX call that starts a backend; afterwards the count is fixed for the proc
 (hence one process per job in multirun, see `framework/sweep.py`). How many:
     devices.local_device_count, if set;
     else pipeline * data * tensor when all three degrees are given;
-    else (parallel.data = -1) max(8, pipeline * tensor), and data fills the rest.
+    else (parallel.data = -1) max(8, pipeline * tensor), and data fills the rest;
+in a multi-process run (framework/distributed.py) the two last counts are the whole
+mesh's, split evenly among the processes.
 On a single CPU the simulated devices share its cores: they show the parallel program
 and its overhead, never a speed-up.
 """
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from framework.config import ConfigError, DevicesConfig, ParallelConfig
+from framework import distributed
+from framework.config import ConfigError, DevicesConfig, DistributedConfig, ParallelConfig
 
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 DEFAULT_SIMULATED = 8  # CPU devices simulated when parallel.data = -1
@@ -37,22 +40,31 @@ class DeviceSet:
     platform: str  # "cpu", "gpu" or "tpu"
     simulated: bool  # CPU devices simulated by XLA (not real parallel hardware)
     kind: str  # device_kind of the first device, e.g. "NVIDIA H100 80GB HBM3"
+    process_index: int = 0  # this process, in a multi-process run
+    process_count: int = 1
 
     def __len__(self) -> int:
         return len(self.devices)
 
 
-def simulated_count(devices: DevicesConfig, parallel: ParallelConfig) -> int:
-    """How many CPU devices to simulate for this run (see the module docstring)."""
+def simulated_count(devices: DevicesConfig, parallel: ParallelConfig,
+                    n_processes: int | None = 1) -> int:
+    """How many CPU devices to simulate in this process (see the module docstring).
+    n_processes: of the run (None: unknown, then devices.local_device_count is needed)."""
     if devices.local_device_count is not None:
         if devices.local_device_count < 1:
             raise ConfigError(f"devices.local_device_count={devices.local_device_count} "
                               f"must be >= 1 (or null to size it from the degrees)")
         return devices.local_device_count
     fixed = max(parallel.pipeline, 1) * max(parallel.tensor, 1)
-    if parallel.data == -1:
-        return max(DEFAULT_SIMULATED, fixed)
-    return fixed * max(parallel.data, 1)
+    total = max(DEFAULT_SIMULATED, fixed) if parallel.data == -1 else fixed * max(parallel.data, 1)
+    if n_processes == 1:
+        return total
+    if n_processes is None or total % n_processes:
+        raise ConfigError(f"cannot split {total} simulated CPU devices evenly among "
+                          f"{n_processes or 'an unknown number of'} processes: set "
+                          f"devices.local_device_count (devices per process)")
+    return total // n_processes
 
 
 COMPILE_CACHE = Path("~/.cache/framework/jax-compile").expanduser()
@@ -74,19 +86,29 @@ def _check_platform(platform: str) -> None:
         raise ConfigError(f"devices.platform={platform!r} is not one of {', '.join(PLATFORMS)}")
 
 
-def start(devices: DevicesConfig, parallel: ParallelConfig) -> DeviceSet:
-    """Configures JAX for `devices.platform`, starts its backend and returns the devices.
-    Must be the first thing in the process that starts a JAX backend."""
+def start(devices: DevicesConfig, parallel: ParallelConfig,
+          multi: DistributedConfig | None = None) -> DeviceSet:
+    """Configures JAX for `devices.platform`, joins the other processes of a multi-process
+    run (`framework/distributed.py`), starts the backend and returns every process's
+    devices. Must be the first thing in the process that starts a JAX backend."""
     _check_platform(devices.platform)
+    launch = distributed.plan(multi or DistributedConfig())
     import jax
 
     try:  # only the CPU backend reads this (harmless on GPU/TPU); raises once started
-        jax.config.update("jax_num_cpu_devices", simulated_count(devices, parallel))
+        try:
+            count = simulated_count(devices, parallel, distributed.expected_processes(launch))
+        except ConfigError:
+            if devices.platform == "cpu":
+                raise
+            count = 1  # on GPUs/TPUs it does not matter; on CPU validation will say why
+        jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError as err:
         raise RuntimeError("devices.start() must run before anything starts a JAX "
                            "backend (the device count is fixed per process)") from err
     if devices.platform != "auto":
         jax.config.update("jax_platforms", devices.platform)
+    distributed.initialize(launch)
     try:
         found = tuple(jax.devices())
     except RuntimeError as err:
@@ -95,7 +117,8 @@ def start(devices: DevicesConfig, parallel: ParallelConfig) -> DeviceSet:
                           f"({first}); use devices.platform=auto or cpu") from None
     platform = found[0].platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
-    return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind))
+    return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind),
+                     jax.process_index(), jax.process_count())
 
 
 # A tiny program run in a child process, so the parent never starts a backend (and on

@@ -1,23 +1,32 @@
 """The training loop: feeds batches to the engine's pure jitted step and hangs the
-side effects (metrics, progress, later checkpoints and evaluation) off it.
+side effects (metrics, progress, checkpoints, evaluation, stopping) off it.
 
 Timing. JAX dispatches steps asynchronously, so the loop only waits for the device
-when it logs: a log window's wall time divided by its steps is `perf/step_time_s`.
-Compilation happens before the loop (`Engine.compile`), and the first step, which
-still pays one-off costs (buffer allocation, first transfers), is timed on its own
-and kept out of every throughput number.
+when it must: to log, to run a hook, or to check the loss. A log window's wall time,
+minus the time spent in hooks, divided by its steps is `perf/step_time_s`. Compilation
+happens before the loop (`Engine.compile`), and the first step, which still pays
+one-off costs (buffer allocation, first transfers), is timed on its own and kept out of
+every throughput number.
+
+Faults (framework/faults.py). The loss and gradient norm of every step are checked on
+the host whenever the loop waits anyway (at log steps, before hooks, at the end), so a
+NaN is reported at the step it first appeared and no hook (no checkpoint) ever sees
+the state it produced. `stop(step)` is asked at every step boundary (SIGTERM,
+train.stop_at) and ends the loop there.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
 
-Batches = Callable[[int], np.ndarray]  # step index -> tokens [global_batch, seq_len + 1]
+from framework.faults import WATCHED, Diverged, StopCheck, first_non_finite
+
+Batches = Callable[[int], Any]  # step index -> tokens [global_batch, seq_len + 1]
 
 
 class Logger(Protocol):
@@ -35,41 +44,100 @@ class LoopSettings:
     once: dict = field(default_factory=dict)  # added to the first record only
 
 
+@dataclass
+class Hook:
+    """A side effect after some steps: `fn(step, state)` returns metrics for that step's
+    record (e.g. eval/loss), or None. Due every `every` steps (0: never) and, with
+    `at_end`, after step `LoopSettings.steps`."""
+
+    name: str
+    every: int
+    fn: Callable[[int, Any], dict | None]
+    at_end: bool = False
+
+    def due(self, step: int, last: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last)
+
+
+@dataclass
+class LoopResult:
+    state: Any
+    step: int  # optimizer steps done
+    first_step_s: float | None  # wall time of this run's first step (None: no step run)
+    stopped: str | None = None  # None: reached settings.steps; else why it stopped early
+
+
 def is_log_step(step: int, settings: LoopSettings) -> bool:
     return step % settings.log_every == 0 or step == settings.steps
 
 
-def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
-               perf: Callable[[float], dict], hooks: tuple = ()):
-    """Runs steps `settings.start + 1 .. settings.steps`; returns (state, first_step_s).
+def to_host(value) -> np.ndarray:
+    """A device value as numpy, also when other processes hold parts of it."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable \
+            and not value.is_fully_replicated:
+        from jax.experimental import multihost_utils
 
-    perf: step time in seconds -> the perf/* metrics (tokens/s, TFLOP/s, MFU).
-    hooks: callables `hook(step, state)` run after every step (checkpoints, eval)."""
-    window_start, window_steps, first_step_s = time.perf_counter(), 0, None
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+def check_finite(unchecked: list) -> None:
+    """Raises Diverged at the first of these steps with a non-finite loss or gradient
+    norm; empties the list (of (step, device metrics))."""
+    values = jax.device_get([[m[k] for k in WATCHED] for _, m in unchecked])
+    found = first_non_finite([(step, {k: float(v) for k, v in zip(WATCHED, row)})
+                              for (step, _), row in zip(unchecked, values)])
+    unchecked.clear()
+    if found is not None:
+        raise Diverged.from_values(*found)
+
+
+def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
+               perf: Callable[[float], dict], hooks: tuple[Hook, ...] = (),
+               stop: StopCheck | None = None) -> LoopResult:
+    """Runs steps `settings.start + 1 .. settings.steps`, or until `stop(step)` gives a
+    reason. perf: step time in seconds -> the perf/* metrics (tokens/s, TFLOP/s, MFU).
+    Raises Diverged (framework/faults.py) on a non-finite loss or gradient norm."""
+    window_start, window_steps, paused, first_step_s = time.perf_counter(), 0, 0.0, None
     pending_once = dict(settings.once)
+    unchecked: list = []  # (step, metrics) whose loss has not been looked at yet
+    step, stopped = settings.start, None
     for index in range(settings.start, settings.steps):
         state, metrics = engine.step(state, engine.shard_batch(batches(index)))
         step = index + 1
+        unchecked.append((step, metrics))
         if first_step_s is None:  # excluded from throughput: wait for it, restart the clock
             jax.block_until_ready(metrics)
             now = time.perf_counter()
             first_step_s, window_start = now - window_start, now
         else:
             window_steps += 1
-        for hook in hooks:
-            hook(step, state)
+        stopped = stop(step) if stop is not None else None  # every process, every step
+        stopped = None if step == settings.steps else stopped  # done anyway
+        due = [hook for hook in hooks if hook.due(step, settings.steps)]
+        log_now = is_log_step(step, settings)
+        if due or log_now or stopped or step == settings.steps:
+            check_finite(unchecked)  # waits for this step
+        extra: dict = {}
+        if due:
+            started = time.perf_counter()
+            for hook in due:
+                extra.update(hook.fn(step, state) or {})
+            paused += time.perf_counter() - started
         logger.update(step)
-        if not is_log_step(step, settings):
-            continue
-        record = engine.host_metrics(metrics)  # waits for this step to finish
-        now = time.perf_counter()
-        step_time = (now - window_start) / window_steps if window_steps else None
-        record["perf/step_time_s"] = step_time
-        # Nothing timed yet (only the first step in this window): same keys, null values.
-        record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
-        record.update(settings.constants)
-        record.update(pending_once)
-        pending_once = {}
-        logger.log(step, record)
-        window_start, window_steps = time.perf_counter(), 0
-    return state, first_step_s
+        if log_now or extra:
+            record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
+            elapsed = time.perf_counter() - window_start - paused
+            step_time = elapsed / window_steps if window_steps else None
+            record["perf/step_time_s"] = step_time
+            # Nothing timed yet (only the first step in this window): same keys, null values.
+            record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
+            record.update(settings.constants)
+            record.update(pending_once)
+            record.update(extra)
+            pending_once = {}
+            logger.log(step, record)
+            window_start, window_steps, paused = time.perf_counter(), 0, 0.0
+        if stopped:
+            break
+    return LoopResult(state, step, first_step_s, stopped)

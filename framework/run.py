@@ -9,7 +9,9 @@ the top-level `recipes/` folder. Recipes are registered as the config group `rec
 from the package's location, so they are found from any working directory.
 
 Bad input (unknown recipe, misspelled key, wrong type, invalid degrees) ends with
-exit status 2 and one line on stderr, before anything is compiled.
+exit status 2 and one line on stderr, before anything is compiled. A run stopped by a
+non-finite loss ends with exit status 3 and one line (framework/faults.py); one that
+was preempted (SIGTERM) or reached train.stop_at exits 0 after its last checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import devices, sweep
+from framework import devices, faults, sweep
 from framework.config import (ConfigError, DevicesConfig, ParallelConfig, RunConfig,
                               resolve_data_degree)
 
@@ -93,6 +95,11 @@ def _main(cfg: DictConfig) -> None:
                   OmegaConf.to_container(cfg, resolve=True))
     except ConfigError as err:  # exit here: Hydra would add a line of its own
         _user_error(err)
+    except faults.Diverged as err:  # summary.json already says "diverged"
+        if _USER_FULL_ERROR == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(faults.DIVERGED_EXIT)
 
 
 def _launch_job(cfg: DictConfig, hc) -> None:
@@ -126,8 +133,13 @@ def one_line(err: BaseException) -> str:
     return text
 
 
+# At import, not only in main(): launchers that run jobs in other processes (e.g.
+# Hydra's submitit launcher on SLURM) import this module there and resolve the job's
+# folder name (`job_dirname`) in that process.
+register_configs()
+
+
 def main() -> None:
-    register_configs()
     # Hydra prints composition errors over several lines (and a traceback for errors
     # in the task); with HYDRA_FULL_ERROR it raises them instead, and we print one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"

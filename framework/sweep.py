@@ -72,7 +72,7 @@ def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
 
 def report_line(num: int, name: str, summary: dict) -> str:
     status = summary.get("status", "?")
-    if status in ("skipped", "failed"):
+    if status in ("skipped", "failed", "diverged", "interrupted"):
         return f"[sweep job {num}] {name}: {status}: {summary.get('reason', '')}"
     loss, rate = summary.get("train/loss"), summary.get("perf/tokens_per_sec")
     parts = [f"[sweep job {num}] {name}: {status}"]

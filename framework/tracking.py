@@ -36,10 +36,25 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written."""
+    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written.
 
-    def __init__(self, run_dir: Path):
-        self.file = open(Path(run_dir) / METRICS_FILE, "w")
+    resumed_at: the step a resumed run continues from. The records up to it (written
+    before the run was stopped or killed) are kept and the new ones appended; records
+    after it, logged after the checkpoint the run resumes from, are dropped (the run
+    logs those steps again), as is a last line cut short by a kill. The file then reads
+    as if the run had never stopped."""
+
+    def __init__(self, run_dir: Path, resumed_at: int | None = None):
+        path = Path(run_dir) / METRICS_FILE
+        if resumed_at is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if (record := _parse(line)) is not None and record["step"] <= resumed_at]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)  # atomic: a kill here leaves the old or the new file
+            self.file = open(path, "a")
+        else:
+            self.file = open(path, "w")
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -50,6 +65,20 @@ class JsonlSink:
         self.file.close()
 
 
+def _parse(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    path = Path(run_dir) / METRICS_FILE
+    return [r for line in path.read_text().splitlines() if (r := _parse(line)) is not None]
+
+
 def write_summary(run_dir: Path, summary: dict) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
     path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
@@ -58,14 +87,20 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
 
 class WandbSink:
     """One W&B run. Offline mode writes `<run_dir>/wandb/offline-run-*/run-*.wandb`,
-    which `wandb sync` uploads later; the resolved config is the run's config."""
+    which `wandb sync` uploads later; the resolved config is the run's config.
 
-    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict):
+    resume: continue the W&B run already in run_dir (same id, resume="allow"), as a
+    resumed training run does; W&B keeps the history of steps it has already seen."""
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict,
+                 resume: bool = False):
         import wandb
 
+        previous = previous_wandb_id(run_dir) if resume else None
         self.run = wandb.init(
             mode=cfg.mode, project=cfg.project, entity=cfg.entity, group=cfg.group,
             name=name, dir=str(run_dir), config=config, reinit="finish_previous",
+            id=previous, resume="allow" if previous else None,
             settings=wandb.Settings(console="off", silent=True, disable_git=True))
         self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
 
@@ -78,12 +113,20 @@ class WandbSink:
         self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
 
 
+def previous_wandb_id(run_dir: Path) -> str | None:
+    """The id of the newest W&B run in run_dir (`wandb/*run-*/run-<id>.wandb`)."""
+    files = sorted(Path(run_dir).glob("wandb/*run-*/run-*.wandb"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1].stem.removeprefix("run-") if files else None
+
+
 class ProgressBar:
     """A dependency-free progress line: redrawn in place on a terminal, one line per
     logged step otherwise (CI logs, pipes)."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stdout):
+    def __init__(self, total: int, stream: TextIO = sys.stdout, first: int = 0):
         self.total, self.stream = total, stream
+        self.first = first  # steps already done when this process started (resumed)
         self.tty = stream.isatty()
         self.start = time.perf_counter()
         self.last: dict = {}
@@ -93,7 +136,8 @@ class ProgressBar:
         width = 24
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        done = (step - self.first) / max(self.total - self.first, 1)  # of this process's part
+        eta = elapsed / done - elapsed if done > 0 else 0.0
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {frac:4.0%}"]
         if "train/loss" in self.last:
             parts.append(f"loss {self.last['train/loss']:.4f}")
@@ -129,11 +173,13 @@ def _clock(seconds: float) -> str:
 
 
 class Tracker:
-    """Fans records out to the sinks and builds `summary.json`."""
+    """Fans records out to the sinks and builds `summary.json` (written only when
+    `write`: in a multi-process run, process 0 alone writes files)."""
 
-    def __init__(self, run_dir: Path, sinks: list, summary: dict):
+    def __init__(self, run_dir: Path, sinks: list, summary: dict, write: bool = True):
         self.run_dir = Path(run_dir)
         self.sinks = sinks
+        self.write = write
         self.summary = {"status": "running", **summary}
 
     def log(self, step: int, metrics: dict) -> None:
@@ -149,7 +195,8 @@ class Tracker:
 
     def finish(self, status: str, **extra) -> dict:
         self.summary.update(status=status, **extra)
-        write_summary(self.run_dir, self.summary)
+        if self.write:
+            write_summary(self.run_dir, self.summary)
         for sink in self.sinks:
             sink.finish(self.summary)
         return self.summary
