@@ -56,7 +56,9 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
         mb, chunk = row["microbatch"][rank], row["chunk"][rank]
         # Rank 0 starts a microbatch (chunk 0) or takes it back from the ring (chunk > 0).
         first = x_mb[mb] if v == 1 else jnp.where(chunk == 0, x_mb[mb], parked[mb])
-        out = stage_fn(jax.tree.map(lambda c: c[chunk], chunks), jnp.where(rank == 0, first, recv))
+        # GPipe: a static index keeps the weights loop-invariant (not saved per tick).
+        weights = jax.tree.map(lambda c: c[0] if v == 1 else c[chunk], chunks)
+        out = stage_fn(weights, jnp.where(rank == 0, first, recv))
         done = valid & (rank == p - 1) & (chunk == v - 1)
         outputs = outputs.at[mb].set(jnp.where(done, out, outputs[mb]))
         if p > 1:  # skipped on ticks where no rank has anything to pass on
