@@ -1,16 +1,21 @@
 """The pieces behind the command line, without starting a run: device counts, job
-names, FLOPs and peaks, the progress line, one-line errors."""
+names, FLOPs and peaks, the progress line, one-line errors, the multi-host plan, the
+loop's handling of NaNs, hooks and SIGTERM, metrics.jsonl of a resumed run."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 
+import jax.numpy as jnp
 import pytest
 from omegaconf import OmegaConf
 
-from framework import devices, flops, sweep, tracking
-from framework.config import ConfigError, DevicesConfig, ModelConfig, ParallelConfig
+from framework import devices, distributed, faults, flops, loop, sweep, tracking
+from framework.config import (ConfigError, DevicesConfig, DistributedConfig, ModelConfig,
+                              ParallelConfig)
 from framework.run import _job_dirname, one_line
 
 
@@ -49,6 +54,10 @@ def test_sweep_job_folder_resolves_data_fill_without_starting_jax(monkeypatch):
         "hydra": {"job": {"num": 3},
                   "overrides": {"task": ["parallel.pipeline=2", "optim.lr=1e-2"]}}})
     assert _job_dirname(_root_=root) == "pp2-dp4-tp1-mb4_optim.lr=1e-2"
+    # A launcher running the job in another process (submitit on SLURM): that process's
+    # arguments are not the sweep's, so the job number keeps job folders apart.
+    monkeypatch.setattr("sys.argv", ["submitit", "/sweep/.submitit/42"])
+    assert _job_dirname(_root_=root) == "pp2-dp4-tp1-mb4_job3"
     root.parallel.pipeline = "oops"  # never breaks the sweep over a folder name
     assert _job_dirname(_root_=root) == "job3"
 
@@ -97,3 +106,133 @@ def test_one_line_error_messages():
         raise RuntimeError("Could not override 'x.y'.\nTo append use +x.y") from KeyError("k")
     except RuntimeError as chained:
         assert one_line(chained) == "Could not override 'x.y': 'k'"
+
+
+# --- Multi-host plan, the loop's faults and stops, metrics.jsonl on resume -------------
+
+SLURM_4 = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n[1-2]"}
+
+
+def test_distributed_plan_from_settings_and_slurm():
+    plan = distributed.plan
+    assert plan(DistributedConfig(), {}) is None  # one process
+    assert plan(DistributedConfig(), {**SLURM_4, "SLURM_NTASKS": "1",
+                                      "SLURM_STEP_NUM_TASKS": "1"}) is None
+    slurm = plan(DistributedConfig(), SLURM_4)  # srun -n 4: JAX reads SLURM's variables
+    assert slurm == distributed.Plan(None, None, None, "slurm")
+    assert distributed.expected_processes(slurm, SLURM_4) == 4
+    assert plan(DistributedConfig(num_processes=1), SLURM_4) is None  # opt out
+    assert plan(DistributedConfig(num_processes=-1), {}).source == "detect"
+    explicit = plan(DistributedConfig("127.0.0.1:1234", 2, 1), {})
+    assert explicit == distributed.Plan("127.0.0.1:1234", 2, 1, "config")
+    assert distributed.expected_processes(explicit) == 2
+    with pytest.raises(ConfigError, match="distributed.coordinator_address and "
+                                          "distributed.process_id"):
+        plan(DistributedConfig(num_processes=2), {})
+    with pytest.raises(ConfigError, match=r"process_id=2 must be in 0\.\.1"):
+        plan(DistributedConfig("127.0.0.1:1234", 2, 2), {})
+    with pytest.raises(ConfigError, match="host:port"):
+        plan(DistributedConfig("localhost", 2, 0), {})
+    with pytest.raises(ConfigError, match="num_processes is not"):
+        plan(DistributedConfig(process_id=0), {})
+
+
+def test_simulated_devices_are_split_among_processes():
+    par = ParallelConfig(pipeline=2, data=2, tensor=2)
+    assert devices.simulated_count(DevicesConfig(), par, 2) == 4
+    assert devices.simulated_count(DevicesConfig(local_device_count=3), par, 2) == 3
+    with pytest.raises(ConfigError, match="devices.local_device_count"):
+        devices.simulated_count(DevicesConfig(), par, 3)
+
+
+class FakeEngine:
+    """Steps that return scripted losses; the state is the step count."""
+
+    def __init__(self, losses):
+        self.losses = losses
+
+    def shard_batch(self, tokens):
+        return tokens
+
+    def step(self, state, tokens):
+        return state + 1, {"train/loss": jnp.float32(self.losses[state]),
+                           "train/grad_norm": jnp.float32(1.0)}
+
+    def host_metrics(self, metrics):
+        return {k: float(v) for k, v in metrics.items()}
+
+
+class ListLogger:
+    def __init__(self):
+        self.records = []
+
+    def log(self, step, metrics):
+        self.records.append((step, metrics))
+
+    def update(self, step):
+        pass
+
+
+def run_fake(losses, steps, hooks=(), stop=None, log_every=2, start=0):
+    logger = ListLogger()
+    result = loop.train_loop(FakeEngine(losses), start, lambda i: i,
+                             loop.LoopSettings(steps=steps, log_every=log_every, start=start),
+                             logger, lambda t: {"perf/tokens_per_sec": 1.0 / t}, hooks, stop)
+    return result, logger.records
+
+
+def test_a_nan_loss_stops_the_loop_before_any_hook_sees_its_state():
+    saved = []
+    hook = loop.Hook("checkpoint", 1, lambda step, state: saved.append(step))
+    with pytest.raises(faults.Diverged, match=r"non-finite train/loss at step 4 "
+                                              r"\(train/loss=nan, train/grad_norm=1\)"):
+        run_fake([3.0, 2.5, 2.0, float("nan"), 1.0, 1.0], 6, (hook,), log_every=10)
+    assert saved == [1, 2, 3]  # never step 4
+
+
+def test_hooks_add_their_metrics_and_results_report_the_steps():
+    evals = loop.Hook("eval", 3, lambda step, state: {"eval/loss": 10.0 + step}, at_end=True)
+    result, records = run_fake([1.0] * 8, 8, (evals,), start=1)
+    assert result.step == 8 and result.state == 8 and result.stopped is None
+    assert [s for s, _ in records] == [2, 3, 4, 6, 8]  # log steps and eval steps
+    assert {s: r["eval/loss"] for s, r in records if "eval/loss" in r} == {3: 13.0, 6: 16.0,
+                                                                            8: 18.0}
+
+
+def test_sigterm_only_sets_a_flag_and_the_loop_stops_at_the_next_step_boundary():
+    before = signal.getsignal(signal.SIGTERM)
+    kill = loop.Hook("sigterm", 2, lambda step, state: os.kill(os.getpid(), signal.SIGTERM))
+    with faults.StopRequests() as stop:
+        result, _ = run_fake([1.0] * 10, 10, (kill,), stop)
+    assert (result.step, result.stopped) == (3, "preempted")
+    assert signal.getsignal(signal.SIGTERM) == before  # handler restored
+    with faults.StopRequests(stop_at=4) as stop:
+        assert run_fake([1.0] * 10, 10, stop=stop)[0].stopped == "stopped"
+    with faults.StopRequests(stop_at=10) as stop:  # stopping at the end is completing
+        assert run_fake([1.0] * 10, 10, stop=stop)[0].stopped is None
+
+
+def test_a_resumed_run_keeps_metrics_up_to_its_checkpoint_and_appends(tmp_path):
+    path = tmp_path / tracking.METRICS_FILE
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n"
+                            for s in range(1, 6)) + '{"step": 6, "train/lo')  # cut by a kill
+    sink = tracking.JsonlSink(tmp_path, resumed_at=3)
+    sink.log(4, {"train/loss": 0.5})
+    sink.finish({})
+    assert [(r["step"], r["train/loss"]) for r in tracking.read_metrics(tmp_path)] == [
+        (1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.5)]
+    tracking.JsonlSink(tmp_path).finish({})  # a fresh start empties it
+    assert path.read_text() == ""
+
+
+def test_only_process_0_writes_metrics_summary_and_wandb(tmp_path):
+    from framework.train import make_tracker
+    from tests.test_run import compose_recipe
+
+    cfg = compose_recipe("llama_tiny_debug")  # W&B offline by default
+    other = make_tracker(cfg, tmp_path, {}, {"run_name": "x"}, primary=False, resumed_at=None,
+                         start=0)
+    other.log(1, {"train/loss": 1.0})
+    other.finish("completed")
+    assert other.sinks == [] and list(tmp_path.iterdir()) == []
