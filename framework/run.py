@@ -48,24 +48,32 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("job_dirname", _job_dirname, replace=True)
 
 
-def _swept_keys(root: DictConfig) -> set[str]:
-    """Keys this sweep varies: `a=1,2`-style arguments and hydra.sweeper.params."""
+def _swept_keys(root: DictConfig) -> set[str] | None:
+    """Keys this sweep varies: `a=1,2`-style arguments and hydra.sweeper.params. None
+    when this process's command line is not the sweep's (a launcher such as submitit
+    runs the job in another process, whose arguments are its own)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser, keys = OverridesParser.create(), set()
+    parser, keys, given = OverridesParser.create(), set(), set()
     for arg in sys.argv[1:]:
         try:
             override = parser.parse_override(arg)
         except Exception:  # flags such as -m, --cfg and their values
             continue
+        given.add(override.key_or_group)
         if override.is_sweep_override():
             keys.add(override.key_or_group)
+    task = {o.split("=", 1)[0].lstrip("+~") for o in root.hydra.overrides.task}
+    if task and not task & given:
+        return None
     params = OmegaConf.select(root, "hydra.sweeper.params", default=None) or {}
     return keys | set(params)
 
 
 def _job_dirname(*, _root_: DictConfig) -> str:
-    """hydra.sweep.subdir: the job's resolved degrees (+ other swept settings)."""
+    """hydra.sweep.subdir: the job's resolved degrees (+ other swept settings, or the
+    job number where they cannot be known: never one folder for two jobs, since a job
+    resumes from the checkpoints it finds in its folder)."""
     try:
         parallel = ParallelConfig(**OmegaConf.to_container(_root_.parallel, resolve=True))
         found = DevicesConfig(**OmegaConf.to_container(_root_.devices, resolve=True))
@@ -76,7 +84,10 @@ def _job_dirname(*, _root_: DictConfig) -> str:
             except ConfigError:
                 pass  # the job itself reports this; its folder keeps dp-1
         task = list(_root_.hydra.overrides.task)
-        return sweep.job_name(parallel.mesh_name, task, _swept_keys(_root_))
+        swept = _swept_keys(_root_)
+        if swept is None:
+            return f"{parallel.mesh_name}_job{_root_.hydra.job.num}"
+        return sweep.job_name(parallel.mesh_name, task, swept)
     except Exception:  # never break the sweep over a folder name
         return f"job{_root_.hydra.job.num}"
 
