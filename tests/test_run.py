@@ -165,7 +165,9 @@ def test_sweep_report_writes_table_and_chart(sweep_dir, tmp_path):
     (["recipe=llama_tiny_debug", "paralel.pipeline=2"], "Key 'paralel' not in 'RunConfig'"),
     (["recipe=llama_tiny_debug", "train.steps=many"], "train.steps=many"),
     (["recipe=llama_tiny_debug", "parallel.pipeline=3"], "parallel.pipeline=3"),
-], ids=["unknown-recipe", "misspelled-key", "wrong-type", "invalid-degree"])
+    (["recipe=llama_tiny_debug", "distributed.num_processes=2"],
+     "distributed.num_processes=2 needs distributed.coordinator_address"),
+], ids=["unknown-recipe", "misspelled-key", "wrong-type", "invalid-degree", "half-multi-host"])
 def test_user_errors_exit_nonzero_with_one_line(args, expected, tmp_path, env):
     proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
     assert proc.returncode == 2
