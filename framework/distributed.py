@@ -49,13 +49,13 @@ class Plan:
 
 
 def _slurm_tasks(environ: Mapping[str, str]) -> int | None:
-    """Task count of the SLURM step this process belongs to, if it is one of several."""
-    if "SLURM_PROCID" not in environ:
+    """Task count of the `srun` step this process is a task of. Only srun sets the
+    SLURM_STEP_* variables: a batch script itself (which has SLURM_NTASKS and
+    SLURM_PROCID=0 too) is one process."""
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_NODELIST" not in environ:
         return None
-    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
-        if environ.get(var, "").isdigit():
-            return int(environ[var])
-    return None
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", "")
+    return int(tasks) if tasks.isdigit() else None
 
 
 def plan(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Plan | None:

@@ -119,6 +119,8 @@ def test_distributed_plan_from_settings_and_slurm():
     assert plan(DistributedConfig(), {}) is None  # one process
     assert plan(DistributedConfig(), {**SLURM_4, "SLURM_NTASKS": "1",
                                       "SLURM_STEP_NUM_TASKS": "1"}) is None
+    batch_script = {k: v for k, v in SLURM_4.items() if not k.startswith("SLURM_STEP")}
+    assert plan(DistributedConfig(), {**batch_script, "SLURM_PROCID": "0"}) is None
     slurm = plan(DistributedConfig(), SLURM_4)  # srun -n 4: JAX reads SLURM's variables
     assert slurm == distributed.Plan(None, None, None, "slurm")
     assert distributed.expected_processes(slurm, SLURM_4) == 4
