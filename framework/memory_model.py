@@ -1,0 +1,220 @@
+"""Per-device memory of the train step, predicted without devices or compilation: the
+memory side of the parallelism planner (`framework/planner.py`), as
+`framework/comm_model.py` is its communication side.
+
+Memory per device (bytes): what XLA's buffer assignment holds at the step's peak.
+
+  params, optimizer  float32 parameters and AdamW's two moments (`framework/optim.py`),
+             each leaf's local shard by the engine's own layout and rules: layers split
+             over `pipe`, the rules' dims over `tensor` (`framework/sharding.py`), with
+             ZeRO-1 one dim over `data` (`framework/data_parallel.py`). Plus the tokens.
+  gradients  float32, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
+             all-gathered parameters; with a tick loop (p > 1) also its accumulators.
+  activations  what the backward keeps from the forward. One layer's VJP residuals are
+             measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
+             `jax.eval_shape` (no devices, nothing compiled; the tensor-parallel
+             collectives replaced by shape-equivalent local ops), split into a part per
+             token row and a part per layer (e.g. bfloat16 casts of the weights). Remat
+             policies change what the VJP keeps, so the trace follows them. Per schedule
+             (`framework/pipeline/`):
+               GPipe / circular: autodiff of the tick loop keeps every forward tick's
+                 residuals, (v*m + p - 1) ticks x one chunk for one microbatch; the
+                 per-layer part once (loop-invariant), except in the circular schedule,
+                 where the chunk's weights are sliced per tick; plus the whole local
+                 batch's hidden states (inputs, outputs and their gradients);
+               1F1B: `Schedule.max_in_flight` stash slots (at most p), each a chunk's
+                 residuals for one microbatch plus its dy, double-buffered (the tick's
+                 `lax.switch` returns the stash it was given; measured).
+  transient  the larger of two moments that do not overlap: the LM head + loss (a few
+             float32 logits-sized tensors, for the whole local batch under GPipe, one
+             microbatch under 1F1B) and one layer's backward (its full residuals once
+             more, plus the tick's slice of the residual stack).
+The constants that are not traced (copies of logits and batch-sized tensors) were read
+from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
+compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
+need more there than predicted (the prediction is for accelerators, which keep bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework import data_parallel, sharding
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.model import Block, apply_layers, init_params, param_logical_axes
+from framework.pipeline import layout
+from framework.pipeline.schedule import make_schedule
+from framework.tensor_parallel import TensorParallel
+
+FP32 = 4
+
+
+# --------------------------------------------------------------------------------------
+# Memory
+
+
+class _ShapeOnlyTP(TensorParallel):
+    """The tensor-parallel operators with their collectives replaced by shape-equivalent
+    local ops, so one device's layer can be traced without a mesh: same local weight
+    shapes, same activation shapes (sequence-sharded with sequence parallelism)."""
+
+    def enter(self, x):  # all-gather along the sequence -> tile
+        return jnp.concatenate([x] * self.size, axis=1) if self.sequence_parallel else x
+
+    def exit(self, partial):  # reduce-scatter along the sequence -> slice
+        if self.sequence_parallel:
+            return partial[:, : partial.shape[1] // self.size]
+        return partial
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def model_key(model: ModelConfig):
+    return tuple(dataclasses.astuple(model))
+
+
+@lru_cache(maxsize=None)
+def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
+                    remat: str) -> int:
+    """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
+    traced with `jax.eval_shape` (never run): the engine's own `apply_layers`, with
+    this device's tensor-parallel shard of the weights."""
+    model = ModelConfig(*key)
+    local_tp = _ShapeOnlyTP(axis=None, size=tp, sequence_parallel=sp)
+    dt = jnp.dtype(model.dtype)
+
+    def chunk_residuals():
+        x = jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt)
+        keys = jax.random.split(jax.random.key(0), n_layers)
+        init = lambda k: nn.meta.unbox(Block(model, local_tp).init(k, x[:1, :2])["params"])
+        weights = jax.vmap(init)(keys)
+        _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, local_tp), weights, x)
+        # The residual leaves, without the weights the VJP closes over (the same split
+        # `framework/pipeline/one_f_one_b.py` makes for its stash).
+        ids = {id(w) for w in jax.tree.leaves(weights)}
+        return [leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids]
+
+    return _nbytes(jax.eval_shape(chunk_residuals))
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """What one layer's backward keeps from its forward, per device: a part per token
+    row (activations) and a part per layer (e.g. bfloat16 casts of its weights)."""
+
+    per_row: int
+    per_layer: int
+
+    def chunk(self, n_layers: int, rows: int) -> int:
+        return n_layers * (rows * self.per_row + self.per_layer)
+
+
+def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str) -> Residuals:
+    """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
+    layer-invariant z, w (the causal mask and other broadcast constants, which the
+    layer scan hoists and XLA folds into their users) are not memory: dropped."""
+    r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat)
+         for n in (1, 2) for b in (1, 2)}
+    per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
+    return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
+
+
+@lru_cache(maxsize=None)
+def _canonical(key):
+    """Canonical parameter shapes and their logical axes (traced once per model)."""
+    model = ModelConfig(*key)
+    return (jax.eval_shape(lambda: init_params(model, jax.random.key(0))),
+            param_logical_axes(model))
+
+
+@lru_cache(maxsize=None)
+def _param_bytes(key, pipeline: int, n_chunks: int, data: int, tensor: int,
+                 zero1: bool) -> tuple[int, int, int]:
+    """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
+    sharding over `data`, the layers alone), from the engine's own layout and rules."""
+    shapes, axes = _canonical(key)
+    shapes = jax.eval_shape(lambda s: layout.canonical_to_train(s, pipeline, n_chunks), shapes)
+    specs = sharding.param_specs(layout.train_axes(axes))
+    degrees = {"pipe": pipeline, "data": data, "tensor": tensor, None: 1}
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
+
+    def local(tree_specs, group=None):
+        total = 0
+        for k in shapes if group is None else (group,):
+            for shape, spec in zip(jax.tree.leaves(shapes[k]),
+                                   jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
+                total += math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
+        return total
+
+    full, stages = local(specs), local(specs, "stages")
+    if zero1 and data > 1:
+        specs = data_parallel.add_data_axis(specs, data_parallel.zero1_dims(shapes, specs, data))
+    return full, local(specs), stages
+
+
+# float32 [rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
+# their exponentials, the logit gradients, ...), read from XLA's buffer assignment of
+# llama_1b_8gpu's step: GPipe runs the head on the whole local batch after the tick
+# loop, 1F1B on one microbatch at a time inside it.
+LOGIT_COPIES = {"autodiff": 4, "1f1b": 3}
+# [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
+# the pipeline's outputs, and their gradients.
+GPIPE_BATCH_COPIES = 4
+
+
+def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
+    """Predicted bytes per device at the step's peak, by term (see the module
+    docstring); 'total' sums them."""
+    p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
+    sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
+    v = sched.n_chunks
+    full, stored, stage_weights = _param_bytes(model_key(model), p, v, dp, tp, parallel.zero1)
+    rows = train.global_batch_size // dp  # this data replica's rows
+    mb_rows = rows // m
+    sp = parallel.sequence_parallel and tp > 1
+    seq_local = train.seq_len // tp if sp else train.seq_len
+    hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
+    logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
+    res = residuals(model, train.seq_len, tp, sp, parallel.remat)
+    layers = model.n_layers // (p * v)  # per chunk
+    # One layer's backward in flight: its residuals once more (recomputed under remat).
+    layer_backward = residuals(model, train.seq_len, tp, sp, "none").chunk(1, mb_rows)
+    grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
+    if sched.backward_by_autodiff:  # every forward tick's residuals, until the backward
+        ticks = sched.executed_rows().n_ticks
+        per_tick = layers * mb_rows * res.per_row
+        fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
+        if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
+            per_tick += fixed + stage_weights // v
+        kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
+        head = LOGIT_COPIES["autodiff"] * logits * rows
+        backward = layer_backward
+        if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
+            backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
+            grads += stage_weights  # for the stage's weights
+    else:  # 1F1B: stash slots of whole VJPs + dy, double-buffered by the tick's switch
+        slot = res.chunk(layers, mb_rows) + hidden
+        kept = 2 * int(sched.max_in_flight().max()) * slot
+        head = LOGIT_COPIES["1f1b"] * logits * mb_rows
+        backward = layer_backward + slot  # a forward's new slot is built apart
+        grads += full  # the tick loop's gradient accumulators
+    out = {
+        "params": stored,
+        "optimizer": 2 * stored,  # AdamW's mu and nu, sharded like the parameters
+        "tokens": rows * (train.seq_len + 1) * 4,
+        "gradients": grads,
+        "activations": kept,
+        "transient": max(head, backward),  # the head's peak and the layers' do not overlap
+    }
+    out["total"] = sum(out.values())
+    return out

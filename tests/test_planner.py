@@ -1,0 +1,122 @@
+"""The planner: its per-device memory prediction against XLA's compiled memory analysis,
+the layouts it enumerates, how it marks and ranks them, and its command line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from framework import memory_model, planner
+from framework.config import ModelConfig, ParallelConfig, TrainConfig, validate
+from framework.engine import build_engine
+from framework.mesh import make_mesh
+from tests.helpers import OPTIM
+
+# Big enough that activations, weights and optimizer state all weigh (~300 MiB at one
+# device, a third of it not activations), small enough to compile in a few seconds.
+MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                    d_ff=512, dtype="float32")
+TRAIN = TrainConfig(seq_len=64, global_batch_size=16)
+
+
+def compiled_peak_bytes(par: ParallelConfig) -> int:
+    """`memory/peak_bytes_per_device` of the compiled step (abstract inputs: nothing
+    is allocated or run)."""
+    par = validate(MODEL, par, TRAIN, par.n_devices)
+    eng = build_engine(MODEL, par, OPTIM, TRAIN.steps, make_mesh(par))
+    shapes = eng.abstract_params()
+    state = {"params": shapes, "opt_state": jax.eval_shape(eng.optimizer.init, shapes),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         state, eng.state_shardings)
+    tokens = jax.ShapeDtypeStruct((TRAIN.global_batch_size, TRAIN.seq_len + 1), jnp.int32,
+                                  sharding=eng.batch_sharding())
+    return eng.compile(state, tokens)["memory/peak_bytes_per_device"]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(pipeline=2, microbatches=4, schedule="circular", virtual_stages=2),
+    dict(pipeline=4, microbatches=8, schedule="1f1b"),
+    dict(tensor=4, sequence_parallel=True),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, remat="full"),
+    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", zero1=True),
+], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "single")
+def test_memory_prediction_within_15_percent_of_compiled(kw):
+    par = ParallelConfig(**kw)
+    predicted = memory_model.predict_memory(MODEL, par, TRAIN)
+    measured = compiled_peak_bytes(par)
+    print(kw, f"predicted {predicted['total'] / 2**20:.1f} MiB, compiled "
+              f"{measured / 2**20:.1f} MiB, ratio {predicted['total'] / measured:.3f}")
+    assert abs(predicted["total"] / measured - 1) <= 0.15
+
+
+def test_memory_terms_follow_the_schedule_zero1_and_remat():
+    mem = lambda **kw: memory_model.predict_memory(MODEL, ParallelConfig(**kw), TRAIN)
+    gpipe, f1b = mem(pipeline=2, microbatches=8), mem(pipeline=2, microbatches=8, schedule="1f1b")
+    # GPipe keeps all m + p - 1 ticks, 1F1B at most p microbatches (doubled, see module).
+    assert f1b["activations"] < gpipe["activations"] / 2
+    plain, zero1 = mem(data=4), mem(data=4, zero1=True)
+    assert zero1["params"] + zero1["optimizer"] == pytest.approx(
+        (plain["params"] + plain["optimizer"]) / 4, rel=0.02)
+    assert mem(remat="full")["activations"] < mem()["activations"] / 5
+
+
+def test_enumeration_is_valid_and_covers_the_layouts():
+    found = planner.enumerate_layouts(MODEL, TRAIN, 8, ParallelConfig())
+    key = lambda p: (p.pipeline, p.data, p.tensor, p.microbatches, p.schedule,
+                     p.virtual_stages, p.zero1)
+    keys = [key(p) for p in found]
+    assert len(keys) == len(set(keys))
+    for par in found:  # every one passes the same validation a run does
+        assert validate(MODEL, par, TRAIN, 8).n_devices == 8
+        assert par.microbatches >= par.pipeline
+    for expected in [(1, 8, 1, 1, "gpipe", 1, True), (2, 2, 2, 4, "gpipe", 1, False),
+                     (2, 2, 2, 8, "1f1b", 1, True), (2, 4, 1, 2, "circular", 2, False),
+                     (1, 2, 4, 1, "gpipe", 1, False), (8, 1, 1, 16, "1f1b", 1, False)]:
+        assert expected in keys, expected
+    assert not any(k[2] == 8 for k in keys)  # n_kv_heads = 4 cannot be split 8 ways
+    assert not any(k[0] == 8 and k[4] == "circular" for k in keys)  # 8 layers, 16 chunks
+
+
+def test_fit_marking_and_ranking():
+    sizes = sorted(memory_model.predict_memory(MODEL, p, TRAIN)["total"]
+                   for p in planner.enumerate_layouts(MODEL, TRAIN, 8, ParallelConfig()))
+    limit = sizes[len(sizes) // 2]  # about half the layouts fit
+    hw = planner.Hardware(memory_bytes=limit, peak_flops=1e12, memory_fraction=1.0)
+    plans = planner.plan(MODEL, TRAIN, ParallelConfig(), 8, hw)
+    assert {pl.fits for pl in plans} == {True, False}
+    for pl in plans:
+        assert pl.fits == (pl.memory["total"] <= limit)
+    fits = [pl.fits for pl in plans]
+    assert fits == sorted(fits, reverse=True)  # every fitting layout before the others
+    times = [pl.time["total"] for pl in plans if pl.fits]
+    assert times == sorted(times)
+    text = planner.table(plans, top=3, unfit=2)
+    assert text.count(" yes ") >= 3 and text.count(" NO ") == 2
+
+
+def test_time_model_bubble_and_bandwidth():
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    t = lambda hw=hw, **kw: planner.predict_time(MODEL, ParallelConfig(**kw), TRAIN, hw)
+    assert t(pipeline=4, microbatches=16)["compute"] < t(pipeline=4, microbatches=4)["compute"]
+    assert t(pipeline=4, microbatches=4)["bubble"] == pytest.approx(3 / 7)
+    single = t()
+    assert single["comm_tensor"] == single["comm_pipe"] == single["comm_data"] == 0
+    slow = dataclasses.replace(hw, axis_bandwidth=(("tensor", 1e9),))
+    fast = dataclasses.replace(hw, axis_bandwidth=(("tensor", 1e10),))
+    assert t(slow, tensor=4)["comm_tensor"] == pytest.approx(10 * t(fast, tensor=4)["comm_tensor"])
+    assert 0 < t(tensor=4)["mfu"] < 1
+
+
+def test_plan_command_line(capsys):
+    from tools import plan
+
+    assert plan.main(["recipe=llama_tiny_debug", "devices=8", "device_memory_gb=0.003",
+                      "top=4", "unfit=2"]) == 0
+    out = capsys.readouterr().out
+    assert "valid layouts" in out and " yes " in out and " NO " in out
+    assert "the recipe's own layout (pp2-dp2-tp2-mb2)" in out
+    assert plan.main(["recipe=llama_tiny_debug", "devices=8"]) == 2
+    assert "device_memory_gb" in capsys.readouterr().err

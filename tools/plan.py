@@ -1,0 +1,105 @@
+"""Rank the parallel layouts of a recipe for a cluster, before running anything.
+
+    python tools/plan.py recipe=llama_1b_8gpu devices=64 device_memory_gb=80
+    python tools/plan.py recipe=llama_small_3d devices=8 device_memory_gb=16 \\
+        peak_tflops=100 tensor_gbps=300 pipe_gbps=25 data_gbps=25 parallel.remat=full
+
+Enumerates every valid (pipeline, data, tensor, microbatches, schedule, zero1) for
+`devices` devices, predicts per-device memory and step time (framework/planner.py: no
+devices needed, nothing is compiled) and prints them ranked, fastest first, with the
+layouts that do not fit in `device_memory_gb` marked NO. Other `key=value` arguments are
+the usual Hydra overrides (remat and sequence parallelism are taken from them).
+
+Settings (all optional except devices and device_memory_gb):
+  peak_tflops      dense peak per device; default: H100 SXM for the model's dtype
+  tensor_gbps, pipe_gbps, data_gbps   link bandwidth per device per direction (GB/s);
+                   default: 450 (NVLink) while an axis stays inside a node of
+                   devices_per_node devices, else network_gbps
+  network_gbps     default 50 (one 400 Gb/s InfiniBand link per GPU)
+  devices_per_node default 8
+  memory_fraction  share of device memory XLA may fill (default 0.9)
+  top              fitting layouts shown (default 20); unfit: non-fitting shown (5)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from tools.recipe import compose, split_settings, user_error  # noqa: E402
+
+SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,
+            "tensor_gbps": float, "pipe_gbps": float, "data_gbps": float,
+            "network_gbps": float, "devices_per_node": int, "memory_fraction": float,
+            "top": int, "unfit": int}
+
+
+def hardware(settings: dict, dtype: str):
+    from framework import flops, planner
+    from framework.config import ConfigError
+
+    peak = settings.get("peak_tflops")
+    peak = peak * 1e12 if peak else flops.peak_flops_per_device("h100", dtype)
+    pinned = tuple((axis, settings[f"{axis}_gbps"] * planner.GB)
+                   for axis in ("tensor", "pipe", "data") if f"{axis}_gbps" in settings)
+    if settings["device_memory_gb"] <= 0 or settings["devices"] < 1:
+        raise ConfigError("devices and device_memory_gb must be positive")
+    return planner.Hardware(
+        memory_bytes=settings["device_memory_gb"] * 2**30, peak_flops=peak,
+        inter_node=settings.get("network_gbps", 50.0) * planner.GB,
+        devices_per_node=settings.get("devices_per_node", 8), axis_bandwidth=pinned,
+        memory_fraction=settings.get("memory_fraction", 0.9))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def main(argv=None) -> int:
+    from framework.config import ConfigError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        settings, overrides = split_settings(argv, SETTINGS)
+        missing = [k for k in ("devices", "device_memory_gb") if k not in settings]
+        if missing:
+            raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
+                              f"(e.g. devices=8 device_memory_gb=80)")
+        cfg = compose(overrides)
+        from framework import planner
+
+        hw = hardware(settings, cfg.model.dtype)
+        plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw)
+    except ConfigError as err:
+        return user_error(err)
+    if not plans:
+        return user_error(ConfigError(f"no valid layout of this model for "
+                                      f"{settings['devices']} devices"))
+    m, t = cfg.model, cfg.train
+    n_fit = sum(pl.fits for pl in plans)
+    print(f"{m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype}; "
+          f"batch {t.global_batch_size} x {t.seq_len} tokens; remat {cfg.parallel.remat}"
+          f"{', sequence parallel' if cfg.parallel.sequence_parallel else ''}")
+    print(f"{settings['devices']} devices x {settings['device_memory_gb']:g} GiB "
+          f"(usable {hw.memory_fraction:.0%}), peak {hw.peak_flops / 1e12:.1f} TFLOP/s per "
+          f"device; {len(plans)} valid layouts, {n_fit} fit")
+    print(planner.table(plans, settings.get("top", 20), settings.get("unfit", 5)))
+    print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
+          "grads + acts (kept residuals + the largest transient); step ms = compute "
+          "(bubble included) + tensor + pipe + data communication, no overlap assumed.")
+    mine = next((pl for pl in plans if pl.parallel == cfg.parallel), None)
+    if mine is not None:
+        rank = plans.index(mine) + 1
+        print(f"the recipe's own layout ({cfg.parallel.mesh_name}) ranks {rank} of {len(plans)}: "
+              f"{_size(mine.memory['total'])} per device "
+              f"({'fits' if mine.fits else 'does NOT fit'}), {mine.time['total'] * 1e3:.4g} ms per step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
