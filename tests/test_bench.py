@@ -1,0 +1,57 @@
+"""The benchmark's machinery on a tiny configuration: it produces finite positive
+timings, the framework/reference ratio, MFU inputs, compile times and the Markdown
+table. No timing assertions: performance is measured by tools/bench.py itself."""
+
+import dataclasses
+import math
+
+import jax
+import pytest
+
+from framework.config import ConfigError
+from tools import bench
+from tools.recipe import compose
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return compose(["recipe=llama_tiny_debug"])
+
+
+def test_layouts_put_the_reference_shaped_single_device_first(cfg):
+    layouts = bench.layouts_for(cfg, ["2,1,4:microbatches=4:schedule=1f1b:zero1=true"], True)
+    one = layouts[0]
+    assert (one.n_devices, one.microbatches, one.remat, one.schedule) == (1, 1, "none", "gpipe")
+    assert [(p.pipeline, p.data, p.tensor) for p in layouts] == [
+        (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (2, 1, 4)]
+    assert layouts[-1].schedule == "1f1b" and layouts[-1].zero1 and layouts[-1].microbatches == 4
+    with pytest.raises(ConfigError, match="not a parallel"):
+        bench.parse_layout("2,1,1:micro=4", cfg.parallel)
+
+
+def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
+    one = bench.layouts_for(cfg, [], False)[0]
+    rows, ref = bench.measure(cfg, [one], jax.devices(), steps=2, rounds=2, warmup=1,
+                              log=lambda *_: None)
+    for row in rows + [ref]:
+        assert len(row.times) == 4 and len(row.rounds) == 2
+        assert all(math.isfinite(t) and t > 0 for t in row.times)
+        assert row.compile_s > 0
+    assert rows[0].peak_bytes > 0 and rows[0].predicted_bytes > 0
+    ratio = bench.reference_ratio(rows, ref)
+    assert math.isfinite(ratio["ratio_median_of_rounds"]) and ratio["ratio_median_of_rounds"] > 0
+    assert len(ratio["rounds"]) == 2
+    # A row on 8 simulated devices (timings made up: the table only formats them).
+    sim = bench.Row(cfg.parallel.mesh_name, cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
+    text = "\n".join(bench.table(cfg, rows + [sim], ref, peak_flops=1e11,
+                                 per_device_peak=False, simulated=True))
+    assert "| 8 (simulated) |" in text and "| 1 |" in text and "reference (plain JAX)" in text
+    assert text.count("\n") == 2 + len(rows) + 1  # header, rule, layouts, reference
+
+
+def test_host_peak_and_compile_times_are_positive(cfg):
+    assert bench.host_matmul_peak(jax.devices()[0], n=256, reps=3) > 1e6  # FLOP/s
+    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=1))
+    par = bench.layouts_for(small, [], False)[0]
+    times = bench.compile_times(small, par, jax.devices(), layers=(1, 2), reps=1)
+    assert set(times) == {1, 2} and all(t[0] > 0 for t in times.values())

@@ -1,0 +1,395 @@
+"""Steady-state speed of the framework against the plain JAX step, layout by layout.
+
+    python tools/bench.py recipe=llama_small_3d
+    python tools/bench.py recipe=llama_small_3d parallel.tensor=2 \\
+        --layout 4,2,1:microbatches=8:schedule=1f1b
+    python tools/bench.py recipe=llama_tiny_debug --steps 3 --rounds 2 --markdown bench.md
+
+For each layout (default: 1,1,1 2,1,1 1,2,1 1,1,2 2,2,2, the recipe's own, then every
+`--layout P,D,T[:field=value...]`) it compiles the engine's step once (compilation
+excluded from every timing) and, in the same process, the naive single-device
+reference step (`framework/reference.py`). Timing survives a noisy shared machine:
+every runner gets `--rounds` blocks of `--steps` individually timed steps, the blocks
+of all runners interleaved (in a shuffled order per round) after one untimed step, and
+the table quotes medians. The framework/reference ratio at (1,1,1) is also the median
+of per-round ratios, each from blocks run back to back.
+
+MFU: on accelerators against the peak table (`framework/flops.py`); on CPU against
+the host's float32 matmul peak, measured once here (simulated devices share the host's
+cores, so there their rows show the parallel program's overhead, never a speed-up).
+Compile time: the step of the recipe's model traced and compiled with 4 and with 32
+layers, at (1,1,1) and at the recipe's layout (layers are scanned, so 32 layers should
+cost at most 1.5x what 4 cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from tools.recipe import compose, user_error  # noqa: E402
+
+DEFAULT_LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2))
+SIMULATED_NOTE = ", simulated: rows on several devices show overhead, not speed-up"
+
+
+@dataclass
+class Row:
+    name: str
+    parallel: object  # ParallelConfig, or None for the reference
+    n_devices: int
+    times: list = field(default_factory=list)  # seconds per step, every timed step
+    rounds: list = field(default_factory=list)  # median of each round's block
+    compile_s: float = float("nan")
+    peak_bytes: float = float("nan")  # XLA's memory analysis, per device
+    predicted_bytes: float = float("nan")  # framework/memory_model.py
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def parse_layout(spec: str, base):
+    """'P,D,T[:field=value...]' -> ParallelConfig on top of `base` (microbatches and
+    schedule reset to 1 / gpipe unless given: pipeline > 1 keeps the base's)."""
+    from framework.config import ConfigError, ParallelConfig
+
+    degrees, *extras = spec.split(":")
+    try:
+        p, d, t = (int(x) for x in degrees.split(","))
+    except ValueError:
+        raise ConfigError(f"--layout {spec!r}: expected P,D,T[:field=value...]") from None
+    par = dataclasses.replace(base, pipeline=p, data=d, tensor=t)
+    if p == 1:
+        par = dataclasses.replace(par, microbatches=1, schedule="gpipe", virtual_stages=1)
+    types = {f.name: type(getattr(ParallelConfig(), f.name))
+             for f in dataclasses.fields(ParallelConfig)}
+    for extra in extras:
+        key, _, value = extra.partition("=")
+        if key not in types:
+            raise ConfigError(f"--layout {spec!r}: {key!r} is not a parallel.* field")
+        kind = types[key]
+        par = dataclasses.replace(par, **{key: value.lower() in ("1", "true", "yes") if kind is bool
+                                          else kind(value)})
+    return par
+
+
+def layouts_for(cfg, specs: list[str], defaults: bool) -> list:
+    """(1,1,1) with the reference's own settings first (no remat, one microbatch: the
+    ratio compares like with like), then the other default layouts, the recipe's own,
+    and the command line's; duplicates dropped."""
+    base = cfg.parallel
+    one = dataclasses.replace(base, pipeline=1, data=1, tensor=1, microbatches=1,
+                              schedule="gpipe", virtual_stages=1, remat="none", zero1=False,
+                              sequence_parallel=False)
+    found = [one]
+    if defaults:
+        found += [parse_layout(",".join(map(str, d)), base) for d in DEFAULT_LAYOUTS[1:]]
+    found.append(base)
+    found += [parse_layout(s, base) for s in specs]
+    unique = []
+    for par in found:
+        if par not in unique:
+            unique.append(par)
+    return unique
+
+
+def host_matmul_peak(device, n: int = 2048, reps: int = 7) -> float:
+    """FLOP/s of one float32 n x n matmul on `device` (median of reps)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mm(a, a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+class _EngineRunner:
+    def __init__(self, cfg, par, devices, params, tokens):
+        from framework.engine import build_engine
+        from framework.mesh import make_mesh
+        from framework.memory_model import predict_memory
+
+        self.engine = build_engine(cfg.model, par, cfg.optim, cfg.train.steps,
+                                   make_mesh(par, devices))
+        self.state = self.engine.init_state(params)
+        self.tokens = self.engine.shard_batch(tokens)
+        stats = self.engine.compile(self.state, self.tokens)
+        self.compile_s = stats["perf/compile_time_s"]
+        self.peak_bytes = stats.get("memory/peak_bytes_per_device", float("nan"))
+        self.predicted_bytes = predict_memory(cfg.model, par, cfg.train)["total"]
+
+    def step(self):
+        self.state, metrics = self.engine.step(self.state, self.tokens)
+        return metrics["train/loss"]
+
+
+class _ReferenceRunner:
+    def __init__(self, cfg, device, params, tokens):
+        import jax
+
+        from framework import reference
+        from framework.optim import make_optimizer
+
+        optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+        self.fn = reference.reference_train_step(cfg.model, optimizer)
+        self.params = jax.device_put(params, device)
+        self.opt_state = jax.jit(optimizer.init)(self.params)
+        self.tokens = jax.device_put(tokens, device)
+        start = time.perf_counter()
+        self.fn = self.fn.lower(self.params, self.opt_state, self.tokens).compile()
+        self.compile_s = time.perf_counter() - start
+
+    def step(self):
+        self.params, self.opt_state, loss = self.fn(self.params, self.opt_state, self.tokens)
+        return loss
+
+
+def _timed_block(runner, steps: int) -> list[float]:
+    runner.step().block_until_ready()  # untimed: the previous runner's caches, allocation
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.step().block_until_ready()  # one executable: its outputs are ready together
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup: int = 2,
+            seed: int = 0, log=print) -> tuple[list[Row], Row]:
+    """Times every layout and the reference, interleaved; returns (rows, reference row)."""
+    import jax
+
+    from framework.model import init_params
+    from framework.reference import tokens_for_step
+
+    params = jax.jit(lambda key: init_params(cfg.model, key))(jax.random.key(cfg.train.seed))
+    tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
+                             cfg.train.seq_len, cfg.model.vocab_size)
+    runners, rows = [], []
+    for par in layouts:
+        runner = _EngineRunner(cfg, par, devices, params, tokens)
+        rows.append(Row(par.mesh_name, par, par.n_devices, compile_s=runner.compile_s,
+                        peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes))
+        runners.append(runner)
+        log(f"compiled {par.mesh_name} in {runner.compile_s:.1f}s")
+    ref = _ReferenceRunner(cfg, devices[0], params, tokens)
+    ref_row = Row("reference (plain JAX)", None, 1, compile_s=ref.compile_s)
+    runners.append(ref)
+    rows.append(ref_row)
+    for runner in runners:
+        for _ in range(warmup):
+            runner.step().block_until_ready()
+    order = list(range(len(runners)))
+    shuffle = random.Random(seed)
+    for r in range(rounds):
+        shuffle.shuffle(order)
+        for i in order:
+            block = _timed_block(runners[i], steps)
+            rows[i].times += block
+            rows[i].rounds.append(statistics.median(block))
+        log(f"round {r + 1}/{rounds} done")
+    return rows[:-1], ref_row
+
+
+def reference_ratio(rows: list[Row], ref: Row) -> dict:
+    """Framework (1,1,1) (the first row, see `layouts_for`) / reference: the median of
+    per-round ratios, and the ratio of medians."""
+    one = rows[0]
+    per_round = [a / b for a, b in zip(one.rounds, ref.rounds)]
+    return {"ratio_median_of_rounds": statistics.median(per_round),
+            "ratio_of_medians": one.step_s / ref.step_s, "rounds": per_round}
+
+
+def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int, list[float]]:
+    """Seconds to trace + compile the step for each layer count (never run: abstract
+    inputs), repetitions interleaved, each with a fresh engine."""
+    from framework.engine import build_engine
+    from framework.mesh import make_mesh
+
+    out = {n: [] for n in layers}
+    for _ in range(reps):
+        for n in layers:
+            model = dataclasses.replace(cfg.model, n_layers=n)
+            eng = build_engine(model, par, cfg.optim, cfg.train.steps, make_mesh(par, devices))
+            out[n].append(eng.compile(*abstract_inputs(eng, cfg.train))["perf/compile_time_s"])
+    return out
+
+
+def abstract_inputs(engine, train):
+    """(state, tokens) as ShapeDtypeStructs with the engine's shardings: enough to
+    compile and read the memory analysis without allocating anything."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = engine.abstract_params()
+    state = {"params": shapes, "opt_state": jax.eval_shape(engine.optimizer.init, shapes),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         state, engine.state_shardings)
+    tokens = jax.ShapeDtypeStruct((train.global_batch_size, train.seq_len + 1), jnp.int32,
+                                  sharding=engine.batch_sharding())
+    return state, tokens
+
+
+def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bool,
+          simulated: bool) -> list[str]:
+    """Markdown rows: one per layout, then the reference."""
+    from framework.flops import flops_per_token
+
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+    out = ["| layout | devices | step ms (median) | min–max ms | tokens/s | model TFLOP/s | MFU "
+           "| vs reference | compile s | peak MiB/device (XLA) | planner MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows + [ref]:
+        rate = tokens / row.step_s
+        achieved = per_token * rate
+        peak = peak_flops * (row.n_devices if per_device_peak else 1)
+        kind = " (simulated)" if simulated and row.n_devices > 1 else ""
+        mib = lambda b: "–" if b != b else f"{b / 2**20:.0f}"
+        out.append(
+            f"| {row.name}{'' if row.parallel is None else _extras(row.parallel)} "
+            f"| {row.n_devices}{kind} | {row.step_s * 1e3:.1f} "
+            f"| {min(row.times) * 1e3:.0f}–{max(row.times) * 1e3:.0f} | {rate:,.0f} "
+            f"| {achieved / 1e12:.3f} | {achieved / peak:.1%} | {row.step_s / ref.step_s:.3f} "
+            f"| {row.compile_s:.1f} | {mib(row.peak_bytes)} | {mib(row.predicted_bytes)} |")
+    return out
+
+
+def _extras(par) -> str:
+    parts = [k for k, on in (("zero1", par.zero1), ("sp", par.sequence_parallel)) if on]
+    if par.remat != "none":
+        parts.append(f"remat={par.remat}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, compiled: dict) -> str:
+    """The whole result as Markdown: machine, settings, the table, the ratio, compile times."""
+    peak_flops, per_device, peak_what = peak
+    ratio = reference_ratio(rows, ref)
+    m, t = cfg.model, cfg.train
+    kind = "" if devset.kind.lower() == devset.platform else f" ({devset.kind})"
+    lines = [
+        f"# tools/bench.py, {datetime.date.today().isoformat()}",
+        "",
+        f"Machine: {_cpu_name()}, {os.cpu_count()} CPU cores; devices: {len(devset)} "
+        f"{devset.platform}{kind}"
+        f"{SIMULATED_NOTE if devset.simulated else ''}.",
+        f"Model: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype}; "
+        f"batch {t.global_batch_size} x {t.seq_len} tokens. Timing: {args.rounds} interleaved "
+        f"rounds x {args.steps} steps per runner, after {args.warmup} warm-up steps; medians.",
+        f"MFU against the {peak_what}: {peak_flops / 1e9:.1f} GFLOP/s"
+        f"{'' if per_device else ' (the whole host, shared by every simulated device)'}.",
+        "",
+        *table(cfg, rows, ref, peak_flops, per_device, devset.simulated),
+        "",
+        f"**Framework (1,1,1) / reference: {ratio['ratio_median_of_rounds']:.3f}** (median of "
+        f"per-round ratios {', '.join(f'{r:.3f}' for r in ratio['rounds'])}; ratio of medians "
+        f"{ratio['ratio_of_medians']:.3f}).",
+        "",
+        f"Compile time (trace + compile, seconds, {args.compile_reps} interleaved repetitions):",
+        "",
+    ]
+    lo, hi = args.compile_layers
+    for name, times in compiled.items():
+        med = {n: statistics.median(x) for n, x in times.items()}
+        lines.append(
+            f"- {name}: {lo} layers {', '.join(f'{x:.2f}' for x in times[lo])}; {hi} layers "
+            f"{', '.join(f'{x:.2f}' for x in times[hi])}; ratio of medians "
+            f"{med[hi] / med[lo]:.2f}, of minima {min(times[hi]) / min(times[lo]):.2f}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layout", action="append", default=[],
+                        help="P,D,T[:field=value...], e.g. 2,2,2:microbatches=8:schedule=1f1b")
+    parser.add_argument("--no-defaults", action="store_true",
+                        help="only (1,1,1), the recipe's layout and --layout's")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved blocks per runner")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    parser.add_argument("--compile-layers", type=int, nargs=2, default=[4, 32])
+    parser.add_argument("--compile-reps", type=int, default=3)
+    parser.add_argument("--markdown", type=Path, help="also write the report here")
+    return parser
+
+
+def main(argv=None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    from framework import devices as devices_lib
+    from framework.config import ConfigError, DevicesConfig, ParallelConfig, check, validate
+
+    try:
+        cfg = compose(overrides)
+        layouts = layouts_for(cfg, args.layout, not args.no_defaults)
+        wanted = max(par.n_devices for par in layouts)
+        devset = devices_lib.start(DevicesConfig(cfg.devices.platform, wanted), ParallelConfig())
+        valid = []
+        for par in layouts:
+            if par.n_devices > len(devset):
+                print(f"skipped {par.mesh_name}: needs {par.n_devices} devices, {len(devset)} here")
+                continue
+            with warnings.catch_warnings():  # microbatches < pipeline: measured anyway
+                warnings.simplefilter("ignore")
+                valid.append(validate(cfg.model, par, cfg.train, par.n_devices))
+    except ConfigError as err:
+        return user_error(err)
+
+    import jax
+
+    from framework.flops import peak_flops_per_device
+
+    jax.config.update("jax_enable_compilation_cache", False)  # time real compilations
+    if devset.platform == "cpu":
+        peak = (host_matmul_peak(devset.devices[0]), False, "host float32 matmul peak (measured)")
+    else:
+        peak = (peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
+                f"{devset.kind} {cfg.model.dtype} peak per device (table)")
+    print(f"{peak[2]}: {peak[0] / 1e9:.1f} GFLOP/s", flush=True)
+    rows, ref = measure(cfg, valid, devset.devices, args.steps, args.rounds, args.warmup)
+    compiled = {}  # the single device, and the recipe's own layout if it runs here
+    for par in [valid[0]] + [p for p in valid[1:] if p == cfg.parallel]:
+        counts = [dataclasses.replace(cfg.model, n_layers=n) for n in args.compile_layers]
+        if not any(check(model, par, cfg.train, par.n_devices) for model in counts):
+            compiled[par.mesh_name] = compile_times(
+                cfg, par, devset.devices, tuple(args.compile_layers), args.compile_reps)
+    text = report(cfg, devset, args, peak, rows, ref, compiled)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
