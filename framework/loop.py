@@ -48,12 +48,15 @@ class LoopSettings:
 class Hook:
     """A side effect after some steps: `fn(step, state)` returns metrics for that step's
     record (e.g. eval/loss), or None. Due every `every` steps (0: never) and, with
-    `at_end`, after step `LoopSettings.steps`."""
+    `at_end`, after step `LoopSettings.steps`. `after_log` hooks run once the step's
+    record is written: a checkpoint must never be on disk without the records of the
+    steps it contains, or a run resumed from it would miss them."""
 
     name: str
     every: int
     fn: Callable[[int, Any], dict | None]
     at_end: bool = False
+    after_log: bool = False
 
     def due(self, step: int, last: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last)
@@ -119,11 +122,11 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
         if due or log_now or stopped or step == settings.steps:
             check_finite(unchecked)  # waits for this step
         extra: dict = {}
-        if due:
-            started = time.perf_counter()
-            for hook in due:
+        started = time.perf_counter()
+        for hook in due:
+            if not hook.after_log:
                 extra.update(hook.fn(step, state) or {})
-            paused += time.perf_counter() - started
+        paused += time.perf_counter() - started
         logger.update(step)
         if log_now or extra:
             record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
@@ -138,6 +141,11 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
             pending_once = {}
             logger.log(step, record)
             window_start, window_steps, paused = time.perf_counter(), 0, 0.0
+        started = time.perf_counter()
+        for hook in due:
+            if hook.after_log:
+                hook.fn(step, state)
+        paused += time.perf_counter() - started
         if stopped:
             break
     return LoopResult(state, step, first_step_s, stopped)

@@ -258,7 +258,8 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
                           make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
     if cfg.checkpoint.every:
         hooks.append(Hook("checkpoint", cfg.checkpoint.every,
-                          lambda step, state: _save(ckpt, engine, state, step, cfg)))
+                          lambda step, state: _save(ckpt, engine, state, step, cfg),
+                          after_log=True))
     settings = LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=start,
                             constants=constants,
                             once={"perf/compile_time_s": stats["perf/compile_time_s"]})

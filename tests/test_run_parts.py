@@ -202,6 +202,16 @@ def test_hooks_add_their_metrics_and_results_report_the_steps():
                                                                             8: 18.0}
 
 
+def test_a_checkpoint_is_saved_only_after_its_steps_record_is_written():
+    logger, seen = ListLogger(), []
+    save = loop.Hook("checkpoint", 2, lambda step, state: seen.append(
+        (step, [s for s, _ in logger.records])), after_log=True)
+    loop.train_loop(FakeEngine([1.0] * 4), 0, lambda i: i,
+                    loop.LoopSettings(steps=4, log_every=2), logger,
+                    lambda t: {"perf/tokens_per_sec": 1.0 / t}, (save,))
+    assert seen == [(2, [2]), (4, [2, 4])]
+
+
 def test_sigterm_only_sets_a_flag_and_the_loop_stops_at_the_next_step_boundary():
     before = signal.getsignal(signal.SIGTERM)
     kill = loop.Hook("sigterm", 2, lambda step, state: os.kill(os.getpid(), signal.SIGTERM))
