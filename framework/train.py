@@ -203,8 +203,13 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
         tracker = make_tracker(cfg, run_dir, run_config, base, primary,
                                resumed_at=point[1] if own else None,
                                start=0 if point is None else point[1])
+        # From here on SIGTERM only sets a flag (also while restoring and compiling):
+        # the run stops at the next step boundary, with a checkpoint.
         try:
-            status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, point)
+            with StopRequests(multi_process=devset.process_count > 1,
+                              stop_at=cfg.train.stop_at) as stop:
+                status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, point,
+                                         stop)
         except BaseException as err:  # record why, then let it propagate
             status = ("interrupted" if isinstance(err, KeyboardInterrupt) else
                       "diverged" if isinstance(err, Diverged) else "failed")
@@ -228,7 +233,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
 
 
 def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
-           point: tuple[str, int] | None) -> tuple[str, dict]:
+           point: tuple[str, int] | None, stop: StopRequests) -> tuple[str, dict]:
     """Restores or initializes the state, trains, saves the last checkpoint.
     Returns (status, numbers for the summary)."""
     batches = make_batches(dataset, engine)
@@ -265,14 +270,11 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
                             once={"perf/compile_time_s": stats["perf/compile_time_s"]})
     tracker.summary.update(stats)
     tracker.summary["model/flops_per_token"] = per_token
-    multi = devset.process_count > 1
-    with StopRequests(multi_process=multi, stop_at=cfg.train.stop_at) as stop:
-        result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks),
-                            stop)
-        # The last checkpoint: at the end, at train.stop_at, or on SIGTERM. A second
-        # SIGTERM meanwhile only sets the flag again.
-        _save(ckpt, engine, result.state, result.step, cfg)
-        ckpt.wait()
+    result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks), stop)
+    # The last checkpoint: at the end, at train.stop_at, or on SIGTERM. A second SIGTERM
+    # meanwhile only sets the flag again.
+    _save(ckpt, engine, result.state, result.step, cfg)
+    ckpt.wait()
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
                                            "last_checkpoint_step": ckpt.latest_step()}
