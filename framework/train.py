@@ -181,8 +181,10 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
 
     # Every process saves into process 0's folder (the run folders of other processes
     # may differ, e.g. Hydra's default time-stamped ones).
-    folder = distributed.agree(str(Path(cfg.checkpoint.dir or run_dir / CHECKPOINT_DIR)
-                                   .expanduser().absolute()))
+    folder = str(cfg.checkpoint.dir or run_dir / CHECKPOINT_DIR)
+    if "://" not in folder:  # local; remote (gs://...) paths are kept as given
+        folder = str(Path(folder).expanduser().absolute())
+    folder = distributed.agree(folder)
     ckpt = Checkpointer(folder, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     try:
         point = resume_point(cfg, ckpt)
