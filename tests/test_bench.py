@@ -31,16 +31,18 @@ def test_layouts_put_the_reference_shaped_single_device_first(cfg):
 
 def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
     one = bench.layouts_for(cfg, [], False)[0]
-    rows, ref = bench.measure(cfg, [one], jax.devices(), steps=2, rounds=2, warmup=1,
-                              log=lambda *_: None)
+    rows, ref, pairs = bench.measure(cfg, [one], jax.devices(), steps=2, rounds=2, warmup=1,
+                                     pairs=3, log=lambda *_: None)
     for row in rows + [ref]:
         assert len(row.times) == 4 and len(row.rounds) == 2
         assert all(math.isfinite(t) and t > 0 for t in row.times)
         assert row.compile_s > 0
     assert rows[0].peak_bytes > 0 and rows[0].predicted_bytes > 0
-    ratio = bench.reference_ratio(rows, ref)
-    assert math.isfinite(ratio["ratio_median_of_rounds"]) and ratio["ratio_median_of_rounds"] > 0
-    assert len(ratio["rounds"]) == 2
+    assert len(pairs) == 3 and all(a > 0 and b > 0 for a, b in pairs)
+    ratio = bench.reference_ratio(rows, ref, pairs)
+    for key in ("paired", "median_of_rounds", "of_medians", "of_minima"):
+        assert math.isfinite(ratio[key]) and ratio[key] > 0, key
+    assert len(ratio["rounds"]) == 2 and len(ratio["pairs"]) == 3
     # A row on 8 simulated devices (timings made up: the table only formats them).
     sim = bench.Row(cfg.parallel.mesh_name, cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
     text = "\n".join(bench.table(cfg, rows + [sim], ref, peak_flops=1e11,

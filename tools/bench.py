@@ -11,8 +11,10 @@ excluded from every timing) and, in the same process, the naive single-device
 reference step (`framework/reference.py`). Timing survives a noisy shared machine:
 every runner gets `--rounds` blocks of `--steps` individually timed steps, the blocks
 of all runners interleaved (in a shuffled order per round) after one untimed step, and
-the table quotes medians. The framework/reference ratio at (1,1,1) is also the median
-of per-round ratios, each from blocks run back to back.
+the table quotes medians. The framework/reference ratio at (1,1,1) is the median over
+`--pairs` back-to-back pairs of one framework and one reference step (which one goes
+first alternates): on a machine whose load changes from second to second, only
+neighbouring steps see the same machine.
 
 MFU: on accelerators against the peak table (`framework/flops.py`); on CPU against
 the host's float32 matmul peak, measured once here (simulated devices share the host's
@@ -163,19 +165,18 @@ class _ReferenceRunner:
         return loss
 
 
-def _timed_block(runner, steps: int) -> list[float]:
-    runner.step().block_until_ready()  # untimed: the previous runner's caches, allocation
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        runner.step().block_until_ready()  # one executable: its outputs are ready together
-        times.append(time.perf_counter() - start)
-    return times
+def _timed_step(runner) -> float:
+    start = time.perf_counter()
+    runner.step().block_until_ready()  # one executable: its outputs are ready together
+    return time.perf_counter() - start
 
 
 def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup: int = 2,
-            seed: int = 0, log=print) -> tuple[list[Row], Row]:
-    """Times every layout and the reference, interleaved; returns (rows, reference row)."""
+            pairs: int = 20, seed: int = 0, log=print) -> tuple[list[Row], Row, list]:
+    """Times every layout and the reference, interleaved. Returns (rows, reference row,
+    pairs): `pairs` more steps of the first layout and of the reference run back to
+    back (alternating which goes first), [(framework s, reference s), ...]: on a shared
+    machine whose load changes by the second, neighbouring steps see the same load."""
     import jax
 
     from framework.model import init_params
@@ -192,9 +193,8 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
         runners.append(runner)
         log(f"compiled {par.mesh_name} in {runner.compile_s:.1f}s")
     ref = _ReferenceRunner(cfg, devices[0], params, tokens)
-    ref_row = Row("reference (plain JAX)", None, 1, compile_s=ref.compile_s)
+    rows.append(Row("reference (plain JAX)", None, 1, compile_s=ref.compile_s))
     runners.append(ref)
-    rows.append(ref_row)
     for runner in runners:
         for _ in range(warmup):
             runner.step().block_until_ready()
@@ -203,20 +203,30 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
     for r in range(rounds):
         shuffle.shuffle(order)
         for i in order:
-            block = _timed_block(runners[i], steps)
+            _timed_step(runners[i])  # untimed: the previous runner's caches, allocation
+            block = [_timed_step(runners[i]) for _ in range(steps)]
             rows[i].times += block
             rows[i].rounds.append(statistics.median(block))
         log(f"round {r + 1}/{rounds} done")
-    return rows[:-1], ref_row
+    paired = []
+    for k in range(pairs):
+        first, second = (runners[0], ref) if k % 2 == 0 else (ref, runners[0])
+        a, b = _timed_step(first), _timed_step(second)
+        paired.append((a, b) if k % 2 == 0 else (b, a))
+    return rows[:-1], rows[-1], paired
 
 
-def reference_ratio(rows: list[Row], ref: Row) -> dict:
-    """Framework (1,1,1) (the first row, see `layouts_for`) / reference: the median of
-    per-round ratios, and the ratio of medians."""
+def reference_ratio(rows: list[Row], ref: Row, pairs: list) -> dict:
+    """Framework (1,1,1) (the first row, see `layouts_for`) / reference, four ways: the
+    median of back-to-back step pairs (the headline: robust to load changing over
+    time), the median of per-round ratios, the ratio of medians and of minima."""
     one = rows[0]
     per_round = [a / b for a, b in zip(one.rounds, ref.rounds)]
-    return {"ratio_median_of_rounds": statistics.median(per_round),
-            "ratio_of_medians": one.step_s / ref.step_s, "rounds": per_round}
+    per_pair = [a / b for a, b in pairs]
+    return {"paired": statistics.median(per_pair) if pairs else float("nan"),
+            "pairs": per_pair,
+            "median_of_rounds": statistics.median(per_round), "rounds": per_round,
+            "of_medians": one.step_s / ref.step_s, "of_minima": min(one.times) / min(ref.times)}
 
 
 def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int, list[float]]:
@@ -292,10 +302,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, compiled: dict) -> str:
+def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: list,
+           compiled: dict) -> str:
     """The whole result as Markdown: machine, settings, the table, the ratio, compile times."""
     peak_flops, per_device, peak_what = peak
-    ratio = reference_ratio(rows, ref)
+    ratio = reference_ratio(rows, ref, pairs)
+    quartiles = statistics.quantiles(ratio["pairs"], n=4) if len(pairs) > 1 else [float("nan")] * 3
     m, t = cfg.model, cfg.train
     kind = "" if devset.kind.lower() == devset.platform else f" ({devset.kind})"
     lines = [
@@ -312,9 +324,11 @@ def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, compiled: 
         "",
         *table(cfg, rows, ref, peak_flops, per_device, devset.simulated),
         "",
-        f"**Framework (1,1,1) / reference: {ratio['ratio_median_of_rounds']:.3f}** (median of "
-        f"per-round ratios {', '.join(f'{r:.3f}' for r in ratio['rounds'])}; ratio of medians "
-        f"{ratio['ratio_of_medians']:.3f}).",
+        f"**Framework (1,1,1) / reference: {ratio['paired']:.3f}**, the median over "
+        f"{len(pairs)} back-to-back step pairs (quartiles {quartiles[0]:.3f}, "
+        f"{quartiles[2]:.3f}). From the table's blocks: median of per-round ratios "
+        f"{ratio['median_of_rounds']:.3f} ({', '.join(f'{r:.3f}' for r in ratio['rounds'])}), "
+        f"ratio of medians {ratio['of_medians']:.3f}, of minima {ratio['of_minima']:.3f}.",
         "",
         f"Compile time (trace + compile, seconds, {args.compile_reps} interleaved repetitions):",
         "",
@@ -339,6 +353,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved blocks per runner")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    parser.add_argument("--pairs", type=int, default=20,
+                        help="back-to-back (1,1,1)/reference step pairs for the ratio")
     parser.add_argument("--compile-layers", type=int, nargs=2, default=[4, 32])
     parser.add_argument("--compile-reps", type=int, default=3)
     parser.add_argument("--markdown", type=Path, help="also write the report here")
@@ -377,14 +393,15 @@ def main(argv=None) -> int:
         peak = (peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
                 f"{devset.kind} {cfg.model.dtype} peak per device (table)")
     print(f"{peak[2]}: {peak[0] / 1e9:.1f} GFLOP/s", flush=True)
-    rows, ref = measure(cfg, valid, devset.devices, args.steps, args.rounds, args.warmup)
+    rows, ref, pairs = measure(cfg, valid, devset.devices, args.steps, args.rounds,
+                               args.warmup, args.pairs)
     compiled = {}  # the single device, and the recipe's own layout if it runs here
     for par in [valid[0]] + [p for p in valid[1:] if p == cfg.parallel]:
         counts = [dataclasses.replace(cfg.model, n_layers=n) for n in args.compile_layers]
         if not any(check(model, par, cfg.train, par.n_devices) for model in counts):
             compiled[par.mesh_name] = compile_times(
                 cfg, par, devset.devices, tuple(args.compile_layers), args.compile_reps)
-    text = report(cfg, devset, args, peak, rows, ref, compiled)
+    text = report(cfg, devset, args, peak, rows, ref, pairs, compiled)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
