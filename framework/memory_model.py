@@ -57,10 +57,6 @@ from framework.tensor_parallel import TensorParallel
 FP32 = 4
 
 
-# --------------------------------------------------------------------------------------
-# Memory
-
-
 class _ShapeOnlyTP(TensorParallel):
     """The tensor-parallel operators with their collectives replaced by shape-equivalent
     local ops, so one device's layer can be traced without a mesh: same local weight
