@@ -48,7 +48,8 @@ class Collective:
     group_size: int
     senders: float  # fraction of devices that send (1 except for permutes)
     pairs: list[tuple[int, int]] | None  # collective-permute source -> target
-    name: str
+    name: str  # the HLO instruction
+    op_name: str = ""  # the JAX operation it came from (metadata), e.g. ".../Block/attn/..."
 
     @property
     def buffer_bytes(self) -> int:
@@ -148,12 +149,14 @@ def _axes_of(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def _scope_weight(line: str, scope_weights: dict[str, float] | None) -> float:
+def _op_name(line: str) -> str:
     m = re.search(r'op_name="([^"]*)"', line)
-    if not scope_weights or not m:
-        return 1.0
+    return m.group(1) if m else ""
+
+
+def _scope_weight(op_name: str, scope_weights: dict[str, float] | None) -> float:
     weight = 1.0
-    for part in re.split(r"[/()]", m.group(1)):
+    for part in re.split(r"[/()]", op_name) if scope_weights else ():
         weight *= scope_weights.get(part, 1.0)
     return weight
 
@@ -194,8 +197,10 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
                 senders = sum(len(g) for g in groups if len(g) > 1) / n
             axes = tuple(sorted({a for g in groups for a in _axes_of(g, mesh_shape)},
                                 key=list(mesh_shape).index))
-            runs = mult[comp] * _scope_weight(line, scope_weights)
-            found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, m.group(1)))
+            op_name = _op_name(line)
+            runs = mult[comp] * _scope_weight(op_name, scope_weights)
+            found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, m.group(1),
+                                    op_name))
     return found
 
 

@@ -251,11 +251,19 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
                     lambda: zeros((b, seq_local, model.d_model), jnp.dtype(model.dtype)))
         chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
         outputs, useful = run_forward(schedule, stage_fn, chunks, microbatches(x))
-        y = outputs.reshape(x.shape)  # [b, seq(/tensor), embed], the last rank's output
-        loss = only_on(ON_LAST, rank == p - 1, lambda: head_loss_fn(
-            params["head"], params["embed"], y, targets, n_tokens_global),
+        # outputs: [micro, mb, seq(/tensor), embed], meaningful on the last rank.
+        loss = only_on(ON_LAST, rank == p - 1, lambda: head_loss_by_microbatch(
+            params["head"], params["embed"], outputs, microbatches(targets), n_tokens_global),
             lambda: zeros((), jnp.float32, MANUAL))
         return loss, useful
+
+    def head_loss_by_microbatch(head, embed, y_mb, targets_mb, n_tokens_global):
+        """Head + loss one microbatch at a time, recomputed in the backward, so only one
+        microbatch's [mb, seq, vocab/tensor] logits are ever alive (not the batch's)."""
+        one = jax.checkpoint(lambda y, t: head_loss_fn(head, embed, y, t, n_tokens_global))
+        total, _ = jax.lax.scan(lambda acc, yt: (acc + one(*yt), None),
+                                zeros((), jnp.float32, MANUAL), (y_mb, targets_mb))
+        return total
 
     def value_and_grad(params, tokens, n_tokens_global):
         if schedule.backward_by_autodiff:

@@ -23,11 +23,12 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  where the chunk's weights are sliced per tick; plus the whole local
                  batch's hidden states (inputs, outputs and their gradients);
                1F1B: `Schedule.max_in_flight` stash slots (at most p), each a chunk's
-                 residuals for one microbatch plus its dy, double-buffered (the tick's
-                 `lax.switch` returns the stash it was given; measured).
+                 residuals for one microbatch plus its dy, and two slot-sized
+                 temporaries per tick: the entry a forward returns from the tick's
+                 `lax.switch`, and the old entry read for the masked write (measured).
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
-             float32 logits-sized tensors, for the whole local batch under GPipe, one
-             microbatch under 1F1B) and one layer's backward (its full residuals once
+             float32 logits-sized tensors of one microbatch: both executors run the head
+             microbatch by microbatch) and one layer's backward (its full residuals once
              more, plus the tick's slice of the residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
@@ -158,10 +159,10 @@ def _param_bytes(key, pipeline: int, n_chunks: int, data: int, tensor: int,
     return full, local(specs), stages
 
 
-# float32 [rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
+# float32 [mb rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
 # their exponentials, the logit gradients, ...), read from XLA's buffer assignment of
-# llama_1b_8gpu's step: GPipe runs the head on the whole local batch after the tick
-# loop, 1F1B on one microbatch at a time inside it.
+# llama_1b_8gpu's step: GPipe runs the head microbatch by microbatch after the tick loop
+# (recomputing it in the backward), 1F1B inside it.
 LOGIT_COPIES = {"autodiff": 4, "1f1b": 3}
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
@@ -193,14 +194,14 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
             per_tick += fixed + stage_weights // v
         kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
-        head = LOGIT_COPIES["autodiff"] * logits * rows
+        head = LOGIT_COPIES["autodiff"] * logits * mb_rows
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
             grads += stage_weights  # for the stage's weights
-    else:  # 1F1B: stash slots of whole VJPs + dy, double-buffered by the tick's switch
+    else:  # 1F1B: stash slots of whole VJPs + dy, + the new and the overwritten entry
         slot = res.chunk(layers, mb_rows) + hidden
-        kept = 2 * int(sched.max_in_flight().max()) * slot
+        kept = (int(sched.max_in_flight().max()) + 2) * slot
         head = LOGIT_COPIES["1f1b"] * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
         grads += full  # the tick loop's gradient accumulators

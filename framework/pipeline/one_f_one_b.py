@@ -76,7 +76,10 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     stash = [zeros(a, n_stash) for a in acts_shape]
     buf = zeros(x_shape, n_recv)
 
-    def forward(c, mb):
+    # Each branch takes the carry `c` and the (read-only) stash, and returns the carry,
+    # the messages to send and the new stash entry; the stash is written after the
+    # switch, so the compiler need not copy it into and out of the conditional.
+    def forward(c, stash, mb):
         with jax.named_scope(FORWARD):
             return _forward(c, mb)
 
@@ -85,7 +88,6 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
                     lambda: c["recv_f"][mb % n_recv])
         y, vjp_fn = jax.vjp(stage_fn, params["chunk"], x)
         acts, _, _ = _split_vjp(vjp_fn, params["chunk"])
-        c["stash"] = [s.at[mb % n_stash].set(a) for s, a in zip(c["stash"], acts)]
 
         def head(c):  # last stage: loss of this microbatch and dL/dy for its backward
             loss, (g_head, g_embed, dy) = jax.value_and_grad(head_loss_fn, argnums=(0, 1, 2))(
@@ -96,17 +98,17 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
             return c
 
         c = only_on(ON_LAST, is_last, lambda: head(c), lambda: c)
-        return c, y, jnp.zeros_like(y)
+        return c, y, jnp.zeros_like(y), acts
 
-    def backward(c, mb):
+    def backward(c, stash, mb):
         with jax.named_scope(BACKWARD):
-            return _backward(c, mb)
+            return _backward(c, stash, mb)
 
-    def _backward(c, mb):
+    def _backward(c, stash, mb):
         dy = jnp.where(is_last, c["dy"][mb % n_stash], c["recv_b"][mb % n_recv])
         _, probe = jax.vjp(stage_fn, params["chunk"], jnp.zeros_like(dy))  # structure only
         _, treedef, slots = _split_vjp(probe, params["chunk"])
-        acts = [s[mb % n_stash] for s in c["stash"]]
+        acts = [s[mb % n_stash] for s in stash]
         g_chunk, dx = _join_vjp(acts, treedef, slots, params["chunk"])(dy)
         g_embed = only_on(
             ON_FIRST, is_first,
@@ -114,14 +116,19 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
             lambda: jax.tree.map(jnp.zeros_like, params["embed"]))
         c["grads"] = dict(c["grads"], chunk=_add(c["grads"]["chunk"], g_chunk),
                           embed=_add(c["grads"]["embed"], g_embed))
-        return c, jnp.zeros_like(dx), dx
+        return c, jnp.zeros_like(dx), dx, no_acts(stash)
 
-    def idle(c, mb):
-        return c, jnp.zeros_like(buf[0]), jnp.zeros_like(buf[0])
+    def idle(c, stash, mb):
+        return c, jnp.zeros_like(buf[0]), jnp.zeros_like(buf[0]), no_acts(stash)
 
-    def tick(c, row):
+    def no_acts(stash):
+        return [jnp.zeros_like(s[0]) for s in stash]
+
+    def tick(carry, row):
+        c, stash = carry
         act, mb = row["action"][rank], row["microbatch"][rank]
-        c, send_f, send_b = jax.lax.switch(act, [idle, forward, backward], c, mb)
+        c, send_f, send_b, acts = jax.lax.switch(act, [idle, forward, backward], c, stash, mb)
+        stash = [_store(s, a, mb % n_stash, act == FWD) for s, a in zip(stash, acts)]
         c["useful"] = c["useful"] + (act != IDLE).astype(jnp.int32)
         if p > 1:  # activations one stage forward, gradients one stage back
             got_f = only_on(SEND_FORWARD, row["send_f"], lambda: jax.lax.ppermute(
@@ -133,15 +140,15 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
                                  (rank > 0) & (row["action"][prev] == FWD))
             c["recv_b"] = _store(c["recv_b"], got_b, row["microbatch"][nxt] % n_recv,
                                  (rank < p - 1) & (row["action"][nxt] == BWD))
-        return c, None
+        return (c, stash), None
 
     carry = {
-        "recv_f": buf, "recv_b": buf, "stash": stash,
+        "recv_f": buf, "recv_b": buf,
         "dy": zeros(x_shape, n_stash),
         "grads": jax.tree.map(zeros, params), "loss": zeros(jnp.zeros((), jnp.float32)),
         "useful": varying(jnp.zeros((), jnp.int32)),
     }
-    carry, _ = jax.lax.scan(tick, carry, rows)
+    (carry, _), _ = jax.lax.scan(tick, (carry, stash), rows)
     return carry["loss"], carry["grads"], carry["useful"]
 
 
