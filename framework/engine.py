@@ -260,6 +260,8 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
     def head_loss_by_microbatch(head, embed, y_mb, targets_mb, n_tokens_global):
         """Head + loss one microbatch at a time, recomputed in the backward, so only one
         microbatch's [mb, seq, vocab/tensor] logits are ever alive (not the batch's)."""
+        if m == 1:  # the whole batch is one microbatch: nothing to save by recomputing
+            return head_loss_fn(head, embed, y_mb[0], targets_mb[0], n_tokens_global)
         one = jax.checkpoint(lambda y, t: head_loss_fn(head, embed, y, t, n_tokens_global))
         total, _ = jax.lax.scan(lambda acc, yt: (acc + one(*yt), None),
                                 zeros((), jnp.float32, MANUAL), (y_mb, targets_mb))

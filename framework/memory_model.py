@@ -162,8 +162,8 @@ def _param_bytes(key, pipeline: int, n_chunks: int, data: int, tensor: int,
 # float32 [mb rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
 # their exponentials, the logit gradients, ...), read from XLA's buffer assignment of
 # llama_1b_8gpu's step: GPipe runs the head microbatch by microbatch after the tick loop
-# (recomputing it in the backward), 1F1B inside it.
-LOGIT_COPIES = {"autodiff": 4, "1f1b": 3}
+# (recomputing it in the backward; with one microbatch, directly), 1F1B inside it.
+LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
 GPIPE_BATCH_COPIES = 4
@@ -194,7 +194,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
             per_tick += fixed + stage_weights // v
         kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
-        head = LOGIT_COPIES["autodiff"] * logits * mb_rows
+        head = LOGIT_COPIES["per_microbatch" if m > 1 else "whole_batch"] * logits * mb_rows
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator

@@ -256,7 +256,9 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     def perf(step_time: float) -> dict:
         return flops.throughput(tokens_per_step / step_time, len(devset), per_token, peak)
 
-    constants = {k: v for k, v in stats.items() if k.startswith("memory/peak")}
+    # The compiled step's memory analysis and communication per mesh axis, in every record.
+    constants = {k: v for k, v in stats.items()
+                 if k.startswith(("memory/peak", "memory/temp", "comm/"))}
     if dataset.entropy_floor is not None:
         constants["data/entropy_floor"] = dataset.entropy_floor
     hooks = []

@@ -93,8 +93,11 @@ def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
     for key in ("train/loss", "train/grad_norm", "train/lr", "perf/step_time_s",
                 "perf/tokens_per_sec", "perf/tokens_per_sec_per_device",
                 "perf/tflops_per_device", "perf/mfu", "pipeline/bubble_fraction",
-                "pipeline/bubble_fraction_measured", "memory/peak_bytes_per_device"):
+                "pipeline/bubble_fraction_measured", "memory/peak_bytes_per_device",
+                "memory/temp_bytes_per_device", "comm/bytes_per_step/pipe",
+                "comm/bytes_per_step/data", "comm/bytes_per_step/tensor"):
         assert all(key in r for r in records), key
+    assert all(records[-1][f"comm/bytes_per_step/{a}"] > 0 for a in ("pipe", "data", "tensor"))
     assert records[-1]["perf/tokens_per_sec"] > 0 and records[-1]["perf/mfu"] is None
     assert records[0]["perf/compile_time_s"] > 0
     assert "perf/compile_time_s" not in records[1]  # reported once
@@ -105,6 +108,7 @@ def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
     assert summary["parallel"]["pipeline"] == summary["parallel"]["data"] == 2
     assert summary["train/loss"] == records[-1]["train/loss"]
     assert summary["memory/peak_bytes_per_device"] > 0
+    assert summary["memory/temp_bytes_per_device"] > 0
 
 
 def test_offline_wandb_history_read_back_from_the_run_file(tiny_run):
