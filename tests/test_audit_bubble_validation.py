@@ -124,3 +124,23 @@ def test_data_minus_one_fills_devices_and_few_microbatches_warns():
     assert par.data == 2
     with pytest.warns(UserWarning, match="bubble will exceed 50%"):
         validate(MODEL, ParallelConfig(pipeline=4, data=1, tensor=2, microbatches=2), TRAIN, 8)
+
+
+def test_comm_audit_command_line_lists_collectives_and_axes():
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).resolve().parents[1] / "tools" / "comm_audit.py"
+    proc = subprocess.run([sys.executable, str(tool), "recipe=llama_tiny_debug"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("collective-permute") and " pipe " in line for line in lines)
+    axes = {line.split()[0]: line.split() for line in lines if line.split()[:1] in
+            (["pipe"], ["data"], ["tensor"])}
+    assert set(axes) == {"pipe", "data", "tensor"}
+    for axis, (_, measured, expected, ratio) in axes.items():
+        assert float(measured.replace(",", "")) > 0 and float(ratio) >= 0.99, axis
+    bad = subprocess.run([sys.executable, str(tool), "recipe=llama_tiny_debug",
+                          "parallel.pipeline=3"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
