@@ -95,6 +95,18 @@ class Engine:
         """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves)."""
         return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
 
+    def abstract_inputs(self, global_batch_size: int, seq_len: int):
+        """(state, tokens) as ShapeDtypeStructs with this engine's shardings: enough to
+        compile the step and read its memory and communication without allocating."""
+        shapes = self.abstract_params()
+        state = {"params": shapes, "opt_state": jax.eval_shape(self.optimizer.init, shapes),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             state, self.state_shardings)
+        tokens = jax.ShapeDtypeStruct((global_batch_size, seq_len + 1), jnp.int32,
+                                      sharding=self.batch_sharding())
+        return state, tokens
+
     def loss_and_grads_fn(self):
         """Jitted (params, tokens) -> (loss, grads in train layout, useful ticks): the
         step without the optimizer, for parity tests and audits."""
@@ -245,14 +257,15 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
         rank); its gradient is taken by autodiff through the whole tick loop."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
         rank = jax.lax.axis_index("pipe")
+        first, last = (rank == 0, rank == p - 1) if p > 1 else (True, True)
         b, seq = inputs.shape
         seq_local = seq // parallel.tensor if tp.sequence_parallel else seq
-        x = only_on(ON_FIRST, rank == 0, lambda: embed_fn(params["embed"], inputs),
+        x = only_on(ON_FIRST, first, lambda: embed_fn(params["embed"], inputs),
                     lambda: zeros((b, seq_local, model.d_model), jnp.dtype(model.dtype)))
         chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
         outputs, useful = run_forward(schedule, stage_fn, chunks, microbatches(x))
         # outputs: [micro, mb, seq(/tensor), embed], meaningful on the last rank.
-        loss = only_on(ON_LAST, rank == p - 1, lambda: head_loss_by_microbatch(
+        loss = only_on(ON_LAST, last, lambda: head_loss_by_microbatch(
             params["head"], params["embed"], outputs, microbatches(targets), n_tokens_global),
             lambda: zeros((), jnp.float32, MANUAL))
         return loss, useful

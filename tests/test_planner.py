@@ -3,8 +3,6 @@ the layouts it enumerates, how it marks and ranks them, and its command line."""
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from framework import memory_model, planner
@@ -25,13 +23,7 @@ def compiled_peak_bytes(par: ParallelConfig) -> int:
     is allocated or run)."""
     par = validate(MODEL, par, TRAIN, par.n_devices)
     eng = build_engine(MODEL, par, OPTIM, TRAIN.steps, make_mesh(par))
-    shapes = eng.abstract_params()
-    state = {"params": shapes, "opt_state": jax.eval_shape(eng.optimizer.init, shapes),
-             "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         state, eng.state_shardings)
-    tokens = jax.ShapeDtypeStruct((TRAIN.global_batch_size, TRAIN.seq_len + 1), jnp.int32,
-                                  sharding=eng.batch_sharding())
+    state, tokens = eng.abstract_inputs(TRAIN.global_batch_size, TRAIN.seq_len)
     return eng.compile(state, tokens)["memory/peak_bytes_per_device"]
 
 

@@ -240,24 +240,9 @@ def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int,
         for n in layers:
             model = dataclasses.replace(cfg.model, n_layers=n)
             eng = build_engine(model, par, cfg.optim, cfg.train.steps, make_mesh(par, devices))
-            out[n].append(eng.compile(*abstract_inputs(eng, cfg.train))["perf/compile_time_s"])
+            inputs = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
+            out[n].append(eng.compile(*inputs)["perf/compile_time_s"])
     return out
-
-
-def abstract_inputs(engine, train):
-    """(state, tokens) as ShapeDtypeStructs with the engine's shardings: enough to
-    compile and read the memory analysis without allocating anything."""
-    import jax
-    import jax.numpy as jnp
-
-    shapes = engine.abstract_params()
-    state = {"params": shapes, "opt_state": jax.eval_shape(engine.optimizer.init, shapes),
-             "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         state, engine.state_shardings)
-    tokens = jax.ShapeDtypeStruct((train.global_batch_size, train.seq_len + 1), jnp.int32,
-                                  sharding=engine.batch_sharding())
-    return state, tokens
 
 
 def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bool,

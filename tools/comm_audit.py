@@ -39,22 +39,13 @@ def main(argv=None) -> int:
     except ConfigError as err:
         return user_error(err)
 
-    import jax
-    import jax.numpy as jnp
-
     from framework import audit, comm_model
     from framework.engine import build_engine
     from framework.mesh import make_mesh
 
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, devset.devices))
-    abstract = lambda tree, shardings: jax.tree.map(  # noqa: E731
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
-    shapes = engine.abstract_params()
-    state = abstract({"params": shapes, "opt_state": jax.eval_shape(engine.optimizer.init, shapes),
-                      "step": jax.ShapeDtypeStruct((), jnp.int32)}, engine.state_shardings)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch_size, cfg.train.seq_len + 1),
-                                  jnp.int32, sharding=engine.batch_sharding())
+    state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     hlo = engine.step_fn.lower(state, tokens).compile().as_text()
     if args.hlo:
         args.hlo.write_text(hlo)

@@ -23,12 +23,15 @@ SEND = "pipe_send"  # ticks on which some rank sends an activation on
 
 def only_on(scope: str, pred, fn, otherwise):
     """`fn()` where `pred` holds (this rank), `otherwise()` elsewhere: the other ranks
-    skip the work and its collectives instead of computing and discarding it."""
+    skip the work and its collectives instead of computing and discarding it. A Python
+    bool `pred` (e.g. with a single pipeline rank) picks the branch at trace time."""
 
     def run():
         with jax.named_scope(scope):
             return fn()
 
+    if isinstance(pred, bool):
+        return run() if pred else otherwise()
     return jax.lax.cond(pred, run, otherwise)
 
 
@@ -75,5 +78,7 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
     zeros = lambda shape, dtype=x_mb.dtype: varying(jnp.zeros(shape, dtype), axes)
     parked = zeros(x_mb.shape) if v > 1 else None  # rank 0's ring buffer, by microbatch
     init = (zeros(x_mb.shape[1:]), parked, zeros(x_mb.shape), varying(jnp.zeros((), jnp.int32)))
-    (_, _, outputs, useful), _ = jax.lax.scan(tick, init, rows)
+    # One tick (no pipeline, one microbatch): no loop at all, as in a plain step.
+    (_, _, outputs, useful), _ = jax.lax.scan(tick, init, rows,
+                                              unroll=len(table.action) == 1)
     return outputs, useful
