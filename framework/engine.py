@@ -33,7 +33,7 @@ from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_
                              param_logical_axes)
 from framework.optim import lr_schedule, make_optimizer
 from framework.pipeline import layout
-from framework.pipeline.executor import ON_FIRST, ON_LAST, SEND, only_on, run_forward, varying
+from framework.pipeline.executor import ON_FIRST, ON_LAST, SEND, STAGE, only_on, run_forward, varying
 from framework.pipeline.one_f_one_b import (BACKWARD as F1B_BACKWARD, FORWARD as F1B_FORWARD,
                                              SEND_BACKWARD, SEND_FORWARD, run_1f1b)
 from framework.pipeline.schedule import BWD, FWD, Schedule, make_schedule
@@ -178,7 +178,9 @@ class Engine:
         table, p = self.schedule, self.schedule.n_stages
         weights = {ON_FIRST: 1 / p, ON_LAST: 1 / p}
         if table.backward_by_autodiff:
-            weights[SEND] = float(table.executed_rows().sends(FWD).mean())
+            rows = table.executed_rows()
+            weights[SEND] = float(rows.sends(FWD).mean())
+            weights[STAGE] = float((rows.action == FWD).mean())
         else:  # 1F1B: per-tick branches of the tick loop
             weights[F1B_FORWARD] = float((table.action == FWD).mean())
             weights[F1B_BACKWARD] = float((table.action == BWD).mean())

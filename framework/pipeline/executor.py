@@ -19,6 +19,7 @@ AXIS = "pipe"
 # the compiled program's op names to count those collectives for those ranks only.
 ON_FIRST, ON_LAST = "on_first_stage", "on_last_stage"
 SEND = "pipe_send"  # ticks on which some rank sends an activation on
+STAGE = "stage_work"  # a rank's ticks with a real microbatch (not the bubble)
 
 
 def only_on(scope: str, pred, fn, otherwise):
@@ -61,7 +62,8 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
         first = x_mb[mb] if v == 1 else jnp.where(chunk == 0, x_mb[mb], parked[mb])
         # GPipe: a static index keeps the weights loop-invariant (not saved per tick).
         weights = jax.tree.map(lambda c: c[0] if v == 1 else c[chunk], chunks)
-        out = stage_fn(weights, jnp.where(rank == 0, first, recv))
+        x = jnp.where(rank == 0, first, recv)
+        out = stage_or_skip(stage_fn, weights, x, valid) if p > 1 else stage_fn(weights, x)
         done = valid & (rank == p - 1) & (chunk == v - 1)
         outputs = outputs.at[mb].set(jnp.where(done, out, outputs[mb]))
         if p > 1:  # skipped on ticks where no rank has anything to pass on
@@ -82,3 +84,55 @@ def run_forward(schedule: Schedule, stage_fn, chunks, x_mb):
     (_, _, outputs, useful), _ = jax.lax.scan(tick, init, rows,
                                               unroll=len(table.action) == 1)
     return outputs, useful
+
+
+def split_vjp(vjp_fn, params):
+    """VJP pytree -> (leaves that are activations, treedef, which leaves are params)."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    index = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    param_slot = [index.get(id(leaf)) for leaf in leaves]
+    acts = [leaf for leaf, slot in zip(leaves, param_slot) if slot is None]
+    return acts, treedef, param_slot
+
+
+def join_vjp(acts, treedef, param_slot, params):
+    """The VJP function back from `split_vjp`'s activations and the parameters."""
+    flat_params, it = jax.tree.leaves(params), iter(acts)
+    return jax.tree.unflatten(treedef, [next(it) if s is None else flat_params[s]
+                                        for s in param_slot])
+
+
+def stage_or_skip(stage_fn, weights, x, busy):
+    """stage_fn(weights, x) on a busy tick, x unchanged on a bubble tick, forward and
+    backward: idle ranks skip the layers and their tensor-parallel collectives (all
+    devices of a `tensor` group share the rank, so they take the same branch).
+
+    A plain `lax.cond` would do, except that its autodiff saves the weights it reads
+    as a per-tick residual of the tick loop. Here the backward gets the weights as the
+    forward's own input, which the loop's autodiff keeps once (loop-invariant), and
+    only the activations are saved per tick."""
+    _, probe = jax.vjp(stage_fn, weights, x)  # the residuals' types (dead code)
+    acts_like, treedef, slots = split_vjp(probe, weights)
+
+    def forward(weights, x, busy):  # -> (y, what the backward needs)
+        def work():
+            y, vjp_fn = jax.vjp(stage_fn, weights, x)
+            return y, split_vjp(vjp_fn, weights)[0]
+        skip = lambda: (x, [_zeros_typed_like(a) for a in acts_like])
+        y, acts = only_on(STAGE, busy, work, skip)
+        return y, (weights, acts, busy)
+
+    def backward(saved, dy):
+        weights, acts, busy = saved
+        work = lambda: join_vjp(acts, treedef, slots, weights)(dy)
+        skip = lambda: (jax.tree.map(_zeros_typed_like, weights), dy)
+        g_weights, dx = only_on(STAGE, busy, work, skip)
+        return g_weights, dx, None
+
+    run = jax.custom_vjp(lambda w, x, b: only_on(STAGE, b, lambda: stage_fn(w, x), lambda: x))
+    run.defvjp(forward, backward)
+    return run(weights, x, busy)
+
+
+def _zeros_typed_like(a):
+    return varying(jnp.zeros(a.shape, a.dtype), tuple(sorted(jax.typeof(a).manual_axis_type.varying)))

@@ -23,27 +23,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from framework.pipeline.executor import AXIS, ON_FIRST, ON_LAST, only_on, varying
+from framework.pipeline.executor import (AXIS, ON_FIRST, ON_LAST, join_vjp, only_on, split_vjp,
+                                         varying)
 from framework.pipeline.schedule import BWD, FWD, IDLE, Schedule
 
 
 FORWARD, BACKWARD = "f1b_forward", "f1b_backward"  # named scopes, for the audit
 SEND_FORWARD, SEND_BACKWARD = "pipe_send_forward", "pipe_send_backward"
-
-
-def _split_vjp(vjp_fn, params):
-    """VJP pytree -> (leaves that are activations, treedef, which leaves are params)."""
-    leaves, treedef = jax.tree.flatten(vjp_fn)
-    index = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
-    param_slot = [index.get(id(leaf)) for leaf in leaves]
-    acts = [leaf for leaf, slot in zip(leaves, param_slot) if slot is None]
-    return acts, treedef, param_slot
-
-
-def _join_vjp(acts, treedef, param_slot, params):
-    flat_params, it = jax.tree.leaves(params), iter(acts)
-    return jax.tree.unflatten(treedef, [next(it) if s is None else flat_params[s]
-                                        for s in param_slot])
 
 
 def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, inputs, targets):
@@ -72,7 +58,7 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     # Trace one forward to learn the stash's shapes (the values are dead code, which
     # the compiler drops; eval_shape cannot trace shard_map's varying types).
     x_shape = embed_fn(params["embed"], inputs[0])
-    acts_shape, _, _ = _split_vjp(jax.vjp(stage_fn, params["chunk"], x_shape)[1], params["chunk"])
+    acts_shape, _, _ = split_vjp(jax.vjp(stage_fn, params["chunk"], x_shape)[1], params["chunk"])
     stash = [zeros(a, n_stash) for a in acts_shape]
     buf = zeros(x_shape, n_recv)
 
@@ -87,7 +73,7 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
         x = only_on(ON_FIRST, is_first, lambda: embed_fn(params["embed"], inputs[mb]),
                     lambda: c["recv_f"][mb % n_recv])
         y, vjp_fn = jax.vjp(stage_fn, params["chunk"], x)
-        acts, _, _ = _split_vjp(vjp_fn, params["chunk"])
+        acts, _, _ = split_vjp(vjp_fn, params["chunk"])
 
         def head(c):  # last stage: loss of this microbatch and dL/dy for its backward
             loss, (g_head, g_embed, dy) = jax.value_and_grad(head_loss_fn, argnums=(0, 1, 2))(
@@ -107,9 +93,9 @@ def run_1f1b(schedule: Schedule, stage_fn, embed_fn, head_loss_fn, params, input
     def _backward(c, stash, mb):
         dy = jnp.where(is_last, c["dy"][mb % n_stash], c["recv_b"][mb % n_recv])
         _, probe = jax.vjp(stage_fn, params["chunk"], jnp.zeros_like(dy))  # structure only
-        _, treedef, slots = _split_vjp(probe, params["chunk"])
+        _, treedef, slots = split_vjp(probe, params["chunk"])
         acts = [s[mb % n_stash] for s in stash]
-        g_chunk, dx = _join_vjp(acts, treedef, slots, params["chunk"])(dy)
+        g_chunk, dx = join_vjp(acts, treedef, slots, params["chunk"])(dy)
         g_embed = only_on(
             ON_FIRST, is_first,
             lambda: jax.vjp(lambda e: embed_fn(e, inputs[mb]), params["embed"])[1](dx)[0],
