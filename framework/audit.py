@@ -23,6 +23,7 @@ schedule table. A collective inside such scopes counts that fraction of its runs
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ class Collective:
         return self.bytes_per_execution() * self.executions
 
 
-def _split_computations(hlo: str) -> dict[str, list[str]]:
+def split_computations(hlo: str) -> dict[str, list[str]]:
     comps, current = {}, None
     for line in hlo.splitlines():
         m = _COMP_START.match(line)
@@ -166,7 +167,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
     """All collectives of a compiled program. mesh_shape: {'pipe': 2, 'data': 2, ...} in
     mesh order; device i of the program is mesh.devices.flat[i]."""
     n = int(np.prod(list(mesh_shape.values())))
-    comps = _split_computations(hlo)
+    comps = split_computations(hlo)
     mult = _multipliers(comps)
     found = []
     for comp, lines in comps.items():
@@ -232,3 +233,44 @@ def report(found: list[Collective]) -> str:
         rows.append(f"{c.kind:<19}{'+'.join(c.axes) or '-':<16}{c.executions:>6.4g}"
                     f"{c.buffer_bytes:>12,}{c.bytes_per_step:>14,.0f}  {shapes}")
     return "\n".join(rows)
+
+
+# --- What a compiled step says about itself --------------------------------------------
+
+def timed_compile(jitted, *args):
+    """(compiled executable, seconds to obtain it: from JAX's cache or not)."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def scope_weights(engine) -> dict[str, float]:
+    """How often the conditionally executed scopes of an engine's step run: from its
+    pipeline executor and schedule table (`framework/pipeline/`)."""
+    from framework.pipeline import executor
+
+    return executor(engine.schedule).scope_weights(engine.schedule)
+
+
+def engine_collectives(engine, hlo: str) -> list[Collective]:
+    """The communication audit of a compiled program of `engine`."""
+    return collectives(hlo, dict(engine.mesh.shape), scope_weights(engine))
+
+
+def compiled_stats(engine, compiled) -> dict:
+    """Per-device memory (XLA's memory analysis) and bytes sent per device per step on
+    each mesh axis (the communication audit) of a compiled step of `engine`."""
+    stats = {}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        # Arguments + outputs + temporaries, donated (aliased) buffers counted once:
+        # everything XLA's buffer assignment holds at the step's high-water mark.
+        stats["memory/peak_bytes_per_device"] = int(
+            mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+        stats["memory/temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
+        stats["memory/argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
+    found = engine_collectives(engine, compiled.as_text())
+    for axis, nbytes in bytes_per_axis(found, dict(engine.mesh.shape)).items():
+        stats[f"comm/bytes_per_step/{axis}"] = float(nbytes)
+    return stats

@@ -17,7 +17,7 @@ hidden states of one data replica's batch (in the compute dtype):
           gradients per step.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
-          parallelism; v chunks per rank for the circular schedule). Plus one all-reduce
+          parallelism; v chunks per rank for circular and interleaved_1f1b). Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32); ZeRO-1's
@@ -33,6 +33,7 @@ import numpy as np
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.model import init_params, param_logical_axes
+from framework.pipeline.schedule import chunks_per_rank
 from framework.sharding import param_rules
 
 FP32 = 4
@@ -66,7 +67,7 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
     p, dp, tp = parallel.pipeline, parallel.data, parallel.tensor
-    v = parallel.virtual_stages if parallel.schedule == "circular" else 1
+    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp
     hidden = rows * train.seq_len * model.d_model * act_bytes  # A

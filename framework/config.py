@@ -16,7 +16,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+from framework.pipeline import schedule as schedules
+
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 
@@ -53,8 +54,8 @@ class ParallelConfig:
     data: int = 1  # -1: all devices left after pipeline x tensor
     tensor: int = 1
     microbatches: int = 1
-    schedule: str = "gpipe"  # gpipe | circular | 1f1b
-    virtual_stages: int = 1  # layer chunks per pipeline rank (circular only)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
+    virtual_stages: int = 1  # layer chunks per pipeline rank (circular, interleaved_1f1b)
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
     sequence_parallel: bool = False  # shard norms/residuals along seq over `tensor`
@@ -68,7 +69,7 @@ class ParallelConfig:
         name = f"pp{self.pipeline}-dp{self.data}-tp{self.tensor}-mb{self.microbatches}"
         if self.schedule != "gpipe":
             name += f"-{self.schedule}"
-            if self.schedule == "circular":
+            if schedules.uses_virtual_stages(self.schedule):
                 name += f"-v{self.virtual_stages}"
         return name
 
@@ -148,6 +149,15 @@ class DevicesConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Steps traced with jax.profiler to time the pipeline bubble (framework/profiling.py)."""
+
+    steps: int = 2  # steps traced (0: no profile)
+    start_step: int = 3  # the first traced step (moved earlier, not before a run's 2nd, if needed)
+    keep_trace_mb: float = 50.0  # keep the raw trace in <run>/profile if at most this size
+
+
+@dataclass
 class DistributedConfig:
     """Multi-host (framework/distributed.py): unset for one process, or for one task of
     a multi-task SLURM step (detected); all three for an explicit launch; or
@@ -172,6 +182,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:
@@ -204,8 +215,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         errs.append(f"parallel.data={p.data} must be >= 1, or -1 for all remaining devices")
     if errs:
         return errs  # the checks below divide by these degrees
-    if p.schedule not in SCHEDULES:
-        errs.append(f"parallel.schedule={p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    errs += schedules.check(p.schedule, p.pipeline, p.microbatches, p.virtual_stages)
     if p.remat not in REMAT_POLICIES:
         errs.append(f"parallel.remat={p.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
     if model.dtype not in DTYPES:
@@ -216,7 +226,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
             f"but {n_devices} devices are in use: make the product {n_devices} "
             f"(e.g. parallel.data=-1 fills the remaining devices)"
         )
-    n_chunks = p.pipeline * (p.virtual_stages if p.schedule == "circular" else 1)
+    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
     if model.n_layers % n_chunks:
         what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*virtual_stages"
         ok = [d for d in _divisors(model.n_layers) if d <= 64]
@@ -246,13 +256,6 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if p.sequence_parallel and train.seq_len % p.tensor:
         errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
                     f"{p.tensor}, needed by parallel.sequence_parallel=true")
-    if p.schedule == "circular" and p.virtual_stages > 1 and p.microbatches < p.pipeline:
-        errs.append(f"parallel.microbatches={p.microbatches} < parallel.pipeline={p.pipeline}: "
-                    f"the circular schedule needs microbatches >= pipeline (a microbatch "
-                    f"must leave the last rank before the first rank needs it again)")
-    if p.schedule != "circular" and p.virtual_stages != 1:
-        errs.append(f"parallel.virtual_stages={p.virtual_stages} only applies to "
-                    f"parallel.schedule=circular: set it to 1 or use the circular schedule")
     return errs
 
 

@@ -3,13 +3,13 @@
 Layout of one step on the (pipe, data, tensor) mesh:
   1. a `shard_map` over all three axes runs on every device, with its shards of the
      parameters (laid out by `framework/sharding.py`) and its data replica's rows:
-       - embed the rows, split them into microbatches,
-       - run the pipeline schedule (`framework/pipeline/`): each stage's layers, with
-         Megatron's tensor-parallel collectives inside (`framework/tensor_parallel.py`),
-         head + loss on the last rank,
-       - differentiate that locally, then reduce each gradient once: over `data`
-         (`framework/data_parallel.py`), and over `pipe` for the parameters several
-         ranks use (embedding, head);
+       - `device_params`: ZeRO-1's gather, and the per-device view of the weights;
+       - the pipeline executor the schedule names (`framework/pipeline/`) runs the
+         schedule table: each stage's layers, with Megatron's tensor-parallel
+         collectives inside (`framework/tensor_parallel.py`), head + loss on the last
+         stage, and returns this device's loss share and gradients;
+       - `reduce_gradients`: each gradient once over `data` (`framework/data_parallel.py`),
+         over `pipe` for the parameters several ranks use (embedding, head);
   2. outside it, AdamW updates the parameters with the optimizer state sharded like them.
 Every collective is explicit, so the compiled program holds exactly the communication
 written here (`framework/audit.py` lists it).
@@ -18,12 +18,10 @@ written here (`framework/audit.py` lists it).
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -32,11 +30,10 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.model import (Embed, Head, apply_layers, cross_entropy_sum, init_params,
                              param_logical_axes)
 from framework.optim import lr_schedule, make_optimizer
-from framework.pipeline import layout
-from framework.pipeline.executor import ON_FIRST, ON_LAST, SEND, STAGE, only_on, run_forward, varying
-from framework.pipeline.one_f_one_b import (BACKWARD as F1B_BACKWARD, FORWARD as F1B_FORWARD,
-                                             SEND_BACKWARD, SEND_FORWARD, run_1f1b)
-from framework.pipeline.schedule import BWD, FWD, Schedule, make_schedule
+from framework.pipeline import StageFns, executor, layout
+from framework.pipeline.autodiff import forward as forward_loss
+from framework.pipeline.comm import varying
+from framework.pipeline.schedule import Schedule, circular, make_schedule
 from framework.tensor_parallel import TensorParallel
 
 MANUAL = ("pipe", "data")  # replicated parameters are made per-device over these
@@ -56,7 +53,7 @@ class Engine:
     zero1_dims: dict | None
     state_shardings: dict = None
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
-    _compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
+    compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
 
     def __post_init__(self):
         self.state_shardings = self._state_shardings()
@@ -108,16 +105,13 @@ class Engine:
         return state, tokens
 
     def loss_and_grads_fn(self):
-        """Jitted (params, tokens) -> (loss, grads in train layout, useful ticks): the
-        step without the optimizer, for parity tests and audits."""
-        fn = build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
-                                  self.param_specs, self.zero1_dims)
-        return jax.jit(fn)
+        """Jitted (params, tokens) -> (loss, grads in train layout): the step without the
+        optimizer, for parity tests and audits."""
+        return jax.jit(build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
+                                            self.param_specs, self.zero1_dims))
 
     def eval_loss_fn(self):
-        """Jitted (params, tokens) -> mean loss, forward only (for eval/loss). 1F1B
-        evaluates with the GPipe forward: without a backward there is nothing to
-        interleave."""
+        """Jitted (params, tokens) -> mean loss, forward only (for eval/loss)."""
         fn = build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
                                   self.param_specs, self.zero1_dims, forward_only=True)
         return jax.jit(fn, in_shardings=(self.state_shardings["params"], self.batch_sharding()))
@@ -133,15 +127,11 @@ class Engine:
                                               self.schedule, self.param_specs, self.zero1_dims)
 
         def train_step(state, tokens):
-            loss, grads, useful = loss_and_grads(state["params"], tokens)
+            loss, grads = loss_and_grads(state["params"], tokens)
             updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
-            metrics = {
-                "train/loss": loss,
-                "train/grad_norm": optax.tree.norm(grads),
-                "train/lr": self.lr(state["step"]),
-                "pipeline/useful_ticks": useful,
-            }
+            metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
+                       "train/lr": self.lr(state["step"])}
             return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
         return jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding()),
@@ -149,71 +139,21 @@ class Engine:
 
     def compile(self, state, tokens) -> dict:
         """Compiles the step once for these shapes (later `step` calls reuse it) and
-        returns what the compiled program says about itself: compile time, per-device
-        memory (XLA's memory analysis) and bytes sent per device per step on each mesh
-        axis (the communication audit)."""
-        start = time.perf_counter()
-        self._compiled = self.step_fn.lower(state, tokens).compile()
-        stats = {"perf/compile_time_s": time.perf_counter() - start}
-        mem = self._compiled.memory_analysis()
-        if mem is not None:
-            # Arguments + outputs + temporaries, donated (aliased) buffers counted once:
-            # everything XLA's buffer assignment holds at the step's high-water mark.
-            stats["memory/peak_bytes_per_device"] = int(
-                mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                - mem.alias_size_in_bytes)
-            stats["memory/temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
-            stats["memory/argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
-        found = self.collectives(self._compiled.as_text())
-        for axis, nbytes in audit.bytes_per_axis(found, dict(self.mesh.shape)).items():
-            stats[f"comm/bytes_per_step/{axis}"] = float(nbytes)
-        return stats
-
-    def collectives(self, hlo: str) -> list:
-        """The communication audit of a compiled program of this engine."""
-        return audit.collectives(hlo, dict(self.mesh.shape), self.scope_weights())
-
-    def scope_weights(self) -> dict[str, float]:
-        """How often the conditionally executed scopes run, from the schedule table."""
-        table, p = self.schedule, self.schedule.n_stages
-        weights = {ON_FIRST: 1 / p, ON_LAST: 1 / p}
-        if table.backward_by_autodiff:
-            rows = table.executed_rows()
-            weights[SEND] = float(rows.sends(FWD).mean())
-            weights[STAGE] = float((rows.action == FWD).mean())
-        else:  # 1F1B: per-tick branches of the tick loop
-            weights[F1B_FORWARD] = float((table.action == FWD).mean())
-            weights[F1B_BACKWARD] = float((table.action == BWD).mean())
-            weights[SEND_FORWARD] = float(table.sends(FWD).mean())
-            weights[SEND_BACKWARD] = float(table.sends(BWD).mean())
-        return weights
+        returns what the compiled program says about itself (`audit.compiled_stats`:
+        compile time, per-device memory, bytes per mesh axis)."""
+        self.compiled, seconds = audit.timed_compile(self.step_fn, state, tokens)
+        return {"perf/compile_time_s": seconds, **audit.compiled_stats(self, self.compiled)}
 
     def step(self, state, tokens):
         """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
-        fn = self._compiled if self._compiled is not None else self.step_fn
+        fn = self.compiled if self.compiled is not None else self.step_fn
         return fn(state, tokens)
 
     def host_metrics(self, metrics) -> dict:
-        out = {k: float(v) for k, v in metrics.items() if k != "pipeline/useful_ticks"}
+        out = {k: float(v) for k, v in metrics.items()}
         out["pipeline/bubble_fraction"] = self.schedule.formula_bubble
-        out["pipeline/bubble_fraction_measured"] = measured_bubble(
-            self.schedule, np.asarray(metrics["pipeline/useful_ticks"]))
+        out["pipeline/bubble_fraction_table"] = self.schedule.bubble_fraction
         return out
-
-
-def idle_stage_ticks(schedule: Schedule, useful_per_stage) -> int:
-    """Idle stage-ticks of the whole step, from the executor's per-stage counters of
-    ticks that processed a real microbatch. Autodiff schedules count their forward
-    ticks; autodiff replays exactly those ticks backwards, so both halves idle alike."""
-    executed = schedule.executed_rows().n_ticks * schedule.n_stages
-    idle = executed - int(np.sum(useful_per_stage))
-    return 2 * idle if schedule.backward_by_autodiff else idle
-
-
-def measured_bubble(schedule: Schedule, useful_per_stage) -> float:
-    """1 - useful stage-ticks / executed stage-ticks (both halves of the step)."""
-    total = schedule.n_ticks * schedule.n_stages
-    return idle_stage_ticks(schedule, useful_per_stage) / total
 
 
 def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
@@ -238,102 +178,93 @@ def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
         init_params(model, jax.random.key(0)), n_stages, n_chunks))
 
 
-def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
-                         schedule: Schedule, param_specs, zero1_dims, forward_only=False):
-    """(params, tokens) -> (mean loss, gradients, useful ticks per stage), or with
-    `forward_only` just the mean loss."""
-    m, p = parallel.microbatches, parallel.pipeline
-    tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
-    stage_fn = partial(apply_layers, model, remat=parallel.remat, tp=tp)
-    embed_fn = lambda e, ids: Embed(model, tp).apply({"params": e}, ids)
+# --- The per-device step, in named pieces ---------------------------------------------
 
-    def head_loss_fn(head, embed, y, targets, n_tokens_global):
+def stage_fns(model: ModelConfig, parallel: ParallelConfig, n_tokens_global: int,
+              split: bool) -> StageFns:
+    """The model as the pipeline executors see it, on one device; the loss share of a
+    microbatch is its token cross-entropy sum over the global token count."""
+    tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
+
+    def head_loss(head, embed, y, targets):
         logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
         return cross_entropy_sum(logits, targets, tp) / n_tokens_global
 
-    def microbatches(a):  # [b, ...] -> [micro, b / micro, ...]
-        return a.reshape((m, a.shape[0] // m) + a.shape[1:])
+    return StageFns(
+        embed=lambda e, ids: Embed(model, tp).apply({"params": e}, ids),
+        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp),
+        head_loss=head_loss,
+        split=_split_layers(model, parallel.remat, tp) if split else None)
 
-    def autodiff_loss(params, tokens, n_tokens_global, schedule=schedule):
-        """GPipe / circular: this device's share of the mean loss (nonzero on the last
-        rank); its gradient is taken by autodiff through the whole tick loop."""
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, seq]
-        rank = jax.lax.axis_index("pipe")
-        first, last = (rank == 0, rank == p - 1) if p > 1 else (True, True)
-        b, seq = inputs.shape
-        seq_local = seq // parallel.tensor if tp.sequence_parallel else seq
-        x = only_on(ON_FIRST, first, lambda: embed_fn(params["embed"], inputs),
-                    lambda: zeros((b, seq_local, model.d_model), jnp.dtype(model.dtype)))
-        chunks = jax.tree.map(lambda a: a[0], params["stages"])  # drop the stage axis
-        outputs, useful = run_forward(schedule, stage_fn, chunks, microbatches(x))
-        # outputs: [micro, mb, seq(/tensor), embed], meaningful on the last rank.
-        loss = only_on(ON_LAST, last, lambda: head_loss_by_microbatch(
-            params["head"], params["embed"], outputs, microbatches(targets), n_tokens_global),
-            lambda: zeros((), jnp.float32, MANUAL))
-        return loss, useful
 
-    def head_loss_by_microbatch(head, embed, y_mb, targets_mb, n_tokens_global):
-        """Head + loss one microbatch at a time, recomputed in the backward, so only one
-        microbatch's [mb, seq, vocab/tensor] logits are ever alive (not the batch's)."""
-        if m == 1:  # the whole batch is one microbatch: nothing to save by recomputing
-            return head_loss_fn(head, embed, y_mb[0], targets_mb[0], n_tokens_global)
-        one = jax.checkpoint(lambda y, t: head_loss_fn(head, embed, y, t, n_tokens_global))
-        total, _ = jax.lax.scan(lambda acc, yt: (acc + one(*yt), None),
-                                zeros((), jnp.float32, MANUAL), (y_mb, targets_mb))
-        return total
+def _split_layers(model, remat, tp):
+    from framework.model import split_layers
 
-    def value_and_grad(params, tokens, n_tokens_global):
-        if schedule.backward_by_autodiff:
-            return jax.value_and_grad(autodiff_loss, has_aux=True)(params, tokens, n_tokens_global)
-        # 1F1B: the tick loop computes the gradients itself.
-        local = {"embed": params["embed"], "head": params["head"],
-                 "chunk": jax.tree.map(lambda a: a[0, 0], params["stages"])}
-        loss, g, useful = run_1f1b(
-            schedule, stage_fn, embed_fn,
-            lambda h, e, y, t: head_loss_fn(h, e, y, t, n_tokens_global),
-            local, microbatches(tokens[:, :-1]), microbatches(tokens[:, 1:]))
-        grads = {"embed": g["embed"], "head": g["head"],
-                 "stages": jax.tree.map(lambda a: a[None, None], g["chunk"])}
-        return (loss, useful), grads
+    return split_layers(model, remat=remat, tp=tp)
 
+
+def device_params(params, zero1_dims, vary_over):
+    """This device's weights for the step: ZeRO-1 shards gathered, typed per device (so
+    that gradients are taken per device, without implicit sums), the layers viewed as
+    this rank's chunks [v, Lc, ...]."""
+    if zero1_dims is not None:
+        params = data_parallel.gather_params(params, zero1_dims)
+    params = jax.tree.map(lambda a: varying(a, vary_over), params)
+    return {"embed": params["embed"], "head": params["head"],
+            "chunks": jax.tree.map(lambda a: a[0], params["stages"])}  # drop the stage axis
+
+
+def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims):
+    """Each gradient reduced once: per-device chunks back to the stage layout; with
+    sequence parallelism the norm scales' partial sums over `tensor`; the parameters
+    several pipeline ranks use (embedding on the first, head on the last) over `pipe`;
+    everything over `data` (or ZeRO-1's reduce-scatter)."""
+    grads = {"embed": grads["embed"], "head": grads["head"],
+             "stages": jax.tree.map(lambda a: a[None], grads["chunks"])}
+    if sequence_parallel:
+        grads = jax.tree.map(lambda g, r: jax.lax.psum(g, "tensor") if r else g,
+                             grads, tensor_replicated)
+    grads = {k: v if k == "stages" else jax.lax.psum(v, "pipe") for k, v in grads.items()}
+    return data_parallel.reduce_gradients(grads, zero1_dims)
+
+
+def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
+                         schedule: Schedule, param_specs, zero1_dims, forward_only=False):
+    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
+    m, sp = parallel.microbatches, parallel.sequence_parallel and parallel.tensor > 1
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
     tensor_replicated = jax.tree.map(lambda s: "tensor" not in s, param_specs,
                                      is_leaf=lambda s: isinstance(s, P))
-    vary_over = MANUAL + (("tensor",) if tp.sequence_parallel else ())
+    vary_over = MANUAL + (("tensor",) if parallel.sequence_parallel else ())
 
-    def zeros(shape, dtype, axes=vary_over):  # typed like the activations they stand for
-        return varying(jnp.zeros(shape, dtype), axes)
+    def split_batch(tokens):  # [b, seq + 1] -> inputs, targets [micro, b / micro, seq]
+        mb = lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:])
+        n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
+        return mb(tokens[:, :-1]), mb(tokens[:, 1:]), n_tokens_global
 
     def eval_body(params, tokens):
-        n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
-        if zero1_dims is not None:
-            params = data_parallel.gather_params(params, zero1_dims)
-        params = jax.tree.map(lambda a: varying(a, vary_over), params)
-        forward = schedule if schedule.backward_by_autodiff else make_schedule("gpipe", p, m)
-        loss, _ = autodiff_loss(params, tokens, n_tokens_global, forward)
+        inputs, targets, n_tokens = split_batch(tokens)
+        fns = stage_fns(model, parallel, n_tokens, split=False)
+        # Forward only: the GPipe forward over the same chunks (nothing to interleave).
+        table = schedule if schedule.executor == "autodiff" else circular(
+            schedule.n_stages, m, schedule.n_chunks)
+        loss = forward_loss(table, fns, device_params(params, zero1_dims, vary_over),
+                            inputs, targets)
         return jax.lax.psum(loss, MANUAL)
-
-    if forward_only:
-        return jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P("data")), out_specs=P())
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
-        n_tokens_global = tokens.shape[0] * parallel.data * (tokens.shape[1] - 1)
-        if zero1_dims is not None:
-            params = data_parallel.gather_params(params, zero1_dims)
-        # Differentiate per device (no implicit sums), then reduce each gradient once.
-        params = jax.tree.map(lambda a: varying(a, vary_over), params)
-        (loss, useful), grads = value_and_grad(params, tokens, n_tokens_global)
-        if tp.sequence_parallel:
-            grads = jax.tree.map(lambda g, r: jax.lax.psum(g, "tensor") if r else g,
-                                 grads, tensor_replicated)
-        # Stage parameters live on one rank; the others are used on several ranks
-        # (embedding on rank 0, head on the last, both when tied): sum over `pipe`.
-        grads = {k: v if k == "stages" else jax.lax.psum(v, "pipe") for k, v in grads.items()}
-        grads = data_parallel.reduce_gradients(grads, zero1_dims)
-        return jax.lax.psum(loss, MANUAL), grads, useful[None]
+        inputs, targets, n_tokens = split_batch(tokens)
+        fns = stage_fns(model, parallel, n_tokens, split=schedule.split_backward)
+        loss, grads = executor(schedule).loss_and_grads(
+            schedule, fns, device_params(params, zero1_dims, vary_over), inputs, targets)
+        grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)
+        return jax.lax.psum(loss, MANUAL), grads
 
+    if forward_only:
+        return jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P("data")),
+                             out_specs=P())
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P("data")),
-                         out_specs=(P(), param_specs, P("pipe")))
+                         out_specs=(P(), param_specs))

@@ -63,6 +63,18 @@ class Hook:
 
 
 @dataclass
+class ProfileWindow:
+    """Steps `first`..`last` (step numbers) run under a profiler: `start()` before the
+    first, `stop()` after the last (the loop waits for it) returns metrics added to
+    every later record. The traced steps are left out of the throughput."""
+
+    first: int
+    last: int
+    start: Callable[[], None]
+    stop: Callable[[], dict]
+
+
+@dataclass
 class LoopResult:
     state: Any
     step: int  # optimizer steps done
@@ -95,57 +107,94 @@ def check_finite(unchecked: list) -> None:
         raise Diverged.from_values(*found)
 
 
+class _Clock:
+    """The current throughput window: wall time since it began, steps timed in it, and
+    time spent in hooks (subtracted)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.start, self.steps, self.paused = time.perf_counter(), 0, 0.0
+
+    def step_time(self) -> float | None:
+        elapsed = time.perf_counter() - self.start - self.paused
+        return elapsed / self.steps if self.steps else None
+
+
 def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
                perf: Callable[[float], dict], hooks: tuple[Hook, ...] = (),
-               stop: StopCheck | None = None) -> LoopResult:
+               stop: StopCheck | None = None, profile: ProfileWindow | None = None) -> LoopResult:
     """Runs steps `settings.start + 1 .. settings.steps`, or until `stop(step)` gives a
     reason. perf: step time in seconds -> the perf/* metrics (tokens/s, TFLOP/s, MFU).
     Raises Diverged (framework/faults.py) on a non-finite loss or gradient norm."""
-    window_start, window_steps, paused, first_step_s = time.perf_counter(), 0, 0.0, None
+    clock, first_step_s = _Clock(), None
     pending_once = dict(settings.once)
     unchecked: list = []  # (step, metrics) whose loss has not been looked at yet
-    step, stopped = settings.start, None
-    for index in range(settings.start, settings.steps):
-        state, metrics = engine.step(state, engine.shard_batch(batches(index)))
-        step = index + 1
-        unchecked.append((step, metrics))
-        if first_step_s is None:  # excluded from throughput: wait for it, restart the clock
-            jax.block_until_ready(metrics)
-            now = time.perf_counter()
-            first_step_s, window_start = now - window_start, now
-        else:
-            window_steps += 1
-        stopped = stop(step) if stop is not None else None  # every process, every step
-        stopped = None if step == settings.steps else stopped  # done anyway
-        due = [hook for hook in hooks if hook.due(step, settings.steps)]
-        log_now = is_log_step(step, settings)
-        if due or log_now or stopped or step == settings.steps:
-            check_finite(unchecked)  # waits for this step
-        extra: dict = {}
-        started = time.perf_counter()
-        for hook in due:
-            if not hook.after_log:
-                extra.update(hook.fn(step, state) or {})
-        paused += time.perf_counter() - started
-        logger.update(step)
-        if log_now or extra:
-            record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
-            elapsed = time.perf_counter() - window_start - paused
-            step_time = elapsed / window_steps if window_steps else None
-            record["perf/step_time_s"] = step_time
-            # Nothing timed yet (only the first step in this window): same keys, null values.
-            record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
-            record.update(settings.constants)
-            record.update(pending_once)
-            record.update(extra)
-            pending_once = {}
-            logger.log(step, record)
-            window_start, window_steps, paused = time.perf_counter(), 0, 0.0
-        started = time.perf_counter()
-        for hook in due:
-            if hook.after_log:
-                hook.fn(step, state)
-        paused += time.perf_counter() - started
-        if stopped:
-            break
+    step, stopped, tracing = settings.start, None, False
+    try:
+        for index in range(settings.start, settings.steps):
+            if profile is not None and index + 1 == profile.first:
+                jax.block_until_ready(state)  # the trace holds the profiled steps only
+                profile.start()
+                tracing = True
+            state, metrics = engine.step(state, engine.shard_batch(batches(index)))
+            step = index + 1
+            unchecked.append((step, metrics))
+            if first_step_s is None:  # excluded from throughput: wait, restart the clock
+                jax.block_until_ready(metrics)
+                first_step_s = time.perf_counter() - clock.start
+                clock.reset()
+            elif not tracing:
+                clock.steps += 1
+            stopped = stop(step) if stop is not None else None  # every process, every step
+            stopped = None if step == settings.steps else stopped  # done anyway
+            if tracing and (step == profile.last or stopped):
+                jax.block_until_ready(state)
+                tracing = False
+                found = profile.stop()
+                settings.constants.update({k: v for k, v in found.items() if isinstance(v, float)})
+                clock.reset()  # the traced steps ran slower: no window contains them
+            pending_once = _after_step(engine, state, metrics, step, settings, logger, perf,
+                                       hooks, unchecked, clock, pending_once, stopped, tracing)
+            if stopped:
+                break
+    finally:
+        if tracing:  # an error while tracing: end the trace
+            jax.profiler.stop_trace()
     return LoopResult(state, step, first_step_s, stopped)
+
+
+def _after_step(engine, state, metrics, step, settings, logger, perf, hooks, unchecked,
+                clock: _Clock, pending_once: dict, stopped, tracing: bool) -> dict:
+    """The step's checks, hooks and (if due) record; returns the one-off metrics not
+    logged yet."""
+    due = [hook for hook in hooks if hook.due(step, settings.steps)]
+    log_now = is_log_step(step, settings)
+    if due or log_now or stopped or step == settings.steps:
+        check_finite(unchecked)  # waits for this step
+    extra: dict = {}
+    started = time.perf_counter()
+    for hook in due:
+        if not hook.after_log:
+            extra.update(hook.fn(step, state) or {})
+    clock.paused += time.perf_counter() - started
+    logger.update(step)
+    if log_now or extra:
+        record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
+        step_time = None if tracing else clock.step_time()
+        record["perf/step_time_s"] = step_time
+        # Nothing timed yet (only the first step in this window): same keys, null values.
+        record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
+        record.update(settings.constants)
+        record.update(pending_once)
+        record.update(extra)
+        pending_once = {}
+        logger.log(step, record)
+        clock.reset()
+    started = time.perf_counter()
+    for hook in due:
+        if hook.after_log:
+            hook.fn(step, state)
+    clock.paused += time.perf_counter() - started
+    return pending_once

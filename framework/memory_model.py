@@ -50,9 +50,10 @@ import numpy as np
 
 from framework import data_parallel, sharding
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.model import Block, apply_layers, init_params, param_logical_axes
+from framework.model import Block, apply_layers, init_params, param_logical_axes, split_layers
 from framework.pipeline import layout
-from framework.pipeline.schedule import make_schedule
+from framework.pipeline.buffers import plan
+from framework.pipeline.schedule import AUTODIFF, make_schedule
 from framework.tensor_parallel import TensorParallel
 
 FP32 = 4
@@ -82,10 +83,13 @@ def model_key(model: ModelConfig):
 
 @lru_cache(maxsize=None)
 def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
-                    remat: str) -> int:
+                    remat: str, part: str = "full") -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers`, with
-    this device's tensor-parallel shard of the weights."""
+    this device's tensor-parallel shard of the weights. `part`: "full" (the VJP of
+    weights and input, what a fused backward keeps), or for a split backward
+    (`model.split_layers`) "input" (the input-gradient VJP's residuals), "saved" (the
+    weight ops' inputs) or "douts" (the weight ops' output gradients)."""
     model = ModelConfig(*key)
     local_tp = _ShapeOnlyTP(axis=None, size=tp, sequence_parallel=sp)
     dt = jnp.dtype(model.dtype)
@@ -95,9 +99,14 @@ def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
         keys = jax.random.split(jax.random.key(0), n_layers)
         init = lambda k: nn.meta.unbox(Block(model, local_tp).init(k, x[:1, :2])["params"])
         weights = jax.vmap(init)(keys)
-        _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, local_tp), weights, x)
+        if part == "full":
+            _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, local_tp), weights, x)
+        else:
+            y, vjp_fn, saved = split_layers(model, remat, local_tp).forward(weights, x)
+            if part != "input":
+                return jax.tree.leaves(saved if part == "saved" else vjp_fn(y)[1])
         # The residual leaves, without the weights the VJP closes over (the same split
-        # `framework/pipeline/one_f_one_b.py` makes for its stash).
+        # the tick executor makes for its stash, `framework/pipeline/ticks.py`).
         ids = {id(w) for w in jax.tree.leaves(weights)}
         return [leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids]
 
@@ -116,11 +125,12 @@ class Residuals:
         return n_layers * (rows * self.per_row + self.per_layer)
 
 
-def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str) -> Residuals:
+def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
+              part: str = "full") -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
     layer scan hoists and XLA folds into their users) are not memory: dropped."""
-    r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat)
+    r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat, part)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -169,6 +179,17 @@ LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 GPIPE_BATCH_COPIES = 4
 
 
+def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool) -> int:
+    """One stash slot of the tick executor: a chunk's VJP residuals for one microbatch;
+    with a split backward the input-gradient VJP's residuals, later overwritten by the
+    weight ops' output gradients (the slot holds the larger), next to the weight ops'
+    inputs."""
+    if not split:
+        return residuals(model, seq, tp, sp, remat).chunk(layers, rows)
+    part = lambda name: residuals(model, seq, tp, sp, remat, name).chunk(layers, rows)
+    return max(part("input"), part("douts")) + part("saved")
+
+
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
     docstring); 'total' sums them."""
@@ -187,8 +208,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none").chunk(1, mb_rows)
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
-    if sched.backward_by_autodiff:  # every forward tick's residuals, until the backward
-        ticks = sched.executed_rows().n_ticks
+    if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
+        ticks = sched.forward_rows().n_ticks
         per_tick = layers * mb_rows * res.per_row
         fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
         if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
@@ -199,9 +220,12 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
             grads += stage_weights  # for the stage's weights
-    else:  # 1F1B: stash slots of whole VJPs + dy, + the new and the overwritten entry
-        slot = res.chunk(layers, mb_rows) + hidden
-        kept = (int(sched.max_in_flight().max()) + 2) * slot
+    else:  # tick executor: the table's stash and receive slots (+ the spare write slot)
+        slot = _stash_slot(model, train.seq_len, tp, sp, parallel.remat, layers, mb_rows,
+                           sched.split_backward)
+        n = plan(sched).n_slots
+        # + the slot contents a cell's branch returns for the write after it
+        kept = (n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden
         head = LOGIT_COPIES["1f1b"] * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
         grads += full  # the tick loop's gradient accumulators

@@ -34,6 +34,25 @@ def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
+# Collections of the split backward (`split_layers`), read only when present.
+TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
+
+
+def weight_op(module: nn.Module, name: str, eq: str, x, w):
+    """y = einsum(eq, x, w): every use of a layer weight goes through here. Normally just
+    that; for the zero-bubble split backward (`split_layers`) it also records x
+    (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
+    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
+    if module.has_variable(GIVEN, name):
+        x = module.get_variable(GIVEN, name)
+    if module.is_mutable_collection(SAVED):
+        module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    y = jnp.einsum(eq, x, w)
+    if module.is_mutable_collection(PRODUCTS):
+        module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    return module.perturb(name, y, collection=TAPS)
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -42,7 +61,7 @@ class RMSNorm(nn.Module):
         scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale).astype(x.dtype)
+        return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
 
 
 def rotary(x, theta: float):
@@ -78,7 +97,7 @@ class Attention(nn.Module):
         wqkv = _param(self, "wqkv", (d, kv, r + 2, hd), ("embed", "kv_heads", "qkv", "head_dim"))
         wo = _param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"))
         x = self.tp.enter(x).astype(dt)  # [b, s, embed]
-        qkv = jnp.einsum("bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b, s, kv@tensor, r+2, hd]
+        qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b, s, kv@tensor, r+2, hd]
         q = rotary(qkv[:, :, :, :r], c.rope_theta)  # [b, s, kv@tensor, r, hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta)  # [b, s, kv@tensor, hd]
         v = qkv[:, :, :, r + 1]
@@ -88,7 +107,7 @@ class Attention(nn.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)  # heads@tensor
-        return self.tp.exit(jnp.einsum("bshk,hkd->bsd", out, wo.astype(dt)))
+        return self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)))
 
 
 class MLP(nn.Module):
@@ -105,9 +124,9 @@ class MLP(nn.Module):
         w_in = _param(self, "w_gate_up", (c.d_model, 2, f), ("embed", "gate_up", "mlp"))
         w_down = _param(self, "w_down", (f, c.d_model), ("mlp", "embed"))
         x = self.tp.enter(x).astype(dt)
-        gate_up = jnp.einsum("bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
+        gate_up = weight_op(self, "w_gate_up", "bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
         hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return self.tp.exit(hidden @ w_down.astype(dt))
+        return self.tp.exit(weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt)))
 
 
 class Block(nn.Module):
@@ -245,3 +264,45 @@ def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorPar
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
     x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)
     return x
+
+
+def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP):
+    """The backward of a stack of layers in two halves, for zero-bubble pipeline
+    schedules (Qi et al. 2024): B, the gradient w.r.t. the input, and W, the gradient
+    w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
+    and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
+
+    forward(layers, x) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B (the VJP w.r.t.
+    the input and the zero taps on every weight op's output; the weights are constants
+    to it, so no weight gradient is computed); saved: the weight ops' inputs [L, ...].
+    weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
+    applied to their saved inputs (everything else in the layer is dead code), pulled
+    back through their output gradients."""
+    from framework.pipeline import SplitBackward
+
+    def block(variables, x, mutable):
+        return Block(cfg, tp).apply(variables, x, mutable=mutable)
+
+    def layer(x, params_and_taps):  # one layer, recording its weight ops' inputs
+        params, taps = params_and_taps
+        y, state = block({"params": params, TAPS: taps}, x, [SAVED])
+        return y, state[SAVED]
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+    def forward(layers, x):
+        # Zero taps shaped like every weight op's output (the traced forward is dead code).
+        taps = jax.vmap(lambda p: block({"params": p}, x, [TAPS])[1][TAPS])(layers)
+        run = lambda x, taps: jax.lax.scan(layer, x, (layers, taps))
+        return jax.vjp(run, x, taps, has_aux=True)
+
+    def weight_grads(layers, saved, douts):
+        def products(layers):
+            def one(params, given):
+                x = jnp.zeros_like(given["attn_norm"]["scale"])  # shape only: dead code
+                return block({"params": params, GIVEN: given}, x, [PRODUCTS])[1][PRODUCTS]
+            return jax.vmap(one)(layers, saved)
+        return jax.vjp(products, layers)[1](douts)[0]
+
+    return SplitBackward(forward, weight_grads)

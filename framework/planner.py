@@ -7,8 +7,9 @@ Step time (seconds), no overlap of computation and communication assumed:
 
   compute    model FLOPs (PaLM 6N + attention, `framework/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s: the layers split over all
-             devices and stretched by the schedule table's bubble (GPipe, Huang et al.
-             2019: (p-1)/(m+p-1)), t = flops / (N * peak) / (1 - bubble); the LM head on
+             devices and stretched by the schedule table's bubble (lockstep ticks with
+             unit-cost cells, `Schedule.bubble_fraction`; GPipe: (p-1)/(m+p-1), Huang et
+             al. 2019), t = flops / (N * peak) / (1 - bubble); the LM head on
              the last pipeline rank, split over data x tensor only.
   comm       bytes per device per step on each mesh axis (`framework/comm_model.py`)
              over that axis's bandwidth; `tensor` is innermost on the mesh, so an axis
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from framework import comm_model, flops
 from framework.config import ModelConfig, ParallelConfig, TrainConfig, check
 from framework.memory_model import model_key, predict_memory
-from framework.pipeline.schedule import make_schedule
+from framework.pipeline.schedule import (chunks_per_rank, make_schedule, schedule_names,
+                                         uses_virtual_stages)
 
 GB = 1e9
 
@@ -69,7 +71,7 @@ _COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree 
 
 
 def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
-    v = parallel.virtual_stages if parallel.schedule == "circular" else 1
+    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
     key = (model_key(model), parallel.pipeline, parallel.data, parallel.tensor, v,
            parallel.sequence_parallel, train.global_batch_size, train.seq_len)
     if key not in _COMM:
@@ -115,13 +117,15 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
-                      base: ParallelConfig, schedules=("gpipe", "1f1b", "circular"),
+                      base: ParallelConfig, schedules=None,
                       virtual_stages=(2, 4)) -> list[ParallelConfig]:
     """Every valid (pipeline, data, tensor, microbatches, schedule, zero1) on n_devices
     (`framework.config.check` decides validity); remat and sequence parallelism come
-    from `base`. Without a pipeline: one microbatch (GPipe at p = 1 keeps every
-    microbatch's activations anyway). With one: powers of two from p (fewer leave most
-    of the pipeline idle) up to one row per microbatch."""
+    from `base`; schedules: every registered one by default, those with virtual stages
+    at each of `virtual_stages`. Without a pipeline: one microbatch (GPipe at p = 1
+    keeps every microbatch's activations anyway). With one: powers of two from p (fewer
+    leave most of the pipeline idle) up to one row per microbatch."""
+    schedules = schedule_names() if schedules is None else schedules
     out = []
     for p in range(1, n_devices + 1):
         for tp in range(1, n_devices // p + 1):
@@ -129,10 +133,9 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                 continue
             dp = n_devices // (p * tp)
             micro = _powers_of_two(p, train.global_batch_size // dp)
-            options = [("gpipe", 1, 1)] if p == 1 else (
-                [(s, m, 1) for s in schedules if s != "circular" for m in micro]
-                + [("circular", m, v) for m in micro for v in virtual_stages
-                   if "circular" in schedules])
+            options = [("gpipe", 1, 1)] if p == 1 else [
+                (s, m, v) for s in schedules for m in micro
+                for v in (virtual_stages if uses_virtual_stages(s) else (1,))]
             for schedule, m, v in options:
                 for zero1 in ((False, True) if dp > 1 else (False,)):
                     par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp,
@@ -166,7 +169,7 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
     big = max((pl.memory["total"] for pl in shown), default=0) >= 2**30
     unit, name = (2**30, "GiB") if big else (2**20, "MiB")
-    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<11} {'zero1':<5} "
+    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} {'zero1':<5} "
             f"{'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} {'fits':<4} "
             f"{'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} {'data':>8} "
             f"{'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
@@ -174,10 +177,10 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     for i, pl in enumerate(shown, 1):
         par, m, t = pl.parallel, pl.memory, pl.time
         gib = lambda *keys: sum(m[k] for k in keys) / unit
-        sched = par.schedule + (f"/v{par.virtual_stages}" if par.schedule == "circular" else "")
+        sched = par.schedule + (f"/v{par.virtual_stages}" if uses_virtual_stages(par.schedule) else "")
         lines.append(
             f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.tensor:>3} {par.microbatches:>4} "
-            f"{sched:<11} {'yes' if par.zero1 else 'no':<5} {gib('total'):>8.2f} "
+            f"{sched:<19} {'yes' if par.zero1 else 'no':<5} {gib('total'):>8.2f} "
             f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
             f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
             f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "

@@ -214,7 +214,9 @@ def final_line(summary: dict) -> str:
     if summary.get("perf/mfu") is not None:
         parts.append(f"MFU {summary['perf/mfu']:.1%}")
     if summary.get("pipeline/bubble_fraction") is not None:
-        parts.append(f"bubble {summary['pipeline/bubble_fraction']:.1%}")
+        timed = summary.get("pipeline/bubble_fraction_timed")
+        parts.append(f"bubble {summary['pipeline/bubble_fraction']:.1%}"
+                     + (f" (timed {timed:.1%})" if timed is not None else ""))
     if summary.get("wall_time_s") is not None:
         parts.append(f"{summary['wall_time_s']:.1f} s")
     return " | ".join(parts)

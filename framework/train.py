@@ -23,13 +23,13 @@ import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, flops
+from framework import distributed, flops, profiling
 from framework.checkpoint import Checkpointer, NonFiniteStateError
 from framework.config import ConfigError, RunConfig, check, validate
 from framework.data import make_dataset, sharded_batch
 from framework.engine import build_engine
 from framework.faults import Diverged, StopRequests
-from framework.loop import Hook, LoopSettings, to_host, train_loop
+from framework.loop import Hook, LoopSettings, ProfileWindow, to_host, train_loop
 from framework.mesh import describe, make_mesh
 from framework.model import count_params, init_params
 from framework.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, final_line,
@@ -54,7 +54,10 @@ def check_run(cfg: RunConfig) -> None:
     if cfg.train.resume not in ckpt_lib.RESUME_MODES:
         errs.append(f"train.resume={cfg.train.resume!r} is not one of "
                     f"{', '.join(ckpt_lib.RESUME_MODES)}")
-    for key, value, low in (("logging.every", cfg.logging.every, 1),
+    for key, value, low in (("profile.steps", cfg.profile.steps, 0),
+                            ("profile.start_step", cfg.profile.start_step, 2),
+                            ("profile.keep_trace_mb", cfg.profile.keep_trace_mb, 0),
+                            ("logging.every", cfg.logging.every, 1),
                             ("checkpoint.every", cfg.checkpoint.every, 0),
                             ("checkpoint.keep", cfg.checkpoint.keep, 1),
                             ("eval.every", cfg.eval.every, 0),
@@ -274,7 +277,9 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
                             once={"perf/compile_time_s": stats["perf/compile_time_s"]})
     tracker.summary.update(stats)
     tracker.summary["model/flops_per_token"] = per_token
-    result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks), stop)
+    profile = _profile_window(cfg, engine, start, tracker) if devset.process_index == 0 else None
+    result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks), stop,
+                        profile)
     # The last checkpoint: at the end, at train.stop_at, or on SIGTERM. A second SIGTERM
     # meanwhile only sets the flag again.
     _save(ckpt, engine, result.state, result.step, cfg)
@@ -282,6 +287,23 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
                                            "last_checkpoint_step": ckpt.latest_step()}
+
+
+def _profile_window(cfg: RunConfig, engine, start: int, tracker) -> ProfileWindow | None:
+    """The steps traced to time the pipeline bubble (framework/profiling.py); their
+    per-rank bubble goes to summary.json."""
+    last = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+    window = profiling.profile_steps(cfg.profile.steps, cfg.profile.start_step, start, last)
+    if window is None:
+        return None
+    profiler = profiling.Profiler(engine, tracker.run_dir, cfg.profile.keep_trace_mb)
+
+    def stop() -> dict:
+        found = profiler.stop()
+        tracker.summary.update(found)
+        return found
+
+    return ProfileWindow(window[0], window[1], profiler.start, stop)
 
 
 def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: bool):

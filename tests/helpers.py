@@ -63,7 +63,7 @@ def reference_losses(n_steps, model=MODEL, optim=OPTIM, train=TRAIN):
 
 
 def engine_grads(eng, step=0):
-    loss, grads, _ = eng.loss_and_grads_fn()(eng.shard_params(params(eng.model)),
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params(eng.model)),
                                              eng.shard_batch(tokens(step)))
     return float(loss), eng.canonical_params(grads)
 

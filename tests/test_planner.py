@@ -34,6 +34,8 @@ def compiled_peak_bytes(par: ParallelConfig) -> int:
     dict(tensor=4, sequence_parallel=True),
     dict(pipeline=2, data=2, tensor=2, microbatches=4, remat="full"),
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", zero1=True),
+    dict(pipeline=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "single")
 def test_memory_prediction_within_15_percent_of_compiled(kw):
     par = ParallelConfig(**kw)
@@ -66,7 +68,8 @@ def test_enumeration_is_valid_and_covers_the_layouts():
         assert par.microbatches >= par.pipeline
     for expected in [(1, 8, 1, 1, "gpipe", 1, True), (2, 2, 2, 4, "gpipe", 1, False),
                      (2, 2, 2, 8, "1f1b", 1, True), (2, 4, 1, 2, "circular", 2, False),
-                     (1, 2, 4, 1, "gpipe", 1, False), (8, 1, 1, 16, "1f1b", 1, False)]:
+                     (1, 2, 4, 1, "gpipe", 1, False), (8, 1, 1, 16, "1f1b", 1, False),
+                     (2, 4, 1, 4, "interleaved_1f1b", 2, False), (4, 2, 1, 4, "zb_h1", 1, True)]:
         assert expected in keys, expected
     assert not any(k[2] == 8 for k in keys)  # n_kv_heads = 4 cannot be split 8 ways
     assert not any(k[0] == 8 and k[4] == "circular" for k in keys)  # 8 layers, 16 chunks
@@ -94,6 +97,10 @@ def test_time_model_bubble_and_bandwidth():
     t = lambda hw=hw, **kw: planner.predict_time(MODEL, ParallelConfig(**kw), TRAIN, hw)
     assert t(pipeline=4, microbatches=16)["compute"] < t(pipeline=4, microbatches=4)["compute"]
     assert t(pipeline=4, microbatches=4)["bubble"] == pytest.approx(3 / 7)
+    # Lockstep ticks: ZB-H1 idles least, 1F1B's mixed F/BW ticks most (schedule tables).
+    zb, f1b, gp = (t(pipeline=4, microbatches=8, schedule=s)["compute"]
+                   for s in ("zb_h1", "1f1b", "gpipe"))
+    assert zb < gp < f1b
     single = t()
     assert single["comm_tensor"] == single["comm_pipe"] == single["comm_data"] == 0
     slow = dataclasses.replace(hw, axis_bandwidth=(("tensor", 1e9),))

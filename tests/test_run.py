@@ -93,7 +93,7 @@ def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
     for key in ("train/loss", "train/grad_norm", "train/lr", "perf/step_time_s",
                 "perf/tokens_per_sec", "perf/tokens_per_sec_per_device",
                 "perf/tflops_per_device", "perf/mfu", "pipeline/bubble_fraction",
-                "pipeline/bubble_fraction_measured", "memory/peak_bytes_per_device",
+                "pipeline/bubble_fraction_table", "memory/peak_bytes_per_device",
                 "memory/temp_bytes_per_device", "comm/bytes_per_step/pipe",
                 "comm/bytes_per_step/data", "comm/bytes_per_step/tensor"):
         assert all(key in r for r in records), key
@@ -103,8 +103,16 @@ def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
     assert "perf/compile_time_s" not in records[1]  # reported once
     assert abs(records[-1]["pipeline/bubble_fraction"] - 1 / 3) < 1e-9  # pp=2, mb=2
 
+    # The bubble timed on the devices' own timeline (profile.steps=2 from step 3).
+    assert records[1]["perf/tokens_per_sec"] is None  # profiled steps are not timed
+    assert 0 < records[-1]["pipeline/bubble_fraction_timed"] < 1
+    timeline = json.loads((run_dir / "profile" / "timeline.json").read_text())
+    assert len(timeline["steps"]) == 2 and len(timeline["steps"][0]["ranks"]) == 2
+    assert {k for rank in timeline["steps"][0]["ranks"] for _, _, k in rank} == {"F", "BW"}
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
+    assert len(summary["pipeline/bubble_fraction_timed_per_rank"]) == 2
     assert summary["parallel"]["pipeline"] == summary["parallel"]["data"] == 2
     assert summary["train/loss"] == records[-1]["train/loss"]
     assert summary["memory/peak_bytes_per_device"] > 0
@@ -117,8 +125,9 @@ def test_offline_wandb_history_read_back_from_the_run_file(tiny_run):
     records = wandb_records(run_dir)
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     assert len(history) == TINY_STEPS // TINY_EVERY
-    assert all("perf/tokens_per_sec" in h and "pipeline/bubble_fraction" in h
-               for h in history)
+    assert all("pipeline/bubble_fraction" in h for h in history)
+    # Steps 3-4 are profiled (profile.start_step=3): no throughput in that window.
+    assert "perf/tokens_per_sec" in history[-1] and "pipeline/bubble_fraction_timed" in history[-1]
     run = next(r["run"] for r in records if r["type"] == "run")
     assert run["display_name"] == "pp2-dp2-tp2-mb2"
     assert run["config"]["update"]["parallel"]["tensor"] == 2  # the resolved config

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from framework import comm_model
+from framework import audit, comm_model
 from tests.helpers import (TRAIN, engine, engine_grads, engine_losses, max_rel_err, params,
                            reference_grads, reference_losses, tokens, worst)
 
@@ -68,7 +68,7 @@ def test_sequence_parallel_swaps_all_reduce_for_reduce_scatter_and_all_gather():
         eng = engine(2, 2, 2, 4, sequence_parallel=sp)
         state = eng.init_state(params())
         hlo = eng.step_fn.lower(state, eng.shard_batch(tokens(0))).compile().as_text()
-        in_layers = [c for c in eng.collectives(hlo) if c.axes == ("tensor",) and "/Block/" in c.op_name]
+        in_layers = [c for c in audit.engine_collectives(eng, hlo) if c.axes == ("tensor",) and "/Block/" in c.op_name]
         counts[sp] = {k: sum(c.executions for c in in_layers if c.kind == k)
                       for k in ("all-reduce", "all-gather", "reduce-scatter")}
     # Each rank is busy on 4 of its 5 ticks (idle ticks skip the layers) x 4 layers per

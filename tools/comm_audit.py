@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     hlo = engine.step_fn.lower(state, tokens).compile().as_text()
     if args.hlo:
         args.hlo.write_text(hlo)
-    found = engine.collectives(hlo)
+    found = audit.engine_collectives(engine, hlo)
     mesh_shape = dict(engine.mesh.shape)
     measured = audit.bytes_per_axis(found, mesh_shape)
     expected = comm_model.expected_bytes(cfg.model, parallel, cfg.train)

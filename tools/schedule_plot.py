@@ -1,18 +1,26 @@
-"""Draws a pipeline schedule table as a Gantt chart.
+"""Draws a pipeline schedule table as a Gantt chart, or what the devices of a run
+actually did beside it.
 
-    python tools/schedule_plot.py --schedule 1f1b --pipeline 4 --microbatches 8 -o 1f1b.png
-    python tools/schedule_plot.py --schedule circular --pipeline 4 --microbatches 8 \\
-        --virtual-stages 2 -o circular.png
+    python tools/schedule_plot.py --schedule zb_h1 --pipeline 4 --microbatches 8 -o zb_h1.png
+    python tools/schedule_plot.py --schedule interleaved_1f1b --pipeline 4 --microbatches 8 \\
+        --virtual-stages 2 -o interleaved.png
+    python tools/schedule_plot.py --trace outputs/<date>/<time> -o timeline.png
 
-Stages are rows, ticks are columns; forward cells are blue, backward cells orange,
-each labelled with its microbatch (and chunk, for the circular schedule); idle cells
-are left blank. The table drawn is the very one the engine executes
-(`framework.pipeline.schedule`), so the bubble in the title is the engine's.
+Table: ranks are rows, ticks are columns; F cells blue, B orange, W green, fused BW
+red, each labelled with its microbatch (and chunk, with virtual stages); idle cells are
+blank. The table drawn is the very one the engine executes
+(`framework.pipeline.schedule`).
+
+Trace (`--trace <run folder>`): the run's profiled steps (`profile.steps`), read from
+the timeline its profile left (`profile/timeline.json`, `framework/profiling.py`): per
+pipeline rank, the time each device spent in each kind of cell, in milliseconds, with
+the schedule's table drawn above at the same scale of ticks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,62 +32,118 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from framework.pipeline.schedule import BWD, FWD, IDLE, SCHEDULE_NAMES, Schedule, make_schedule  # noqa: E402
+from framework.pipeline.schedule import (BW, B, F, IDLE, KIND_NAMES, W, Schedule,  # noqa: E402
+                                         make_schedule, schedule_names)
 
-COLORS = {FWD: "#4c78a8", BWD: "#f58518"}
+COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756"}
+LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward"}
 
 
-def draw(schedule: Schedule, path: str) -> int:
-    """Writes the chart to `path`; returns the number of idle cells it drew blank."""
-    ticks, stages = schedule.action.shape
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.5 * stages + 1.3))
+def _draw_table(ax, schedule: Schedule) -> int:
+    ticks, ranks = schedule.kind.shape
     idle = 0
     for t in range(ticks):
-        for s in range(stages):
-            kind = int(schedule.action[t, s])
+        for r in range(ranks):
+            kind = int(schedule.kind[t, r])
             if kind == IDLE:
                 idle += 1
                 continue
-            ax.add_patch(Rectangle((t, s), 1, 1, facecolor=COLORS[kind], edgecolor="white"))
-            label = str(schedule.microbatch[t, s])
+            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=COLORS[kind], edgecolor="white"))
+            label = str(schedule.microbatch[t, r])
             if schedule.n_chunks > 1:
-                label += f".{schedule.chunk[t, s]}"
-            ax.text(t + 0.5, s + 0.5, label, ha="center", va="center", color="white",
-                    fontsize=7 if schedule.n_chunks > 1 else 8)
+                label += f".{schedule.chunk[t, r]}"
+            ax.text(t + 0.5, r + 0.5, label, ha="center", va="center", color="white",
+                    fontsize=6 if schedule.n_chunks > 1 or ticks > 40 else 8)
     ax.set_xlim(0, ticks)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(stages, 0)
-    ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_ylim(ranks, 0)
+    ax.set_yticks([r + 0.5 for r in range(ranks)], [f"rank {r}" for r in range(ranks)])
     ax.set_xlabel("tick")
     chunks = f", v={schedule.n_chunks}" if schedule.n_chunks > 1 else ""
-    ax.set_title(f"{schedule.name}: p={stages}, m={schedule.n_microbatches}{chunks}, "
-                 f"bubble {schedule.bubble_fraction:.1%} ({idle} idle of {ticks * stages} cells)")
-    ax.legend(handles=[Patch(color=COLORS[FWD], label="forward"),
-                       Patch(color=COLORS[BWD], label="backward")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if stages < 4 else -0.15), ncol=2,
-              frameon=False)
-    fig.tight_layout()
+    ax.set_title(f"{schedule.name}: p={ranks}, m={schedule.n_microbatches}{chunks}, table "
+                 f"bubble {schedule.bubble_fraction:.1%} (unit costs; {idle} idle of "
+                 f"{ticks * ranks} cells)")
+    return idle
+
+
+def _legend(fig, kinds):
+    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds],
+               loc="lower center", ncol=len(kinds), frameon=False)
+
+
+def draw(schedule: Schedule, path: str) -> int:
+    """Writes the table's chart to `path`; returns the number of idle cells left blank."""
+    ticks, ranks = schedule.kind.shape
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * ticks + 1.5), 0.5 * ranks + 1.6))
+    idle = _draw_table(ax, schedule)
+    _legend(fig, [k for k in (F, B, W, BW) if (schedule.kind == k).any()])
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return idle
 
 
+def draw_trace(run_dir: str, path: str) -> dict:
+    """The run's measured timeline under its table; returns the timeline record."""
+    timeline = json.loads((Path(run_dir) / "profile" / "timeline.json").read_text())
+    sched = timeline["schedule"]
+    schedule = make_schedule(sched["name"], sched["pipeline"], sched["microbatches"],
+                             sched["virtual_stages"])
+    ranks = schedule.n_stages
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.3 * schedule.n_ticks + 1.5),
+                                                     ranks + 3.2))
+    _draw_table(top, schedule)
+    step = timeline["steps"][0]
+    kinds_seen = set()
+    for rank, intervals in enumerate(step["ranks"]):
+        for start, end, kind in intervals:
+            k = KIND_NAMES.index(kind)
+            kinds_seen.add(k)
+            bottom.add_patch(Rectangle((start, rank), end - start, 1, facecolor=COLORS[k],
+                                       edgecolor="none"))
+    span = max((e for ivs in step["ranks"] for _, e, _ in ivs), default=1.0)
+    bottom.set_xlim(0, span)
+    bottom.set_ylim(ranks, 0)
+    bottom.set_yticks([r + 0.5 for r in range(ranks)], [f"rank {r}" for r in range(ranks)])
+    bottom.set_xlabel("ms since the pipeline loop started (device " + step["devices"] + ")")
+    timed = ", ".join(f"{b:.1%}" for b in timeline["bubble_timed_per_rank"])
+    bottom.set_title(f"measured: bubble {timeline['bubble_timed']:.1%} (per rank {timed}), "
+                     f"{timeline['platform']}")
+    _legend(fig, sorted(kinds_seen | {k for k in (F, B, W, BW) if (schedule.kind == k).any()}))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return timeline
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, required=True)
-    parser.add_argument("--pipeline", type=int, required=True)
-    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--schedule", choices=schedule_names())
+    parser.add_argument("--pipeline", type=int)
+    parser.add_argument("--microbatches", type=int)
     parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--trace", help="a run folder whose profile to draw")
     parser.add_argument("-o", "--output", default="schedule.png")
     args = parser.parse_args(argv)
-    if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1:
-        parser.error("--pipeline, --microbatches and --virtual-stages must be >= 1")
-    if args.schedule == "circular" and args.virtual_stages > 1 and args.microbatches < args.pipeline:
-        parser.error("the circular schedule needs --microbatches >= --pipeline")
+    if args.trace:
+        if not (Path(args.trace) / "profile" / "timeline.json").exists():
+            parser.error(f"--trace {args.trace}: no profile/timeline.json there (was the run "
+                         f"profiled? profile.steps > 0 and enough train.steps)")
+        timeline = draw_trace(args.trace, args.output)
+        print(f"wrote {args.output}: bubble measured {timeline['bubble_timed']:.4f}, "
+              f"table {timeline['bubble_table']:.4f}")
+        return 0
+    if args.schedule is None or args.pipeline is None or args.microbatches is None:
+        parser.error("give --schedule, --pipeline and --microbatches (or --trace)")
+    from framework.pipeline.schedule import check
+    problems = check(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
+    if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
+        parser.error("; ".join(problems) or "--pipeline, --microbatches and "
+                     "--virtual-stages must be >= 1")
     schedule = make_schedule(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
     idle = draw(schedule, args.output)
-    print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} stages, "
-          f"{idle} idle cells, bubble {schedule.bubble_fraction:.4f}")
+    print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} ranks, "
+          f"{idle} idle cells, table bubble {schedule.bubble_fraction:.4f}")
     return 0
 
 

@@ -4,7 +4,7 @@
 
 Reads every job's `summary.json` (written by `python -m framework.run -m ...`) and
 writes `sweep_report.md` (degrees, microbatches, tokens/s, TFLOP/s per device,
-bubble theoretical and measured, peak memory, final loss, status) and
+bubble from the formula and timed on the devices, peak memory, final loss, status) and
 `sweep_report.png` (throughput and bubble per configuration) into the folder.
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("job", "pipeline", "data", "tensor", "microbatches", "tokens/s",
-           "TFLOP/s/device", "bubble (theory)", "bubble (measured)", "peak MiB/device",
+           "TFLOP/s/device", "bubble (theory)", "bubble (timed)", "peak MiB/device",
            "final loss", "status")
 
 
@@ -49,7 +49,7 @@ def row(job: dict) -> list[str]:
             _num(job.get("perf/tokens_per_sec"), ",.0f"),
             _num(job.get("perf/tflops_per_device"), ".4g"),
             _num(job.get("pipeline/bubble_fraction"), ".1%"),
-            _num(job.get("pipeline/bubble_fraction_measured"), ".1%"),
+            _num(job.get("pipeline/bubble_fraction_timed"), ".1%"),
             _num(None if peak is None else peak / 2**20, ".1f"),
             _num(job.get("train/loss"), ".4f"), status]
 
@@ -68,7 +68,7 @@ def markdown(jobs: list[dict], title: str) -> str:
 
 
 def chart(jobs: list[dict], path: Path) -> None:
-    """Two panels: tokens/s per configuration; bubble, theoretical vs measured."""
+    """Two panels: tokens/s per configuration; bubble, formula vs timed on the devices."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,8 +87,8 @@ def chart(jobs: list[dict], path: Path) -> None:
                [100 * (j.get("pipeline/bubble_fraction") or 0) for j in done], width,
                label="theoretical", color="tab:orange")
     bottom.bar([i + width / 2 for i in x],
-               [100 * (j.get("pipeline/bubble_fraction_measured") or 0) for j in done],
-               width, label="measured", color="tab:green")
+               [100 * (j.get("pipeline/bubble_fraction_timed") or 0) for j in done],
+               width, label="timed", color="tab:green")
     bottom.set_ylabel("pipeline bubble (%)")
     bottom.legend()
     bottom.set_xticks(list(x), names, rotation=30, ha="right")

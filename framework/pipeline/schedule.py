@@ -1,174 +1,329 @@
-"""Pipeline schedules as tables: (tick, stage) -> forward/backward of (microbatch, chunk), or idle.
+"""Pipeline schedules as tables: (tick, rank) -> one cell of work, or idle.
 
-A table is the single source of truth: the executors read their per-tick actions from
-it, the bubble accounting counts its idle cells and `tools/schedule_plot.py` draws it.
+A cell is F(i, c) (forward of microbatch i through this rank's layer chunk c), B(i, c)
+(the gradient w.r.t. the chunk's input), W(i, c) (the gradient w.r.t. its weights) or
+BW(i, c) (B and W fused, as in 1F1B). The table is the single source of truth: the
+executors run it, `framework/pipeline/buffers.py` derives the stash and receive slots
+and the point-to-point sends from it, and the bubble, the audit's weights, the memory
+model and `tools/schedule_plot.py` read it.
 
-* GPipe (Huang et al. 2019): all forwards, then all backwards (the backward half is
-  the mirror image that JAX autodiff executes). Bubble (p-1)/(m+p-1).
-* Circular / interleaved (Narayanan et al. 2021; MaxText's circular pipeline): each
-  rank holds v chunks; microbatches go around the ring v times. Forward of microbatch
-  i, chunk v on rank s happens at tick v*m + i + s, which needs m >= p so a microbatch
-  is back at rank 0 before rank 0 needs it. Bubble (p-1)/(v*m+p-1).
-* 1F1B (PipeDream-Flush, Narayanan et al. 2021): stage s runs min(p-1-s, m) warm-up
-  forwards, then alternates one forward and one backward, then drains the backwards.
-  With unit-time ticks the table has 2(m+p-1) ticks and bubble (p-1)/(m+p-1), the
-  Megatron-LM figure (p-1)/m expressed as a fraction of the whole step. At most
-  p - s microbatches are in flight on stage s.
+Global stages. With p ranks and v chunks per rank the model is cut into S = p*v stages;
+`stage_of[rank, chunk]` says which one a (rank, chunk) holds. Megatron-LM's interleaved
+assignment (Narayanan et al. 2021), used by every schedule here: stage g lives on rank
+g mod p as its chunk g // p, so a microbatch goes round the ring v times.
+
+Schedules (register a new one with `@register`; nothing else needs to change):
+
+  gpipe             (Huang et al. 2019) all forwards, then all backwards. The executor
+                    runs the forward rows; JAX autodiff runs the mirrored backward half.
+                    Bubble (p-1)/(m+p-1).
+  circular          (MaxText's circular pipeline) GPipe with v chunks per rank:
+                    forward of microbatch i, chunk c on rank r at tick c*m + i + r
+                    (needs m >= p). Bubble (p-1)/(v*m+p-1). Autodiff backward.
+  1f1b              (PipeDream-Flush, Narayanan et al. 2021) rank r runs p-1-r warm-up
+                    forwards, then alternates F and BW, then drains. (p-1)/(m+p-1).
+  interleaved_1f1b  (Megatron-LM's interleaved schedule, Narayanan et al. 2021) 1F1B
+                    over v chunks per rank, microbatches in groups of p (m % p == 0).
+                    Bubble (p-1)/(v*m+p-1): v times shorter idle ticks.
+  zb_h1             (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1) 1F1B with
+                    the backward split into B and W; rank r postpones its first r W's
+                    so every rank keeps p microbatches in flight (1F1B's peak, reached on
+                    rank 0) and the postponed W's fill the drain. With unit-cost F, B, W:
+                    bubble (p-1)/(3m+p-1), a third of 1F1B's idle time.
+
+All tick-loop schedules come from one simulator (`simulate`): each rank runs its program
+(an ordered list of cells) in lockstep ticks, a cell starting at the first tick after
+everything it depends on has finished (a message sent at tick t is usable at t+1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
-IDLE, FWD, BWD = 0, 1, 2
-SCHEDULE_NAMES = ("gpipe", "circular", "1f1b")
+IDLE, F, B, W, BW = 0, 1, 2, 3, 4
+KIND_NAMES = ("idle", "F", "B", "W", "BW")
+# Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W.
+UNIT_COST = np.array([0, 1, 1, 1, 2])
+AUTODIFF, TICKS = "autodiff", "ticks"  # who runs the backward: JAX autodiff, or the table
 
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
     name: str
-    n_stages: int
-    n_microbatches: int
-    n_chunks: int  # chunks per rank (virtual stages)
-    action: np.ndarray  # [ticks, stages] IDLE / FWD / BWD
-    microbatch: np.ndarray  # [ticks, stages] microbatch index (0 where idle)
-    chunk: np.ndarray  # [ticks, stages] chunk index on that rank (0 where idle)
-    backward_by_autodiff: bool  # True: the executor runs the FWD rows, autodiff the rest
+    n_stages: int  # pipeline ranks, p
+    n_microbatches: int  # m
+    n_chunks: int  # layer chunks per rank, v
+    kind: np.ndarray  # [ticks, ranks] IDLE / F / B / W / BW
+    microbatch: np.ndarray  # [ticks, ranks] (0 where idle)
+    chunk: np.ndarray  # [ticks, ranks] chunk index on that rank (0 where idle)
+    formula_bubble: float  # the closed form from the paper the schedule comes from
+    executor: str = TICKS  # AUTODIFF: the executor runs the F rows, autodiff the rest
 
     @property
     def n_ticks(self) -> int:
-        return self.action.shape[0]
+        return self.kind.shape[0]
 
     @property
-    def busy_per_stage(self) -> np.ndarray:
-        return (self.action != IDLE).sum(axis=0)
+    def n_global_stages(self) -> int:
+        return self.n_stages * self.n_chunks
+
+    @cached_property
+    def stage_of(self) -> np.ndarray:
+        """[ranks, chunks] -> global stage (Megatron's interleaved assignment)."""
+        p, v = self.n_stages, self.n_chunks
+        return np.arange(v)[None, :] * p + np.arange(p)[:, None]
+
+    @cached_property
+    def rank_chunk_of(self) -> dict[int, tuple[int, int]]:
+        """Global stage -> (rank, chunk)."""
+        return {int(g): (r, c) for (r, c), g in np.ndenumerate(self.stage_of)}
+
+    @property
+    def global_stage(self) -> np.ndarray:
+        """[ticks, ranks] the global stage of every cell (meaningless where idle)."""
+        return self.stage_of[np.arange(self.n_stages)[None, :], self.chunk]
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the backward is split into B and W cells (zero-bubble schedules)."""
+        return bool(np.isin(self.kind, (B, W)).any())
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle stage-ticks / all stage-ticks, counted on the table."""
-        return float((self.action == IDLE).sum() / self.action.size)
+        """Idle share of the step in lockstep ticks with unit costs (F = B = W = 1, BW =
+        2): every rank waits for the slowest cell of each tick, as one SPMD program
+        does. 1 - busy cost / (ranks x sum over ticks of the tick's largest cost)."""
+        cost = UNIT_COST[self.kind]
+        return float(1 - cost.sum() / (self.n_stages * cost.max(axis=1).sum()))
 
-    @property
-    def formula_bubble(self) -> float:
-        """The closed form from the papers cited above."""
-        p, m, v = self.n_stages, self.n_microbatches, self.n_chunks
-        return (p - 1) / (v * m + p - 1)
-
-    def executed_rows(self) -> "Schedule":
-        """The rows an executor runs itself: the forward half for autodiff schedules."""
-        if not self.backward_by_autodiff:
+    def forward_rows(self) -> "Schedule":
+        """The rows the executor runs itself: the forward half for autodiff schedules."""
+        if self.executor != AUTODIFF:
             return self
-        t = int((self.action == FWD).any(axis=1).nonzero()[0].max()) + 1
+        t = int((self.kind == F).any(axis=1).nonzero()[0].max()) + 1
         return Schedule(self.name, self.n_stages, self.n_microbatches, self.n_chunks,
-                        self.action[:t], self.microbatch[:t], self.chunk[:t], True)
-
-    def max_pending(self, kind: int) -> int:
-        """Most messages of one kind (FWD: activations to the next stage, BWD: gradients
-        to the previous one) sent on a link but not yet consumed: the receive slots an
-        executor needs. A message sent at tick t is usable from tick t + 1."""
-        step = 1 if kind == FWD else -1
-        worst = 0
-        for dst in range(self.n_stages):
-            src = dst - step
-            if not 0 <= src < self.n_stages:
-                continue
-            sent = np.cumsum(self.action[:, src] == kind)
-            used = np.cumsum(self.action[:, dst] == kind)
-            pending = np.concatenate([[0], sent[:-1]]) - np.concatenate([[0], used[:-1]])
-            worst = max(worst, int(pending.max()))
-        return worst
-
-    def sends(self, kind: int) -> np.ndarray:
-        """[ticks] bool: does any rank send a message of this kind after this tick?
-        FWD: a forward whose output another rank consumes (every rank but the last,
-        and the last too while its chunk goes around the ring again); BWD: a
-        backward on any rank but the first."""
-        if kind == BWD:
-            return (self.action[:, 1:] == BWD).any(axis=1)
-        fwd = self.action == FWD
-        last_passes_on = fwd[:, -1] & (self.chunk[:, -1] < self.n_chunks - 1)
-        return fwd[:, :-1].any(axis=1) | last_passes_on
+                        self.kind[:t], self.microbatch[:t], self.chunk[:t],
+                        self.formula_bubble, self.executor)
 
     def max_in_flight(self) -> np.ndarray:
-        """Per stage: the most microbatches whose forward ran but backward did not."""
-        live = np.cumsum((self.action == FWD).astype(int) - (self.action == BWD), axis=0)
+        """Per rank: the most microbatch-chunks whose forward ran but whose weight
+        gradient (BW or W) did not yet."""
+        done = (self.kind == BW) | (self.kind == W)
+        live = np.cumsum((self.kind == F).astype(int) - done, axis=0)
         return live.max(axis=0)
 
 
-def _with_mirrored_backward(name, p, m, v, action, micro, chunk) -> Schedule:
+# --- Generators: name -> (p, m, v) -> Schedule ---------------------------------------
+
+@dataclass(frozen=True)
+class Generator:
+    build: Callable[[int, int, int], Schedule]
+    uses_virtual_stages: bool  # reads parallel.virtual_stages (else it must be 1)
+    check: Callable[[int, int, int], list[str]]  # (p, m, v) -> one-line problems
+
+
+GENERATORS: dict[str, Generator] = {}
+
+
+def register(name: str, uses_virtual_stages: bool = False,
+             check: Callable[[int, int, int], list[str]] = lambda p, m, v: []):
+    """Decorator: `build(p, m, v) -> Schedule` becomes `parallel.schedule=<name>`."""
+    def wrap(build):
+        GENERATORS[name] = Generator(build, uses_virtual_stages, check)
+        return build
+    return wrap
+
+
+def schedule_names() -> tuple[str, ...]:
+    return tuple(GENERATORS)
+
+
+def check(name: str, p: int, m: int, v: int) -> list[str]:
+    """One-line problems with (parallel.schedule, pipeline, microbatches, virtual_stages)."""
+    if name not in GENERATORS:
+        return [f"parallel.schedule={name!r} is not one of {', '.join(GENERATORS)}"]
+    gen = GENERATORS[name]
+    if not gen.uses_virtual_stages and v != 1:
+        users = [n for n, g in GENERATORS.items() if g.uses_virtual_stages]
+        return [f"parallel.virtual_stages={v} only applies to parallel.schedule in "
+                f"{{{', '.join(users)}}}: set it to 1 or pick one of those"]
+    return gen.check(p, m, v)
+
+
+def uses_virtual_stages(name: str) -> bool:
+    return name in GENERATORS and GENERATORS[name].uses_virtual_stages
+
+
+def chunks_per_rank(name: str, virtual_stages: int) -> int:
+    return virtual_stages if uses_virtual_stages(name) else 1
+
+
+def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    problems = check(name, pipeline, microbatches, virtual_stages)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return _build(name, pipeline, microbatches, chunks_per_rank(name, virtual_stages))
+
+
+_CACHE: dict = {}
+
+
+def _build(name, p, m, v) -> Schedule:
+    if (name, p, m, v) not in _CACHE:
+        _CACHE[name, p, m, v] = GENERATORS[name].build(p, m, v)
+    return _CACHE[name, p, m, v]
+
+
+# --- The lockstep simulator behind every tick-loop schedule --------------------------
+
+Cell = tuple[int, int, int]  # (kind, microbatch, chunk)
+
+
+def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
+             formula: float) -> Schedule:
+    """Runs each rank's program in lockstep ticks: a cell starts at the first tick after
+    its dependencies finished (F(i, g) after F(i, g-1); B or BW(i, g) after F(i, g) and
+    the backward of (i, g+1); W(i, g) after B(i, g)). Raises if the programs deadlock."""
+    stage = lambda r, c: c * p + r  # Megatron's interleaved assignment (see Schedule)
+    S = p * v
+    done: dict[tuple[str, int, int], int] = {}  # (F|B, microbatch, global stage) -> tick
+    pc = [0] * p
+    rows = []
+    while any(pc[r] < len(programs[r]) for r in range(p)):
+        t = len(rows)
+        row = [None] * p
+        for r in range(p):
+            if pc[r] == len(programs[r]):
+                continue
+            kind, i, c = programs[r][pc[r]]
+            g = stage(r, c)
+            if kind == F:
+                deps = [("F", i, g - 1)] if g > 0 else []
+            elif kind in (B, BW):
+                deps = [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else [])
+            else:  # W
+                deps = [("B", i, g)]
+            if all(done.get(d, t) < t for d in deps):
+                row[r] = programs[r][pc[r]]
+        if not any(row):
+            raise RuntimeError(f"schedule {name} deadlocks at tick {t} (p={p}, m={m}, v={v})")
+        for r, cell in enumerate(row):
+            if cell is not None:
+                kind, i, c = cell
+                done[("F" if kind == F else "B" if kind in (B, BW) else "W", i, stage(r, c))] = t
+                pc[r] += 1
+        rows.append(row)
+    grid = np.array([[cell or (IDLE, 0, 0) for cell in row] for row in rows], np.int32)
+    return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula)
+
+
+# --- The schedules -------------------------------------------------------------------
+
+def _mirrored(name, p, m, v, kind, micro, chunk, formula) -> Schedule:
     """Appends the backward half that autodiff runs: forward tick t mirrored to tick
-    2T-1-t, same stage, same microbatch and chunk."""
-    back = np.where(action == FWD, BWD, IDLE)[::-1]
-    return Schedule(name, p, m, v,
-                    np.concatenate([action, back]),
+    2T-1-t, same rank, same microbatch and chunk, as fused BW cells."""
+    back = np.where(kind == F, BW, IDLE)[::-1]
+    return Schedule(name, p, m, v, np.concatenate([kind, back]),
                     np.concatenate([micro, micro[::-1]]),
-                    np.concatenate([chunk, chunk[::-1]]),
-                    backward_by_autodiff=True)
+                    np.concatenate([chunk, chunk[::-1]]), formula, AUTODIFF)
+
+
+def _circular_check(p, m, v):
+    if v > 1 and m < p:
+        return [f"parallel.microbatches={m} < parallel.pipeline={p}: the circular schedule "
+                f"needs microbatches >= pipeline (a microbatch must leave the last rank "
+                f"before the first rank needs it again)"]
+    return []
 
 
 def circular(p: int, m: int, v: int) -> Schedule:
     """Circular schedule with v chunks per rank; v = 1 is GPipe."""
     ticks = v * m + p - 1
-    k = np.arange(ticks)[:, None] - np.arange(p)[None, :]  # [ticks, stages]
+    k = np.arange(ticks)[:, None] - np.arange(p)[None, :]  # [ticks, ranks]
     valid = (k >= 0) & (k < v * m)
     k = np.where(valid, k, 0)
-    action = np.where(valid, FWD, IDLE).astype(np.int32)
-    micro = (k % m).astype(np.int32)
-    chunk = (k // m).astype(np.int32)
-    return _with_mirrored_backward("gpipe" if v == 1 else "circular", p, m, v,
-                                   action, micro, chunk)
+    return _mirrored("gpipe" if v == 1 else "circular", p, m, v,
+                     np.where(valid, F, IDLE).astype(np.int32), (k % m).astype(np.int32),
+                     (k // m).astype(np.int32), (p - 1) / (v * m + p - 1))
 
 
-def gpipe(p: int, m: int) -> Schedule:
+@register("gpipe")
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     return circular(p, m, 1)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """Simulates 1F1B with unit-time actions and per-stage program order; an action runs
-    at the first tick after everything it depends on has finished."""
+register("circular", uses_virtual_stages=True, check=_circular_check)(circular)
+
+
+def _one_f_one_b_programs(p: int, m: int, v: int) -> list[list[Cell]]:
+    """Megatron-LM's (interleaved) 1F1B order. Virtual microbatch k of a rank is
+    microbatch (k // (p*v)) * p + k % p of chunk (k // p) % v (forward; the backward
+    visits the chunks in reverse). Rank r warms up with (p-1-r) + (v-1)*p forwards,
+    then alternates F and BW. (Megatron warms up 2(p-1-r) + (v-1)p because its sends
+    overlap the next compute; with one-tick message latency in lockstep ticks the
+    smaller warm-up gives the same ticks with at most p*v chunk activations in flight,
+    1F1B's memory.)"""
+    def cell(kind, k):
+        group = k % (p * v)
+        chunk = group // p if kind == F else v - 1 - group // p
+        return (kind, (k // (p * v)) * p + k % p, chunk)
+
     programs = []
-    for s in range(p):
-        warm = min(p - 1 - s, m)
-        prog = [(FWD, i) for i in range(warm)]
-        for i in range(m - warm):
-            prog += [(FWD, warm + i), (BWD, i)]
-        prog += [(BWD, i) for i in range(m - warm, m)]
+    for r in range(p):
+        n = m * v
+        warm = min((p - 1 - r) + (v - 1) * p, n)
+        prog = [cell(F, k) for k in range(warm)]
+        for k in range(n - warm):
+            prog += [cell(F, warm + k), cell(BW, k)]
+        prog += [cell(BW, k) for k in range(n - warm, n)]
         programs.append(prog)
-    done = {}  # (kind, microbatch, stage) -> tick it ran
-    pc = [0] * p
-    rows_a, rows_m = [], []
-    tick = 0
-    while any(pc[s] < len(programs[s]) for s in range(p)):
-        act, mic = np.zeros(p, np.int32), np.zeros(p, np.int32)
-        for s in range(p):
-            if pc[s] == len(programs[s]):
-                continue
-            kind, i = programs[s][pc[s]]
-            if kind == FWD:
-                deps = [(FWD, i, s - 1)] if s > 0 else []
-            else:
-                deps = [(FWD, i, s)] + ([(BWD, i, s + 1)] if s < p - 1 else [])
-            if all(done.get(d, tick) < tick for d in deps):
-                act[s], mic[s] = kind, i
-        for s in range(p):
-            if act[s] != IDLE:
-                done[(int(act[s]), int(mic[s]), s)] = tick
-                pc[s] += 1
-        rows_a.append(act)
-        rows_m.append(mic)
-        tick += 1
-    action, micro = np.stack(rows_a), np.stack(rows_m)
-    return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro),
-                    backward_by_autodiff=False)
+    return programs
 
 
-def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    if name == "gpipe":
-        return gpipe(pipeline, microbatches)
-    if name == "circular":
-        return circular(pipeline, microbatches, virtual_stages)
-    if name == "1f1b":
-        return one_f_one_b(pipeline, microbatches)
-    raise ValueError(f"unknown schedule {name!r}")
+@register("1f1b")
+def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
+    return simulate("1f1b", p, m, 1, _one_f_one_b_programs(p, m, 1), (p - 1) / (m + p - 1))
+
+
+def _interleaved_check(p, m, v):
+    if m % p:
+        return [f"parallel.microbatches={m} is not a multiple of parallel.pipeline={p}: "
+                f"the interleaved 1F1B schedule runs microbatches in groups of pipeline "
+                f"(use {max(p, m // p * p)} or {(m // p + 1) * p})"]
+    return []
+
+
+@register("interleaved_1f1b", uses_virtual_stages=True, check=_interleaved_check)
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    return simulate("interleaved_1f1b", p, m, v, _one_f_one_b_programs(p, m, v),
+                    (p - 1) / (v * m + p - 1))
+
+
+@register("zb_h1")
+def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, section 2.1). Rank r: 1F1B's p-1-r warm-up forwards, then
+    F, B and W in turn, except that its first r rounds skip the W (run at the very end):
+    every rank then holds p microbatches between F and W, the peak 1F1B has on rank 0,
+    and the postponed W's fill the drain's idle ticks."""
+    programs = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        prog = [(F, i, 0) for i in range(warm)]
+        nf, nb, nw, rounds = warm, 0, 0, 0
+        while nb < m:
+            if nf < m:
+                prog.append((F, nf, 0))
+                nf += 1
+            prog.append((B, nb, 0))
+            nb += 1
+            if rounds >= r:
+                prog.append((W, nw, 0))
+                nw += 1
+            rounds += 1
+        prog += [(W, i, 0) for i in range(nw, m)]
+        programs.append(prog)
+    return simulate("zb_h1", p, m, 1, programs, (p - 1) / (3 * m + p - 1))

@@ -1,0 +1,92 @@
+"""The bubble timed on the devices' own timeline (framework/profiling.py): it ranks
+configurations the way their schedules say, and the run's plot draws it."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from framework import profiling
+from framework.pipeline.schedule import make_schedule
+from tests.helpers import MODEL, TRAIN, engine, params, tokens
+
+# Big enough that a cell's compute outweighs the per-tick bookkeeping on a CPU.
+BIG = dataclasses.replace(MODEL, d_model=256, d_ff=512, n_layers=4)
+
+
+def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path) -> float:
+    train = dataclasses.replace(TRAIN, global_batch_size=2 * microbatches, seq_len=64)
+    eng = engine(pipeline, 1, 1, microbatches, model=BIG, train=train, schedule=schedule)
+    box = {"state": eng.init_state(params(BIG))}
+    batch = eng.shard_batch(tokens(0, train, BIG))
+    eng.compile(box["state"], batch)
+
+    def steps(n):
+        for _ in range(n):
+            box["state"], metrics = eng.step(box["state"], batch)
+        jax.block_until_ready(metrics)
+
+    steps(1)  # warm-up: first-run allocations stay out of the trace
+    found = profiling.measure(eng, lambda: steps(3), tmp_path / f"{schedule}-{microbatches}")
+    print(schedule, pipeline, microbatches, found)
+    assert len(found["pipeline/bubble_fraction_timed_per_rank"]) == pipeline
+    return found["pipeline/bubble_fraction_timed"]
+
+
+@pytest.mark.filterwarnings("ignore:parallel.microbatches")
+def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
+    """No absolute timings: 4 simulated devices share 2 cores here, so every device also
+    waits while the others run (README, "A bubble measured in time")."""
+    few, many = timed_bubble("gpipe", 4, 2, tmp_path), timed_bubble("gpipe", 4, 16, tmp_path)
+    assert few > many  # (p-1)/(m+p-1): 60% at m = 2, 16% at m = 16
+    gpipe, zb = timed_bubble("gpipe", 4, 4, tmp_path), timed_bubble("zb_h1", 4, 4, tmp_path)
+    assert zb < gpipe  # tables: 20% against 43%
+
+
+def test_profile_classifies_the_executors_cells():
+    """Structure, not names: every busy branch of the cell dispatch is stage work of its
+    kind, in both executors."""
+    for sched, kinds in [("gpipe", {"F", "BW"}), ("zb_h1", {"F", "B", "W"}),
+                         ("interleaved_1f1b", {"F", "BW"})]:
+        eng = engine(2, 1, 1, 4, schedule=sched, virtual_stages=2 if "inter" in sched else 1)
+        state, toks = eng.abstract_inputs(TRAIN.global_batch_size, TRAIN.seq_len)
+        hlo = eng.step_fn.lower(state, toks).compile().as_text()
+        module, work, loops = profiling.classify(hlo, eng.schedule)
+        assert module and set(work.values()) == kinds, (sched, set(work.values()))
+        assert set(work) <= set(loops)  # all work is inside the tick loops
+        assert set(loops.values()) == ({"forward", "backward"} if sched == "gpipe" else {"ticks"})
+
+
+def test_profile_window_fits_the_run():
+    assert profiling.profile_steps(2, 3, 0, 100) == (3, 4)
+    assert profiling.profile_steps(2, 50, 0, 20) == (19, 20)  # moved into the run
+    assert profiling.profile_steps(2, 3, 10, 100) == (12, 13)  # resumed at step 10
+    assert profiling.profile_steps(2, 3, 0, 2) is None  # too short: its 1st step is warm-up
+    assert profiling.profile_steps(0, 3, 0, 100) is None
+
+
+def test_schedule_plot_draws_a_runs_trace(tmp_path):
+    """The timeline a profiled run leaves, drawn beside its table."""
+    eng = engine(2, 1, 1, 4, schedule="zb_h1")
+    box = {"state": eng.init_state(params())}
+    batch = eng.shard_batch(tokens(0))
+    eng.compile(box["state"], batch)
+
+    def two():
+        for _ in range(2):
+            box["state"], metrics = eng.step(box["state"], batch)
+        jax.block_until_ready(metrics)
+
+    two()
+    found = profiling.measure(eng, two, tmp_path)
+    assert 0 < found["pipeline/bubble_fraction_timed"] < 1
+    tool = Path(__file__).resolve().parents[1] / "tools" / "schedule_plot.py"
+    out = tmp_path / "trace.png"
+    proc = subprocess.run([sys.executable, str(tool), "--trace", str(tmp_path), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and "bubble measured" in proc.stdout
+    assert make_schedule("zb_h1", 2, 4).bubble_fraction == pytest.approx(1 / 13)

@@ -1,0 +1,128 @@
+"""Every pipeline schedule side by side: bubble (closed form, table, timed on the
+devices), per-device memory, pipe bytes and step time.
+
+    python tools/schedule_table.py --pipeline 4 --microbatches 8
+    python tools/schedule_table.py --pipeline 4 --microbatches 4 8 16 --no-run   # memory only
+    python tools/schedule_table.py --pipeline 4 --microbatches 8 --gpipe-ticks
+
+For each schedule (and each microbatch count, at a fixed microbatch size, so the global
+batch grows with it) it compiles the train step on simulated CPU devices and prints a
+Markdown row: the bubble from the paper's formula, from the table in lockstep unit-cost
+ticks (`Schedule.bubble_fraction`) and, unless --no-run, timed from a profile of the
+running step (`framework/profiling.py`); XLA's memory analysis per device (temp /
+peak); bytes each device sends over `pipe` per step (the communication audit); the
+median step time. --gpipe-ticks adds GPipe's order run by the tick executor (backward
+included) instead of by autodiff, to compare the two executors on one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def gpipe_ticks(p: int, m: int, v: int):
+    """GPipe's table (all forwards, then all backwards) for the tick executor."""
+    from framework.pipeline import schedule as s
+
+    programs = [[(s.F, i, 0) for i in range(m)] + [(s.BW, i, 0) for i in range(m)]
+                for _ in range(p)]
+    return s.simulate("gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pipeline", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
+    parser.add_argument("--microbatch-rows", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--schedules", nargs="+",
+                        default=["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"])
+    parser.add_argument("--virtual-stages", type=int, default=2)
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    parser.add_argument("--no-run", action="store_true", help="compile only: no timings")
+    parser.add_argument("--gpipe-ticks", action="store_true")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from framework import devices, profiling
+    from framework.config import (DevicesConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                  TrainConfig, validate)
+    devices.start(DevicesConfig(platform="cpu", local_device_count=args.pipeline),
+                  ParallelConfig(pipeline=args.pipeline))
+    from framework.engine import build_engine
+    from framework.mesh import make_mesh
+    from framework.model import init_params
+    from framework.pipeline import schedule as schedules
+    from framework.reference import tokens_for_step
+
+    names = list(args.schedules)
+    if args.gpipe_ticks:
+        schedules.register("gpipe_ticks")(gpipe_ticks)
+        names.append("gpipe_ticks")
+    model = ModelConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers,
+                        n_heads=8, n_kv_heads=4, d_ff=4 * args.d_model)
+    params = jax.jit(lambda k: init_params(model, k))(jax.random.key(0))
+    print(f"pipeline={args.pipeline}, {args.microbatch_rows} rows x {args.seq_len} tokens per "
+          f"microbatch, d_model {args.d_model}, {args.layers} layers, remat {args.remat}, "
+          f"{jax.devices()[0].device_kind} ({args.pipeline} simulated devices)")
+    print("| schedule | microbatches | bubble: formula | table | timed | temp / peak MiB "
+          "per device | pipe MB per step | step ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in args.microbatches:
+        train = TrainConfig(seq_len=args.seq_len, global_batch_size=m * args.microbatch_rows)
+        tokens = tokens_for_step(0, 0, train.global_batch_size, train.seq_len, model.vocab_size)
+        for name in names:
+            v = args.virtual_stages if schedules.uses_virtual_stages(name) else 1
+            par = ParallelConfig(pipeline=args.pipeline, microbatches=m, schedule=name,
+                                 virtual_stages=v, remat=args.remat)
+            if schedules.check(name, args.pipeline, m, v):
+                print(f"| {name} | {m} | not valid: {'; '.join(schedules.check(name, args.pipeline, m, v))} |")
+                continue
+            par = validate(model, par, train, args.pipeline)
+            engine = build_engine(model, par, OptimConfig(), 10, make_mesh(par))
+            state = engine.init_state(params)
+            batch = engine.shard_batch(tokens)
+            stats = engine.compile(state, batch)
+            timed, step_ms = "-", "-"
+            if not args.no_run:
+                state, metrics = engine.step(state, batch)  # warm-up
+                jax.block_until_ready(metrics)
+                times = []
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    state, metrics = engine.step(state, batch)
+                    jax.block_until_ready(metrics)
+                    times.append(time.perf_counter() - start)
+                step_ms = f"{1e3 * statistics.median(times):.1f}"
+                box = {"state": state}
+
+                def two_steps():
+                    for _ in range(2):
+                        box["state"], out = engine.step(box["state"], batch)
+                    jax.block_until_ready(out)
+
+                with tempfile.TemporaryDirectory() as folder:
+                    found = profiling.measure(engine, two_steps, Path(folder))
+                timed = f"{found['pipeline/bubble_fraction_timed']:.1%}"
+            label = name + (f" (v={v})" if v > 1 else "")
+            print(f"| {label} | {m} | {engine.schedule.formula_bubble:.1%} | "
+                  f"{engine.schedule.bubble_fraction:.1%} | {timed} | "
+                  f"{stats['memory/temp_bytes_per_device'] / 2**20:.2f} / "
+                  f"{stats['memory/peak_bytes_per_device'] / 2**20:.2f} | "
+                  f"{stats['comm/bytes_per_step/pipe'] / 1e6:.2f} | {step_ms} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
