@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import Callable
 
 import jax
@@ -134,6 +135,11 @@ class Checkpointer:
                            METADATA: ocp.JsonCheckpointHandler()})
         self._converters: dict[int, tuple] = {}
         self._saving: int | None = None  # step of the save started last, until checked
+        # What saves cost (summary.json: checkpoint/*): seconds the caller was blocked
+        # (copy off the devices, fingerprints, waiting for the previous save), seconds
+        # from start to noticed completion of the background writes.
+        self.stats = {"saves": 0, "blocked_s": 0.0, "written_s": 0.0}
+        self._started: float | None = None
         self._failure: str | None = None  # why a save failed (then the run must stop)
         self.needed_bytes: int | None = None  # size of the state a checkpoint holds
         self.warned = False  # the low-space warning was shown
@@ -164,6 +170,7 @@ class Checkpointer:
         self.raise_if_save_failed()
         if step in self.manager.all_steps():
             return False
+        began = time.perf_counter()
         canonical, finite, prints = self._jitted(engine)[0](state)
         if not bool(finite):
             raise NonFiniteStateError(f"refusing to checkpoint step {step}: the parameters "
@@ -173,13 +180,16 @@ class Checkpointer:
                 "model": dataclasses.asdict(engine.model), "resume_from": self.lineage,
                 **(metadata or {}), "fingerprints": integrity.to_json(prints)}
         self.wait()  # Orbax would wait for the previous save too; a failure is its own
-        self._saving = step
+        self._saving, self._started = step, began
         try:
-            return self.manager.save(step, force=True, args=ocp.args.Composite(**{
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(**{
                 STATE: ocp.args.StandardSave(to_nested(canonical)),
                 METADATA: ocp.args.JsonSave(meta)}))
         except Exception as err:  # a synchronous save failed
             raise self._failed(err) from None
+        self.stats["saves"] += 1
+        self.stats["blocked_s"] += time.perf_counter() - began
+        return saved
 
     # --- Failed saves (disk full, permissions, quota) ---------------------------------
 
@@ -205,10 +215,15 @@ class Checkpointer:
                 and not self.manager.is_saving_in_progress():
             try:
                 self.manager.wait_until_finished()  # returns at once; raises its error
-                self._saving = None
+                self._written()
             except Exception as err:
                 self._failed(err)
         return self._failure
+
+    def _written(self) -> None:
+        if self._saving is not None and self._started is not None:
+            self.stats["written_s"] += time.perf_counter() - self._started
+        self._saving = self._started = None
 
     def raise_if_save_failed(self) -> None:
         if self.failed_save() is not None:
@@ -310,7 +325,7 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as err:
             raise self._failed(err) from None
-        self._saving = None
+        self._written()
 
     def close(self) -> None:
         """Waits for saves in flight, then closes (a failed save was already reported)."""

@@ -169,6 +169,11 @@ def install_early_handlers() -> None:
     _PROCESS.installed = True
 
 
+def command_line() -> bool:
+    """This process is `python -m framework.run` (the early handlers are installed)."""
+    return _PROCESS.installed
+
+
 def run_started() -> None:
     """The run holds its folder: from now on a SIGTERM is a request to stop."""
     _PROCESS.running = True

@@ -167,8 +167,7 @@ class WandbSink:
     A run folder has one W&B run: every invocation in it (a resume, a restart after a
     kill before the first checkpoint) continues the W&B run already there (same id,
     resume="allow"; W&B keeps the history of steps it has already seen). Offline, each
-    invocation adds an `offline-run-<time>-<id>` folder of that same id; `wandb sync`
-    uploads them into the one run."""
+    invocation adds an `offline-run-<time>-<id>` folder of that same id."""
 
     def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict):
         import wandb

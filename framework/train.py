@@ -98,6 +98,9 @@ def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
     if not primary:
         return Tracker(run_dir, [], base, write=False)
     sinks = [JsonlSink(run_dir, resumed_at)]
+    if sinks[0].kept_aside is not None:  # records that would otherwise be lost
+        print(f"the earlier {sinks[0].path.name} is kept as {sinks[0].kept_aside}",
+              flush=True)
     if start >= cfg.train.steps:  # nothing to train: keep the last record's numbers
         records = read_metrics(run_dir) if resumed_at is not None else []
         return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
@@ -346,7 +349,9 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     ckpt.wait()
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
-                                           "last_checkpoint_step": ckpt.latest_step()}
+                                           "last_checkpoint_step": ckpt.latest_step(),
+                                           **{f"checkpoint/{k}": v
+                                              for k, v in ckpt.stats.items()}}
 
 
 def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: bool):

@@ -224,8 +224,8 @@ def _cli_in_this_process(monkeypatch, tmp_path, *args) -> tuple[int, str]:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; restored afterwards
     monkeypatch.setattr(sys, "argv", ["framework.run", "recipe=llama_tiny_debug",
                                       f"hydra.run.dir={tmp_path / 'run'}",
-                                      "hydra/job_logging=disabled",
-                                      "hydra/hydra_logging=disabled", *args])
+                                      "hydra/job_logging=none",
+                                      "hydra/hydra_logging=none", *args])
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
         run_cli.main()
