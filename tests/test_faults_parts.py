@@ -91,6 +91,22 @@ def test_the_holder_keeps_its_lock_fresh(tmp_path, monkeypatch):
     lock.release()
 
 
+def test_a_sweep_never_writes_into_a_job_folder_another_run_holds(tmp_path):
+    job = tmp_path / "pp2-dp2-tp2-mb2"
+    (job / ".hydra").mkdir(parents=True)
+    (job / "summary.json").write_text('{"status": "running elsewhere"}')
+    (job / ".hydra" / "overrides.yaml").write_text("- the other run's\n")
+    lock = runlock.acquire(job)
+    try:
+        got = sweep.run_job(["recipe=llama_tiny_debug"], job, "group", job.name,
+                            {"pipeline": 2}, dict(os.environ))
+    finally:
+        lock.release()
+    assert got["status"] == "skipped" and "is in use by another run" in got["reason"]
+    assert (job / "summary.json").read_text() == '{"status": "running elsewhere"}'
+    assert (job / ".hydra" / "overrides.yaml").read_text() == "- the other run's\n"
+
+
 # --- metrics.jsonl ------------------------------------------------------------------------
 
 def _records(path):
