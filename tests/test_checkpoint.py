@@ -212,6 +212,37 @@ def test_resume_from_wins_unless_the_same_command_made_the_own_checkpoints(
     empty.close()
 
 
+def test_resume_from_moves_newer_own_checkpoints_aside_and_a_named_damaged_step_is_an_error(
+        uninterrupted, saved, tmp_path):
+    from framework import resume
+    from framework.config import RunConfig
+
+    eng = uninterrupted[0]
+    source = Checkpointer(saved[0], read_only=True)
+    state = source.restore(eng, 4)
+    source.close()
+    own = Checkpointer(str(tmp_path / "own"), keep=3, async_save=False)
+    own.save(5, eng, state)
+    own.save(7, eng, state)
+    step4 = os.path.join(saved[0], "4")
+    point, notes = resume.start_point(RunConfig(train=TrainConfig(resume_from=step4)), own,
+                                      primary=True)
+    assert point == (saved[0], 4) and own.complete_steps() == []
+    assert all(os.path.isdir(os.path.join(own.directory, f"{s}.superseded")) for s in (5, 7))
+    assert len(notes) == 1 and "wins over this run's own newer checkpoints" in notes[0]
+    # A step named explicitly is never replaced by another one when it is damaged.
+    own.save(7, eng, state)
+    _flip_a_byte(os.path.join(own.directory, "7"))
+    named = RunConfig(train=TrainConfig(resume_from=os.path.join(own.directory, "7")))
+    with pytest.raises(checkpoint.DamagedCheckpoint) as damaged:
+        own.restore(eng, 7)
+    with pytest.raises(ConfigError, match=r"resume_from=.*/7: the checkpoint of step 7 .* "
+                                          r"is damaged: .*name another step"):
+        resume.fall_back(named, own, damaged.value, primary=True)
+    assert own.complete_steps() == [7]  # left where it is
+    own.close()
+
+
 def _biggest_data_file(step_dir: str) -> str:
     files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state"))
              for f in names if os.sep + "d" + os.sep in os.path.join(root, f)]
