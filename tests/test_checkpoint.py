@@ -274,6 +274,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # TensorStore
 def test_each_kind_of_damage_is_detected_and_the_previous_step_restores(
         kind, uninterrupted, saved, tmp_path):
     """Orbax alone restores a flipped byte silently (other values, no error): the

@@ -312,11 +312,13 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
     limit of the running process is lowered instead (the kernel then fails the same
     writes with EFBIG)."""
     run_dir, mnt = tmp_path / "run", tmp_path / "mnt"
-    args = [*COMMON, "checkpoint.every=1", f"checkpoint.dir={mnt / 'ck'}"]
+    # keep=2: a save that pruned before it succeeded would lose the older of the two.
+    args = [*COMMON, "checkpoint.every=1", "checkpoint.keep=2", f"checkpoint.dir={mnt / 'ck'}"]
     if _can_mount_tmpfs(mnt):
         first, second = (" ".join(command(run_dir, *args)) + f" 2>{tmp_path / name}"
                          for name in ("err1", "err2"))
         script = (f"mount -t tmpfs -o size=5m tmpfs {mnt} && {first}; echo first=$?; "
+                  f"echo kept: $(ls {mnt / 'ck'}); "
                   f"mount -o remount,size=64m {mnt} && {second}; echo second=$?")
         proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
@@ -333,8 +335,10 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (300_000, 300_000))
         os.kill(proc.pid, signal.SIGCONT)
         out1, err1 = proc.communicate(timeout=600)
+        kept = " ".join(sorted(p.name for p in (mnt / "ck").iterdir()))
         again = framework_run(run_dir, *args, env=env)
-        out = f"{out1}first={proc.returncode}\n{again.stdout}second={again.returncode}\n"
+        out = (f"{out1}first={proc.returncode}\nkept: {kept}\n{again.stdout}"
+               f"second={again.returncode}\n")
         reason, errs = "File too large (errno 27)", [err1, again.stderr]
     assert "first=4" in out and "second=0" in out, (out, errs)
     line = errs[0].strip()
@@ -343,6 +347,8 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
     assert f" in {mnt / 'ck'}: {reason}; a checkpoint needs about 2.2 MB, " in line
     newest = int(line.split("the newest good checkpoint is step ")[1].split()[0])
     assert newest >= 2 and errs[1] == ""
+    kept = next(ln for ln in out.splitlines() if ln.startswith("kept:")).split()[1:]
+    assert sorted(int(n) for n in kept if n.isdigit()) == [newest - 1, newest], kept
     assert f"resuming from the checkpoint of step {newest} in {mnt / 'ck'}" in out
     assert summary(run_dir)["status"] == "completed"
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
