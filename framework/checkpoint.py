@@ -15,12 +15,23 @@ step is written to `<step>.orbax-checkpoint-tmp-*` and renamed when complete, so
 crash mid-save leaves the previous checkpoint as the newest), `keep` newest retained.
 Each step also holds `metadata` (JSON: step, degrees, model, and what the caller adds).
 Cost: while a save is being staged the devices hold one extra copy of the state.
+
+Integrity (`framework/checkpoint_integrity.py`): each step's metadata also lists a
+fingerprint of every array; `restore` checks that every expected array is listed, lets
+Orbax read them (its own checks catch truncated files and missing manifests), and
+compares the fingerprints (flipped bytes). Anything wrong raises `DamagedCheckpoint`;
+the run moves that step aside as `<step>.damaged` and falls back to the previous one
+(`framework/train.py`). A failed background save (disk full, permissions, quota) is
+noticed at the next step boundary (`failed_save`) and raised as `faults.StorageError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
+import time
 from typing import Callable
 
 import jax
@@ -28,10 +39,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from framework import checkpoint_integrity as integrity
+from framework import distributed
 from framework.checkpoint_layout import (abstract_canonical_state, canonical_shardings,
                                          to_canonical, to_train)
 from framework.config import ConfigError, TrainConfig
 from framework.engine import Engine
+from framework.faults import StorageError
 
 STATE, METADATA = "state", "metadata"  # the two items of every checkpoint step
 # Written by Orbax (the step's own metadata) and by us, inside the atomic step folder:
@@ -85,6 +99,18 @@ class NonFiniteStateError(ValueError):
     """A train state with NaN/inf values was about to be checkpointed."""
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be restored as saved: unreadable, incomplete, or with
+    arrays whose fingerprints differ. `str(err)` is one line."""
+
+    def __init__(self, directory: str, step: int, reason: str):
+        self.directory, self.step, self.reason = directory, step, reason
+        super().__init__(f"the checkpoint of step {step} in {directory} is damaged: {reason}")
+
+
+DETAILS = logging.getLogger("framework.details")  # run.log only (framework/faults.py)
+
+
 class Checkpointer:
     """Saves and restores train states under `directory/<step>/{state,metadata}`.
 
@@ -107,38 +133,123 @@ class Checkpointer:
             self.directory, options=options,
             item_handlers={STATE: ocp.StandardCheckpointHandler(),
                            METADATA: ocp.JsonCheckpointHandler()})
-        self._converters: dict[int, tuple[Engine, Callable, Callable]] = {}
+        self._converters: dict[int, tuple] = {}
+        self._saving: int | None = None  # step of the save started last, until checked
+        # What saves cost (summary.json: checkpoint/*): seconds the caller was blocked
+        # (copy off the devices, fingerprints, waiting for the previous save), seconds
+        # from start to noticed completion of the background writes.
+        self.stats = {"saves": 0, "blocked_s": 0.0, "written_s": 0.0}
+        self._started: float | None = None
+        self._failure: str | None = None  # why a save failed (then the run must stop)
+        self.needed_bytes: int | None = None  # size of the state a checkpoint holds
+        self.warned = False  # the low-space warning was shown
+        # Recorded in every save's metadata: the train.resume_from this chain of runs
+        # started from (framework/resume.py), so the same command continues it.
+        self.lineage: str | None = None
 
-    def _jitted(self, engine: Engine) -> tuple[Callable, Callable]:
-        """(train -> canonical, canonical -> train), jitted once per engine."""
+    def _jitted(self, engine: Engine) -> tuple[Callable, Callable, Callable]:
+        """(train -> canonical + checks, canonical -> train, canonical -> fingerprints),
+        jitted once per engine."""
         if id(engine) not in self._converters or self._converters[id(engine)][0] is not engine:
-            save = jax.jit(lambda s: (to_canonical(s), all_finite(s)),
-                           out_shardings=(canonical_shardings(engine), None))
+            def to_disk(s):
+                canonical = to_canonical(s)
+                return canonical, all_finite(s), integrity.fingerprints(to_nested(canonical))
+
+            save = jax.jit(to_disk, out_shardings=(canonical_shardings(engine), None, None))
             load = jax.jit(lambda c: to_train(engine, c), out_shardings=engine.state_shardings)
-            self._converters[id(engine)] = (engine, save, load)
+            check = jax.jit(lambda c: integrity.fingerprints(to_nested(c)))
+            self._converters[id(engine)] = (engine, save, load, check)
         return self._converters[id(engine)][1:]
 
     def save(self, step: int, engine: Engine, state, metadata: dict | None = None) -> bool:
         """Starts saving `state` as step `step` (returns once the arrays are off the
         devices, so the next train step may donate them). False if `step` is saved.
         Raises NonFiniteStateError, saving nothing, if any parameter or optimizer value
-        is NaN/inf: the last good checkpoint stays the newest."""
+        is NaN/inf: the last good checkpoint stays the newest. Raises StorageError if
+        an earlier save failed, or (synchronous saves) this one."""
+        self.raise_if_save_failed()
         if step in self.manager.all_steps():
             return False
-        canonical, finite = self._jitted(engine)[0](state)
+        began = time.perf_counter()
+        canonical, finite, prints = self._jitted(engine)[0](state)
         if not bool(finite):
             raise NonFiniteStateError(f"refusing to checkpoint step {step}: the parameters "
                                       f"or optimizer state hold NaN or inf")
+        self.needed_bytes = integrity.tree_bytes(canonical)
         meta = {"step": int(step), "parallel": dataclasses.asdict(engine.parallel),
-                "model": dataclasses.asdict(engine.model), **(metadata or {})}
-        return self.manager.save(step, force=True, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(to_nested(canonical)),
-            METADATA: ocp.args.JsonSave(meta)}))
+                "model": dataclasses.asdict(engine.model), "resume_from": self.lineage,
+                **(metadata or {}), "fingerprints": integrity.to_json(prints)}
+        self.wait()  # Orbax would wait for the previous save too; a failure is its own
+        self._saving, self._started = step, began
+        try:
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(**{
+                STATE: ocp.args.StandardSave(to_nested(canonical)),
+                METADATA: ocp.args.JsonSave(meta)}))
+        except Exception as err:  # a synchronous save failed
+            raise self._failed(err) from None
+        self.stats["saves"] += 1
+        self.stats["blocked_s"] += time.perf_counter() - began
+        return saved
+
+    # --- Failed saves (disk full, permissions, quota) ---------------------------------
+
+    def _failed(self, err: BaseException) -> StorageError:
+        DETAILS.info("checkpoint save failed", exc_info=err)
+        if self._failure is None:
+            step = self._saving
+            free = integrity.free_bytes(self.directory)
+            latest = self.latest_step()
+            newest = (f"the newest good checkpoint is step {latest} (untouched)"
+                      if latest is not None else "no checkpoint was saved before")
+            self._failure = (
+                f"could not save the checkpoint of step {step} in {self.directory}: "
+                f"{integrity.short_reason(err)}; a checkpoint needs about "
+                f"{integrity.megabytes(self.needed_bytes)}, "
+                f"{integrity.megabytes(free)} free there; {newest}")
+        return StorageError(self._failure)
+
+    def failed_save(self) -> str | None:
+        """Why the save started last failed, once it has ended; None while it runs or
+        after it succeeded. Never blocks."""
+        if self._failure is None and self._saving is not None \
+                and not self.manager.is_saving_in_progress():
+            try:
+                self.manager.wait_until_finished()  # returns at once; raises its error
+                self._written()
+            except Exception as err:
+                self._failed(err)
+        return self._failure
+
+    def _written(self) -> None:
+        if self._saving is not None and self._started is not None:
+            self.stats["written_s"] += time.perf_counter() - self._started
+        self._saving = self._started = None
+
+    def raise_if_save_failed(self) -> None:
+        if self.failed_save() is not None:
+            raise StorageError(self._failure)
+
+    def low_space_warning(self) -> str | None:
+        """A warning when the checkpoint folder has less free space than the last
+        checkpoint took (local folders only)."""
+        free = integrity.free_bytes(self.directory)
+        if free is None or self.needed_bytes is None or free >= self.needed_bytes:
+            return None
+        return (f"warning: {integrity.megabytes(free)} free in {self.directory}, a "
+                f"checkpoint needs about {integrity.megabytes(self.needed_bytes)}: the "
+                f"next save will likely fail")
+
+    # --- Which steps exist -------------------------------------------------------------
 
     def complete_steps(self) -> list[int]:
         """Steps whose save finished (async saves still in flight are not listed)."""
         steps = [s for s in self.manager.all_steps() if self._is_complete(s)]
         return sorted(steps)
+
+    def incomplete_steps(self) -> list[int]:
+        """Step folders missing a completion marker (not Orbax's temporary ones)."""
+        return sorted(s for s in self.manager.all_steps() if not self._is_complete(s)
+                      and s != self._saving)
 
     def _is_complete(self, step: int) -> bool:
         folder = epath.Path(self.directory) / str(step)
@@ -149,6 +260,17 @@ class Checkpointer:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
+    def set_aside(self, step: int, label: str) -> str:
+        """Moves step folder `step` to `<step>.<label>` (process 0 only; every process
+        then calls `reload`). Returns the new path."""
+        return integrity.set_aside(self.directory, str(step), label)
+
+    def reload(self) -> None:
+        """Re-reads the step folders (after some were moved aside)."""
+        self.manager.reload()
+
+    # --- Restore -----------------------------------------------------------------------
+
     def metadata(self, step: int | None = None) -> dict:
         step = self._pick(step)
         return self.manager.restore(step, args=ocp.args.Composite(
@@ -156,12 +278,34 @@ class Checkpointer:
 
     def restore(self, engine: Engine, step: int | None = None):
         """The train state of `step` (default: the newest complete one), laid out and
-        sharded for `engine`, whatever layout it was saved from."""
+        sharded for `engine`, whatever layout it was saved from. Raises
+        DamagedCheckpoint (on every process) if it is not what was saved."""
         step = self._pick(step)
         abstract = abstract_canonical_state(engine)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardRestore(to_nested(abstract))}))[STATE]
-        return self._jitted(engine)[1](from_nested(restored, abstract))
+        expected = integrity.array_keys(to_nested(abstract))
+        restored, saved, error = None, None, None
+        try:
+            saved = self.metadata(step).get("fingerprints")
+            gone = integrity.missing(saved, expected)
+            if gone:
+                error = f"it holds no array {gone[0]} ({len(gone)} missing)"
+            else:
+                restored = self.manager.restore(step, args=ocp.args.Composite(**{
+                    STATE: ocp.args.StandardRestore(to_nested(abstract))}))[STATE]
+        except Exception as err:  # what Orbax/TensorStore say about unreadable files
+            DETAILS.info("restoring step %s of %s failed", step, self.directory, exc_info=err)
+            error = integrity.short_reason(err)
+        error = distributed.first_error(error)  # the same verdict on every process
+        if error:
+            raise DamagedCheckpoint(self.directory, step, error)
+        canonical = from_nested(restored, abstract)
+        differ = integrity.mismatched(saved, self._jitted(engine)[2](canonical))
+        if differ:
+            raise DamagedCheckpoint(self.directory, step,
+                                    f"{len(differ)} of {len(expected)} arrays differ from "
+                                    f"what was saved ({', '.join(differ[:3])}"
+                                    f"{', ...' if len(differ) > 3 else ''})")
+        return self._jitted(engine)[1](canonical)
 
     def _pick(self, step: int | None) -> int:
         complete = self.complete_steps()
@@ -175,46 +319,81 @@ class Checkpointer:
         return step
 
     def wait(self) -> None:
-        """Blocks until every started save is on disk."""
-        self.manager.wait_until_finished()
+        """Blocks until every started save is on disk; StorageError if one failed."""
+        self.raise_if_save_failed()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            raise self._failed(err) from None
+        self._written()
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for saves in flight, then closes (a failed save was already reported)."""
+        try:
+            self.manager.close()
+        except Exception as err:
+            if self._failure is None:
+                raise self._failed(err) from None
 
 
 RESUME_MODES = ("auto", "never")
 
 
+def lineage(train: TrainConfig) -> str | None:
+    """How `train.resume_from` is recorded in the checkpoints a run saves (absolute)."""
+    if not train.resume_from:
+        return None
+    if "://" in train.resume_from:
+        return train.resume_from.rstrip("/")
+    return os.path.abspath(os.path.expanduser(train.resume_from)).rstrip(os.sep)
+
+
 def resume_point(train: TrainConfig, own: Checkpointer) -> tuple[str, int] | None:
     """Where a run starts from: (checkpoint folder, step), or None for a fresh start.
 
-    `train.resume=auto`: the newest complete checkpoint in the run's own folder (`own`)
-    wins, so a preempted run that began from another run continues from its own
-    progress; else `train.resume_from` (a folder, or one step folder inside it); else
-    fresh. `train.resume=never`: only `train.resume_from`, if set, and the own folder
-    must hold no checkpoint (new saves would mix with, or be pruned among, old ones).
+    `train.resume_from` (a checkpoint folder, a run folder, or one step folder) wins
+    over the run's own checkpoints, except when those were made by this same command:
+    each checkpoint records the `resume_from` its chain of runs started from, so the
+    same command, run again after a preemption, continues its own progress. Without
+    `resume_from`, `auto` continues from the newest complete checkpoint of the run's own
+    folder (`own`), else starts fresh. `train.resume=never`: the own folder must hold no
+    checkpoint (new saves would mix with, or be pruned among, old ones).
     """
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume={train.resume!r} is not one of "
                           f"{', '.join(RESUME_MODES)}")
     latest = own.latest_step()
-    if latest is not None:
-        if train.resume == "auto":
-            return own.directory, latest
+    if latest is not None and train.resume == "never":
         raise ConfigError(f"train.resume=never but {own.directory} already holds a "
                           f"checkpoint (step {latest}): use another output folder or "
                           f"train.resume=auto")
     if train.resume_from:
-        folder, step = locate(train.resume_from)
-        other = Checkpointer(folder, async_save=False, read_only=True)
-        try:
-            step = other._pick(step)
-        except FileNotFoundError as err:
-            raise ConfigError(f"train.resume_from={train.resume_from}: {err}") from None
-        finally:
-            other.close()
-        return folder, step
-    return None
+        if latest is not None and _lineage_of(own, latest) == lineage(train):
+            return own.directory, latest  # this command ran here before: continue it
+        return _target(train)
+    return (own.directory, latest) if latest is not None else None
+
+
+def _lineage_of(ckpt: Checkpointer, step: int) -> str | None:
+    try:
+        return ckpt.metadata(step).get("resume_from")
+    except Exception:  # unreadable: the restore will find it damaged
+        return None
+
+
+def _target(train: TrainConfig) -> tuple[str, int]:
+    folder, step = locate(train.resume_from)
+    if folder is None:
+        raise ConfigError(f"train.resume_from={train.resume_from} is not a checkpoint "
+                          f"folder, a run folder with checkpoints/, or a step folder")
+    other = Checkpointer(folder, async_save=False, read_only=True)
+    try:
+        step = other._pick(step)
+    except FileNotFoundError as err:
+        raise ConfigError(f"train.resume_from={train.resume_from}: {err}") from None
+    finally:
+        other.close()
+    return folder, step
 
 
 def resume(train: TrainConfig, own: Checkpointer, engine: Engine):
@@ -232,14 +411,34 @@ def resume(train: TrainConfig, own: Checkpointer, engine: Engine):
         other.close()
 
 
-def locate(path: str) -> tuple[str, int | None]:
-    """`train.resume_from`: a checkpoint folder (its newest step) or one step folder
-    inside it (named by its step) -> (folder, step or None)."""
+RUN_CHECKPOINTS = "checkpoints"  # a run folder's checkpoint folder
+
+
+def locate(path: str) -> tuple[str | None, int | None]:
+    """`train.resume_from` -> (checkpoint folder, step or None for its newest):
+    a checkpoint folder; a run folder (its `checkpoint_dir` from summary.json, else
+    `<run>/checkpoints`); or one step folder `<checkpoint folder>/<step>`. (None, None)
+    when `path` is none of these."""
+    if "://" in path:  # remote: a folder, or a step folder named by its number
+        head, _, name = path.rstrip("/").rpartition("/")
+        return (head, int(name)) if name.isdigit() else (path.rstrip("/"), None)
     path = os.path.abspath(os.path.expanduser(path)).rstrip(os.sep)
     parent, name = os.path.split(path)
     looks_like_step = any(os.path.exists(os.path.join(path, m)) for m in (STATE, *COMPLETE_MARKERS))
     if name.isdigit() and os.path.isdir(parent) and (looks_like_step or not os.path.exists(path)):
         return parent, int(name)
     if not os.path.isdir(path):
-        raise ConfigError(f"train.resume_from={path} is not a checkpoint folder")
+        return None, None
+    if os.path.exists(os.path.join(path, "summary.json")) or \
+            os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)):
+        return _run_checkpoints(path), None
     return path, None
+
+
+def _run_checkpoints(run_dir: str) -> str:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            recorded = json.load(f).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return recorded or os.path.join(run_dir, RUN_CHECKPOINTS)

@@ -12,6 +12,7 @@ the setting and a valid alternative.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -183,6 +184,82 @@ class RunConfig:
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+@dataclass(frozen=True)
+class Range:
+    """Valid values of a numeric setting: low/high bounds (None: unbounded), each
+    inclusive unless marked open. None values (optional settings) are always valid."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def text(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+    def problem(self, key: str, value) -> str | None:
+        if value is None or isinstance(value, bool):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key}={value} must be a finite number {self.text()}"
+        too_low = self.low is not None and (value <= self.low if self.low_open
+                                            else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open
+                                              else value > self.high)
+        return f"{key}={value} must be {self.text()}" if too_low or too_high else None
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
+FRACTION_BELOW_1 = Range(0, 1, high_open=True)
+# Every numeric setting outside `parallel` (whose degrees `check` covers) and
+# `distributed` (framework/distributed.py). New numeric settings belong here too.
+RANGES: dict[str, Range] = {
+    "model.vocab_size": AT_LEAST_1, "model.d_model": AT_LEAST_1,
+    "model.n_layers": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1, "model.d_ff": AT_LEAST_1,
+    "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
+    "optim.lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
+    "optim.weight_decay": AT_LEAST_0,
+    "optim.grad_clip": AT_LEAST_0,  # 0: no clipping
+    "optim.b1": FRACTION_BELOW_1, "optim.b2": FRACTION_BELOW_1, "optim.eps": POSITIVE,
+    "optim.min_lr_ratio": Range(0, 1),
+    "train.seq_len": AT_LEAST_1, "train.global_batch_size": AT_LEAST_1,
+    "train.steps": AT_LEAST_1,
+    "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0
+    "train.stop_at": AT_LEAST_1,
+    "data.holdout_fraction": FRACTION_BELOW_1, "data.markov_concentration": POSITIVE,
+    "eval.every": AT_LEAST_0, "eval.batches": AT_LEAST_1,
+    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
+    "logging.every": AT_LEAST_1,
+    "devices.local_device_count": AT_LEAST_1,
+    "profile.steps": AT_LEAST_0, "profile.start_step": Range(2, None),
+    "profile.keep_trace_mb": AT_LEAST_0,
+}
+
+
+def check_ranges(cfg: "RunConfig") -> list[str]:
+    """Every numeric setting outside its range (one line each, naming the setting and
+    what is valid), plus the relations between them; empty when all are valid."""
+    errs = []
+    for key, valid in RANGES.items():
+        section, name = key.split(".")
+        holder = getattr(cfg, section, None)
+        if holder is not None and hasattr(holder, name):
+            problem = valid.problem(key, getattr(holder, name))
+            if problem:
+                errs.append(problem)
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if not errs and warmup > steps:
+        errs.append(f"optim.warmup_steps={warmup} is more than train.steps={steps}: the "
+                    f"learning rate would never reach optim.lr; use at most {steps}")
+    return errs
 
 
 def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:

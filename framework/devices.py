@@ -112,13 +112,25 @@ def start(devices: DevicesConfig, parallel: ParallelConfig,
     try:
         found = tuple(jax.devices())
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"devices.platform={devices.platform} is not available here "
-                          f"({first}); use devices.platform=auto or cpu") from None
+                          f"({_missing_platform(devices.platform, err)}); use "
+                          f"devices.platform=auto or cpu") from None
     platform = found[0].platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind),
                      jax.process_index(), jax.process_count())
+
+
+def _missing_platform(platform: str, err: RuntimeError) -> str:
+    """Why JAX has no such device, in words. JAX's own message for a missing GPU names
+    the last backend it probed (ROCm), which misleads on a machine without any GPU."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if platform == "gpu" and ("rocm" in first.lower() or "unknown backend" in first.lower()):
+        return ("JAX finds no GPU: no NVIDIA GPU is visible, or JAX's CUDA plugin is not "
+                "installed (pip install 'jax[cuda12]')")
+    if platform == "tpu" and "unknown backend" in first.lower():
+        return "JAX finds no TPU"
+    return first
 
 
 # A tiny program run in a child process, so the parent never starts a backend (and on

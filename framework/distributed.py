@@ -153,3 +153,25 @@ def agree(value):
     buf[:len(raw)] = np.frombuffer(raw, np.uint8)
     out = multihost_utils.broadcast_one_to_all({"n": np.int32(len(raw)), "buf": buf})
     return json.loads(bytes(np.asarray(out["buf"])[:int(out["n"])]).decode())
+
+
+def first_error(message: str | None) -> str | None:
+    """The first non-empty `message` by process index, on every process (None when no
+    process has one): a verdict every process acts on alike, e.g. a checkpoint that one
+    process could not read."""
+    import jax
+
+    if jax.process_count() == 1:
+        return message or None
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    raw = (message or "").encode()[:MAX_MESSAGE_BYTES]
+    buf = np.zeros(MAX_MESSAGE_BYTES, np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf))  # [processes, bytes]
+    for row in rows.reshape(jax.process_count(), MAX_MESSAGE_BYTES):
+        text = bytes(row).rstrip(b"\0").decode(errors="replace")
+        if text:
+            return text
+    return None

@@ -8,13 +8,22 @@ logging/) on top of the typed schema `framework.config.RunConfig`, then a recipe
 the top-level `recipes/` folder. Recipes are registered as the config group `recipe`
 from the package's location, so they are found from any working directory.
 
-Bad input (unknown recipe, misspelled key, wrong type, invalid degrees) ends with
-exit status 2 and one line on stderr, before anything is compiled. A run stopped by a
-non-finite loss ends with exit status 3 and one line (framework/faults.py); one that
-was preempted (SIGTERM) or reached train.stop_at exits 0 after its last checkpoint.
+Bad input (unknown recipe, misspelled key, wrong type, a number out of range, invalid
+degrees, an output folder that cannot be created, a folder another run holds) ends
+with exit status 2 and one line on stderr, before anything is compiled. A run stopped
+by a non-finite loss ends with exit status 3 and one line, one whose checkpoint could
+not be written with exit status 4 and one line (framework/faults.py); one that was
+preempted (SIGTERM) or reached train.stop_at exits 0 after its last checkpoint. SIGTERM
+and SIGINT are handled from the first instant: the handlers are installed below,
+before Hydra and JAX are imported.
 """
 
 from __future__ import annotations
+
+from framework import faults  # first: signal handling from the first instant
+
+if __name__ == "__main__":  # the command line (not an import, e.g. by the tests)
+    faults.install_early_handlers()
 
 import os
 import sys
@@ -28,7 +37,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import devices, faults, sweep
+from framework import devices, sweep
 from framework.config import (ConfigError, DevicesConfig, ParallelConfig, RunConfig,
                               resolve_data_degree)
 
@@ -82,18 +91,24 @@ def _job_dirname(*, _root_: DictConfig) -> str:
             try:
                 parallel = resolve_data_degree(parallel, count)
             except ConfigError:
-                pass  # the job itself reports this; its folder keeps dp-1
+                pass  # the job reports why (skipped); its folder says dpfill
+        label = sweep.mesh_label(parallel)
         task = list(_root_.hydra.overrides.task)
         swept = _swept_keys(_root_)
         if swept is None:
-            return f"{parallel.mesh_name}_job{_root_.hydra.job.num}"
-        return sweep.job_name(parallel.mesh_name, task, swept)
+            return f"{label}_job{_root_.hydra.job.num}"
+        return sweep.job_name(label, task, swept)
     except Exception:  # never break the sweep over a folder name
         return f"job{_root_.hydra.job.num}"
 
 
+_TASK_STARTED = False  # Hydra has created the output folder and called _main
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
+    global _TASK_STARTED
+    _TASK_STARTED = True
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
         _launch_job(cfg, hc)
@@ -101,16 +116,40 @@ def _main(cfg: DictConfig) -> None:
     from framework import train  # JAX and friends load only when a run starts
 
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    run_dir = Path(hc.runtime.output_dir)
+    if faults.command_line():  # for the rest of this process (not in the tests' own)
+        # Libraries' background noise (e.g. a failed save's tracebacks) to run.log only.
+        faults.LibraryOutput(run_dir / f"{hc.job.name}.log").install()
     try:
-        train.run(run_cfg, Path(hc.runtime.output_dir),
-                  OmegaConf.to_container(cfg, resolve=True))
+        train.run(run_cfg, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                  on_start=lambda: _save_hydra_files(cfg, run_dir))
     except ConfigError as err:  # exit here: Hydra would add a line of its own
         _user_error(err)
     except faults.Diverged as err:  # summary.json already says "diverged"
-        if _USER_FULL_ERROR == "1":
-            raise
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(faults.DIVERGED_EXIT)
+        _fault(err, faults.DIVERGED_EXIT)
+    except faults.StorageError as err:  # summary.json (if it could be written): "failed"
+        _fault(err, faults.STORAGE_EXIT)
+
+
+HYDRA_FILES = ".hydra"  # what Hydra writes itself unless hydra.output_subdir is null
+
+
+def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
+    """The composed config, Hydra's config and the overrides, as Hydra would write them
+    (conf/config.yaml turns that off: here they are written once the folder is held)."""
+    folder = run_dir / HYDRA_FILES
+    folder.mkdir(parents=True, exist_ok=True)
+    hydra_cfg = HydraConfig.instance().cfg
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra_cfg),
+                       ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+        (folder / name).write_text(OmegaConf.to_yaml(node))
+
+
+def _fault(err: BaseException, status: int):
+    if _USER_FULL_ERROR == "1":
+        raise err
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 def _launch_job(cfg: DictConfig, hc) -> None:
@@ -160,7 +199,15 @@ def main() -> None:
         _user_error(err)
     except KeyboardInterrupt:  # summary.json already says "interrupted"
         print("error: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+        sys.exit(faults.INTERRUPTED_EXIT)
+    except OSError as err:
+        if _TASK_STARTED or _USER_FULL_ERROR == "1":
+            raise
+        # Hydra could not create the output folder (or its log file in it).
+        where = err.filename or "the output folder"
+        _user_error(ConfigError(f"cannot create the output folder {where}: {err.strerror}: "
+                                f"set hydra.run.dir (or hydra.sweep.dir) to a folder that "
+                                f"can be written"))
 
 
 def _user_error(err: BaseException):

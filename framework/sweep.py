@@ -23,12 +23,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from framework import runlock
 from framework.tracking import SUMMARY_FILE, write_summary
 
 USER_ERROR = 2  # exit status for bad input (composition errors, invalid degrees)
 # Settings that the degree part of a job name already shows.
 DEGREE_KEYS = frozenset(f"parallel.{k}" for k in (
     "pipeline", "data", "tensor", "microbatches", "schedule", "virtual_stages"))
+
+
+def mesh_label(parallel) -> str:
+    """The degrees as a folder name: `parallel.mesh_name` once `data: -1` is resolved;
+    `dpfill` where it cannot be (the job is then skipped, and says why)."""
+    if parallel.data == -1:
+        return parallel.mesh_name.replace("-dp-1-", "-dpfill-", 1)
+    return parallel.mesh_name
 
 
 def job_name(mesh_name: str, task_overrides: list[str], swept_keys: set[str]) -> str:
@@ -53,12 +62,12 @@ def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
            *[o for o in overrides if not o.startswith(mine)],
            f"hydra.run.dir={quote(str(job_dir))}",
            f"logging.wandb.group={quote(group)}", f"logging.wandb.name={quote(name)}"]
-    (job_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    busy = runlock.holder(job_dir) is not None  # another run works in this folder
+    if not busy:
+        (job_dir / SUMMARY_FILE).unlink(missing_ok=True)
     proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
     sys.stderr.write(proc.stderr)
     summary_path = job_dir / SUMMARY_FILE
-    if summary_path.exists():
-        return json.loads(summary_path.read_text())
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     reason = lines[-1].strip() if lines else f"exit status {proc.returncode}"
     reason = reason.removeprefix("error: ")
@@ -66,6 +75,10 @@ def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
     summary = {"status": status, "reason": reason, "exit_code": proc.returncode,
                "mesh_name": name, "run_name": name, "parallel": parallel,
                "overrides": list(overrides)}
+    if busy or runlock.holder(job_dir) is not None:
+        return summary  # the folder is another run's: its files stay as they are
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
     write_summary(job_dir, summary)
     return summary
 

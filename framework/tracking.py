@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from framework.config import WandbConfig
+from framework.faults import StorageError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -36,33 +38,106 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written.
+    """`metrics.jsonl`: one JSON object per logged step.
+
+    Each record is one `write` of a whole line to a file opened for appending (one
+    system call: a line is never split or interleaved, and a single writer is
+    guaranteed by the run folder's lock, framework/runlock.py); `sync()` (before every
+    checkpoint) makes the lines so far durable, so no checkpoint is on disk without the
+    records of the steps it holds, even after a power loss.
 
     resumed_at: the step a resumed run continues from. The records up to it (written
     before the run was stopped or killed) are kept and the new ones appended; records
     after it, logged after the checkpoint the run resumes from, are dropped (the run
     logs those steps again), as is a last line cut short by a kill. The file then reads
-    as if the run had never stopped."""
+    as if the run had never stopped, which is checked (every line parses, steps
+    strictly increase, none after `resumed_at`). If anything else would be dropped
+    (unreadable or out-of-order lines in the middle), or a fresh start finds records
+    of an earlier attempt, the old file is kept as `metrics.jsonl.<n>` first: nothing
+    is lost."""
 
     def __init__(self, run_dir: Path, resumed_at: int | None = None):
         path = Path(run_dir) / METRICS_FILE
+        self.path, self.kept_aside = path, None
         if resumed_at is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if (record := _parse(line)) is not None and record["step"] <= resumed_at]
+            lines = path.read_bytes().decode(errors="replace").split("\n")
+            kept, odd = _records_up_to(lines, resumed_at)
+            if odd:
+                self.kept_aside = _keep_aside(path)
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)  # atomic: a kill here leaves the old or the new file
-            self.file = open(path, "a")
-        else:
-            self.file = open(path, "w")
+            check_metrics(path, resumed_at)
+        elif path.exists() and path.stat().st_size:
+            self.kept_aside = _keep_aside(path)  # a fresh start: earlier records stay
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                          | (os.O_TRUNC if resumed_at is None else 0), 0o644)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            written = os.write(self.fd, line)
+        except OSError as err:
+            raise StorageError(f"could not write {self.path}: {err.strerror} (errno "
+                               f"{err.errno}) at step {step}") from None
+        if written != len(line):
+            raise StorageError(f"could not write {self.path}: {written} of {len(line)} "
+                               f"bytes written at step {step} (disk full?)")
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError:
+            pass  # e.g. a filesystem without fsync; the lines are written already
 
     def finish(self, summary: dict) -> None:
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _records_up_to(lines: list[str], step: int) -> tuple[list[str], int]:
+    """(the lines to keep: valid records of steps <= step in increasing order, how many
+    other lines are dropped that are not just records after `step` or a last line cut
+    short by a kill)."""
+    kept, odd, last = [], 0, 0
+    cut_short = len(lines) - 1 if lines and lines[-1] else None  # no final newline
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        record = _parse(line)
+        if record is None:
+            odd += i != cut_short
+        elif record["step"] > step:
+            continue
+        elif record["step"] <= last:
+            odd += 1  # repeated or out of order
+        else:
+            kept.append(line)
+            last = record["step"]
+    return kept, odd
+
+
+def _keep_aside(path: Path) -> Path:
+    for n in range(1, 10_000):
+        aside = path.with_name(f"{path.name}.{n}")
+        if not aside.exists():
+            path.replace(aside)
+            return aside
+    raise StorageError(f"too many old copies of {path}")
+
+
+def check_metrics(path: Path, resumed_at: int) -> None:
+    """Raises StorageError unless every line of `path` is a record, steps strictly
+    increase, and none is after `resumed_at`."""
+    last = 0
+    for line in Path(path).read_text().splitlines():
+        record = _parse(line)
+        if record is None or not last < record["step"] <= resumed_at:
+            raise StorageError(f"{path} is not as written after truncating it to step "
+                               f"{resumed_at} (line {line[:80]!r}); the original is kept")
+        last = record["step"]
 
 
 def _parse(line: str) -> dict | None:
@@ -89,14 +164,15 @@ class WandbSink:
     """One W&B run. Offline mode writes `<run_dir>/wandb/offline-run-*/run-*.wandb`,
     which `wandb sync` uploads later; the resolved config is the run's config.
 
-    resume: continue the W&B run already in run_dir (same id, resume="allow"), as a
-    resumed training run does; W&B keeps the history of steps it has already seen."""
+    A run folder has one W&B run: every invocation in it (a resume, a restart after a
+    kill before the first checkpoint) continues the W&B run already there (same id,
+    resume="allow"; W&B keeps the history of steps it has already seen). Offline, each
+    invocation adds an `offline-run-<time>-<id>` folder of that same id."""
 
-    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict,
-                 resume: bool = False):
+    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict):
         import wandb
 
-        previous = previous_wandb_id(run_dir) if resume else None
+        previous = previous_wandb_id(run_dir)
         self.run = wandb.init(
             mode=cfg.mode, project=cfg.project, entity=cfg.entity, group=cfg.group,
             name=name, dir=str(run_dir), config=config, reinit="finish_previous",
@@ -114,10 +190,13 @@ class WandbSink:
 
 
 def previous_wandb_id(run_dir: Path) -> str | None:
-    """The id of the newest W&B run in run_dir (`wandb/*run-*/run-<id>.wandb`)."""
-    files = sorted(Path(run_dir).glob("wandb/*run-*/run-*.wandb"),
-                   key=lambda p: p.stat().st_mtime)
-    return files[-1].stem.removeprefix("run-") if files else None
+    """The id of the newest W&B run in run_dir, from its folder's name
+    (`wandb/offline-run-<time>-<id>`, `wandb/run-<time>-<id>`), which W&B creates
+    first thing: also a run killed before it wrote anything is found."""
+    folders = [p for p in Path(run_dir).glob("wandb/*run-*-*") if p.is_dir()]
+    newest = max(folders, key=lambda p: (p.name.rsplit("-", 2)[-2], p.stat().st_mtime),
+                 default=None)
+    return newest.name.rsplit("-", 1)[-1] if newest else None
 
 
 class ProgressBar:
@@ -193,12 +272,26 @@ class Tracker:
             if hasattr(sink, "update"):
                 sink.update(step)
 
+    def sync(self) -> None:
+        """Makes the records so far durable (called before every checkpoint)."""
+        for sink in self.sinks:
+            if hasattr(sink, "sync"):
+                sink.sync()
+
     def finish(self, status: str, **extra) -> dict:
+        """Writes summary.json and closes the sinks. A full disk here leaves the summary
+        unwritten (the run's error line says why) rather than adding a traceback."""
         self.summary.update(status=status, **extra)
         if self.write:
-            write_summary(self.run_dir, self.summary)
+            try:
+                write_summary(self.run_dir, self.summary)
+            except OSError:
+                pass
         for sink in self.sinks:
-            sink.finish(self.summary)
+            try:
+                sink.finish(self.summary)
+            except OSError:
+                pass
         return self.summary
 
 

@@ -5,30 +5,37 @@ No Hydra here (`framework/run.py` turns the command line into a `RunConfig`); ev
 component gets only its slice of the configuration. User errors raise `ConfigError`
 before anything is compiled.
 
-A run continues where it left off: with `train.resume=auto` (default) it restores the
-newest complete checkpoint of its own checkpoint folder (`checkpoint.dir`, default
-`<run folder>/checkpoints`), else `train.resume_from`, and its metrics.jsonl and W&B
-run carry on. How runs end early is in `framework/faults.py`.
+A run holds its folder (framework/runlock.py) from before JAX starts: one run per
+folder. It continues where it left off: with `train.resume=auto` (default) it restores
+the newest complete checkpoint of its own checkpoint folder (`checkpoint.dir`, default
+`<run folder>/checkpoints`), unless `train.resume_from` names another starting point
+(framework/checkpoint.py's rules), and its metrics.jsonl and W&B run carry on. A
+checkpoint that is damaged is moved aside and the previous one used. How runs end
+early is in `framework/faults.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, flops, profiling
-from framework.checkpoint import Checkpointer, NonFiniteStateError
-from framework.config import ConfigError, RunConfig, check, validate
+from framework import distributed, faults, flops, profiling, runlock
+from framework import resume as resume_lib
+from framework.checkpoint import Checkpointer, DamagedCheckpoint, NonFiniteStateError
+from framework.config import ConfigError, RunConfig, check, check_ranges, validate
 from framework.data import make_dataset, sharded_batch
 from framework.engine import build_engine
-from framework.faults import Diverged, StopRequests
+from framework.faults import Diverged, StopRequests, StorageError
 from framework.loop import Hook, LoopSettings, ProfileWindow, to_host, train_loop
 from framework.mesh import describe, make_mesh
 from framework.model import count_params, init_params
@@ -37,33 +44,18 @@ from framework.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, fina
 
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_DIR = "checkpoints"  # inside the run folder, unless checkpoint.dir is set
-# Model settings a checkpoint must share with the run restoring it (dtype is only the
-# compute dtype: parameters are float32 whatever it is).
-MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                    "tie_embeddings")
 
 
 def check_run(cfg: RunConfig) -> None:
     """Everything that can be checked without devices (degrees against the device
     count come later, in `config.validate`)."""
+    errs = check_ranges(cfg)
+    if errs:  # the checks below divide by some of these numbers
+        raise ConfigError("; ".join(errs))
     errs = check(cfg.model, cfg.parallel, cfg.train, None)
-    if cfg.train.steps < 1:
-        errs.append(f"train.steps={cfg.train.steps} must be >= 1")
-    if cfg.train.stop_at is not None and cfg.train.stop_at < 1:
-        errs.append(f"train.stop_at={cfg.train.stop_at} must be >= 1 (or null)")
     if cfg.train.resume not in ckpt_lib.RESUME_MODES:
         errs.append(f"train.resume={cfg.train.resume!r} is not one of "
                     f"{', '.join(ckpt_lib.RESUME_MODES)}")
-    for key, value, low in (("profile.steps", cfg.profile.steps, 0),
-                            ("profile.start_step", cfg.profile.start_step, 2),
-                            ("profile.keep_trace_mb", cfg.profile.keep_trace_mb, 0),
-                            ("logging.every", cfg.logging.every, 1),
-                            ("checkpoint.every", cfg.checkpoint.every, 0),
-                            ("checkpoint.keep", cfg.checkpoint.keep, 1),
-                            ("eval.every", cfg.eval.every, 0),
-                            ("eval.batches", cfg.eval.batches, 1)):
-        if value < low:
-            errs.append(f"{key}={value} must be >= {low}")
     if cfg.logging.wandb.mode not in WANDB_MODES:
         errs.append(f"logging.wandb.mode={cfg.logging.wandb.mode!r} is not one of "
                     f"{', '.join(WANDB_MODES)}")
@@ -106,14 +98,16 @@ def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
     if not primary:
         return Tracker(run_dir, [], base, write=False)
     sinks = [JsonlSink(run_dir, resumed_at)]
+    if sinks[0].kept_aside is not None:  # records that would otherwise be lost
+        print(f"the earlier {sinks[0].path.name} is kept as {sinks[0].kept_aside}",
+              flush=True)
     if start >= cfg.train.steps:  # nothing to train: keep the last record's numbers
         records = read_metrics(run_dir) if resumed_at is not None else []
         return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
     if cfg.logging.progress:
         sinks.append(ProgressBar(cfg.train.steps, first=start))
     if cfg.logging.wandb.mode != "disabled":
-        wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config,
-                               resume=resumed_at is not None)
+        wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config)
         base = {**base, "wandb_dir": str(wandb_sink.dir)}
         sinks.append(wandb_sink)
     return Tracker(run_dir, sinks, base)
@@ -134,42 +128,51 @@ def start_line(mesh, simulated: bool, cfg: RunConfig, engine) -> str:
             f"{cfg.train.seq_len} tokens, {cfg.train.steps} steps")
 
 
-def resume_point(cfg: RunConfig, ckpt: Checkpointer) -> tuple[str, int] | None:
-    """(checkpoint folder, step) this run starts from, or None; decided by process 0
-    (framework/checkpoint.py's rules) and checked against this run's model."""
-    try:
-        point, err = ckpt_lib.resume_point(cfg.train, ckpt), None
-    except ConfigError as error:
-        point, err = None, str(error)
-    point, err = distributed.agree([point, err])  # every process: process 0's answer
-    if err:
-        raise ConfigError(err)
-    if point is None:
-        return None
-    folder, step = point
-    reader = ckpt if folder == ckpt.directory else Checkpointer(folder, read_only=True)
-    try:
-        saved = reader.metadata(step).get("model", {})
-    finally:
-        if reader is not ckpt:
-            reader.close()
-    mine = dataclasses.asdict(cfg.model)
-    differ = [f"model.{k}={saved[k]} there, {mine[k]} here" for k in MODEL_SHAPE_KEYS
-              if k in saved and saved[k] != mine[k]]
-    if differ:
-        raise ConfigError(f"the checkpoint of step {step} in {folder} is of another model "
-                          f"({'; '.join(differ)}): use its model settings, another "
-                          f"output folder, or train.resume=never")
-    return folder, step
+def held_folders(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The folders this run must have to itself: the run folder, and the checkpoint
+    folder when it is elsewhere (local paths only)."""
+    folders = [str(Path(run_dir).absolute())]
+    ckpt_dir = cfg.checkpoint.dir
+    if ckpt_dir and "://" not in ckpt_dir:
+        ckpt_dir = str(Path(ckpt_dir).expanduser().absolute())
+        if not (ckpt_dir + "/").startswith(folders[0] + "/"):
+            folders.append(ckpt_dir)
+    return folders
 
 
-def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
+def _process_index_before_start(launch: distributed.Plan | None) -> int | None:
+    """This process's index when known before JAX starts (None: known only after)."""
+    if launch is None:
+        return 0
+    if launch.process_id is not None:
+        return launch.process_id
+    rank = os.environ.get("SLURM_PROCID", "") if launch.source == "slurm" else ""
+    return int(rank) if rank.isdigit() else None
+
+
+def run(cfg: RunConfig, run_dir: Path, run_config: dict,
+        on_start: Callable[[], None] | None = None) -> dict:
     """Trains as configured, writing metrics.jsonl, summary.json (and W&B) in run_dir.
     run_config: the composed configuration as a plain dict (the W&B run config).
+    on_start: called once the run holds its folder (the command line writes .hydra/).
     Returns the summary; its status is completed, stopped (train.stop_at) or preempted
-    (SIGTERM). Raises Diverged on a non-finite loss (summary status "diverged")."""
-    started = time.perf_counter()
+    (SIGTERM). Raises ConfigError before anything is compiled for bad settings and
+    runlock.FolderBusy when another run holds the folder; Diverged on a non-finite loss
+    (summary status "diverged"); faults.StorageError when a save failed ("failed")."""
     check_run(cfg)
+    launch = distributed.plan(cfg.distributed)
+    guard = runlock.Guard(held_folders(cfg, run_dir))
+    if _process_index_before_start(launch) == 0:
+        guard.take()  # before JAX starts: a second run on this folder stops at once
+    if launch is None:
+        guard.settle(0, 1)
+    with guard:
+        return _run(cfg, run_dir, run_config, guard, on_start)
+
+
+def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
+         on_start: Callable[[], None] | None) -> dict:
+    started = time.perf_counter()
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
     if cfg.eval.every and not dataset.has_eval:
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
@@ -177,6 +180,10 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
                           f"or eval.every=0")
     devices_lib.enable_compile_cache()
     devset = devices_lib.start(cfg.devices, cfg.parallel, cfg.distributed)
+    guard.settle(devset.process_index, devset.process_count)  # all follow process 0
+    faults.run_started()  # a SIGTERM from now on asks the run to stop
+    if on_start is not None:
+        on_start()
     primary = devset.process_index == 0
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
     mesh = make_mesh(parallel, devset.devices)
@@ -190,45 +197,32 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
     folder = distributed.agree(folder)
     ckpt = Checkpointer(folder, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     try:
-        point = resume_point(cfg, ckpt)
-        own = point is not None and point[0] == ckpt.directory
         if primary:
             print(start_line(mesh, devset.simulated, cfg, engine), flush=True)
-            if point is not None:
-                print(f"resuming from the checkpoint of step {point[1]} in {point[0]}",
-                      flush=True)
-        run_config = {**run_config, "parallel": dataclasses.asdict(parallel)}
-        base = {"mesh_name": parallel.mesh_name, "parallel": dataclasses.asdict(parallel),
-                "run_name": cfg.logging.wandb.name or parallel.mesh_name,
-                "n_devices": len(devset), "n_processes": devset.process_count,
-                "platform": devset.platform, "device_kind": devset.kind,
-                "simulated_devices": devset.simulated, "n_params": count_params(cfg.model),
-                "steps": cfg.train.steps, "checkpoint_dir": ckpt.directory,
-                "resumed_from_step": None if point is None else point[1]}
-        tracker = make_tracker(cfg, run_dir, run_config, base, primary,
-                               resumed_at=point[1] if own else None,
-                               start=0 if point is None else point[1])
-        # From here on SIGTERM only sets a flag (also while restoring and compiling):
-        # the run stops at the next step boundary, with a checkpoint.
-        try:
-            with StopRequests(multi_process=devset.process_count > 1,
-                              stop_at=cfg.train.stop_at) as stop:
-                status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, point,
+        # From here on SIGTERM only sets a flag (also while restoring and compiling).
+        with StopRequests(multi_process=devset.process_count > 1,
+                          stop_at=cfg.train.stop_at) as stop:
+            state, point = _start_state(cfg, engine, ckpt, devset)
+            ckpt.lineage = resume_lib.lineage(cfg, ckpt, point)
+            own = point is not None and point[0] == ckpt.directory
+            run_config = {**run_config, "parallel": dataclasses.asdict(parallel)}
+            base = {"mesh_name": parallel.mesh_name, "parallel": dataclasses.asdict(parallel),
+                    "run_name": cfg.logging.wandb.name or parallel.mesh_name,
+                    "n_devices": len(devset), "n_processes": devset.process_count,
+                    "platform": devset.platform, "device_kind": devset.kind,
+                    "simulated_devices": devset.simulated,
+                    "n_params": count_params(cfg.model), "steps": cfg.train.steps,
+                    "checkpoint_dir": ckpt.directory,
+                    "resumed_from_step": None if point is None else point[1]}
+            tracker = make_tracker(cfg, run_dir, run_config, base, primary,
+                                   resumed_at=point[1] if own else None,
+                                   start=0 if point is None else point[1])
+            try:
+                status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, state,
                                          stop)
-        except BaseException as err:  # record why, then let it propagate
-            status = ("interrupted" if isinstance(err, KeyboardInterrupt) else
-                      "diverged" if isinstance(err, Diverged) else "failed")
-            if isinstance(err, Diverged):
-                ckpt.wait()  # saves of earlier, good states finish
-                latest = ckpt.latest_step()
-                where = (f"the newest checkpoint is step {latest} in {ckpt.directory}"
-                         if latest is not None else "no checkpoint was written")
-                err.args = (f"training diverged: {err}; nothing saved after it, {where} "
-                            f"(try a lower optim.lr or a longer optim.warmup_steps)",)
-            reason = str(err) if isinstance(err, Diverged) else f"{type(err).__name__}: {err}"
-            tracker.finish(status, reason=reason[:500],
-                           wall_time_s=time.perf_counter() - started)
-            raise
+            except BaseException as err:  # record why, then let it propagate
+                _record_failure(tracker, ckpt, err, started)
+                raise
     finally:
         ckpt.close()
     summary = tracker.finish(status, wall_time_s=time.perf_counter() - started, **summary)
@@ -237,27 +231,96 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
     return summary
 
 
-def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
-           point: tuple[str, int] | None, stop: StopRequests) -> tuple[str, dict]:
-    """Restores or initializes the state, trains, saves the last checkpoint.
-    Returns (status, numbers for the summary)."""
+def _record_failure(tracker: Tracker, ckpt: Checkpointer, err: BaseException,
+                    started: float) -> None:
+    """summary.json for a run that ends with an exception (whose message is completed
+    here for a divergence)."""
+    status = ("interrupted" if isinstance(err, KeyboardInterrupt) else
+              "diverged" if isinstance(err, Diverged) else "failed")
+    if isinstance(err, Diverged):
+        try:
+            ckpt.wait()  # saves of earlier, good states finish
+        except StorageError:
+            pass  # reported as the newest good checkpoint below
+        latest = ckpt.latest_step()
+        where = (f"the newest checkpoint is step {latest} in {ckpt.directory}"
+                 if latest is not None else "no checkpoint was written")
+        err.args = (f"training diverged: {err}; nothing saved after it, {where} "
+                    f"(try a lower optim.lr or a longer optim.warmup_steps)",)
+    reason = (str(err) if isinstance(err, (Diverged, StorageError))
+              else f"{type(err).__name__}: {err}")
+    tracker.finish(status, reason=reason[:500], wall_time_s=time.perf_counter() - started)
+
+
+def _start_state(cfg: RunConfig, engine, ckpt: Checkpointer, devset):
+    """(the state this run starts from, the checkpoint it came from or None). A
+    checkpoint that turns out damaged is reported in one line and the next one tried
+    (framework/resume.py); the lines go to stderr, the choice to stdout."""
+    primary = devset.process_index == 0
+    multi = devset.process_count > 1
+
+    def say(lines, stream=None):
+        for line in lines if primary else ():
+            print(line, file=stream or sys.stdout, flush=True)
+
+    point, notes = resume_lib.start_point(cfg, ckpt, primary)
+    say([n for n in notes if n.startswith("warning:")], sys.stderr)
+    say([n for n in notes if not n.startswith("warning:")])
+    while point is not None:
+        try:
+            resume_lib.check_model(cfg, ckpt, point)
+            state = _initial_state(cfg, engine, ckpt, point, multi)
+            say([f"resuming from the checkpoint of step {point[1]} in {point[0]}"])
+            return state, point
+        except DamagedCheckpoint as err:
+            point, notes = resume_lib.fall_back(cfg, ckpt, err, primary)
+            say(notes, sys.stderr)
+    return _initial_state(cfg, engine, ckpt, None, multi), None
+
+
+def _nothing_new(ckpt: Checkpointer, start: int, primary: bool) -> tuple[str, dict]:
+    """A SIGTERM came before the first step (while restoring or compiling)."""
+    latest = ckpt.latest_step()
+    if primary:
+        where = (f"the newest checkpoint is step {latest} in {ckpt.directory}"
+                 if latest is not None else "no checkpoint yet")
+        print(f"SIGTERM before the first step: nothing new to save ({where})", flush=True)
+    return "preempted", {"step": start, "last_checkpoint_step": latest}
+
+
+def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer, state,
+           stop: StopRequests) -> tuple[str, dict]:
+    """Trains from `state`, saves the last checkpoint. Returns (status, numbers for
+    the summary)."""
     batches = make_batches(dataset, engine)
-    state = _initial_state(cfg, engine, ckpt, point, devset.process_count > 1)
+    primary = devset.process_index == 0
     start = int(to_host(state["step"]))
+    tracker.summary["step"] = start
     if start >= cfg.train.steps:
-        if devset.process_index == 0:
+        if primary:
             print(f"nothing to train: the checkpoint is at step {start} >= train.steps="
                   f"{cfg.train.steps}", flush=True)
-        _save(ckpt, engine, state, start, cfg)  # into this run's folder (resume_from)
+        _save(ckpt, engine, state, start, cfg, tracker)  # into this run's folder
         ckpt.wait()
         return "completed", {"step": start}
+    if stop.before_first_step():
+        return _nothing_new(ckpt, start, primary)
     stats = engine.compile(state, engine.shard_batch(batches(start)))
+    if stop.before_first_step():  # came while compiling (the cache keeps the program)
+        return _nothing_new(ckpt, start, primary)
     peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
     per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
 
     def perf(step_time: float) -> dict:
         return flops.throughput(tokens_per_step / step_time, len(devset), per_token, peak)
+
+    def boundary(step: int) -> str | None:
+        """Every step: a failed background save stops the run here (one process; with
+        several, at the next checkpoint, where all of them check together)."""
+        if devset.process_count == 1:
+            ckpt.raise_if_save_failed()
+        return stop(step)
 
     # The compiled step's memory analysis and communication per mesh axis, in every record.
     constants = {k: v for k, v in stats.items()
@@ -270,7 +333,7 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
                           make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
     if cfg.checkpoint.every:
         hooks.append(Hook("checkpoint", cfg.checkpoint.every,
-                          lambda step, state: _save(ckpt, engine, state, step, cfg),
+                          lambda step, state: _save(ckpt, engine, state, step, cfg, tracker),
                           after_log=True))
     settings = LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=start,
                             constants=constants,
@@ -278,15 +341,18 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     tracker.summary.update(stats)
     tracker.summary["model/flops_per_token"] = per_token
     profile = _profile_window(cfg, engine, start, tracker) if devset.process_index == 0 else None
-    result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks), stop,
-                        profile)
-    # The last checkpoint: at the end, at train.stop_at, or on SIGTERM. A second SIGTERM
+    result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks),
+                        boundary, profile)
+    # The last checkpoint: at the end, at train.stop_at, or on SIGTERM; the run exits
+    # only once it (and any save still in flight) is on disk. A second SIGTERM
     # meanwhile only sets the flag again.
-    _save(ckpt, engine, result.state, result.step, cfg)
+    _save(ckpt, engine, result.state, result.step, cfg, tracker)
     ckpt.wait()
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
-                                           "last_checkpoint_step": ckpt.latest_step()}
+                                           "last_checkpoint_step": ckpt.latest_step(),
+                                           **{f"checkpoint/{k}": v
+                                              for k, v in ckpt.stats.items()}}
 
 
 def _profile_window(cfg: RunConfig, engine, start: int, tracker) -> ProfileWindow | None:
@@ -323,8 +389,20 @@ def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: boo
     return engine.init_state(params)
 
 
-def _save(ckpt: Checkpointer, engine, state, step: int, cfg: RunConfig) -> None:
-    """Starts an asynchronous save of `state` as step `step` (no-op if saved already)."""
+def _save(ckpt: Checkpointer, engine, state, step: int, cfg: RunConfig,
+          tracker: Tracker | None = None) -> None:
+    """Starts an asynchronous save of `state` as step `step` (no-op if saved already),
+    once the records of its steps are durable. Raises StorageError if a save failed
+    (checked on every process together), Diverged for a non-finite state."""
+    failure = distributed.first_error(ckpt.failed_save())
+    if failure:
+        raise StorageError(failure)
+    if tracker is not None:
+        tracker.sync()
+    warning = ckpt.low_space_warning()
+    if warning and not ckpt.warned and distributed.is_primary():
+        print(warning, flush=True)
+        ckpt.warned = True
     try:
         ckpt.save(step, engine, state, {"data": cfg.data.kind, "seed": cfg.train.seed,
                                         "train_steps": cfg.train.steps})

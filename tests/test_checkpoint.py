@@ -16,11 +16,12 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from framework import checkpoint, data
 from framework.checkpoint import Checkpointer
-from framework.checkpoint_layout import to_canonical
+from framework.checkpoint_layout import abstract_canonical_state, to_canonical
 from framework.config import ConfigError, DataConfig, TrainConfig
 from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, worst
 
@@ -172,7 +173,8 @@ def test_an_empty_folder_has_no_checkpoint(tmp_path):
     ckpt.close()
 
 
-def test_resume_point_prefers_the_runs_own_checkpoints(uninterrupted, saved, tmp_path):
+def test_resume_from_wins_unless_the_same_command_made_the_own_checkpoints(
+        uninterrupted, saved, tmp_path):
     eng, other = uninterrupted[0], saved[0]
     own = Checkpointer(str(tmp_path / "own"), keep=2, async_save=False)
     resume_point = checkpoint.resume_point
@@ -182,8 +184,21 @@ def test_resume_point_prefers_the_runs_own_checkpoints(uninterrupted, saved, tmp
     assert resume_point(TrainConfig(resume="never", resume_from=step4), own) == (other, 4)
     state = checkpoint.resume(TrainConfig(resume_from=step4), own, eng)
     assert int(state["step"]) == 4
-    own.save(4, eng, state)  # the run goes on and checkpoints into its own folder
-    assert resume_point(TrainConfig(resume="auto", resume_from=other), own) == (own.directory, 4)
+    # The run goes on and checkpoints into its own folder, recording where its chain
+    # started: the same command again continues it; another resume_from wins.
+    own.lineage = checkpoint.lineage(TrainConfig(resume_from=step4))
+    own.save(5, eng, state)
+    assert resume_point(TrainConfig(resume_from=step4), own) == (own.directory, 5)
+    assert resume_point(TrainConfig(), own) == (own.directory, 5)  # auto: its own
+    assert resume_point(TrainConfig(resume_from=other), own) == (other, 6)
+    own_step = os.path.join(own.directory, "5")
+    assert resume_point(TrainConfig(resume_from=own_step), own) == (own.directory, 5)
+    # A run folder stands for its checkpoints/ (papercut: <run>/checkpoints was needed).
+    run_folder = tmp_path / "a_run"
+    shutil.copytree(other, run_folder / "checkpoints")
+    assert checkpoint.locate(str(run_folder)) == (str(run_folder / "checkpoints"), None)
+    assert resume_point(TrainConfig(resume_from=str(run_folder)), own) == (
+        str(run_folder / "checkpoints"), 6)
     empty = Checkpointer(str(tmp_path / "empty"))
     bad = [(TrainConfig(resume="never"), own, "train.resume=never but"),
            (TrainConfig(resume="sometimes"), own, "train.resume='sometimes' is not one of"),
@@ -195,6 +210,116 @@ def test_resume_point_prefers_the_runs_own_checkpoints(uninterrupted, saved, tmp
             resume_point(train, ckpt)
     own.close()
     empty.close()
+
+
+def test_resume_from_moves_newer_own_checkpoints_aside_and_a_named_damaged_step_is_an_error(
+        uninterrupted, saved, tmp_path):
+    from framework import resume
+    from framework.config import RunConfig
+
+    eng = uninterrupted[0]
+    source = Checkpointer(saved[0], read_only=True)
+    state = source.restore(eng, 4)
+    source.close()
+    own = Checkpointer(str(tmp_path / "own"), keep=3, async_save=False)
+    own.save(5, eng, state)
+    own.save(7, eng, state)
+    step4 = os.path.join(saved[0], "4")
+    point, notes = resume.start_point(RunConfig(train=TrainConfig(resume_from=step4)), own,
+                                      primary=True)
+    assert point == (saved[0], 4) and own.complete_steps() == []
+    assert all(os.path.isdir(os.path.join(own.directory, f"{s}.superseded")) for s in (5, 7))
+    assert len(notes) == 1 and "wins over this run's own newer checkpoints" in notes[0]
+    # A step named explicitly is never replaced by another one when it is damaged.
+    own.save(7, eng, state)
+    _flip_a_byte(os.path.join(own.directory, "7"))
+    named = RunConfig(train=TrainConfig(resume_from=os.path.join(own.directory, "7")))
+    with pytest.raises(checkpoint.DamagedCheckpoint) as damaged:
+        own.restore(eng, 7)
+    with pytest.raises(ConfigError, match=r"resume_from=.*/7: the checkpoint of step 7 .* "
+                                          r"is damaged: .*name another step"):
+        resume.fall_back(named, own, damaged.value, primary=True)
+    assert own.complete_steps() == [7]  # left where it is
+    own.close()
+
+
+def _biggest_data_file(step_dir: str) -> str:
+    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state"))
+             for f in names if os.sep + "d" + os.sep in os.path.join(root, f)]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(step_dir):
+    path = _biggest_data_file(step_dir)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_a_byte(step_dir):
+    path = _biggest_data_file(step_dir)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+DAMAGE = {
+    "truncated data file": _truncate,
+    "flipped byte": _flip_a_byte,
+    "missing index (OCDBT manifest)": lambda d: os.remove(os.path.join(d, "state",
+                                                                       "manifest.ocdbt")),
+    "missing state/": lambda d: shutil.rmtree(os.path.join(d, "state")),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # TensorStore
+def test_each_kind_of_damage_is_detected_and_the_previous_step_restores(
+        kind, uninterrupted, saved, tmp_path):
+    """Orbax alone restores a flipped byte silently (other values, no error): the
+    fingerprints in the step's metadata catch it. The previous step still restores."""
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], folder)
+    DAMAGE[kind](os.path.join(folder, "6"))
+    ckpt = Checkpointer(folder, keep=2)
+    if kind == "flipped byte":  # Orbax alone reads other values without a word
+        abstract = checkpoint.to_nested(abstract_canonical_state(uninterrupted[0]))
+        want = jax.tree.leaves(checkpoint.to_nested(saved[2]))
+
+        def same_as_saved(manager) -> bool:
+            raw = manager.restore(6, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+            return all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(raw)), want))
+
+        intact = Checkpointer(saved[0], read_only=True)
+        assert same_as_saved(intact.manager)
+        intact.close()
+        assert not same_as_saved(ckpt.manager)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="the checkpoint of step 6 in"):
+        ckpt.restore(uninterrupted[0], 6)
+    assert int(ckpt.restore(uninterrupted[0], 4)["step"]) == 4
+    moved = ckpt.set_aside(6, "damaged")
+    assert moved.endswith(os.path.join("ckpt", "6.damaged")) and os.path.isdir(moved)
+    ckpt.reload()
+    assert ckpt.latest_step() == 4  # the moved folder is never a step again
+    ckpt.close()
+
+
+def test_a_step_folder_without_its_marker_is_moved_aside_and_saved_again(
+        uninterrupted, saved, tmp_path):
+    eng = uninterrupted[0]
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], folder)
+    os.remove(os.path.join(folder, "6", "_CHECKPOINT_METADATA"))
+    ckpt = Checkpointer(folder, keep=3, async_save=False)
+    assert ckpt.incomplete_steps() == [6] and ckpt.latest_step() == 4
+    assert not ckpt.save(6, eng, ckpt.restore(eng, 4))  # blocked while it is there
+    ckpt.set_aside(6, "damaged")
+    ckpt.reload()
+    assert ckpt.save(6, eng, ckpt.restore(eng, 4))
+    assert ckpt.complete_steps() == [4, 6] and os.path.isdir(folder + "/6.damaged")
+    ckpt.close()
 
 
 def test_a_non_finite_state_is_never_saved(uninterrupted, tmp_path):

@@ -1,10 +1,12 @@
 """Checkpoints, resume and faults through the command line, as a user (or a cluster
 scheduler) meets them: `python -m framework.run recipe=llama_tiny_debug ...` in
-subprocesses, stopped, killed, preempted, diverging, and on two processes.
+subprocesses, stopped, killed, preempted, diverging, sharing a folder, with damaged
+checkpoints, on a full disk, and on two processes.
 
 One uninterrupted 10-step run on Markov data (`full`, losses logged every step, eval
-every 5 steps) is the reference that the stopped, killed and two-process runs must
-reproduce. Markov, text and token-file data train here; synthetic data in
+every 5 steps, a checkpoint after every step) is the reference that the stopped,
+killed, fallen-back and two-process runs must reproduce; while it runs, a second run
+tries its folder. Markov, text and token-file data train here; synthetic data in
 tests/test_run.py (the default of llama_tiny_debug).
 """
 
@@ -33,6 +35,7 @@ BASE = ("recipe=llama_tiny_debug", "train.steps=10", "logging.every=1", "eval.ev
         "logging.progress=false", "logging=no_wandb")
 COMMON = (*BASE, "data=markov")
 STEPS = 10
+EVERY_STEP = ("checkpoint.every=1", f"checkpoint.keep={STEPS}")  # all steps kept
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +82,39 @@ def complete_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory, env):
+def reference(tmp_path_factory, env):
+    """(run folder, pid, the second run's result): the reference run, frozen (SIGSTOP)
+    once it holds its folder while a second run on the same folder is tried."""
     run_dir = tmp_path_factory.mktemp("full") / "run"
-    ok(framework_run(run_dir, *COMMON, env=env))
-    return run_dir
+    proc = subprocess.Popen(command(run_dir, *COMMON, *EVERY_STEP), cwd=run_dir.parent,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for(lambda: (run_dir / "run.lock").exists(), proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            second = framework_run(run_dir, *COMMON, env=env)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return run_dir, proc.pid, second
+
+
+@pytest.fixture(scope="module")
+def full(reference):
+    return reference[0]
+
+
+def wait_for(condition, proc: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"waited {seconds} s"
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +128,41 @@ def stopped(tmp_path_factory, env):
     return run_dir, copy, proc
 
 
+def test_sigterm_during_compilation_exits_0_with_nothing_new_to_save(tmp_path, env):
+    """The module's first run of its program: the compile cache is still cold, so the
+    SIGTERM, sent just after the start line, arrives while the run compiles. The run
+    finishes compiling (the cache keeps the result for the next run) and stops."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(run_dir, *COMMON), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("mesh pipe=2 data=2 tensor=2")
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and err == "", err[-3000:]
+    assert out.splitlines()[0] == ("SIGTERM before the first step: nothing new to save "
+                                   "(no checkpoint yet)")
+    assert out.splitlines()[1].startswith("preempted: pp2-dp2-tp2-mb2 | step 0 |")
+    info = summary(run_dir)
+    assert info["status"] == "preempted" and info["step"] == 0
+    assert complete_steps(run_dir) == [] and read_metrics(run_dir) == []
+
+
+def test_sigterm_and_ctrl_c_in_the_first_instant_end_with_one_line(tmp_path, env):
+    for sig, status, line in [
+            (signal.SIGTERM, 143, "stopped: SIGTERM before the run started, nothing to save"),
+            (signal.SIGINT, 130, "error: interrupted before the run started, nothing to save")]:
+        proc = subprocess.Popen(command(tmp_path / "run", *COMMON), cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, err, out) == (status, line + "\n", ""), (sig, err)
+
+
 def test_uninterrupted_run_logs_eval_loss_entropy_floor_and_a_final_checkpoint(full):
     records = read_metrics(full)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -103,8 +170,20 @@ def test_uninterrupted_run_logs_eval_loss_entropy_floor_and_a_final_checkpoint(f
     floor = {r["data/entropy_floor"] for r in records}
     assert len(floor) == 1 and 0 < floor.pop() < np.log(256)  # constant, below uniform
     assert all(np.isfinite(r["eval/loss"]) for r in records if "eval/loss" in r)
-    assert complete_steps(full) == [STEPS]  # checkpoint.every=0: the final one only
+    assert complete_steps(full) == list(range(1, STEPS + 1))
     assert summary(full)["status"] == "completed"
+    assert not (full / "run.lock").exists()  # released at the end
+
+
+def test_a_second_run_on_a_busy_folder_exits_2_and_the_first_loses_nothing(reference):
+    run_dir, pid, second = reference
+    assert second.returncode == 2, second.stderr[-3000:]
+    line = second.stderr.strip()
+    assert line.startswith(f"error: {run_dir} is in use by another run (host ")
+    assert f", pid {pid}, started 20" in line and "\n" not in line
+    assert "mesh pipe=" not in second.stdout  # refused before JAX started
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))
 
 
 def test_stop_at_6_then_the_same_command_continues_to_10_exactly(full, stopped, env):
@@ -128,25 +207,26 @@ def checkpoint_is_complete(folder: Path) -> bool:
 
 
 def test_sigkill_after_the_first_checkpoint_then_the_same_command_finishes(full, tmp_path, env):
+    """Also: the killed run's lock is stale and taken over; its W&B run is continued."""
     run_dir = tmp_path / "run"
     # Synchronous saves every step: the run is still busy when its first save completes.
-    args = (*COMMON, "checkpoint.every=1", "checkpoint.async_save=false")
+    args = (*COMMON, "checkpoint.every=1", "checkpoint.async_save=false",
+            "logging.wandb.mode=offline")
     proc = subprocess.Popen(command(run_dir, *args), cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not any(checkpoint_is_complete(p) for p in run_dir.glob("checkpoints/*")):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.02)
+        wait_for(lambda: any(checkpoint_is_complete(p) for p in run_dir.glob("checkpoints/*")),
+                 proc)
         assert proc.poll() is None, "the run finished before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "summary.json").exists()  # it never got to the end
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == proc.pid  # left behind
 
-    again = ok(framework_run(run_dir, *args, env=env))
+    again = ok(framework_run(run_dir, *args, env=env))  # the stale lock does not block it
+    assert not (run_dir / "run.lock").exists()
     resumed_from = summary(run_dir)["resumed_from_step"]
     assert f"resuming from the checkpoint of step {resumed_from}" in again.stdout
     assert 1 <= resumed_from < STEPS
@@ -156,6 +236,123 @@ def test_sigkill_after_the_first_checkpoint_then_the_same_command_finishes(full,
     assert_same(losses(run_dir, "eval/loss"), losses(full, "eval/loss"), (10,))
     assert complete_steps(run_dir)[-1] == STEPS
     assert not list(run_dir.glob("checkpoints/*tmp*"))  # a save cut short is cleaned up
+    # One W&B run: the restart continued the killed run's id (one folder per invocation).
+    runs = sorted(p.name for p in run_dir.glob("wandb/offline-run-*"))
+    assert len(runs) == 2 and len({name.rsplit("-", 1)[1] for name in runs}) == 1, runs
+
+
+def _data_file(step_dir: Path) -> Path:
+    return max((p for p in step_dir.glob("state/**/d/*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def _flip_a_byte(step_dir: Path) -> None:
+    path = _data_file(step_dir)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# The five newest checkpoints of a copy of the reference, each damaged another way.
+DAMAGE = {
+    10: ("a truncated data file", lambda d: os.truncate(_data_file(d),
+                                                        _data_file(d).stat().st_size // 2)),
+    9: ("a flipped byte", _flip_a_byte),
+    8: ("a missing index file", lambda d: (d / "state" / "manifest.ocdbt").unlink()),
+    7: ("no state/", lambda d: shutil.rmtree(d / "state")),
+    6: ("no completion marker", lambda d: (d / "_CHECKPOINT_METADATA").unlink()),
+}
+
+
+def test_damaged_checkpoints_are_moved_aside_and_the_run_falls_back(full, tmp_path, env):
+    """Each damaged checkpoint gives one line and a fall back to the previous one (a
+    chain here: 10 falls back to 9, which is damaged too, ...): the run resumes from
+    step 5, saves steps 6-10 again and ends with the reference's losses."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(full, run_dir)
+    for step, (_, damage) in DAMAGE.items():
+        damage(run_dir / "checkpoints" / str(step))
+    proc = ok(framework_run(run_dir, *COMMON, *EVERY_STEP, env=env))
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(DAMAGE), proc.stderr
+    for step in DAMAGE:
+        line = next(ln for ln in lines if f"checkpoint of step {step} in" in ln)
+        assert line.startswith("warning: the checkpoint of step"), line
+        assert f"moved aside to {run_dir / 'checkpoints' / f'{step}.damaged'}" in line
+    assert "fingerprint" not in lines[0] and "arrays differ from what was saved" in next(
+        ln for ln in lines if "step 9 in" in ln)  # flipped bytes: only the fingerprints see it
+    assert "resuming from the checkpoint of step 5 in" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert_same(losses(run_dir), losses(full), range(1, STEPS + 1))
+    assert_same(losses(run_dir, "eval/loss"), losses(full, "eval/loss"), (5, 10))
+    assert complete_steps(run_dir) == list(range(1, STEPS + 1))  # 6-10 saved again
+    assert all((run_dir / "checkpoints" / f"{s}.damaged").is_dir() for s in DAMAGE)
+
+
+def _can_mount_tmpfs(where: Path) -> bool:
+    """A real, small tmpfs needs no root inside a user + mount namespace (unshare -rm),
+    where the kernel allows unprivileged user namespaces."""
+    if shutil.which("unshare") is None:
+        return False
+    where.mkdir(exist_ok=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c",
+                            f"mount -t tmpfs -o size=1m tmpfs {where}"],
+                           capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
+        full, tmp_path, env):
+    """A 5 MB tmpfs holds two checkpoints (2.2 MB each): the third save fails in the
+    background (ENOSPC). The run stops at the next step boundary with one line, exit 4;
+    after the space is grown, the same command resumes from the newest good checkpoint
+    and ends with the reference's losses. Where no tmpfs can be mounted, the file-size
+    limit of the running process is lowered instead (the kernel then fails the same
+    writes with EFBIG)."""
+    run_dir, mnt = tmp_path / "run", tmp_path / "mnt"
+    # keep=2: a save that pruned before it succeeded would lose the older of the two.
+    args = [*COMMON, "checkpoint.every=1", "checkpoint.keep=2", f"checkpoint.dir={mnt / 'ck'}"]
+    if _can_mount_tmpfs(mnt):
+        first, second = (" ".join(command(run_dir, *args)) + f" 2>{tmp_path / name}"
+                         for name in ("err1", "err2"))
+        script = (f"mount -t tmpfs -o size=5m tmpfs {mnt} && {first}; echo first=$?; "
+                  f"echo kept: $(ls {mnt / 'ck'}); "
+                  f"mount -o remount,size=64m {mnt} && {second}; echo second=$?")
+        proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        out, reason = proc.stdout, "No space left on device (errno 28)"
+        errs = [(tmp_path / name).read_text() for name in ("err1", "err2")]
+    else:
+        import resource
+
+        mnt.mkdir(exist_ok=True)
+        proc = subprocess.Popen(command(run_dir, *args), cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for(lambda: checkpoint_is_complete(mnt / "ck" / "2"), proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (300_000, 300_000))
+        os.kill(proc.pid, signal.SIGCONT)
+        out1, err1 = proc.communicate(timeout=600)
+        kept = " ".join(sorted(p.name for p in (mnt / "ck").iterdir()))
+        again = framework_run(run_dir, *args, env=env)
+        out = (f"{out1}first={proc.returncode}\nkept: {kept}\n{again.stdout}"
+               f"second={again.returncode}\n")
+        reason, errs = "File too large (errno 27)", [err1, again.stderr]
+    assert "first=4" in out and "second=0" in out, (out, errs)
+    line = errs[0].strip()
+    assert "\n" not in line and line.startswith("error: could not save the checkpoint of "
+                                                 f"step "), errs[0]
+    assert f" in {mnt / 'ck'}: {reason}; a checkpoint needs about 2.2 MB, " in line
+    newest = int(line.split("the newest good checkpoint is step ")[1].split()[0])
+    assert newest >= 2 and errs[1] == ""
+    kept = next(ln for ln in out.splitlines() if ln.startswith("kept:")).split()[1:]
+    assert sorted(int(n) for n in kept if n.isdigit()) == [newest - 1, newest], kept
+    assert f"resuming from the checkpoint of step {newest} in {mnt / 'ck'}" in out
+    assert summary(run_dir)["status"] == "completed"
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert_same(losses(run_dir), losses(full), range(1, STEPS + 1))
 
 
 def test_non_finite_loss_stops_with_one_line_and_exit_3_keeping_the_last_checkpoint(

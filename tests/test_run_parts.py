@@ -58,6 +58,8 @@ def test_sweep_job_folder_resolves_data_fill_without_starting_jax(monkeypatch):
     # arguments are not the sweep's, so the job number keeps job folders apart.
     monkeypatch.setattr("sys.argv", ["submitit", "/sweep/.submitit/42"])
     assert _job_dirname(_root_=root) == "pp2-dp4-tp1-mb4_job3"
+    root.parallel.pipeline = 3  # 8 devices cannot be filled around 3 stages: skipped
+    assert _job_dirname(_root_=root) == "pp3-dpfill-tp1-mb4_job3"  # never "dp-1"
     root.parallel.pipeline = "oops"  # never breaks the sweep over a folder name
     assert _job_dirname(_root_=root) == "job3"
 
