@@ -26,6 +26,19 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in Hugging Face configs):
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are
+    stretched `factor` times, those shorter than .../high_freq_factor are kept, and the
+    band between is interpolated (Llama 3, Dubey et al. 2024; framework/model.py)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
 class ModelConfig:
     """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype."""
 
@@ -36,6 +49,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     d_ff: int = 352
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
@@ -43,6 +57,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """A ModelConfig from `dataclasses.asdict` output (checkpoint metadata); keys it
+    does not know are ignored, missing ones take their defaults (older checkpoints)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kept = {k: v for k, v in values.items() if k in names}
+    if kept.get("rope_scaling") is not None and not isinstance(kept["rope_scaling"], RopeScaling):
+        kept["rope_scaling"] = RopeScaling(**kept["rope_scaling"])
+    return ModelConfig(**kept)
 
 
 @dataclass
@@ -79,7 +103,8 @@ class OptimConfig:
 
     lr: float = 3e-3
     warmup_steps: int = 10
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # decoupled (AdamW); never applied to norm scales
+    decay_embeddings: bool = True  # also decay the embedding table (nanoGPT, Megatron-LM do)
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
@@ -98,6 +123,9 @@ class TrainConfig:
     # End this invocation after this step, with a checkpoint (status "stopped"); the LR
     # schedule still spans train.steps, and the same command without it continues.
     stop_at: Optional[int] = None
+    # A Hugging Face Llama folder (config.json + safetensors): start at step 0 from its
+    # weights; the model settings are read from its config.json (framework/hf.py).
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -115,6 +143,8 @@ class DataConfig:
 class EvalConfig:
     every: int = 0  # steps between eval/loss measurements (0: never)
     batches: int = 2  # held-out batches averaged per evaluation
+    sample_prompt: Optional[str] = None  # at each evaluation, continue this text (greedy)
+    sample_tokens: int = 32  # tokens generated for that sample
 
 
 @dataclass
@@ -156,6 +186,25 @@ class DistributedConfig:
     coordinator_address: Optional[str] = None  # host:port of process 0
     num_processes: Optional[int] = None  # -1: detect (SLURM, Cloud TPU, Open MPI); 1: never
     process_id: Optional[int] = None
+
+
+@dataclass
+class GenerateConfig:
+    """`python -m framework.generate key=value ...` (framework/generate.py)."""
+
+    checkpoint: Optional[str] = None  # a run folder, a checkpoint folder or a HF folder
+    prompt: str = ""
+    max_new_tokens: int = 64
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 50  # keep the k most likely tokens (0: all)
+    top_p: float = 0.95  # then the smallest set with this much probability (1: all)
+    seed: int = 0
+    print_ids: bool = False  # also print the prompt's and the continuation's token ids
+    tensor: int = 1  # tensor-parallel degree (devices used)
+    step: Optional[int] = None  # which checkpoint step (default: the newest complete one)
+    stop_at_eos: bool = True  # stop at the model's end-of-sequence token, when known
+    platform: str = "auto"  # auto | cpu | gpu | tpu
+    dtype: Optional[str] = None  # compute dtype (default: the model's)
 
 
 @dataclass
@@ -243,6 +292,8 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     f"{model.n_kv_heads}: grouped-query attention needs whole groups")
     if model.head_dim % 2:
         errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
+    if model.rope_scaling is not None:
+        errs.extend(check_rope_scaling(model.rope_scaling))
     if p.sequence_parallel and train.seq_len % p.tensor:
         errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
                     f"{p.tensor}, needed by parallel.sequence_parallel=true")
@@ -253,6 +304,19 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if p.schedule != "circular" and p.virtual_stages != 1:
         errs.append(f"parallel.virtual_stages={p.virtual_stages} only applies to "
                     f"parallel.schedule=circular: set it to 1 or use the circular schedule")
+    return errs
+
+
+def check_rope_scaling(r: RopeScaling) -> list[str]:
+    errs = []
+    if r.factor < 1:
+        errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        errs.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be > 0 and "
+                    f"< model.rope_scaling.high_freq_factor={r.high_freq_factor}")
+    if r.original_max_position_embeddings < 1:
+        errs.append(f"model.rope_scaling.original_max_position_embeddings="
+                    f"{r.original_max_position_embeddings} must be >= 1")
     return errs
 
 
