@@ -194,6 +194,7 @@ class GenerateConfig:
 
     checkpoint: Optional[str] = None  # a run folder, a checkpoint folder or a HF folder
     prompt: str = ""
+    prompt_ids: Optional[str] = None  # comma-separated token ids, instead of `prompt`
     max_new_tokens: int = 64
     temperature: float = 0.8  # 0: greedy
     top_k: int = 50  # keep the k most likely tokens (0: all)

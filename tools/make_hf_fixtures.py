@@ -60,8 +60,9 @@ def record(folder: Path, ids: np.ndarray) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor(ids)).logits.float().numpy()
+        model.generation_config.eos_token_id = None  # plain greedy, never stopping early
         out = model.generate(torch.tensor(ids[:1, :PROMPT]), max_new_tokens=GREEDY_TOKENS,
-                             do_sample=False, min_new_tokens=GREEDY_TOKENS)
+                             do_sample=False)
     np.save(folder / "ids.npy", ids.astype(np.int32))
     np.save(folder / "logits.npy", logits.astype(np.float32))
     np.save(folder / "greedy.npy", out[0, PROMPT:].numpy().astype(np.int32))
