@@ -25,13 +25,18 @@ class ConfigError(ValueError):
     """A user error in the configuration. `str(err)` is meant to be shown as is."""
 
 
+ROPE_TYPES = ("none", "llama3")
+
+
 @dataclass
 class RopeScaling:
-    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in Hugging Face configs):
-    wavelengths longer than original_max_position_embeddings / low_freq_factor are
-    stretched `factor` times, those shorter than .../high_freq_factor are kept, and the
-    band between is interpolated (Llama 3, Dubey et al. 2024; framework/model.py)."""
+    """RoPE frequency scaling. rope_type none: plain RoPE (the other fields unused).
+    llama3 (`rope_type: llama3` in Hugging Face configs): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched `factor` times,
+    those shorter than .../high_freq_factor are kept, and the band between is
+    interpolated (Llama 3, Dubey et al. 2024; framework/model.py)."""
 
+    rope_type: str = "none"  # none | llama3
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -49,7 +54,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     d_ff: int = 352
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
@@ -64,8 +69,9 @@ def model_config_from_dict(values: dict) -> ModelConfig:
     does not know are ignored, missing ones take their defaults (older checkpoints)."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     kept = {k: v for k, v in values.items() if k in names}
-    if kept.get("rope_scaling") is not None and not isinstance(kept["rope_scaling"], RopeScaling):
-        kept["rope_scaling"] = RopeScaling(**kept["rope_scaling"])
+    scaling = kept.pop("rope_scaling", None)
+    if isinstance(scaling, dict):
+        kept["rope_scaling"] = RopeScaling(**scaling)
     return ModelConfig(**kept)
 
 
@@ -293,8 +299,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     f"{model.n_kv_heads}: grouped-query attention needs whole groups")
     if model.head_dim % 2:
         errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
-    if model.rope_scaling is not None:
-        errs.extend(check_rope_scaling(model.rope_scaling))
+    errs.extend(check_rope_scaling(model.rope_scaling))
     if p.sequence_parallel and train.seq_len % p.tensor:
         errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
                     f"{p.tensor}, needed by parallel.sequence_parallel=true")
@@ -309,6 +314,11 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
 
 
 def check_rope_scaling(r: RopeScaling) -> list[str]:
+    if r.rope_type not in ROPE_TYPES:
+        return [f"model.rope_scaling.rope_type={r.rope_type!r} is not one of "
+                f"{', '.join(ROPE_TYPES)}"]
+    if r.rope_type == "none":
+        return []
     errs = []
     if r.factor < 1:
         errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")

@@ -73,8 +73,8 @@ def read_config(folder: str | Path) -> dict:
     return cfg
 
 
-def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, Llama 3 scaling or None) from either spelling: `rope_theta` +
+def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling: none or llama3) from either spelling: `rope_theta` +
     `rope_scaling` (published Llama 3 folders) or `rope_parameters` (newer transformers)."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -85,11 +85,11 @@ def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
         theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return float(theta), None
+        return float(theta), RopeScaling()
     if kind != "llama3":
         raise ConfigError(f"{where}: rope_type {kind!r} is not supported (default or llama3)")
     try:
-        rope = RopeScaling(factor=float(scaling["factor"]),
+        rope = RopeScaling(rope_type="llama3", factor=float(scaling["factor"]),
                            low_freq_factor=float(scaling["low_freq_factor"]),
                            high_freq_factor=float(scaling["high_freq_factor"]),
                            original_max_position_embeddings=int(scaling.get(
@@ -143,6 +143,8 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
         theirs = mine[key]
         if isinstance(value, RopeScaling):
             value = dataclasses.asdict(value)
+            if value["rope_type"] == theirs["rope_type"] == "none":
+                continue  # the other fields mean nothing without scaling
         if value != theirs:
             clashes.append(f"model.{key}={value} but {where} has {HF_KEYS[key]}={theirs}")
     if clashes:
@@ -169,8 +171,8 @@ def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
     out.setdefault("max_position_embeddings", max_positions)
     out.setdefault("bos_token_id", None)
     out.setdefault("eos_token_id", None)
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    if cfg.rope_scaling.rope_type != "none":
+        out["rope_scaling"] = dataclasses.asdict(cfg.rope_scaling)
     return dict(sorted(out.items()))
 
 

@@ -57,7 +57,7 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None)
     f' = (1 - a) f / factor + a f with a = (L / wavelength - low) / (high - low), where
     L = original_max_position_embeddings. Computed in float32, as transformers does."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    if scaling is None:
+    if scaling is None or scaling.rope_type == "none":
         return inv_freq
     s, length = scaling, float(scaling.original_max_position_embeddings)
     wavelength = 2 * math.pi / inv_freq

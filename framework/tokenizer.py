@@ -4,7 +4,9 @@ the optional `tokenizers` package (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,3 +57,46 @@ def load(spec: str | None, vocab_size: int) -> Codec | None:
     if spec is None:
         return None
     return byte_codec(vocab_size) if spec == BYTES else hf_codec(spec)
+
+
+def of_token_file(path: str) -> str | None:
+    """What tools/prepare_data.py recorded for a token file (its sidecar `<path>.json`):
+    "bytes", the tokenizer.json path (relative names are beside the sidecar), or None."""
+    try:
+        with open(path + ".json") as f:
+            recorded = json.load(f).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not recorded or recorded == BYTES:
+        return recorded or None
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), recorded)
+    return beside if os.path.isfile(beside) else recorded if os.path.isfile(recorded) else None
+
+
+def for_run(data_kind: str, data_path: str | None, vocab_size: int,
+            init_from: str | None) -> str | None:
+    """The tokenizer a training run's ids mean: the token file's (tokens), bytes (text;
+    markov/synthetic with a vocabulary of at most 256), else the init_from folder's
+    tokenizer.json (tokens without a sidecar), else None."""
+    if data_kind != "tokens":
+        return BYTES if data_kind == "text" or vocab_size <= 256 else None
+    recorded = of_token_file(os.path.expanduser(data_path)) if data_path else None
+    if recorded:
+        return recorded
+    folder_tokenizer = os.path.join(init_from, "tokenizer.json") if init_from else None
+    return folder_tokenizer if folder_tokenizer and os.path.isfile(folder_tokenizer) else None
+
+
+def keep_in(spec: str | None, run_dir: str, write: bool) -> str | None:
+    """A tokenizer.json is copied into the run folder (it travels with the checkpoints);
+    returns what checkpoints record: "bytes", the copy's path, or None."""
+    if spec is None or spec == BYTES:
+        return spec
+    copy = os.path.join(os.path.abspath(run_dir), "tokenizer.json")
+    if write and os.path.abspath(spec) != copy:
+        try:
+            shutil.copyfile(spec, copy)
+        except OSError as err:
+            raise ConfigError(f"cannot copy the tokenizer {spec} into {run_dir}: "
+                              f"{err.strerror or err}") from None
+    return copy

@@ -23,7 +23,8 @@ import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, flops
+from framework import distributed, flops, init_from
+from framework import tokenizer as tokenizer_lib
 from framework.checkpoint import Checkpointer, NonFiniteStateError
 from framework.config import ConfigError, RunConfig, check, validate
 from framework.data import make_dataset, sharded_batch
@@ -61,6 +62,11 @@ def check_run(cfg: RunConfig) -> None:
                             ("eval.batches", cfg.eval.batches, 1)):
         if value < low:
             errs.append(f"{key}={value} must be >= {low}")
+    if cfg.eval.sample_prompt is not None:
+        if not cfg.eval.every:
+            errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
+        if cfg.eval.sample_tokens < 1:
+            errs.append(f"eval.sample_tokens={cfg.eval.sample_tokens} must be >= 1")
     if cfg.logging.wandb.mode not in WANDB_MODES:
         errs.append(f"logging.wandb.mode={cfg.logging.wandb.mode!r} is not one of "
                     f"{', '.join(WANDB_MODES)}")
@@ -95,6 +101,29 @@ def make_evaluator(engine, dataset, n_batches: int):
         return {"eval/loss": float(np.mean([to_host(x) for x in losses]))}
 
     return evaluate
+
+
+def make_sampler(cfg: RunConfig, engine, codec, primary: bool):
+    """(step, state) -> {"eval/sample": the greedy continuation of eval.sample_prompt}
+    (framework/decode.py on the training mesh; the parameters are gathered over `pipe`
+    for the sample, tensor-sharded as in training)."""
+    from framework.decode import Decoder
+
+    decoder = Decoder(cfg.model, engine.mesh)
+    to_decoder = jax.jit(engine.canonical_params, out_shardings=decoder.param_shardings)
+    prompt = codec.encode(cfg.eval.sample_prompt)
+    if not prompt or max(prompt) >= cfg.model.vocab_size:
+        raise ConfigError(f"eval.sample_prompt={cfg.eval.sample_prompt!r} encodes to "
+                          f"{prompt[:8]}: need 1+ ids below model.vocab_size={cfg.model.vocab_size}")
+
+    def sample(step, state) -> dict:
+        ids = decoder.generate(to_decoder(state["params"]), [prompt], cfg.eval.sample_tokens)
+        text = codec.decode(ids[0].tolist())
+        if primary:
+            print(f"sample at step {step}: {cfg.eval.sample_prompt!r} -> {text!r}", flush=True)
+        return {"eval/sample": text}
+
+    return sample
 
 
 def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
@@ -160,13 +189,25 @@ def resume_point(cfg: RunConfig, ckpt: Checkpointer) -> tuple[str, int] | None:
     return folder, step
 
 
-def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
+def run(cfg: RunConfig, run_dir: Path, run_config: dict, model_given=None) -> dict:
     """Trains as configured, writing metrics.jsonl, summary.json (and W&B) in run_dir.
     run_config: the composed configuration as a plain dict (the W&B run config).
-    Returns the summary; its status is completed, stopped (train.stop_at) or preempted
-    (SIGTERM). Raises Diverged on a non-finite loss (summary status "diverged")."""
+    model_given: names of the model.* settings the user or recipe set (checked against
+    train.init_from's config.json; None: all of them). Returns the summary; its status
+    is completed, stopped (train.stop_at) or preempted (SIGTERM). Raises Diverged on a
+    non-finite loss (summary status "diverged")."""
     started = time.perf_counter()
+    cfg, hf_config = init_from.resolve(cfg, model_given)
     check_run(cfg)
+    tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
+                                      cfg.train.init_from)
+    codec = None
+    if cfg.eval.sample_prompt is not None:
+        codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
+        if codec is None:
+            raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
+                              "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
+                              "unset eval.sample_prompt")
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
     if cfg.eval.every and not dataset.has_eval:
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
@@ -186,6 +227,11 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
         folder = str(Path(folder).expanduser().absolute())
     folder = distributed.agree(folder)
     ckpt = Checkpointer(folder, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    # What a checkpoint needs for generation and export besides the weights.
+    save_meta = {"data": cfg.data.kind, "seed": cfg.train.seed, "train_steps": cfg.train.steps,
+                 "seq_len": cfg.train.seq_len, "init_from": cfg.train.init_from,
+                 "hf_config": hf_config,
+                 "tokenizer": tokenizer_lib.keep_in(tokenizer, str(run_dir), primary)}
     try:
         point = resume_point(cfg, ckpt)
         own = point is not None and point[0] == ckpt.directory
@@ -201,6 +247,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
                 "platform": devset.platform, "device_kind": devset.kind,
                 "simulated_devices": devset.simulated, "n_params": count_params(cfg.model),
                 "steps": cfg.train.steps, "checkpoint_dir": ckpt.directory,
+                "init_from": cfg.train.init_from,
                 "resumed_from_step": None if point is None else point[1]}
         tracker = make_tracker(cfg, run_dir, run_config, base, primary,
                                resumed_at=point[1] if own else None,
@@ -211,7 +258,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
             with StopRequests(multi_process=devset.process_count > 1,
                               stop_at=cfg.train.stop_at) as stop:
                 status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, point,
-                                         stop)
+                                         stop, save_meta, codec)
         except BaseException as err:  # record why, then let it propagate
             status = ("interrupted" if isinstance(err, KeyboardInterrupt) else
                       "diverged" if isinstance(err, Diverged) else "failed")
@@ -235,7 +282,8 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
 
 
 def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
-           point: tuple[str, int] | None, stop: StopRequests) -> tuple[str, dict]:
+           point: tuple[str, int] | None, stop: StopRequests, save_meta: dict,
+           codec=None) -> tuple[str, dict]:
     """Restores or initializes the state, trains, saves the last checkpoint.
     Returns (status, numbers for the summary)."""
     batches = make_batches(dataset, engine)
@@ -245,7 +293,7 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
         if devset.process_index == 0:
             print(f"nothing to train: the checkpoint is at step {start} >= train.steps="
                   f"{cfg.train.steps}", flush=True)
-        _save(ckpt, engine, state, start, cfg)  # into this run's folder (resume_from)
+        _save(ckpt, engine, state, start, save_meta)  # into this run's folder (resume_from)
         ckpt.wait()
         return "completed", {"step": start}
     stats = engine.compile(state, engine.shard_batch(batches(start)))
@@ -265,9 +313,13 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     if cfg.eval.every:
         hooks.append(Hook("eval", cfg.eval.every,
                           make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
+    if cfg.eval.sample_prompt is not None:
+        hooks.append(Hook("sample", cfg.eval.every,
+                          make_sampler(cfg, engine, codec, devset.process_index == 0),
+                          at_end=True))
     if cfg.checkpoint.every:
         hooks.append(Hook("checkpoint", cfg.checkpoint.every,
-                          lambda step, state: _save(ckpt, engine, state, step, cfg),
+                          lambda step, state: _save(ckpt, engine, state, step, save_meta),
                           after_log=True))
     settings = LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=start,
                             constants=constants,
@@ -277,7 +329,7 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     result = train_loop(engine, state, batches, settings, tracker, perf, tuple(hooks), stop)
     # The last checkpoint: at the end, at train.stop_at, or on SIGTERM. A second SIGTERM
     # meanwhile only sets the flag again.
-    _save(ckpt, engine, result.state, result.step, cfg)
+    _save(ckpt, engine, result.state, result.step, save_meta)
     ckpt.wait()
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
@@ -294,6 +346,8 @@ def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: boo
             return other.restore(engine, step)
         finally:
             other.close()
+    if cfg.train.init_from:
+        return init_from.initial_state(engine, cfg.train.init_from)
     # One jitted init (cacheable) instead of hundreds of small eager compilations.
     params = jax.jit(partial(init_params, cfg.model))(jax.random.key(cfg.train.seed))
     if multi:  # each process places its own shards from the (identical) host copy
@@ -301,10 +355,9 @@ def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: boo
     return engine.init_state(params)
 
 
-def _save(ckpt: Checkpointer, engine, state, step: int, cfg: RunConfig) -> None:
+def _save(ckpt: Checkpointer, engine, state, step: int, meta: dict) -> None:
     """Starts an asynchronous save of `state` as step `step` (no-op if saved already)."""
     try:
-        ckpt.save(step, engine, state, {"data": cfg.data.kind, "seed": cfg.train.seed,
-                                        "train_steps": cfg.train.steps})
+        ckpt.save(step, engine, state, meta)
     except NonFiniteStateError as err:
         raise Diverged(step, str(err)) from None
