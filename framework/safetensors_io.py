@@ -219,4 +219,4 @@ def write_folder(folder: str | Path, tensors, max_shard_bytes: int) -> list[str]
     except OSError as err:
         raise ConfigError(f"could not write {folder / INDEX_FILE}: {err.strerror or err}") from None
     (folder / SINGLE_FILE).unlink(missing_ok=True)
-    return names
+    return names + [INDEX_FILE]

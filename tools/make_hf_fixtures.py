@@ -7,6 +7,11 @@ run in CI. Run it in a separate virtual environment, e.g.
     /tmp/venv_hf/bin/pip install torch==2.13.0   # the CPU build; then:
     /tmp/venv_hf/bin/pip install transformers numpy
     /tmp/venv_hf/bin/python tools/make_hf_fixtures.py tests/fixtures/hf
+    /tmp/venv_hf/bin/python tools/make_hf_fixtures.py --check EXPORTED [FIXTURE]
+
+`--check` loads a folder written by tools/export_hf.py with transformers
+(AutoModelForCausalLM.from_pretrained), prints what it loaded and, given a fixture
+whose weights it should hold, compares its logits with the fixture's.
 
 Each fixture is a tiny Llama written by `save_pretrained` (config.json + safetensors)
 plus what transformers computes from that folder, reloaded in float32:
@@ -100,5 +105,22 @@ def main(out: str) -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: wrote {root}")
 
 
+def check(exported: str, fixture: str | None = None) -> None:
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"transformers {transformers.__version__} loaded {exported}: "
+          f"{type(model).__name__}, {n} parameters, config {model.config.to_diff_dict()}")
+    if fixture:
+        ids = np.load(Path(fixture) / "ids.npy")
+        want = np.load(Path(fixture) / "logits.npy")
+        with torch.no_grad():
+            got = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+        print(f"logits vs {fixture}: max relative difference "
+              f"{np.abs(got - want).max() / np.abs(want).max():.3g}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
+    if sys.argv[1:2] == ["--check"]:
+        check(*sys.argv[2:4])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
