@@ -35,25 +35,25 @@ from framework.tensor_parallel import TensorParallel
 CACHE_SPEC = P(None, None, None, "tensor", None)  # [layers, batch, max_len, kv@tensor, hd]
 
 
-def sample(logits, key, temperature: float, top_k: int, top_p: float):
+def sample(logits, key, temperature, top_k, top_p):
     """Next token per row of logits [batch, vocab] f32. temperature 0: argmax. Else
     softmax(logits / temperature) restricted to the top_k most likely tokens (0: all),
-    then to the smallest set of them holding top_p of the probability (nucleus
-    sampling, Holtzman et al. 2020; 1: all)."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    masked = jnp.finfo(logits.dtype).min
-    if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [batch, 1]
-        logits = jnp.where(logits < kth, masked, logits)
-    if top_p < 1.0:
-        ranked = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-        probs = jax.nn.softmax(ranked, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        cutoff = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, masked, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    then to the smallest set of those holding top_p of their probability (nucleus
+    sampling, Holtzman et al. 2020; 1: all). The settings may be traced values, so one
+    compiled step serves every setting."""
+    vocab = logits.shape[-1]
+    masked = jnp.finfo(jnp.float32).min
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = jnp.take(ranked, k - 1, axis=-1)[:, None]  # [batch, 1]
+    ranked = jnp.where(jnp.arange(vocab) < k, ranked, masked)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+    cutoff = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.where(top_p < 1.0, jnp.maximum(cutoff, kth), kth)
+    sampled = jax.random.categorical(key, jnp.where(scaled < cutoff, masked, scaled), axis=-1)
+    return jnp.where(temperature == 0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
 
 class Decoder:
@@ -69,8 +69,7 @@ class Decoder:
         self._forward = jax.shard_map(self._local_forward, mesh=mesh,
                                       in_specs=(self.param_specs, P(), P(), cache_specs),
                                       out_specs=(P(None, "tensor"), cache_specs))
-        self._step = jax.jit(self._sample_step, static_argnames=("settings",),
-                             donate_argnums=(3,))
+        self._step = jax.jit(self._sample_step, donate_argnums=(3,))
 
     def _local_forward(self, params, tokens, start, cache):
         """On each device: tokens [b, s] at positions start.. -> (its vocabulary slice of
@@ -106,7 +105,7 @@ class Decoder:
         `on_token(ids [batch])` sees each token as it is made."""
         prompt = np.asarray(prompt, np.int32)
         batch, length = prompt.shape
-        settings = (float(temperature), int(top_k), float(top_p))
+        settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
         cache = self.init_cache(batch, length + max_new_tokens)
         key = jax.random.key(seed)
         tokens, start, out = jnp.asarray(prompt), 0, []
