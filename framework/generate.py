@@ -82,8 +82,10 @@ def prompt_tokens(cfg: GenerateConfig, codec) -> list[int]:
     return codec.encode(cfg.prompt)
 
 
-def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> dict:
-    """Loads, generates, prints; returns {"prompt_ids", "ids", "text", "tokens_per_s"}."""
+def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> dict:
+    """Loads, generates, prints; returns {"prompt_ids", "ids", "text", "tokens_per_s"}.
+    devices: JAX devices to use when this process has started JAX already (the first
+    `tensor` of them); by default the platform's, simulated on CPU as needed."""
     from framework import artifacts, devices as devices_lib
     from framework import tokenizer as tokenizer_lib
 
@@ -98,11 +100,15 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> dict:
     if not ids or max(ids) >= model.vocab_size or min(ids) < 0:
         raise ConfigError(f"the prompt must be 1 or more token ids in [0, {model.vocab_size})"
                           f" (got {ids[:8]}{'...' if len(ids) > 8 else ''})")
-    devset = devices_lib.start(DevicesConfig(platform=cfg.platform), parallel)
+    if devices is None:
+        devset = devices_lib.start(DevicesConfig(platform=cfg.platform), parallel)
+        devices, simulated = devset.devices, devset.simulated
+    else:
+        simulated = devices[0].platform == "cpu"
     from framework.decode import Decoder
     from framework.mesh import describe, make_mesh
 
-    mesh = make_mesh(parallel, devset.devices)
+    mesh = make_mesh(parallel, devices)
     decoder = Decoder(model, mesh)
     params = source.load(decoder.param_shardings)
     times = []
@@ -119,7 +125,7 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> dict:
     if text is not None:
         print(text, file=out, flush=True)
     speed = f"{steady:,.1f} tokens/s after compilation" if steady else "too few tokens to time"
-    print(f"{source.describe()} | {describe(mesh, devset.simulated)} | {model.dtype} | "
+    print(f"{source.describe()} | {describe(mesh, simulated)} | {model.dtype} | "
           f"{len(ids)} prompt + {len(new)} new tokens in {time.perf_counter() - started:.2f} s "
           f"({speed}) | tokenizer: {codec.name if codec else 'unknown (ids only)'}",
           file=err, flush=True)
