@@ -117,6 +117,11 @@ def test_samples_reach_metrics_wandb_and_match_framework_generate(trained):
         f"checkpoint={run_dir}", f"prompt={PROMPT}", f"max_new_tokens={SAMPLE_TOKENS}",
         "temperature=0", "stop_at_eos=false"]), devices=jax.devices())
     assert out["text"] == sample  # one device, from the checkpoint == on (2, 2, 2), in training
+    from framework import artifacts  # a run folder, its checkpoint folder, one step folder
+    found = [artifacts.locate(str(p)) for p in (run_dir, run_dir / "checkpoints",
+                                                 run_dir / "checkpoints" / "2")]
+    assert {(s.path, s.step, s.tokenizer) for s in found} == {
+        (str(run_dir / "checkpoints"), 2, str(run_dir / "tokenizer.json"))}
 
 
 def test_export_from_2_2_2_equals_export_after_resuming_at_1_1_1(trained, tmp_path):
@@ -142,3 +147,15 @@ def test_export_from_2_2_2_equals_export_after_resuming_at_1_1_1(trained, tmp_pa
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (run_dir / "tokenizer.json").read_bytes()
     trained_from = Tensors(FIXTURE).read("lm_head.weight")
     assert not np.array_equal(a.read("lm_head.weight"), trained_from)  # two steps trained
+
+
+def test_which_model_settings_count_as_given():
+    """With train.init_from the default model group does not count; a group picked on
+    the command line or by a recipe, and model.X= values, do."""
+    from framework.run import given_model_settings
+
+    assert given_model_settings([], None) == set()
+    assert given_model_settings(["model.dtype=bfloat16", "train.steps=3"], None) == {"dtype"}
+    from_recipe = given_model_settings([], "llama_1b_8gpu")  # override /model: llama_1b
+    assert {"vocab_size", "rope_scaling", "tie_embeddings", "dtype"} <= from_recipe
+    assert "d_model" in given_model_settings(["model=llama_small"], None)
