@@ -7,7 +7,8 @@ Tokenizer lookup for a checkpoint: the checkpoint's metadata (`tokenizer`: "byte
 a tokenizer.json path, written by the training run), else `<run folder>/tokenizer.json`,
 else byte-level when the run trained on bytes (`data` text/markov/synthetic with a
 vocabulary of at most 256), else unknown (ids only). For a HF folder: its
-tokenizer.json if present.
+tokenizer.json if present, else byte-level when its vocabulary is 256 (what
+tools/export_hf.py writes for a byte-level run), else unknown.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def locate(path: str, step: int | None = None, setting: str = "checkpoint") -> S
     if hf.is_hf_folder(where):
         config = hf.read_config(where)
         tok = where / hf.TOKENIZER_FILE
-        return Source("hf", str(where), None, hf.model_config(config, str(where / hf.CONFIG_FILE)),
-                      str(tok) if tok.is_file() else None, config, {})
+        model = hf.model_config(config, str(where / hf.CONFIG_FILE))
+        tokenizer = str(tok) if tok.is_file() else BYTES if model.vocab_size == 256 else None
+        return Source("hf", str(where), None, model, tokenizer, config, {})
     folder, in_path, run_dir = _checkpoint_folder(where)
     if not folder.is_dir():
         raise ConfigError(f"{setting}={path} is neither a Hugging Face folder (config.json) "

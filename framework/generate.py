@@ -89,9 +89,14 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     from framework import artifacts, devices as devices_lib
     from framework import tokenizer as tokenizer_lib
 
+    parallel = ParallelConfig(tensor=cfg.tensor)
+    if devices is None:  # before anything (Orbax included) starts JAX's backend
+        devset = devices_lib.start(DevicesConfig(platform=cfg.platform), parallel)
+        devices, simulated = devset.devices, devset.simulated
+    else:
+        simulated = devices[0].platform == "cpu"
     source = artifacts.with_dtype(artifacts.locate(cfg.checkpoint, cfg.step), cfg.dtype)
     model = source.model
-    parallel = ParallelConfig(tensor=cfg.tensor)
     errs = check(model, parallel, TrainConfig(global_batch_size=1), None)
     if errs:
         raise ConfigError("; ".join(e.replace("parallel.tensor", "tensor") for e in errs))
@@ -100,11 +105,6 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     if not ids or max(ids) >= model.vocab_size or min(ids) < 0:
         raise ConfigError(f"the prompt must be 1 or more token ids in [0, {model.vocab_size})"
                           f" (got {ids[:8]}{'...' if len(ids) > 8 else ''})")
-    if devices is None:
-        devset = devices_lib.start(DevicesConfig(platform=cfg.platform), parallel)
-        devices, simulated = devset.devices, devset.simulated
-    else:
-        simulated = devices[0].platform == "cpu"
     from framework.decode import Decoder
     from framework.mesh import describe, make_mesh
 
@@ -133,6 +133,9 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only folders
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ConfigError as error:

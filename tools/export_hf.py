@@ -64,6 +64,9 @@ def export(source_path: str, out: str, step: int | None = None, dtype: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only folders
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run folder, checkpoint folder or step folder")
     parser.add_argument("out", help="the Hugging Face folder to write")
