@@ -69,7 +69,10 @@ class Decoder:
         self._forward = jax.shard_map(self._local_forward, mesh=mesh,
                                       in_specs=(self.param_specs, P(), P(), cache_specs),
                                       out_specs=(P(None, "tensor"), cache_specs))
-        self._step = jax.jit(self._sample_step, donate_argnums=(3,))
+        replicated = NamedSharding(mesh, P())  # every process can read the tokens
+        self._step = jax.jit(self._sample_step, donate_argnums=(3,),
+                             out_shardings=(replicated, KVCache(self.cache_sharding,
+                                                                self.cache_sharding)))
 
     def _local_forward(self, params, tokens, start, cache):
         """On each device: tokens [b, s] at positions start.. -> (its vocabulary slice of
@@ -81,8 +84,9 @@ class Decoder:
                                    tied_table=params["embed"]["table"])
         return logits[:, 0], KVCache(*cache)
 
-    def _sample_step(self, params, tokens, start, cache, key, settings):
+    def _sample_step(self, params, tokens, start, cache, seed, index, settings):
         logits, cache = self._forward(params, tokens, start, cache)
+        key = jax.random.fold_in(jax.random.key(seed), index)
         return sample(logits, key, *settings), cache
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -105,13 +109,12 @@ class Decoder:
         `on_token(ids [batch])` sees each token as it is made."""
         prompt = np.asarray(prompt, np.int32)
         batch, length = prompt.shape
-        settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        settings = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
         cache = self.init_cache(batch, length + max_new_tokens)
-        key = jax.random.key(seed)
-        tokens, start, out = jnp.asarray(prompt), 0, []
+        tokens, start, out = prompt, 0, []  # host values: the same on every process
         for i in range(max_new_tokens):
-            new, cache = self._step(params, tokens, jnp.int32(start), cache,
-                                    jax.random.fold_in(key, i), settings)
+            new, cache = self._step(params, tokens, np.int32(start), cache, np.uint32(seed),
+                                    np.int32(i), settings)
             host = np.asarray(jax.device_get(new))
             out.append(host)
             if on_token is not None:

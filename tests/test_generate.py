@@ -100,6 +100,8 @@ def test_bad_settings_are_one_line_errors():
             generate.parse_args(argv)
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="no tokenizer is known"):
-        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt=hi"]))
+        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt=hi"]),
+                     devices=jax.devices())
     with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by tensor=4"):
-        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt_ids=1", "tensor=4"]))
+        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt_ids=1", "tensor=4"]),
+                     devices=jax.devices())
