@@ -64,7 +64,8 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None)
     stretched = jnp.where(wavelength > length / s.low_freq_factor, inv_freq / s.factor, inv_freq)
     a = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     blended = (1 - a) * stretched / s.factor + a * stretched
-    middle = (wavelength >= length / s.high_freq_factor) & (wavelength <= length / s.low_freq_factor)
+    middle = ((wavelength >= length / s.high_freq_factor)
+              & (wavelength <= length / s.low_freq_factor))
     return jnp.where(middle, blended, stretched)
 
 

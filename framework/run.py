@@ -130,9 +130,10 @@ def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
     if recipe and (RECIPES_DIR / f"{recipe}.yaml").is_file():
         content = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / f"{recipe}.yaml"))
         names.update((content.get("model") or {}).keys())
-        for entry in content.get("defaults") or []:
+        for entry in content.get("defaults") or []:  # e.g. {"override /model": "llama_1b"}
             if isinstance(entry, dict):
-                groups += [v for k, v in entry.items() if k.replace("override", "").strip().strip("/") == "model"]
+                groups += [v for k, v in entry.items()
+                           if k.replace("override", "").strip().strip("/") == "model"]
     for group in groups:
         path = CONF_DIR / "model" / f"{group}.yaml"
         if path.is_file():

@@ -114,7 +114,8 @@ def make_sampler(cfg: RunConfig, engine, codec, primary: bool):
     prompt = codec.encode(cfg.eval.sample_prompt)
     if not prompt or max(prompt) >= cfg.model.vocab_size:
         raise ConfigError(f"eval.sample_prompt={cfg.eval.sample_prompt!r} encodes to "
-                          f"{prompt[:8]}: need 1+ ids below model.vocab_size={cfg.model.vocab_size}")
+                          f"{prompt[:8]}: need 1+ ids below model.vocab_size="
+                          f"{cfg.model.vocab_size}")
 
     def sample(step, state) -> dict:
         ids = decoder.generate(to_decoder(state["params"]), [prompt], cfg.eval.sample_tokens)

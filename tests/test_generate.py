@@ -72,7 +72,8 @@ def test_sampling_is_reproducible_per_seed_and_top_k_1_is_greedy(model, recomput
 
 def test_nucleus_keeps_the_smallest_set_holding_top_p():
     logits = np.tile(np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)), (400, 1))
-    draw = lambda k, p: set(np.asarray(decode.sample(logits, jax.random.key(0), 1.0, k, p)).tolist())
+    draw = lambda k, p: set(np.asarray(
+        decode.sample(logits, jax.random.key(0), 1.0, k, p)).tolist())
     assert draw(0, 0.7) == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops
     assert draw(3, 1.0) == {0, 1, 2}
     assert draw(3, 0.9) == {0, 1, 2}  # top_p over the renormalised top 3
@@ -95,7 +96,8 @@ def test_bad_settings_are_one_line_errors():
     for argv, match in ((["prompt=hi"], "checkpoint=.* is required"),
                         ([f"checkpoint={FIXTURE}", "top_p=2"], "top_p=2.0 must be in"),
                         ([f"checkpoint={FIXTURE}", "temprature=1"], "unknown setting 'temprature'"),
-                        ([f"checkpoint={FIXTURE}", "tensor=two"], "tensor='two' is not a valid int")):
+                        ([f"checkpoint={FIXTURE}", "tensor=two"],
+                         "tensor='two' is not a valid int")):
         with pytest.raises(ConfigError, match=match) as err:
             generate.parse_args(argv)
         assert "\n" not in str(err.value)

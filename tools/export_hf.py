@@ -57,7 +57,8 @@ def export(source_path: str, out: str, step: int | None = None, dtype: str | Non
     mesh = jax.make_mesh((1,), ("one",), devices=jax.devices("cpu")[:1])
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), hf.canonical_shapes(source.model))
     params = source.load(shardings)
-    max_positions = original.get("max_position_embeddings") or source.metadata.get("seq_len") or 2048
+    max_positions = (original.get("max_position_embeddings") or source.metadata.get("seq_len")
+                     or 2048)
     tokenizer = source.tokenizer if source.tokenizer not in (None, BYTES) else None
     return hf.export(out, source.model, params, dtype, original, max_positions, max_bytes,
                      tokenizer)
