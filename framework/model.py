@@ -13,6 +13,10 @@ ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
 these) and `Head` (final norm + LM head). `init_params` returns the *canonical*
 parameter tree: {'embed', 'layers' (stacked along a leading `layers` axis), 'head'}.
 
+Decoding (framework/decode.py) uses the same modules and weights: `Attention` and
+`Block` take an optional KV cache and the position of their first row
+(`apply_layers_cached`), and `rotary` takes explicit positions.
+
 Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
 GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
 """
