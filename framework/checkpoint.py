@@ -307,6 +307,18 @@ class Checkpointer:
                                     f"{', ...' if len(differ) > 3 else ''})")
         return self._jitted(engine)[1](canonical)
 
+    def restore_params(self, step: int, abstract_params):
+        """Only the canonical parameters of `step` (not the optimizer state), with the
+        shapes and shardings of `abstract_params` (ShapeDtypeStructs): for generation and
+        export, which need a third of what a full restore reads."""
+        step = self._pick(step)
+        item = {"params": to_nested(abstract_params)}
+        args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
+        path = epath.Path(self.directory) / str(step) / STATE
+        restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))
+        return from_nested(restored["params"], abstract_params)
+
     def _pick(self, step: int | None) -> int:
         complete = self.complete_steps()
         if step is None:

@@ -27,6 +27,24 @@ class ConfigError(ValueError):
     """A user error in the configuration. `str(err)` is meant to be shown as is."""
 
 
+ROPE_TYPES = ("none", "llama3")
+
+
+@dataclass
+class RopeScaling:
+    """RoPE frequency scaling. rope_type none: plain RoPE (the other fields unused).
+    llama3 (`rope_type: llama3` in Hugging Face configs): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched `factor` times,
+    those shorter than .../high_freq_factor are kept, and the band between is
+    interpolated (Llama 3, Dubey et al. 2024; framework/model.py)."""
+
+    rope_type: str = "none"  # none | llama3
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
 @dataclass
 class ModelConfig:
     """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype."""
@@ -38,6 +56,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     d_ff: int = 352
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
@@ -45,6 +64,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """A ModelConfig from `dataclasses.asdict` output (checkpoint metadata); keys it
+    does not know are ignored, missing ones take their defaults (older checkpoints)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kept = {k: v for k, v in values.items() if k in names}
+    scaling = kept.pop("rope_scaling", None)
+    if isinstance(scaling, dict):
+        kept["rope_scaling"] = RopeScaling(**scaling)
+    return ModelConfig(**kept)
 
 
 @dataclass
@@ -81,7 +111,8 @@ class OptimConfig:
 
     lr: float = 3e-3
     warmup_steps: int = 10
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # decoupled (AdamW); never applied to norm scales
+    decay_embeddings: bool = True  # also decay the embedding table (nanoGPT, Megatron-LM do)
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
@@ -100,6 +131,9 @@ class TrainConfig:
     # End this invocation after this step, with a checkpoint (status "stopped"); the LR
     # schedule still spans train.steps, and the same command without it continues.
     stop_at: Optional[int] = None
+    # A Hugging Face Llama folder (config.json + safetensors): start at step 0 from its
+    # weights; the model settings are read from its config.json (framework/hf.py).
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -117,6 +151,8 @@ class DataConfig:
 class EvalConfig:
     every: int = 0  # steps between eval/loss measurements (0: never)
     batches: int = 2  # held-out batches averaged per evaluation
+    sample_prompt: Optional[str] = None  # at each evaluation, continue this text (greedy)
+    sample_tokens: int = 32  # tokens generated for that sample
 
 
 @dataclass
@@ -167,6 +203,26 @@ class DistributedConfig:
     coordinator_address: Optional[str] = None  # host:port of process 0
     num_processes: Optional[int] = None  # -1: detect (SLURM, Cloud TPU, Open MPI); 1: never
     process_id: Optional[int] = None
+
+
+@dataclass
+class GenerateConfig:
+    """`python -m framework.generate key=value ...` (framework/generate.py)."""
+
+    checkpoint: Optional[str] = None  # a run folder, a checkpoint folder or a HF folder
+    prompt: str = ""
+    prompt_ids: Optional[str] = None  # comma-separated token ids, instead of `prompt`
+    max_new_tokens: int = 64
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 50  # keep the k most likely tokens (0: all)
+    top_p: float = 0.95  # then the smallest set with this much probability (1: all)
+    seed: int = 0
+    print_ids: bool = False  # also print the prompt's and the continuation's token ids
+    tensor: int = 1  # tensor-parallel degree (devices used)
+    step: Optional[int] = None  # which checkpoint step (default: the newest complete one)
+    stop_at_eos: bool = True  # stop at the model's end-of-sequence token, when known
+    platform: str = "auto"  # auto | cpu | gpu | tpu
+    dtype: Optional[str] = None  # compute dtype (default: the model's)
 
 
 @dataclass
@@ -235,7 +291,7 @@ RANGES: dict[str, Range] = {
     "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0
     "train.stop_at": AT_LEAST_1,
     "data.holdout_fraction": FRACTION_BELOW_1, "data.markov_concentration": POSITIVE,
-    "eval.every": AT_LEAST_0, "eval.batches": AT_LEAST_1,
+    "eval.every": AT_LEAST_0, "eval.batches": AT_LEAST_1, "eval.sample_tokens": AT_LEAST_1,
     "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
     "logging.every": AT_LEAST_1,
     "devices.local_device_count": AT_LEAST_1,
@@ -330,9 +386,28 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     f"{model.n_kv_heads}: grouped-query attention needs whole groups")
     if model.head_dim % 2:
         errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
+    errs.extend(check_rope_scaling(model.rope_scaling))
     if p.sequence_parallel and train.seq_len % p.tensor:
         errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
                     f"{p.tensor}, needed by parallel.sequence_parallel=true")
+    return errs
+
+
+def check_rope_scaling(r: RopeScaling) -> list[str]:
+    if r.rope_type not in ROPE_TYPES:
+        return [f"model.rope_scaling.rope_type={r.rope_type!r} is not one of "
+                f"{', '.join(ROPE_TYPES)}"]
+    if r.rope_type == "none":
+        return []
+    errs = []
+    if r.factor < 1:
+        errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        errs.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be > 0 and "
+                    f"< model.rope_scaling.high_freq_factor={r.high_freq_factor}")
+    if r.original_max_position_embeddings < 1:
+        errs.append(f"model.rope_scaling.original_max_position_embeddings="
+                    f"{r.original_max_position_embeddings} must be >= 1")
     return errs
 
 

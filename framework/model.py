@@ -13,17 +13,24 @@ ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
 these) and `Head` (final norm + LM head). `init_params` returns the *canonical*
 parameter tree: {'embed', 'layers' (stacked along a leading `layers` axis), 'head'}.
 
+Decoding (framework/decode.py) uses the same modules and weights: `Attention` and
+`Block` take an optional KV cache and the position of their first row
+(`apply_layers_cached`), and `rotary` takes explicit positions.
+
 Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
 GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, RopeScaling
 from framework.tensor_parallel import TensorParallel
 
 NO_TP = TensorParallel()
@@ -64,17 +71,48 @@ class RMSNorm(nn.Module):
         return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
 
 
-def rotary(x, theta: float):
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None):
+    """Rotary inverse frequencies theta^(-2i/dim), i < dim/2 (Su et al. 2021): [dim/2] f32.
+
+    With Llama 3's scaling (Dubey et al. 2024; the `apply_scaling` of Meta's reference
+    code), a frequency whose wavelength 2*pi/f exceeds L/low_freq_factor is divided by
+    `factor`, one whose wavelength is below L/high_freq_factor is kept, and in between
+    f' = (1 - a) f / factor + a f with a = (L / wavelength - low) / (high - low), where
+    L = original_max_position_embeddings. Computed in float32, as transformers does."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    if scaling is None or scaling.rope_type == "none":
+        return inv_freq
+    s, length = scaling, float(scaling.original_max_position_embeddings)
+    wavelength = 2 * math.pi / inv_freq
+    stretched = jnp.where(wavelength > length / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    a = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - a) * stretched / s.factor + a * stretched
+    middle = ((wavelength >= length / s.high_freq_factor)
+              & (wavelength <= length / s.low_freq_factor))
+    return jnp.where(middle, blended, stretched)
+
+
+def rotary(x, theta: float, positions, scaling: RopeScaling | None = None):
     """Rotary position embedding (Su et al. 2021), rotate-half form.
-    x: [batch, seq, ..., head_dim]; positions are 0..seq-1."""
-    seq, dim = x.shape[1], x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [dim/2]
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
-    angles = angles.reshape((1, seq) + (1,) * (x.ndim - 3) + (dim // 2,))
+    x: [batch, seq, ..., head_dim]; positions: [seq] int, the absolute position of each
+    row (0..seq-1 in training; offset by the cache length when decoding)."""
+    dim = x.shape[-1]
+    inv_freq = rope_frequencies(dim, theta, scaling)  # [dim/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
+    angles = angles.reshape((1, x.shape[1]) + (1,) * (x.ndim - 3) + (dim // 2,))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the positions decoded so far, for one layer (stacked over
+    layers by `apply_layers_cached`): [batch, max_len, kv_heads@tensor, head_dim] each.
+    Entries at or after the current length are stale and masked out."""
+
+    k: jax.Array
+    v: jax.Array
 
 
 class Attention(nn.Module):
@@ -90,24 +128,39 @@ class Attention(nn.Module):
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """x: [batch, seq (/tensor with SP), embed] -> the same shape.
+
+        Training (cache None): causal attention among the rows of x, positions 0..seq-1.
+        Decoding: x holds the rows at positions start..start+seq-1; their keys and values
+        are written into `cache` at those positions and the rows attend to every cached
+        position up to their own. Returns (out, updated cache)."""
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         d, hd, r = c.d_model, c.head_dim, c.n_heads // c.n_kv_heads  # r: q heads per kv head
         kv, h = self.tp.local(c.n_kv_heads), self.tp.local(c.n_heads)  # this device's heads
         wqkv = _param(self, "wqkv", (d, kv, r + 2, hd), ("embed", "kv_heads", "qkv", "head_dim"))
         wo = _param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"))
         x = self.tp.enter(x).astype(dt)  # [b, s, embed]
-        qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b, s, kv@tensor, r+2, hd]
-        q = rotary(qkv[:, :, :, :r], c.rope_theta)  # [b, s, kv@tensor, r, hd]
-        k = rotary(qkv[:, :, :, r], c.rope_theta)  # [b, s, kv@tensor, hd]
-        v = qkv[:, :, :, r + 1]
         b, s = x.shape[:2]
+        positions = start + jnp.arange(s)  # [s]
+        qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b,s,kv@tensor,r+2,hd]
+        q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
+        k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
+        v = qkv[:, :, :, r + 1]
+        key_positions = positions
+        if cache is not None:  # keys/values: [b, max_len, kv@tensor, hd]
+            cache = KVCache(*(jax.lax.dynamic_update_slice(whole, new.astype(whole.dtype),
+                                                           (0, start, 0, 0))
+                              for whole, new in ((cache.k, k), (cache.v, v))))
+            k, v = cache.k.astype(dt), cache.v.astype(dt)
+            key_positions = jnp.arange(k.shape[1])
         scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        causal = key_positions[None, :] <= positions[:, None]  # [s, t]
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)  # heads@tensor
-        return self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)))
+        out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)))
+        return out if cache is None else (out, cache)
 
 
 class MLP(nn.Module):
@@ -136,11 +189,18 @@ class Block(nn.Module):
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
-        h = x + Attention(self.cfg, self.tp, name="attn")(
-            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x))
-        return h + MLP(self.cfg, self.tp, name="mlp")(
-            RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """x: [batch, seq (/tensor with SP), embed]; with a cache (decoding, see
+        Attention) returns (out, updated cache)."""
+        attn = Attention(self.cfg, self.tp, name="attn")
+        normed = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)
+        if cache is None:
+            h = x + attn(normed)
+        else:
+            attended, cache = attn(normed, cache, start)
+            h = x + attended
+        out = h + MLP(self.cfg, self.tp, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
+        return out if cache is None else (out, cache)
 
 
 class Embed(nn.Module):
@@ -264,6 +324,19 @@ def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorPar
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
     x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)
     return x
+
+
+def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
+                        tp: TensorParallel = NO_TP):
+    """The decode path of `apply_layers`: the same layers, each reading and extending its
+    KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
+    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]."""
+
+    def layer(x, scanned):
+        layer_params, cache = scanned
+        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start)
+
+    return jax.lax.scan(layer, x, (layers, tuple(caches)))
 
 
 def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP):

@@ -122,7 +122,9 @@ def _main(cfg: DictConfig) -> None:
         faults.LibraryOutput(run_dir / f"{hc.job.name}.log").install()
     try:
         train.run(run_cfg, run_dir, OmegaConf.to_container(cfg, resolve=True),
-                  on_start=lambda: _save_hydra_files(cfg, run_dir))
+                  on_start=lambda: _save_hydra_files(cfg, run_dir),
+                  model_given=given_model_settings(list(hc.overrides.task),
+                                                   hc.runtime.choices.get("recipe")))
     except ConfigError as err:  # exit here: Hydra would add a line of its own
         _user_error(err)
     except faults.Diverged as err:  # summary.json already says "diverged"
@@ -150,6 +152,32 @@ def _fault(err: BaseException, status: int):
         raise err
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
+    """Names of the model.* settings chosen on purpose: `model.X=` on the command line,
+    a `model=` group picked there or by the recipe (every key of that group's file), and
+    the recipe's own `model:` values. The default group does not count: with
+    train.init_from the model comes from config.json, and only these may contradict it."""
+    names, groups = set(), []
+    for override in task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "model":
+            groups.append(value)
+        elif key.startswith("model."):
+            names.add(key.split(".")[1])
+    if recipe and (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        content = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / f"{recipe}.yaml"))
+        names.update((content.get("model") or {}).keys())
+        for entry in content.get("defaults") or []:  # e.g. {"override /model": "llama_1b"}
+            if isinstance(entry, dict):
+                groups += [v for k, v in entry.items()
+                           if k.replace("override", "").strip().strip("/") == "model"]
+    for group in groups:
+        path = CONF_DIR / "model" / f"{group}.yaml"
+        if path.is_file():
+            names.update((OmegaConf.to_container(OmegaConf.load(path)) or {}).keys())
+    return names
 
 
 def _launch_job(cfg: DictConfig, hc) -> None:

@@ -179,9 +179,19 @@ class WandbSink:
             id=previous, resume="allow" if previous else None,
             settings=wandb.Settings(console="off", silent=True, disable_git=True))
         self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
+        self._table, self._texts = wandb.Table, {}
 
     def log(self, step: int, metrics: dict) -> None:
-        self.run.log({k: v for k, v in metrics.items() if _clean(v) is not None}, step=step)
+        """Numbers go to the history; text (eval/sample) to a table of (step, text) rows,
+        re-logged with every new row (W&B tables are immutable once logged)."""
+        row = {}
+        for key, value in metrics.items():
+            if isinstance(value, str):
+                self._texts.setdefault(key, []).append([step, value])
+                row[key] = self._table(columns=["step", "text"], data=list(self._texts[key]))
+            elif _clean(value) is not None:
+                row[key] = value
+        self.run.log(row, step=step)
 
     def finish(self, summary: dict) -> None:
         flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}

@@ -29,8 +29,9 @@ import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, faults, flops, profiling, runlock
+from framework import distributed, faults, flops, init_from, profiling, runlock
 from framework import resume as resume_lib
+from framework import tokenizer as tokenizer_lib
 from framework.checkpoint import Checkpointer, DamagedCheckpoint, NonFiniteStateError
 from framework.config import ConfigError, RunConfig, check, check_ranges, validate
 from framework.data import make_dataset, sharded_batch
@@ -62,6 +63,8 @@ def check_run(cfg: RunConfig) -> None:
     if cfg.devices.platform not in devices_lib.PLATFORMS:
         errs.append(f"devices.platform={cfg.devices.platform!r} is not one of "
                     f"{', '.join(devices_lib.PLATFORMS)}")
+    if cfg.eval.sample_prompt is not None and not cfg.eval.every:
+        errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
     try:
         distributed.plan(cfg.distributed)
     except ConfigError as err:
@@ -90,6 +93,30 @@ def make_evaluator(engine, dataset, n_batches: int):
         return {"eval/loss": float(np.mean([to_host(x) for x in losses]))}
 
     return evaluate
+
+
+def make_sampler(cfg: RunConfig, engine, codec, primary: bool):
+    """(step, state) -> {"eval/sample": the greedy continuation of eval.sample_prompt}
+    (framework/decode.py on the training mesh; the parameters are gathered over `pipe`
+    for the sample, tensor-sharded as in training)."""
+    from framework.decode import Decoder
+
+    decoder = Decoder(cfg.model, engine.mesh)
+    to_decoder = jax.jit(engine.canonical_params, out_shardings=decoder.param_shardings)
+    prompt = codec.encode(cfg.eval.sample_prompt)
+    if not prompt or max(prompt) >= cfg.model.vocab_size:
+        raise ConfigError(f"eval.sample_prompt={cfg.eval.sample_prompt!r} encodes to "
+                          f"{prompt[:8]}: need 1+ ids below model.vocab_size="
+                          f"{cfg.model.vocab_size}")
+
+    def sample(step, state) -> dict:
+        ids = decoder.generate(to_decoder(state["params"]), [prompt], cfg.eval.sample_tokens)
+        text = codec.decode(ids[0].tolist())
+        if primary:
+            print(f"sample at step {step}: {cfg.eval.sample_prompt!r} -> {text!r}", flush=True)
+        return {"eval/sample": text}
+
+    return sample
 
 
 def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
@@ -151,15 +178,27 @@ def _process_index_before_start(launch: distributed.Plan | None) -> int | None:
 
 
 def run(cfg: RunConfig, run_dir: Path, run_config: dict,
-        on_start: Callable[[], None] | None = None) -> dict:
+        on_start: Callable[[], None] | None = None, model_given=None) -> dict:
     """Trains as configured, writing metrics.jsonl, summary.json (and W&B) in run_dir.
     run_config: the composed configuration as a plain dict (the W&B run config).
     on_start: called once the run holds its folder (the command line writes .hydra/).
+    model_given: names of the model.* settings the user or recipe set (checked against
+    train.init_from's config.json; None: all of them).
     Returns the summary; its status is completed, stopped (train.stop_at) or preempted
     (SIGTERM). Raises ConfigError before anything is compiled for bad settings and
     runlock.FolderBusy when another run holds the folder; Diverged on a non-finite loss
     (summary status "diverged"); faults.StorageError when a save failed ("failed")."""
+    cfg, hf_config = init_from.resolve(cfg, model_given)
     check_run(cfg)
+    tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
+                                      cfg.train.init_from)
+    codec = None
+    if cfg.eval.sample_prompt is not None:
+        codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
+        if codec is None:
+            raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
+                              "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
+                              "unset eval.sample_prompt")
     launch = distributed.plan(cfg.distributed)
     guard = runlock.Guard(held_folders(cfg, run_dir))
     if _process_index_before_start(launch) == 0:
@@ -167,11 +206,12 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict,
     if launch is None:
         guard.settle(0, 1)
     with guard:
-        return _run(cfg, run_dir, run_config, guard, on_start)
+        return _run(cfg, run_dir, run_config, guard, on_start,
+                    {"hf_config": hf_config, "tokenizer": tokenizer, "codec": codec})
 
 
 def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
-         on_start: Callable[[], None] | None) -> dict:
+         on_start: Callable[[], None] | None, model_io: dict) -> dict:
     started = time.perf_counter()
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
     if cfg.eval.every and not dataset.has_eval:
@@ -185,6 +225,11 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     if on_start is not None:
         on_start()
     primary = devset.process_index == 0
+    # What a checkpoint needs for generation and export besides the weights.
+    save_meta = {"data": cfg.data.kind, "seed": cfg.train.seed, "train_steps": cfg.train.steps,
+                 "seq_len": cfg.train.seq_len, "init_from": cfg.train.init_from,
+                 "hf_config": model_io["hf_config"],
+                 "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
     mesh = make_mesh(parallel, devset.devices)
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
@@ -212,14 +257,14 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
                     "platform": devset.platform, "device_kind": devset.kind,
                     "simulated_devices": devset.simulated,
                     "n_params": count_params(cfg.model), "steps": cfg.train.steps,
-                    "checkpoint_dir": ckpt.directory,
+                    "checkpoint_dir": ckpt.directory, "init_from": cfg.train.init_from,
                     "resumed_from_step": None if point is None else point[1]}
             tracker = make_tracker(cfg, run_dir, run_config, base, primary,
                                    resumed_at=point[1] if own else None,
                                    start=0 if point is None else point[1])
             try:
                 status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, state,
-                                         stop)
+                                         stop, save_meta, model_io["codec"])
             except BaseException as err:  # record why, then let it propagate
                 _record_failure(tracker, ckpt, err, started)
                 raise
@@ -289,7 +334,7 @@ def _nothing_new(ckpt: Checkpointer, start: int, primary: bool) -> tuple[str, di
 
 
 def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer, state,
-           stop: StopRequests) -> tuple[str, dict]:
+           stop: StopRequests, save_meta: dict, codec=None) -> tuple[str, dict]:
     """Trains from `state`, saves the last checkpoint. Returns (status, numbers for
     the summary)."""
     batches = make_batches(dataset, engine)
@@ -300,7 +345,7 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
         if primary:
             print(f"nothing to train: the checkpoint is at step {start} >= train.steps="
                   f"{cfg.train.steps}", flush=True)
-        _save(ckpt, engine, state, start, cfg, tracker)  # into this run's folder
+        _save(ckpt, engine, state, start, save_meta, tracker)  # into this run's folder
         ckpt.wait()
         return "completed", {"step": start}
     if stop.before_first_step():
@@ -331,9 +376,14 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     if cfg.eval.every:
         hooks.append(Hook("eval", cfg.eval.every,
                           make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
+    if cfg.eval.sample_prompt is not None:
+        hooks.append(Hook("sample", cfg.eval.every,
+                          make_sampler(cfg, engine, codec, devset.process_index == 0),
+                          at_end=True))
     if cfg.checkpoint.every:
         hooks.append(Hook("checkpoint", cfg.checkpoint.every,
-                          lambda step, state: _save(ckpt, engine, state, step, cfg, tracker),
+                          lambda step, state: _save(ckpt, engine, state, step, save_meta,
+                                                    tracker),
                           after_log=True))
     settings = LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=start,
                             constants=constants,
@@ -346,7 +396,7 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
     # The last checkpoint: at the end, at train.stop_at, or on SIGTERM; the run exits
     # only once it (and any save still in flight) is on disk. A second SIGTERM
     # meanwhile only sets the flag again.
-    _save(ckpt, engine, result.state, result.step, cfg, tracker)
+    _save(ckpt, engine, result.state, result.step, save_meta, tracker)
     ckpt.wait()
     tracker.summary["step"] = result.step
     return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
@@ -382,6 +432,8 @@ def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: boo
             return other.restore(engine, step)
         finally:
             other.close()
+    if cfg.train.init_from:
+        return init_from.initial_state(engine, cfg.train.init_from)
     # One jitted init (cacheable) instead of hundreds of small eager compilations.
     params = jax.jit(partial(init_params, cfg.model))(jax.random.key(cfg.train.seed))
     if multi:  # each process places its own shards from the (identical) host copy
@@ -389,7 +441,7 @@ def _initial_state(cfg: RunConfig, engine, ckpt: Checkpointer, point, multi: boo
     return engine.init_state(params)
 
 
-def _save(ckpt: Checkpointer, engine, state, step: int, cfg: RunConfig,
+def _save(ckpt: Checkpointer, engine, state, step: int, meta: dict,
           tracker: Tracker | None = None) -> None:
     """Starts an asynchronous save of `state` as step `step` (no-op if saved already),
     once the records of its steps are durable. Raises StorageError if a save failed
@@ -404,7 +456,6 @@ def _save(ckpt: Checkpointer, engine, state, step: int, cfg: RunConfig,
         print(warning, flush=True)
         ckpt.warned = True
     try:
-        ckpt.save(step, engine, state, {"data": cfg.data.kind, "seed": cfg.train.seed,
-                                        "train_steps": cfg.train.steps})
+        ckpt.save(step, engine, state, meta)
     except NonFiniteStateError as err:
         raise Diverged(step, str(err)) from None

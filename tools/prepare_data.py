@@ -8,8 +8,11 @@ result is what `data.kind=text` reads from the same single file. With `--tokeniz
 local Hugging Face `tokenizer.json` (the optional `tokenizers` package:
 `pip install -e .[tokenizers]`; nothing is downloaded) encodes each file, and
 `--eos-id` (if given) follows each file. Beside OUT a sidecar OUT.json records dtype,
-vocab_size, n_tokens and the tokenizer; `data.kind=tokens` checks the dtype against it.
-Then train with: data.kind=tokens data.path=OUT.bin data.token_dtype=<dtype printed>.
+vocab_size, n_tokens and the tokenizer ("bytes", or OUT.tokenizer.json: a copy of the
+tokenizer, which a training run copies into its folder so that `framework.generate`
+and `tools/export_hf.py` decode and ship the same one); `data.kind=tokens` checks the
+dtype against it. Then train with: data.kind=tokens data.path=OUT.bin
+data.token_dtype=<dtype printed>.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import BinaryIO, Callable, Iterator
 
@@ -90,7 +94,11 @@ def prepare(output: str, inputs: list[str], tokenizer: str | None = None,
     with open(output, "wb") as out:
         n_tokens = write_tokens(out, inputs, dtype, sep, encode, after_last=tokenizer is not None)
     meta = {"dtype": dtype, "vocab_size": vocab_size, "n_tokens": n_tokens,
-            "tokenizer": tokenizer or "bytes", "inputs": [os.path.abspath(p) for p in inputs]}
+            "tokenizer": "bytes", "inputs": [os.path.abspath(p) for p in inputs]}
+    if tokenizer is not None:  # a copy beside the data: training and generation find it
+        copy = output + ".tokenizer.json"
+        shutil.copyfile(tokenizer, copy)
+        meta.update(tokenizer=os.path.basename(copy), tokenizer_source=os.path.abspath(tokenizer))
     with open(output + ".json", "w") as f:
         json.dump(meta, f, indent=2)
     return meta

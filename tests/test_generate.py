@@ -1,0 +1,109 @@
+"""Decoding: the KV cache against recomputing the full forward (one device and tensor
+parallel), transformers' own greedy continuation, seeded sampling, the command line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from framework import decode, generate, hf, reference
+from framework.config import ConfigError, ParallelConfig
+from framework.mesh import make_mesh
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "llama3_bf16_sharded"
+REPO = Path(__file__).resolve().parent.parent
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = hf.model_config(hf.read_config(FIXTURE))
+    prompt = np.load(FIXTURE / "ids.npy")[:1, :4]
+    return cfg, prompt
+
+
+def decoder(cfg, tensor: int):
+    dec = decode.Decoder(cfg, make_mesh(ParallelConfig(tensor=tensor)))
+    return dec, hf.load_params(FIXTURE, cfg, dec.param_shardings)
+
+
+@pytest.fixture(scope="module")
+def recomputed(model):
+    """Greedy by the full forward at every step, and the smallest gap between the two
+    best logits along the way (the test means something only if it is not ~0)."""
+    cfg, prompt = model
+    dec, params = decoder(cfg, 1)
+    ids = decode.greedy_by_recompute(cfg, params, prompt, N_NEW)
+    full = np.concatenate([prompt, ids], axis=1)
+    logits = np.asarray(jax.jit(lambda p, t: reference.forward(p, t, cfg))(params, full))
+    top2 = np.sort(logits[0, prompt.shape[1] - 1:-1], axis=-1)[:, -2:]
+    return ids, float(np.min(top2[:, 1] - top2[:, 0]))
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_kv_cache_greedy_equals_recomputing_the_full_forward(model, recomputed, tensor):
+    cfg, prompt = model
+    ids, gap = recomputed
+    assert gap > 1e-4  # no near-ties: float rounding cannot decide a token
+    dec, params = decoder(cfg, tensor)
+    cached = dec.generate(params, prompt, N_NEW)
+    np.testing.assert_array_equal(cached, ids)
+    # ... and transformers' own greedy continuation (its generate with a cache).
+    np.testing.assert_array_equal(cached[0, :16], np.load(FIXTURE / "greedy.npy"))
+
+
+def test_sampling_is_reproducible_per_seed_and_top_k_1_is_greedy(model, recomputed):
+    cfg, prompt = model
+    dec, params = decoder(cfg, 2)
+    run = lambda seed, **kw: dec.generate(params, prompt, N_NEW, seed=seed, **kw)
+    settings = dict(temperature=0.8, top_k=50, top_p=0.95)
+    first = run(0, **settings)
+    np.testing.assert_array_equal(first, run(0, **settings))
+    assert not np.array_equal(first, run(1, **settings))
+    np.testing.assert_array_equal(run(5, temperature=1.0, top_k=1), recomputed[0])
+    np.testing.assert_array_equal(run(5, temperature=1.0, top_p=1e-6), recomputed[0])
+    # Stops once every row produced an end-of-sequence id.
+    eos = int(recomputed[0][0, 3])
+    assert dec.generate(params, prompt, N_NEW, eos_ids=(eos,)).shape == (1, 4)
+
+
+def test_nucleus_keeps_the_smallest_set_holding_top_p():
+    logits = np.tile(np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)), (400, 1))
+    draw = lambda k, p: set(np.asarray(
+        decode.sample(logits, jax.random.key(0), 1.0, k, p)).tolist())
+    assert draw(0, 0.7) == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops
+    assert draw(3, 1.0) == {0, 1, 2}
+    assert draw(3, 0.9) == {0, 1, 2}  # top_p over the renormalised top 3
+    assert draw(0, 1.0) == {0, 1, 2, 3}
+
+
+def test_command_line_on_a_hf_folder_with_tensor_parallelism(recomputed):
+    out = subprocess.run(
+        [sys.executable, "-m", "framework.generate", f"checkpoint={FIXTURE}",
+         "prompt_ids=" + ",".join(map(str, np.load(FIXTURE / "ids.npy")[0, :4])),
+         f"max_new_tokens={N_NEW}", "temperature=0", "tensor=2", "print_ids=true",
+         "stop_at_eos=false", "platform=cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"ids: {recomputed[0][0].tolist()}" in out.stdout
+    assert "tensor=2" in out.stderr and "tokens/s" in out.stderr
+
+
+def test_bad_settings_are_one_line_errors():
+    for argv, match in ((["prompt=hi"], "checkpoint=.* is required"),
+                        ([f"checkpoint={FIXTURE}", "top_p=2"], "top_p=2.0 must be in"),
+                        ([f"checkpoint={FIXTURE}", "temprature=1"], "unknown setting 'temprature'"),
+                        ([f"checkpoint={FIXTURE}", "tensor=two"],
+                         "tensor='two' is not a valid int")):
+        with pytest.raises(ConfigError, match=match) as err:
+            generate.parse_args(argv)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="no tokenizer is known"):
+        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt=hi"]),
+                     devices=jax.devices())
+    with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by tensor=4"):
+        generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt_ids=1", "tensor=4"]),
+                     devices=jax.devices())

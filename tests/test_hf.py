@@ -1,0 +1,165 @@
+"""Hugging Face Llama folders: logits parity with transformers, config.json mapping and
+its errors, bit-exact import -> export, and what a process reads of a sharded import.
+
+The fixtures (tests/fixtures/hf/, written once by tools/make_hf_fixtures.py with
+transformers; see its docstring) hold tiny GQA Llamas and transformers' own float32
+logits for fixed ids: tied + plain RoPE, untied + plain RoPE (legacy `rope_theta` key),
+untied + Llama 3 RoPE scaling in bfloat16 across three safetensors files.
+"""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from framework import hf, reference
+from framework.checkpoint_layout import canonical_shardings
+from framework.config import ConfigError, ModelConfig, RopeScaling, TrainConfig
+from framework.safetensors_io import Tensors
+from tests.helpers import engine
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded")
+
+
+def single_device(cfg: ModelConfig):
+    mesh = jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), hf.canonical_shapes(cfg))
+
+
+def load(name: str, shardings=None):
+    folder = FIXTURES / name
+    cfg = hf.model_config(hf.read_config(folder))
+    return cfg, hf.load_params(folder, cfg, shardings or single_device(cfg))
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+    cfg, params = load(name)
+    ids, want = np.load(FIXTURES / name / "ids.npy"), np.load(FIXTURES / name / "logits.npy")
+    forward = lambda c: jax.jit(lambda p, i: reference.forward(p, i, c))(params, ids)
+    assert rel(forward(cfg), want) <= 1e-5
+    if name == "llama3_bf16_sharded":  # the scaling is what makes it match
+        assert cfg.rope_scaling.rope_type == "llama3"
+        assert rel(forward(dataclasses.replace(cfg, rope_scaling=RopeScaling())), want) > 0.1
+
+
+def test_both_rope_spellings_and_the_llama_1b_group():
+    """`rope_theta` + `rope_scaling` (published Llama 3 folders) and `rope_parameters`
+    (newer transformers) give the same model; conf/model/llama_1b.yaml is exactly what
+    Llama-3.2-1B's config.json maps to."""
+    new = hf.read_config(FIXTURES / "llama3_bf16_sharded")
+    legacy = {k: v for k, v in new.items() if k != "rope_parameters"}
+    params = dict(new["rope_parameters"])
+    legacy["rope_theta"] = params.pop("rope_theta")
+    legacy["rope_scaling"] = params
+    assert hf.model_config(new) == hf.model_config(legacy)
+    llama_3_2_1b = {  # meta-llama/Llama-3.2-1B config.json (shape keys)
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "max_position_embeddings": 131072}
+    from tests.test_run import compose_recipe
+    group = compose_recipe("llama_1b_8gpu").model
+    assert hf.model_config(llama_3_2_1b, dtype=group.dtype) == group
+
+
+def test_config_json_errors_are_one_line(tmp_path):
+    cfg = hf.model_config(hf.read_config(FIXTURES / "tied_gqa"))
+    with pytest.raises(ConfigError) as err:
+        hf.merge_model({"d_model": 64, "n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
+    assert str(err.value).startswith("model.d_model=64 but x/config.json has hidden_size=32")
+    assert "\n" not in str(err.value)
+    merged = hf.merge_model({"n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
+    assert merged == dataclasses.replace(cfg, dtype="bfloat16")
+    bad = {**hf.read_config(FIXTURES / "tied_gqa"), "rope_parameters": {"rope_type": "yarn"}}
+    with pytest.raises(ConfigError, match="rope_type 'yarn' is not supported"):
+        hf.model_config(bad)
+    # A truncated safetensors file and a missing tensor.
+    folder = tmp_path / "damaged"
+    shutil.copytree(FIXTURES / "tied_gqa", folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match="truncated or damaged"):
+        Tensors(folder)
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    with pytest.raises(ConfigError, match="lm_head.weight is missing"):
+        hf.check_tensors(Tensors(FIXTURES / "tied_gqa"), untied, "tied_gqa")
+
+
+@pytest.mark.parametrize("name,dtype", [("llama3_bf16_sharded", "bfloat16"),
+                                        ("tied_gqa", "float32")])
+def test_import_then_export_is_bit_exact(name, dtype, tmp_path):
+    """Imported onto a (2, 2, 2) layout's shardings, exported, read back: the same
+    tensors, bit for bit (and sharded like the original past a size limit)."""
+    cfg = hf.model_config(hf.read_config(FIXTURES / name))
+    eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
+    params = hf.load_params(FIXTURES / name, cfg, canonical_shardings(eng)["params"])
+    files = hf.export(tmp_path, cfg, params, dtype, hf.read_config(FIXTURES / name),
+                      max_shard_bytes=14_000)
+    original, exported = Tensors(FIXTURES / name), Tensors(tmp_path)
+    assert sorted(original.where) == sorted(exported.where)
+    for tensor in original.where:
+        a, b = original.read(tensor), exported.read(tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape, tensor
+        assert a.tobytes() == b.tobytes(), tensor
+    assert len(files) > 3 and "model.safetensors.index.json" in files
+    assert hf.model_config(hf.read_config(tmp_path)) == cfg
+
+
+def test_a_process_reads_only_the_blocks_its_devices_hold():
+    """The bound: a process reads exactly the distinct blocks of each leaf that its own
+    devices hold (devices replicating a block, e.g. over `data`, share one read). Counted
+    as bytes copied out of the memory-mapped files. Here two would-be processes of a
+    (2, 2, 2) mesh: the 4 devices of pipeline stage 0 read everything but layer 1; the 4
+    devices of tensor rank 0 read half of every tensor-sharded weight plus the norms."""
+    name = "llama3_bf16_sharded"
+    cfg = hf.model_config(hf.read_config(FIXTURES / name))
+    eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
+    shardings = canonical_shardings(eng)["params"]
+    shapes = hf.canonical_shapes(cfg)
+    mesh = eng.mesh
+    sizes = {n: int(np.prod(s)) * 2 for n, s in hf.expected_tensors(cfg).items()}  # bf16
+    total = sum(sizes.values())
+
+    def bytes_read(devices) -> int:
+        tensors = Tensors(FIXTURES / name)
+        readers = hf.leaf_readers(tensors, cfg)
+        for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+            key = tuple(k.key for k in path)
+            hf.read_shards(readers[key], shape.shape, _get(shardings, key), devices)
+        return tensors.bytes_read
+
+    stage0 = list(mesh.devices[0].flat)
+    layer1 = sum(n for k, n in sizes.items() if k.startswith("model.layers.1."))
+    assert bytes_read(stage0) == total - layer1
+    tensor0 = list(mesh.devices[:, :, 0].flat)
+    norms = sum(n for k, n in sizes.items() if "norm" in k)
+    assert bytes_read(tensor0) == (total - norms) // 2 + norms
+    assert bytes_read(list(mesh.devices.flat)) == total  # the whole mesh: each byte once
+
+
+def _get(tree, key):
+    for k in key:
+        tree = tree[k]
+    return tree
+
+
+def test_exported_config_is_what_transformers_reads():
+    cfg = hf.model_config(hf.read_config(FIXTURES / "llama3_bf16_sharded"))
+    out = hf.export_config(cfg, "bfloat16", None, max_positions=256)
+    assert out["rope_scaling"]["rope_type"] == "llama3" and out["head_dim"] == 8
+    assert out["max_position_embeddings"] == 256 and out["torch_dtype"] == "bfloat16"
+    assert hf.model_config(json.loads(json.dumps(out))) == cfg

@@ -1,0 +1,126 @@
+"""Writes the Hugging Face test fixtures under tests/fixtures/hf/ (committed; run once).
+
+NEEDS `torch` and `transformers`, which are NOT dependencies of this project and never
+run in CI. Run it in a separate virtual environment, e.g.
+
+    python3.11 -m venv /tmp/venv_hf
+    /tmp/venv_hf/bin/pip install torch==2.13.0   # the CPU build; then:
+    /tmp/venv_hf/bin/pip install transformers numpy
+    /tmp/venv_hf/bin/python tools/make_hf_fixtures.py tests/fixtures/hf
+    /tmp/venv_hf/bin/python tools/make_hf_fixtures.py --check EXPORTED [FIXTURE]
+
+`--check` loads a folder written by tools/export_hf.py with transformers
+(AutoModelForCausalLM.from_pretrained), prints what it loaded and, given a fixture
+whose weights it should hold, compares its logits with the fixture's.
+
+Each fixture is a tiny Llama written by `save_pretrained` (config.json + safetensors)
+plus what transformers computes from that folder, reloaded in float32:
+`logits.npy` for the token ids in `ids.npy` and `greedy.npy`, its greedy continuation
+(`generate(do_sample=False)`) of the first row's first PROMPT tokens.
+
+    tied_gqa            4 query / 2 kv heads, tied embeddings, plain RoPE, float32
+    untied_gqa          untied LM head, plain RoPE, float32, written with the legacy
+                        `rope_theta` key that published Llama folders use
+    llama3_bf16_sharded untied, Llama 3 RoPE scaling (every branch: high, medium and
+                        low frequencies), bfloat16, in 3 safetensors files + index
+
+Weights are drawn with a larger spread than transformers' default and the norm scales
+are random, so that a mix-up of any two tensors changes the logits visibly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+IDS_SHAPE, PROMPT, GREEDY_TOKENS = (2, 12), 4, 16
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def build(seed: int, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**SHAPE, **overrides})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+def record(folder: Path, ids: np.ndarray) -> None:
+    """Reloads the folder as transformers would and stores its float32 outputs."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.float().numpy()
+        model.generation_config.eos_token_id = None  # plain greedy, never stopping early
+        out = model.generate(torch.tensor(ids[:1, :PROMPT]), max_new_tokens=GREEDY_TOKENS,
+                             do_sample=False)
+    np.save(folder / "ids.npy", ids.astype(np.int32))
+    np.save(folder / "logits.npy", logits.astype(np.float32))
+    np.save(folder / "greedy.npy", out[0, PROMPT:].numpy().astype(np.int32))
+
+
+def to_legacy_rope_keys(folder: Path) -> None:
+    """Rewrites config.json with `rope_theta` (+ `rope_scaling`) instead of newer
+    transformers' `rope_parameters`."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters", {}) or {})
+    cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def main(out: str) -> None:
+    root = Path(out)
+    ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], IDS_SHAPE)
+
+    tied = build(1, tie_word_embeddings=True, rope_theta=10000.0)
+    tied.save_pretrained(root / "tied_gqa")
+    record(root / "tied_gqa", ids)
+
+    untied = build(2, tie_word_embeddings=False, rope_theta=500.0)
+    untied.save_pretrained(root / "untied_gqa")
+    to_legacy_rope_keys(root / "untied_gqa")
+    record(root / "untied_gqa", ids)
+
+    scaled = build(3, tie_word_embeddings=False,
+                   rope_parameters={"rope_theta": 10000.0, **LLAMA3}).to(torch.bfloat16)
+    scaled.save_pretrained(root / "llama3_bf16_sharded", max_shard_size="14KB")
+    record(root / "llama3_bf16_sharded", ids)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: wrote {root}")
+
+
+def check(exported: str, fixture: str | None = None) -> None:
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"transformers {transformers.__version__} loaded {exported}: "
+          f"{type(model).__name__}, {n} parameters, config {model.config.to_diff_dict()}")
+    if fixture:
+        ids = np.load(Path(fixture) / "ids.npy")
+        want = np.load(Path(fixture) / "logits.npy")
+        with torch.no_grad():
+            got = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+        print(f"logits vs {fixture}: max relative difference "
+              f"{np.abs(got - want).max() / np.abs(want).max():.3g}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        check(*sys.argv[2:4])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
