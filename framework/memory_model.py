@@ -12,10 +12,13 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              all-gathered parameters; with a tick loop (p > 1) also its accumulators.
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
-             `jax.eval_shape` (no devices, nothing compiled; the tensor-parallel
-             collectives replaced by shape-equivalent local ops), split into a part per
-             token row and a part per layer (e.g. bfloat16 casts of the weights). Remat
-             policies change what the VJP keeps, so the trace follows them. Per schedule
+             `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
+             devices, nothing compiled; the model's own tensor-parallel plan and
+             collectives), split into a part per token row and a part per layer (e.g.
+             bfloat16 casts of the weights). Remat policies change what the VJP keeps,
+             so the trace follows them; so does the attention kernel (`auto` resolved for
+             the platform predicted for; cudnn traced as blockwise, whose residuals are
+             the same: q, k, v, the output and a float32 log-sum-exp). Per schedule
              (`framework/pipeline/`):
                GPipe / circular: autodiff of the tick loop keeps every forward tick's
                  residuals, (v*m + p - 1) ticks x one chunk for one microbatch; the
@@ -48,7 +51,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from framework import data_parallel, sharding
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from framework import attention, data_parallel, sharding
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.model import Block, apply_layers, init_params, param_logical_axes
 from framework.pipeline import layout
@@ -56,20 +61,6 @@ from framework.pipeline.schedule import make_schedule
 from framework.tensor_parallel import TensorParallel
 
 FP32 = 4
-
-
-class _ShapeOnlyTP(TensorParallel):
-    """The tensor-parallel operators with their collectives replaced by shape-equivalent
-    local ops, so one device's layer can be traced without a mesh: same local weight
-    shapes, same activation shapes (sequence-sharded with sequence parallelism)."""
-
-    def enter(self, x):  # all-gather along the sequence -> tile
-        return jnp.concatenate([x] * self.size, axis=1) if self.sequence_parallel else x
-
-    def exit(self, partial):  # reduce-scatter along the sequence -> slice
-        if self.sequence_parallel:
-            return partial[:, : partial.shape[1] // self.size]
-        return partial
 
 
 def _nbytes(tree) -> int:
@@ -84,24 +75,30 @@ def model_key(model: ModelConfig):
 def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
                     remat: str) -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
-    traced with `jax.eval_shape` (never run): the engine's own `apply_layers`, with
-    this device's tensor-parallel shard of the weights."""
+    traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
+    tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
+    devices, so weights and activations have their per-device shapes."""
     model = ModelConfig(*key)
-    local_tp = _ShapeOnlyTP(axis=None, size=tp, sequence_parallel=sp)
+    tp_plan = TensorParallel(sharding.TENSOR, tp, sp)
     dt = jnp.dtype(model.dtype)
+    found = {}
 
-    def chunk_residuals():
-        x = jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt)
+    def chunk_residuals():  # runs per device, at trace time only
+        vary = (lambda a: jax.lax.pcast(a, sharding.TENSOR, to="varying")) if sp else (lambda a: a)
+        x = vary(jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt))
         keys = jax.random.split(jax.random.key(0), n_layers)
-        init = lambda k: nn.meta.unbox(Block(model, local_tp).init(k, x[:1, :2])["params"])
-        weights = jax.vmap(init)(keys)
-        _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, local_tp), weights, x)
+        init = lambda k: nn.meta.unbox(Block(model, tp_plan).init(k, x[:1])["params"])
+        weights = jax.tree.map(vary, jax.vmap(init)(keys))  # as the engine types them
+        _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, tp_plan), weights, x)
         # The residual leaves, without the weights the VJP closes over (the same split
         # `framework/pipeline/one_f_one_b.py` makes for its stash).
         ids = {id(w) for w in jax.tree.leaves(weights)}
-        return [leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids]
+        found["bytes"] = _nbytes([leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids])
+        return jnp.zeros(())
 
-    return _nbytes(jax.eval_shape(chunk_residuals))
+    mesh = AbstractMesh((tp,), (sharding.TENSOR,))
+    jax.eval_shape(jax.shard_map(chunk_residuals, mesh=mesh, in_specs=(), out_specs=P()))
+    return found["bytes"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +113,21 @@ class Residuals:
         return n_layers * (rows * self.per_row + self.per_layer)
 
 
+def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) -> ModelConfig:
+    """The model with the attention kernel whose memory is predicted: `auto` resolved for
+    `platform` (default: JAX's default backend), cudnn as blockwise (same residuals)."""
+    impl = model.attention
+    if impl == "auto":
+        impl = attention.choose(platform or jax.default_backend(), model.dtype, seq,
+                                model.head_dim)
+    return dataclasses.replace(model, attention="blockwise" if impl == "cudnn" else impl)
+
+
 def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str) -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
-    layer scan hoists and XLA folds into their users) are not memory: dropped."""
+    layer scan hoists and XLA folds into their users) are not memory: dropped.
+    `model.attention` must be resolved (`attention_traced`)."""
     r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
@@ -169,9 +177,12 @@ LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 GPIPE_BATCH_COPIES = 4
 
 
-def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
+def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                   platform: str | None = None) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
-    docstring); 'total' sums them."""
+    docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
+    (default: JAX's default backend)."""
+    model = attention_traced(model, train.seq_len, platform)
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
     sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
     v = sched.n_chunks
