@@ -58,6 +58,16 @@ def cudnn_unsupported(dtype, head_dim: int) -> str | None:
     return None
 
 
+def check_platform(model, platform: str) -> None:
+    """A one-line ConfigError when `model.attention` cannot run on `platform` (checked
+    once the devices are known, before anything is compiled)."""
+    from framework.config import ConfigError
+
+    if model.attention == "cudnn" and not _gpu_platform(platform):
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU (cuDNN), and this run "
+                          f"is on {platform}: use model.attention=auto, dense or blockwise")
+
+
 def choose(platform: str, dtype, kv_len: int, head_dim: int) -> str:
     """What `auto` runs: cudnn on NVIDIA GPUs when supported, else dense for short
     sequences and blockwise (linear memory) for long ones."""

@@ -32,7 +32,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch) and one layer's backward (its full residuals once
-             more, plus the tick's slice of the residual stack).
+             more, the attention kernel's score tensors, and the tick's slice of the
+             residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
 compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
@@ -175,6 +176,21 @@ LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
 GPIPE_BATCH_COPIES = 4
+# float32 attention-score tensors one layer's backward holds beyond its residuals, read
+# from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
+# score gradient [mb, heads, seq, seq] (1.1-1.2 of it); blockwise, one block's scores,
+# probabilities and their gradients [mb, heads, block_q, block_kv] (about 4).
+ATTENTION_SCORE_COPIES = {"dense": 1.2, "blockwise": 4}
+
+
+def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> float:
+    """The attention kernel's transient in one layer's backward (`model.attention`
+    resolved, see `attention_traced`), bytes per device."""
+    bq, bk = seq, seq
+    if model.attention == "blockwise":
+        bq, bk = min(model.attention_block_q, seq), min(model.attention_block_kv, seq)
+    heads = model.n_heads // tp
+    return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -197,6 +213,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     layers = model.n_layers // (p * v)  # per chunk
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none").chunk(1, mb_rows)
+    layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
     if sched.backward_by_autodiff:  # every forward tick's residuals, until the backward
         ticks = sched.executed_rows().n_ticks

@@ -23,7 +23,7 @@ import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, flops
+from framework import attention, distributed, flops, memory_check
 from framework.checkpoint import Checkpointer, NonFiniteStateError
 from framework.config import ConfigError, RunConfig, check, validate
 from framework.data import make_dataset, sharded_batch
@@ -176,6 +176,8 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict) -> dict:
     devset = devices_lib.start(cfg.devices, cfg.parallel, cfg.distributed)
     primary = devset.process_index == 0
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
+    attention.check_platform(cfg.model, devset.platform)
+    memory_check.check(cfg, parallel, devset)  # before anything is allocated or compiled
     mesh = make_mesh(parallel, devset.devices)
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
 
