@@ -54,7 +54,8 @@ def device_limit(devset) -> tuple[float | None, str]:
     if devset.platform == "cpu":
         local = max(len(devset) // max(devset.process_count, 1), 1)
         avail = _host_available_bytes()
-        return avail / local, f"{avail / GIB:.1f} GiB of available host memory / {local} devices"
+        share = f" / {local} devices" if local > 1 else ""
+        return avail / local, f"{avail / GIB:.1f} GiB of available host memory{share}"
     stats = devset.devices[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None, f"{devset.kind} reports no memory limit"
@@ -127,6 +128,9 @@ def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
     from framework import memory_model
 
     if cfg.devices.memory_limit_gb is not None:
+        if cfg.devices.memory_limit_gb <= 0:
+            raise ConfigError(f"devices.memory_limit_gb={cfg.devices.memory_limit_gb} must be > 0 "
+                              f"(GiB per device), or null for the device's own limit")
         limit, source = cfg.devices.memory_limit_gb * GIB, "devices.memory_limit_gb"
     else:
         limit, source = device_limit(devset)
@@ -138,9 +142,10 @@ def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
         return {"predicted_bytes": total, "limit_bytes": limit}
     fits = suggestions(cfg.model, parallel, cfg.train, len(devset), limit, devset.platform,
                        devset.kind)
+    n = len(devset)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
-              f"nothing on {len(devset)} devices is predicted to fit: use more devices or a "
-              f"smaller model")
+              f"nothing on {n} device{'s' if n > 1 else ''} is predicted to fit: use more "
+              f"devices or a smaller model")
     raise MemoryCheckError(
         f"the run needs {_size(total)} per device (predicted by the memory model), "
         f"over the limit of {_size(limit)} ({source}); {advice}; "

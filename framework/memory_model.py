@@ -73,14 +73,14 @@ def model_key(model: ModelConfig):
 
 
 @lru_cache(maxsize=None)
-def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
+def _residual_bytes(key, rules, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
                     remat: str) -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
     tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
     devices, so weights and activations have their per-device shapes."""
     model = ModelConfig(*key)
-    tp_plan = TensorParallel(sharding.TENSOR, tp, sp)
+    tp_plan = TensorParallel(sharding.TENSOR, tp, sp, rules)
     dt = jnp.dtype(model.dtype)
     found = {}
 
@@ -129,7 +129,8 @@ def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str) -> Re
     layer-invariant z, w (the causal mask and other broadcast constants, which the
     layer scan hoists and XLA folds into their users) are not memory: dropped.
     `model.attention` must be resolved (`attention_traced`)."""
-    r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat)
+    key, rules = model_key(model), sharding.param_rules()
+    r = {(n, b): _residual_bytes(key, rules, n, b, seq, tp, sp, remat)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -144,13 +145,13 @@ def _canonical(key):
 
 
 @lru_cache(maxsize=None)
-def _param_bytes(key, pipeline: int, n_chunks: int, data: int, tensor: int,
+def _param_bytes(key, rules, pipeline: int, n_chunks: int, data: int, tensor: int,
                  zero1: bool) -> tuple[int, int, int]:
     """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
     sharding over `data`, the layers alone), from the engine's own layout and rules."""
     shapes, axes = _canonical(key)
     shapes = jax.eval_shape(lambda s: layout.canonical_to_train(s, pipeline, n_chunks), shapes)
-    specs = sharding.param_specs(layout.train_axes(axes))
+    specs = sharding.param_specs(layout.train_axes(axes), rules)
     degrees = {"pipe": pipeline, "data": data, "tensor": tensor, None: 1}
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
@@ -202,7 +203,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
     sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
     v = sched.n_chunks
-    full, stored, stage_weights = _param_bytes(model_key(model), p, v, dp, tp, parallel.zero1)
+    full, stored, stage_weights = _param_bytes(model_key(model), sharding.param_rules(), p, v, dp, tp,
+                                               parallel.zero1)
     rows = train.global_batch_size // dp  # this data replica's rows
     mb_rows = rows // m
     sp = parallel.sequence_parallel and tp > 1
