@@ -20,7 +20,10 @@ Process settings made here, before the backend starts (`runtime_settings`):
     GPU  XLA's latency-hiding scheduler, which moves the asynchronous collectives (XLA's
          default on GPUs) so that they overlap with independent computation, and the
          highest-priority stream for them: GPU_XLA_FLAGS, added to XLA_FLAGS unless the
-         user's own XLA_FLAGS already sets that flag (theirs wins).
+         user's own XLA_FLAGS already sets that flag (theirs wins). XLA's allocator may
+         take 90% of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 unless set; the
+         client's default is 75%), the share the planner assumes; the rest is left to
+         cuDNN/NCCL workspaces.
     CPU  glibc malloc serves every allocation from its main heap and keeps freed memory
          (mallopt: one arena, no mmap, trim threshold 1 GiB). XLA:CPU allocates the
          step's temporaries afresh on every execution; glibc maps any block of 32 MiB
@@ -116,12 +119,16 @@ def tune_cpu_allocator() -> bool:
     return all(mallopt(param, value) == 1 for param, value in CPU_MALLOPT)
 
 
+GPU_MEMORY_FRACTION = "0.9"
+
+
 def runtime_settings(platform: str) -> None:
     """Settings that must precede the backend (module docstring). `platform`:
     devices.platform; with `auto`, the installed plugins say which applies."""
     plugins = _accelerator_plugins() if platform == "auto" else []
     if platform == "gpu" or any(p.startswith(("jax-cuda", "jax-rocm")) for p in plugins):
         os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     if platform == "cpu" or (platform == "auto" and not plugins):
         tune_cpu_allocator()
 

@@ -95,8 +95,13 @@ def test_gpu_flags_and_the_users_own_win(monkeypatch):
     assert flags.startswith(mine) and flags.count("latency_hiding_scheduler") == 1
     assert "--xla_gpu_enable_highest_priority_async_stream=true" in flags
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     devices.runtime_settings("gpu")
     assert os.environ["XLA_FLAGS"].split()[1:] == list(devices.GPU_XLA_FLAGS)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"  # the user's own
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    devices.runtime_settings("gpu")
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == devices.GPU_MEMORY_FRACTION
 
 
 def test_flags_are_known_to_this_xla():
@@ -121,3 +126,29 @@ def test_a_nonpositive_limit_is_refused():
     cfg = _run_config(limit_gb=0.0)
     with pytest.raises(ConfigError, match="devices.memory_limit_gb=0.0 must be > 0"):
         memory_check.check(cfg, cfg.parallel, CPU)
+
+
+class _FakeGPU:
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_one_gpu_recipe_is_the_largest_batch_that_fits_80gb():
+    """recipes/llama_1b_1gpu.yaml: valid on one device, predicted to fit 90% of 80 GiB
+    (XLA's share, devices.GPU_MEMORY_FRACTION) with its batch and not with one row more;
+    the memory check on such a GPU lets it through."""
+    from framework.config import validate
+    from tools.recipe import compose
+
+    cfg = compose(["recipe=llama_1b_1gpu"])
+    par = validate(cfg.model, cfg.parallel, cfg.train, 1)
+    usable = float(devices.GPU_MEMORY_FRACTION) * 80 * 2**30
+    need = memory_model.predict_memory(cfg.model, par, cfg.train, "gpu")["total"]
+    more = dataclasses.replace(cfg.train, global_batch_size=cfg.train.global_batch_size + 1)
+    assert need <= usable < memory_model.predict_memory(cfg.model, par, more, "gpu")["total"]
+    gpu = DeviceSet(devices=(_FakeGPU(usable),), platform="gpu", simulated=False,
+                    kind="NVIDIA H100 80GB HBM3")
+    assert memory_check.check(cfg, par, gpu)["predicted_bytes"] == need
