@@ -132,9 +132,36 @@ def cudnn_attention(q, k, v, *, q_offset=0, kv_offset=0, implementation: str = "
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset == kv_offset and s == k.shape[1])
     mask = None if aligned else _causal_mask(s, k.shape[1], q_offset, kv_offset)[None, None]
-    out = jax.nn.dot_product_attention(flat, k, v, mask=mask, is_causal=aligned,
+    return _fused(implementation, aligned, flat, k, v, mask).reshape(b, s, g, r, hd)
+
+
+def _fused_call(implementation, is_causal, q, k, v, mask):
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
                                        implementation=implementation)
-    return out.reshape(b, s, g, r, hd)
+    return out + _zeros((), q, k, v).astype(out.dtype)  # typed like q, k, v in a shard_map
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(implementation, is_causal, q, k, v, mask):
+    """The fused kernel behind a VJP of our own: its residuals are q, k, v (typed like
+    the inputs inside a shard_map) and its backward differentiates the fused call
+    again (cuDNN's backward kernel, after one more forward). The pipeline executors
+    trace `jax.vjp` of a stage inside an outer differentiation and stash the
+    residuals of a stage by type, which cuDNN's own residuals do not survive."""
+    return _fused_call(implementation, is_causal, q, k, v, mask)
+
+
+def _fused_fwd(implementation, is_causal, q, k, v, mask):
+    return _fused_call(implementation, is_causal, q, k, v, mask), (q, k, v, mask)
+
+
+def _fused_bwd(implementation, is_causal, residuals, d_out):
+    q, k, v, mask = residuals
+    call = lambda q, k, v: _fused_call(implementation, is_causal, q, k, v, mask)
+    return (*jax.vjp(call, q, k, v)[1](d_out), None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 # ---------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              collectives), split into a part per token row and a part per layer (e.g.
              bfloat16 casts of the weights). Remat policies change what the VJP keeps,
              so the trace follows them; so does the attention kernel (`auto` resolved for
-             the platform predicted for; cudnn traced as blockwise, whose residuals are
-             the same: q, k, v, the output and a float32 log-sum-exp). Per schedule
+             the platform predicted for; cudnn, which cannot be traced off a GPU, as
+             blockwise: both keep q, k, v, blockwise also its output and a float32
+             log-sum-exp, a slight overestimate). Per schedule
              (`framework/pipeline/`):
                GPipe / circular: autodiff of the tick loop keeps every forward tick's
                  residuals, (v*m + p - 1) ticks x one chunk for one microbatch; the
@@ -116,7 +117,8 @@ class Residuals:
 
 def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) -> ModelConfig:
     """The model with the attention kernel whose memory is predicted: `auto` resolved for
-    `platform` (default: JAX's default backend), cudnn as blockwise (same residuals)."""
+    `platform` (default: JAX's default backend), cudnn as blockwise (see the module
+    docstring)."""
     impl = model.attention
     if impl == "auto":
         impl = attention.choose(platform or jax.default_backend(), model.dtype, seq,

@@ -68,6 +68,31 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
     q2 = q[:, 8:]  # queries 8..11 against all 12 keys: an explicit mask
     out = attention.cudnn_attention(q2, k, v, q_offset=8, implementation="xla")
     assert _rel(out, attention.dense_attention(q2, k, v, q_offset=8)) < 1e-5
+    loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2)))
+    fused = lambda q, k, v: attention.cudnn_attention(q, k, v, implementation="xla")
+    for a, b in zip(loss(fused)(q, k, v), loss(attention.dense_attention)(q, k, v)):
+        assert _rel(a, b) < 1e-5  # the wrapper's own VJP
+
+
+@pytest.mark.parametrize("kw", [dict(pipeline=2, microbatches=2), dict(
+    pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), dict(
+    pipeline=2, microbatches=2, schedule="1f1b"), dict(tensor=2, sequence_parallel=True)],
+    ids=["gpipe", "circular", "1f1b", "sp"])
+def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
+    """cuDNN's kernel cannot run here, but its JAX side can be traced with its GPU
+    checks stubbed: gradients of the engine's step trace through every pipeline
+    executor (which differentiate stages inside an outer differentiation and stash
+    residuals by type) and under sequence parallelism."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not hasattr(fused, "check_cudnn_version"):
+        pytest.skip("this JAX checks cuDNN differently")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16")
+    eng = engine(model=model, data=2, **kw)
+    state, tokens = eng.abstract_inputs(16, 16)
+    jaxpr = jax.make_jaxpr(eng.loss_and_grads_fn())(state["params"], tokens)
+    assert "dot_product_attention" in str(jaxpr)
 
 
 def test_auto_choice_and_settings_validation():
