@@ -73,3 +73,12 @@ def test_attention_rows_and_a_reference_shape_that_does_not_fit(cfg):
         bench.attention_rows(bf16, cpu, "cudnn", own)
     with pytest.raises(ConfigError, match="lower train.global_batch_size"):
         bench.measure(cfg, own[:1], jax.devices(), limit=1.0, log=lambda *_: None)
+
+
+def test_one_runner_at_a_time_as_on_an_accelerator(cfg):
+    one = bench.layouts_for(cfg, [], False)[:1]
+    rows, ref, pairs = bench.measure(cfg, one, jax.devices(), steps=2, rounds=1, warmup=1,
+                                     log=lambda *_: None, resident=False)
+    assert pairs == [] and len(rows) == 1 and len(ref.times) == 2
+    line = bench.headline(bench.reference_ratio(rows, ref, pairs), pairs)
+    assert "ratio of median step times" in line and "nan" not in line

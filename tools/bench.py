@@ -163,7 +163,10 @@ class _ReferenceRunner:
         from framework.optim import make_optimizer
 
         optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-        self.fn = reference.reference_train_step(cfg.model, optimizer)
+        # Parameters and optimizer state donated, as the engine's step does: on a GPU the
+        # 1B model's state must not be held twice.
+        self.fn = jax.jit(reference.reference_train_step(cfg.model, optimizer),
+                          donate_argnums=(0, 1))
         self.params = jax.device_put(params, device)
         self.opt_state = jax.jit(optimizer.init)(self.params)
         self.tokens = jax.device_put(tokens, device)
@@ -194,13 +197,15 @@ def _variant(cfg, layout):
 
 def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup: int = 2,
             pairs: int = 20, seed: int = 0, log=print, limit: float | None = None,
-            skipped: list | None = None) -> tuple[list[Row], Row, list]:
+            skipped: list | None = None, resident: bool = True) -> tuple[list[Row], Row, list]:
     """Times every layout and the reference, interleaved. Returns (rows, reference row,
     pairs): `pairs` more steps of the first layout and of the reference run back to
     back (alternating which goes first), [(framework s, reference s), ...]: on a shared
     machine whose load changes by the second, neighbouring steps see the same load.
     Layouts after the first predicted over `limit` bytes per device are left out (a
-    line in `skipped`); the first (the reference's shape) must fit."""
+    line in `skipped`); the first (the reference's shape) must fit. With `resident`
+    false (accelerators: a dedicated device, whose memory holds one large model's state
+    at a time) each runner is built, timed and freed in turn, and there are no pairs."""
     import jax
 
     from framework.memory_model import predict_memory
@@ -208,9 +213,11 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
     from framework.reference import tokens_for_step
 
     params = jax.jit(lambda key: init_params(cfg.model, key))(jax.random.key(cfg.train.seed))
+    if not resident:
+        params = jax.device_get(params)  # the host keeps the initial parameters
     tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
                              cfg.train.seq_len, cfg.model.vocab_size)
-    runners, rows = [], []
+    runners, rows, fitting = [], [], []
     for i, layout in enumerate(layouts):
         name, par, model = _variant(cfg, layout)
         need = predict_memory(model, par, cfg.train)["total"] if limit else 0
@@ -225,14 +232,30 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
             log(f"skipped {line}")
             (skipped if skipped is not None else []).append(line)
             continue
-        runner = _EngineRunner(cfg, par, devices, params, tokens, model)
-        rows.append(Row(name, par, par.n_devices, compile_s=runner.compile_s,
-                        peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes))
-        runners.append(runner)
+        fitting.append((name, par, model))
+    for name, par, model in fitting + [("reference (plain JAX)", None, None)]:
+        if par is None:
+            runner = _ReferenceRunner(cfg, devices[0], params, tokens)
+            row = Row(name, None, 1, compile_s=runner.compile_s)
+        else:
+            runner = _EngineRunner(cfg, par, devices, params, tokens, model)
+            row = Row(name, par, par.n_devices, compile_s=runner.compile_s,
+                      peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes)
+        rows.append(row)
         log(f"compiled {name} in {runner.compile_s:.1f}s")
-    ref = _ReferenceRunner(cfg, devices[0], params, tokens)
-    rows.append(Row("reference (plain JAX)", None, 1, compile_s=ref.compile_s))
-    runners.append(ref)
+        if resident:
+            runners.append(runner)
+            continue
+        for _ in range(warmup):
+            runner.step().block_until_ready()
+        for _ in range(rounds):
+            block = [_timed_step(runner) for _ in range(steps)]
+            row.times += block
+            row.rounds.append(statistics.median(block))
+        del runner  # frees its state before the next runner allocates its own
+    if not resident:
+        return rows[:-1], rows[-1], []
+    ref = runners[-1]
     for runner in runners:
         for _ in range(warmup):
             runner.step().block_until_ready()
@@ -349,13 +372,27 @@ def laptop_lines(row: Row, ref: Row, pairs: list) -> list[str]:
                 f"{ratio:.3f} (median of {len(pairs)} back-to-back pairs)."]
 
 
+def headline(ratio: dict, pairs: list) -> str:
+    """The framework/reference sentence: from back-to-back pairs (CPU), else from the
+    rows' medians (an accelerator runs one runner at a time, with nothing else)."""
+    if not pairs:
+        return (f"**Framework (1,1,1) / reference: {ratio['of_medians']:.3f}**, the ratio of "
+                f"median step times (runners timed one after another; of minima "
+                f"{ratio['of_minima']:.3f}).")
+    quartiles = statistics.quantiles(ratio["pairs"], n=4) if len(pairs) > 1 else [float("nan")] * 3
+    return (f"**Framework (1,1,1) / reference: {ratio['paired']:.3f}**, the median over "
+            f"{len(pairs)} back-to-back step pairs (quartiles {quartiles[0]:.3f}, "
+            f"{quartiles[2]:.3f}). From the table's blocks: median of per-round ratios "
+            f"{ratio['median_of_rounds']:.3f} ({', '.join(f'{r:.3f}' for r in ratio['rounds'])}), "
+            f"ratio of medians {ratio['of_medians']:.3f}, of minima {ratio['of_minima']:.3f}.")
+
+
 def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: list,
            compiled: dict, extra: list[str] = ()) -> str:
     """The whole result as Markdown: machine, settings, the table, the ratio, `extra`
     paragraphs (skipped rows, device memory, the laptop row), compile times."""
     peak_flops, per_device, peak_what = peak
     ratio = reference_ratio(rows, ref, pairs)
-    quartiles = statistics.quantiles(ratio["pairs"], n=4) if len(pairs) > 1 else [float("nan")] * 3
     m, t = cfg.model, cfg.train
     kind = "" if devset.kind.lower() == devset.platform else f" ({devset.kind})"
     lines = [
@@ -373,11 +410,7 @@ def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: lis
         "",
         *table(cfg, rows, ref, peak_flops, per_device, devset.simulated),
         "",
-        f"**Framework (1,1,1) / reference: {ratio['paired']:.3f}**, the median over "
-        f"{len(pairs)} back-to-back step pairs (quartiles {quartiles[0]:.3f}, "
-        f"{quartiles[2]:.3f}). From the table's blocks: median of per-round ratios "
-        f"{ratio['median_of_rounds']:.3f} ({', '.join(f'{r:.3f}' for r in ratio['rounds'])}), "
-        f"ratio of medians {ratio['of_medians']:.3f}, of minima {ratio['of_minima']:.3f}.",
+        headline(ratio, pairs),
         "",
         *[line for paragraph in extra for line in (paragraph, "")],
     ]
@@ -483,7 +516,7 @@ def main(argv=None) -> int:
     try:
         rows, ref, pairs = measure(cfg, valid + variants, devset.devices, args.steps,
                                    args.rounds, args.warmup, args.pairs, limit=limit,
-                                   skipped=skipped)
+                                   skipped=skipped, resident=devset.platform == "cpu")
     except ConfigError as err:
         return user_error(err)
     extra = [f"Skipped {line}." for line in skipped]  # paragraphs after the ratio
