@@ -52,7 +52,8 @@ def _gpu_platform(platform: str) -> bool:
 def cudnn_unsupported(dtype, head_dim: int) -> str | None:
     """Why cuDNN's fused attention cannot run this shape (None: it can)."""
     if jnp.dtype(dtype).name not in CUDNN_DTYPES:
-        return f"cuDNN's fused attention needs bfloat16 or float16 compute, not {jnp.dtype(dtype).name}"
+        return (f"cuDNN's fused attention needs bfloat16 or float16 compute, not "
+                f"{jnp.dtype(dtype).name}")
     if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
         return (f"cuDNN's fused attention needs a head dim that is a multiple of 8 and at most "
                 f"{CUDNN_MAX_HEAD_DIM}, not {head_dim}")

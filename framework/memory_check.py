@@ -71,7 +71,8 @@ def _changes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         for f in dataclasses.fields(old):
             if getattr(old, f.name) != getattr(cand, f.name):
                 value = getattr(cand, f.name)
-                out.append(f"{group}.{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+                value = str(value).lower() if isinstance(value, bool) else value
+                out.append(f"{group}.{f.name}={value}")
     return " ".join(out)
 
 
@@ -115,8 +116,8 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         if total <= limit:
             smaller_batch = tr.global_batch_size != train.global_batch_size
             speed = planner.predict_time(m, par, tr, hw)["total"] / tr.global_batch_size
-            ranked.append(((smaller_batch, speed, i), f"{_changes(model, parallel, train, (m, par, tr))} "
-                                                      f"({_size(total)})"))
+            change = _changes(model, parallel, train, (m, par, tr))
+            ranked.append(((smaller_batch, speed, i), f"{change} ({_size(total)})"))
     return [text for _, text in sorted(ranked)]
 
 

@@ -205,8 +205,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
     sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
     v = sched.n_chunks
-    full, stored, stage_weights = _param_bytes(model_key(model), sharding.param_rules(), p, v, dp, tp,
-                                               parallel.zero1)
+    full, stored, stage_weights = _param_bytes(model_key(model), sharding.param_rules(), p, v,
+                                               dp, tp, parallel.zero1)
     rows = train.global_batch_size // dp  # this data replica's rows
     mb_rows = rows // m
     sp = parallel.sequence_parallel and tp > 1

@@ -68,7 +68,8 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
     q2 = q[:, 8:]  # queries 8..11 against all 12 keys: an explicit mask
     out = attention.cudnn_attention(q2, k, v, q_offset=8, implementation="xla")
     assert _rel(out, attention.dense_attention(q2, k, v, q_offset=8)) < 1e-5
-    loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2)))
+    loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))),
+                                      argnums=(0, 1, 2)))
     fused = lambda q, k, v: attention.cudnn_attention(q, k, v, implementation="xla")
     for a, b in zip(loss(fused)(q, k, v), loss(attention.dense_attention)(q, k, v)):
         assert _rel(a, b) < 1e-5  # the wrapper's own VJP
@@ -106,7 +107,8 @@ def test_auto_choice_and_settings_validation():
     assert errs(attention="flash") == ["model.attention='flash' is not one of auto, dense, "
                                        "blockwise, cudnn"]
     assert "needs model.dtype=bfloat16" in errs(attention="cudnn")[0]
-    assert errs(attention="blockwise", attention_block_q=0) == ["model.attention_block_q=0 must be >= 1"]
+    assert errs(attention="blockwise", attention_block_q=0) == [
+        "model.attention_block_q=0 must be >= 1"]
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
         attention.check_platform(dataclasses.replace(MODEL, attention="cudnn"), "cpu")
 
@@ -140,7 +142,8 @@ def test_blockwise_model_matches_dense_reference(pp, dp, tp, mb, kw, dense_refer
 def test_auto_and_bfloat16_blockwise_models(dense_reference):
     # auto on CPU at this length is dense: the same numbers as the reference.
     ref_loss, ref_grads = dense_reference
-    loss, grads = engine_grads(engine(1, 1, 1, 1, model=dataclasses.replace(MODEL, attention="auto")))
+    auto = dataclasses.replace(MODEL, attention="auto")
+    loss, grads = engine_grads(engine(1, 1, 1, 1, model=auto))
     assert worst(max_rel_err(grads, ref_grads)) <= 1e-4
     bf16 = dataclasses.replace(BLOCKWISE, dtype="bfloat16")
     ref_loss, ref_grads = reference_grads(dataclasses.replace(bf16, attention="dense"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from framework import devices, memory_check, memory_model
-from framework.config import ConfigError, DevicesConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from framework.config import ConfigError, RunConfig
 from framework.devices import DeviceSet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,8 @@ def test_a_model_no_layout_fits_says_so():
     """The issue's example of a new user's mistake, against this host's real limit."""
     cfg = _run_config(d_model=16384, n_layers=64, d_ff=65536, n_heads=128, n_kv_heads=8)
     one = dataclasses.replace(cfg.parallel, pipeline=1, data=1, tensor=1, microbatches=1)
-    with pytest.raises(memory_check.MemoryCheckError, match=r"available host memory\); nothing on 1 "
-                                                            "device is predicted to fit"):
+    expected = r"available host memory\); nothing on 1 device is predicted to fit"
+    with pytest.raises(memory_check.MemoryCheckError, match=expected):
         memory_check.check(cfg, one, ONE_CPU)
     limit, source = memory_check.device_limit(CPU)
     assert 0 < limit < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

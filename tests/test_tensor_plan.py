@@ -22,7 +22,8 @@ def test_local_shapes_come_from_the_rules():
     assert tp.local_shape((128, 64), ("mlp", "embed")) == (32, 64)
     assert TensorParallel().local_shape((128, 64), ("mlp", "embed")) == (128, 64)
     no_mlp = tuple(r for r in sharding.param_rules() if r[0] != "mlp")
-    assert TensorParallel("tensor", 4, rules=no_mlp).local_shape((128, 64), ("mlp", "embed")) == (128, 64)
+    replicated = TensorParallel("tensor", 4, rules=no_mlp)
+    assert replicated.local_shape((128, 64), ("mlp", "embed")) == (128, 64)
 
 
 @pytest.mark.parametrize("split,sp", [
