@@ -21,6 +21,7 @@ from framework.pipeline import schedule as schedules
 
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "dense", "blockwise", "cudnn")  # framework/attention.py
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
+    attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/attention.py)
+    attention_block_q: int = 512  # blockwise: queries per block
+    attention_block_kv: int = 512  # blockwise: keys per block
 
     @property
     def head_dim(self) -> int:
@@ -183,6 +187,10 @@ class LoggingConfig:
 class DevicesConfig:
     platform: str = "auto"  # auto | cpu | gpu | tpu
     local_device_count: Optional[int] = None  # simulated CPU devices per process
+    # Refuse, before allocating anything, a run predicted not to fit the devices' memory
+    # (framework/memory_check.py); memory_limit_gb replaces the detected limit (GiB/device).
+    memory_check: bool = True
+    memory_limit_gb: Optional[float] = None
 
 
 @dataclass
@@ -353,6 +361,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         errs.append(f"parallel.remat={p.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
     if model.dtype not in DTYPES:
         errs.append(f"model.dtype={model.dtype!r} is not one of {', '.join(DTYPES)}")
+    errs += _check_attention(model)
     if n_devices is not None and p.data != -1 and p.n_devices != n_devices:
         errs.append(
             f"parallel.pipeline*data*tensor={p.pipeline}*{p.data}*{p.tensor}={p.n_devices} "
@@ -408,6 +417,22 @@ def check_rope_scaling(r: RopeScaling) -> list[str]:
     if r.original_max_position_embeddings < 1:
         errs.append(f"model.rope_scaling.original_max_position_embeddings="
                     f"{r.original_max_position_embeddings} must be >= 1")
+    return errs
+
+
+def _check_attention(model: ModelConfig) -> list[str]:
+    if model.attention not in ATTENTION:
+        return [f"model.attention={model.attention!r} is not one of {', '.join(ATTENTION)}"]
+    errs = [f"model.{name}={getattr(model, name)} must be >= 1"
+            for name in ("attention_block_q", "attention_block_kv") if getattr(model, name) < 1]
+    if model.attention == "cudnn" and model.dtype not in ("bfloat16",):
+        errs.append(f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused "
+                    f"attention has no {model.dtype} kernel): use model.attention=auto, "
+                    f"dense or blockwise")
+    if model.attention == "cudnn" and model.n_heads and model.d_model % model.n_heads == 0 \
+            and (model.head_dim % 8 or model.head_dim > 128):
+        errs.append(f"model.attention=cudnn needs d_model/n_heads={model.head_dim} to be a "
+                    f"multiple of 8 and at most 128: use model.attention=auto or blockwise")
     return errs
 
 

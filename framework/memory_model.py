@@ -12,24 +12,31 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              all-gathered parameters; with a tick loop (p > 1) also its accumulators.
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
-             `jax.eval_shape` (no devices, nothing compiled; the tensor-parallel
-             collectives replaced by shape-equivalent local ops), split into a part per
-             token row and a part per layer (e.g. bfloat16 casts of the weights). Remat
-             policies change what the VJP keeps, so the trace follows them. Per schedule
+             `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
+             devices, nothing compiled; the model's own tensor-parallel plan and
+             collectives), split into a part per token row and a part per layer (e.g.
+             bfloat16 casts of the weights). Remat policies change what the VJP keeps,
+             so the trace follows them; so does the attention kernel (`auto` resolved for
+             the platform predicted for; cudnn, which cannot be traced off a GPU, as
+             blockwise: both keep q, k, v, blockwise also its output and a float32
+             log-sum-exp, a slight overestimate). Per schedule
              (`framework/pipeline/`):
                GPipe / circular: autodiff of the tick loop keeps every forward tick's
                  residuals, (v*m + p - 1) ticks x one chunk for one microbatch; the
                  per-layer part once (loop-invariant), except in the circular schedule,
                  where the chunk's weights are sliced per tick; plus the whole local
                  batch's hidden states (inputs, outputs and their gradients);
-               1F1B: `Schedule.max_in_flight` stash slots (at most p), each a chunk's
-                 residuals for one microbatch plus its dy, and two slot-sized
-                 temporaries per tick: the entry a forward returns from the tick's
-                 `lax.switch`, and the old entry read for the masked write (measured).
+               tick executor (1F1B, interleaved 1F1B, ZB-H1): the stash slots of the
+                 schedule's buffer plan (`framework/pipeline/buffers.py`; at most p
+                 stages' worth), each a chunk's residuals for one microbatch (split
+                 backward: B's residuals or W's output gradients, the larger, plus the
+                 weight ops' inputs), one spare slot for the writes not kept and the
+                 entry a cell's branch returns; the receive slots of messages.
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch) and one layer's backward (its full residuals once
-             more, plus the tick's slice of the residual stack).
+             more, the attention kernel's score tensors, and the tick's slice of the
+             residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
 compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
@@ -48,7 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from framework import data_parallel, sharding
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from framework import attention, data_parallel, sharding
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.model import Block, apply_layers, init_params, param_logical_axes, split_layers
 from framework.pipeline import layout
@@ -57,20 +66,6 @@ from framework.pipeline.schedule import AUTODIFF, make_schedule
 from framework.tensor_parallel import TensorParallel
 
 FP32 = 4
-
-
-class _ShapeOnlyTP(TensorParallel):
-    """The tensor-parallel operators with their collectives replaced by shape-equivalent
-    local ops, so one device's layer can be traced without a mesh: same local weight
-    shapes, same activation shapes (sequence-sharded with sequence parallelism)."""
-
-    def enter(self, x):  # all-gather along the sequence -> tile
-        return jnp.concatenate([x] * self.size, axis=1) if self.sequence_parallel else x
-
-    def exit(self, partial):  # reduce-scatter along the sequence -> slice
-        if self.sequence_parallel:
-            return partial[:, : partial.shape[1] // self.size]
-        return partial
 
 
 def _nbytes(tree) -> int:
@@ -82,35 +77,42 @@ def model_key(model: ModelConfig):
 
 
 @lru_cache(maxsize=None)
-def _residual_bytes(key, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
+def _residual_bytes(key, rules, n_layers: int, rows: int, seq: int, tp: int, sp: bool,
                     remat: str, part: str = "full") -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
-    traced with `jax.eval_shape` (never run): the engine's own `apply_layers`, with
-    this device's tensor-parallel shard of the weights. `part`: "full" (the VJP of
-    weights and input, what a fused backward keeps), or for a split backward
-    (`model.split_layers`) "input" (the input-gradient VJP's residuals), "saved" (the
-    weight ops' inputs) or "douts" (the weight ops' output gradients)."""
+    traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
+    tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
+    devices, so weights and activations have their per-device shapes. `part`: "full"
+    (the VJP of weights and input, what a fused backward keeps), or for a split
+    backward (`model.split_layers`) "input" (the input-gradient VJP's residuals),
+    "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients)."""
     model = ModelConfig(*key)
-    local_tp = _ShapeOnlyTP(axis=None, size=tp, sequence_parallel=sp)
+    tp_plan = TensorParallel(sharding.TENSOR, tp, sp, rules)
     dt = jnp.dtype(model.dtype)
+    found = {}
 
-    def chunk_residuals():
-        x = jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt)
+    def chunk_residuals():  # runs per device, at trace time only
+        vary = (lambda a: jax.lax.pcast(a, sharding.TENSOR, to="varying")) if sp else (lambda a: a)
+        x = vary(jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt))
         keys = jax.random.split(jax.random.key(0), n_layers)
-        init = lambda k: nn.meta.unbox(Block(model, local_tp).init(k, x[:1, :2])["params"])
-        weights = jax.vmap(init)(keys)
+        init = lambda k: nn.meta.unbox(Block(model, tp_plan).init(k, x[:1])["params"])
+        weights = jax.tree.map(vary, jax.vmap(init)(keys))  # as the engine types them
         if part == "full":
-            _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, local_tp), weights, x)
+            _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, tp_plan), weights, x)
         else:
-            y, vjp_fn, saved = split_layers(model, remat, local_tp).forward(weights, x)
+            y, vjp_fn, saved = split_layers(model, remat, tp_plan).forward(weights, x)
             if part != "input":
-                return jax.tree.leaves(saved if part == "saved" else vjp_fn(y)[1])
+                found["bytes"] = _nbytes(saved if part == "saved" else vjp_fn(y)[1])
+                return jnp.zeros(())
         # The residual leaves, without the weights the VJP closes over (the same split
         # the tick executor makes for its stash, `framework/pipeline/ticks.py`).
         ids = {id(w) for w in jax.tree.leaves(weights)}
-        return [leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids]
+        found["bytes"] = _nbytes([leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in ids])
+        return jnp.zeros(())
 
-    return _nbytes(jax.eval_shape(chunk_residuals))
+    mesh = AbstractMesh((tp,), (sharding.TENSOR,))
+    jax.eval_shape(jax.shard_map(chunk_residuals, mesh=mesh, in_specs=(), out_specs=P()))
+    return found["bytes"]
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,25 @@ class Residuals:
         return n_layers * (rows * self.per_row + self.per_layer)
 
 
+def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) -> ModelConfig:
+    """The model with the attention kernel whose memory is predicted: `auto` resolved for
+    `platform` (default: JAX's default backend), cudnn as blockwise (see the module
+    docstring)."""
+    impl = model.attention
+    if impl == "auto":
+        impl = attention.choose(platform or jax.default_backend(), model.dtype, seq,
+                                model.head_dim)
+    return dataclasses.replace(model, attention="blockwise" if impl == "cudnn" else impl)
+
+
 def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
               part: str = "full") -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
-    layer scan hoists and XLA folds into their users) are not memory: dropped."""
-    r = {(n, b): _residual_bytes(model_key(model), n, b, seq, tp, sp, remat, part)
+    layer scan hoists and XLA folds into their users) are not memory: dropped.
+    `model.attention` must be resolved (`attention_traced`)."""
+    key, rules = model_key(model), sharding.param_rules()
+    r = {(n, b): _residual_bytes(key, rules, n, b, seq, tp, sp, remat, part)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -145,13 +160,13 @@ def _canonical(key):
 
 
 @lru_cache(maxsize=None)
-def _param_bytes(key, pipeline: int, n_chunks: int, data: int, tensor: int,
+def _param_bytes(key, rules, pipeline: int, n_chunks: int, data: int, tensor: int,
                  zero1: bool) -> tuple[int, int, int]:
     """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
     sharding over `data`, the layers alone), from the engine's own layout and rules."""
     shapes, axes = _canonical(key)
     shapes = jax.eval_shape(lambda s: layout.canonical_to_train(s, pipeline, n_chunks), shapes)
-    specs = sharding.param_specs(layout.train_axes(axes))
+    specs = sharding.param_specs(layout.train_axes(axes), rules)
     degrees = {"pipe": pipeline, "data": data, "tensor": tensor, None: 1}
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
@@ -177,6 +192,21 @@ LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
 GPIPE_BATCH_COPIES = 4
+# float32 attention-score tensors one layer's backward holds beyond its residuals, read
+# from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
+# score gradient [mb, heads, seq, seq] (1.1-1.2 of it); blockwise, one block's scores,
+# probabilities and their gradients [mb, heads, block_q, block_kv] (about 4).
+ATTENTION_SCORE_COPIES = {"dense": 1.2, "blockwise": 4}
+
+
+def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> float:
+    """The attention kernel's transient in one layer's backward (`model.attention`
+    resolved, see `attention_traced`), bytes per device."""
+    bq, bk = seq, seq
+    if model.attention == "blockwise":
+        bq, bk = min(model.attention_block_q, seq), min(model.attention_block_kv, seq)
+    heads = model.n_heads // tp
+    return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
 def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool) -> int:
@@ -190,13 +220,17 @@ def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool) -> int:
     return max(part("input"), part("douts")) + part("saved")
 
 
-def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
+def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                   platform: str | None = None) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
-    docstring); 'total' sums them."""
+    docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
+    (default: JAX's default backend)."""
+    model = attention_traced(model, train.seq_len, platform)
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
     sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
     v = sched.n_chunks
-    full, stored, stage_weights = _param_bytes(model_key(model), p, v, dp, tp, parallel.zero1)
+    full, stored, stage_weights = _param_bytes(model_key(model), sharding.param_rules(), p, v,
+                                               dp, tp, parallel.zero1)
     rows = train.global_batch_size // dp  # this data replica's rows
     mb_rows = rows // m
     sp = parallel.sequence_parallel and tp > 1
@@ -207,6 +241,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     layers = model.n_layers // (p * v)  # per chunk
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none").chunk(1, mb_rows)
+    layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
     if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
         ticks = sched.forward_rows().n_ticks

@@ -2,11 +2,12 @@
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`, `mlp`,
 `vocab`, ...); the table that maps them to the (pipe, data, tensor) mesh lives in
-`framework/sharding.py`. The model never sees a mesh: a tensor-parallel engine runs it
-on each device's shard of the weights (shapes are read from the weights, so the same
-code runs whole or sharded) and hands it a `TensorParallel` object whose two Megatron
-operators the blocks call around their matmuls (`framework/tensor_parallel.py`); the
-default one does nothing, which is the single-device model.
+`framework/sharding.py`. The model never sees a mesh: weights are declared with their
+global shapes, and a `TensorParallel` object (`framework/tensor_parallel.py`) derives
+from those rules each device's shard of them and the Megatron operators each block
+needs around its matmuls (named by the logical axis the block splits); the default one
+splits nothing, which is the single-device model. Attention kernels are in
+`framework/attention.py` (`model.attention`).
 
 The model is split into three pieces so a pipeline can place them: `Embed` (token
 ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from framework.attention import attend
 from framework.config import ModelConfig, RopeScaling
 from framework.tensor_parallel import TensorParallel
 
@@ -38,6 +40,9 @@ init_normal = nn.initializers.normal(stddev=0.02)
 
 
 def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
+    """A float32 weight of global `shape` with logical `axes`; the module's tensor-parallel
+    plan makes it this device's shard."""
+    shape = getattr(module, "tp", NO_TP).local_shape(shape, axes)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
@@ -122,7 +127,8 @@ class Attention(nn.Module):
     q_per_kv + 2, head_dim]: group g holds its q_per_kv query heads, then its key and
     its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
     (column-parallel), and the fused matmul needs one reduction in the backward instead
-    of three. The output projection is row-parallel: one reduction in the forward."""
+    of three. The output projection is row-parallel: one reduction in the forward. The
+    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/attention.py`."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -137,29 +143,26 @@ class Attention(nn.Module):
         position up to their own. Returns (out, updated cache)."""
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         d, hd, r = c.d_model, c.head_dim, c.n_heads // c.n_kv_heads  # r: q heads per kv head
-        kv, h = self.tp.local(c.n_kv_heads), self.tp.local(c.n_heads)  # this device's heads
-        wqkv = _param(self, "wqkv", (d, kv, r + 2, hd), ("embed", "kv_heads", "qkv", "head_dim"))
-        wo = _param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"))
-        x = self.tp.enter(x).astype(dt)  # [b, s, embed]
-        b, s = x.shape[:2]
-        positions = start + jnp.arange(s)  # [s]
+        wqkv = _param(self, "wqkv", (d, c.n_kv_heads, r + 2, hd),
+                      ("embed", "kv_heads", "qkv", "head_dim"))
+        wo = _param(self, "wo", (c.n_heads, hd, d), ("heads", "head_dim", "embed"))
+        x = self.tp.enter(x, "kv_heads", whole_sequence=True).astype(dt)  # [b, s, embed]
+        positions = start + jnp.arange(x.shape[1])  # [s]
         qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b,s,kv@tensor,r+2,hd]
         q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
         v = qkv[:, :, :, r + 1]
-        key_positions = positions
-        if cache is not None:  # keys/values: [b, max_len, kv@tensor, hd]
+        if cache is not None:  # keys/values: [b, max_len, kv@tensor, hd]; the rows after
+            # the cached length are stale and causally masked (later positions)
             cache = KVCache(*(jax.lax.dynamic_update_slice(whole, new.astype(whole.dtype),
                                                            (0, start, 0, 0))
                               for whole, new in ((cache.k, k), (cache.v, v))))
             k, v = cache.k.astype(dt), cache.v.astype(dt)
-            key_positions = jnp.arange(k.shape[1])
-        scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-        causal = key_positions[None, :] <= positions[:, None]  # [s, t]
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(b, s, h, hd)  # heads@tensor
-        out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)))
+        out = attend(q, k, v, c.attention, block_q=c.attention_block_q,
+                     block_kv=c.attention_block_kv, q_offset=start)  # [b, s, kv@tensor, r, hd]
+        out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
+        out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)), "heads",
+                           whole_sequence=True)
         return out if cache is None else (out, cache)
 
 
@@ -173,13 +176,13 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        f = self.tp.local(c.d_ff)
-        w_in = _param(self, "w_gate_up", (c.d_model, 2, f), ("embed", "gate_up", "mlp"))
-        w_down = _param(self, "w_down", (f, c.d_model), ("mlp", "embed"))
-        x = self.tp.enter(x).astype(dt)
+        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
+        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
+        x = self.tp.enter(x, "mlp").astype(dt)
         gate_up = weight_op(self, "w_gate_up", "bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
         hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return self.tp.exit(weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt)))
+        return self.tp.exit(weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt)),
+                            "mlp")
 
 
 class Block(nn.Module):
@@ -213,11 +216,11 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq(/tp), embed]
         c = self.cfg
-        table = _param(self, "table", (self.tp.local(c.vocab_size), c.d_model), ("vocab", "embed"))
+        table = _param(self, "table", (c.vocab_size, c.d_model), ("vocab", "embed"))
         local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
         mine = (local >= 0) & (local < table.shape[0])
         x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
-        return self.tp.exit(x.astype(jnp.dtype(c.dtype)))
+        return self.tp.exit(x.astype(jnp.dtype(c.dtype)), "vocab", whole_sequence=True)
 
 
 class Head(nn.Module):
@@ -231,11 +234,11 @@ class Head(nn.Module):
     @nn.compact
     def __call__(self, x, tied_table=None):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = self.tp.enter(RMSNorm(c.norm_eps, name="norm")(x)).astype(dt)
+        x = self.tp.enter(RMSNorm(c.norm_eps, name="norm")(x), "vocab").astype(dt)
         if c.tie_embeddings:
             w = tied_table.T  # [embed, vocab@tensor]
         else:
-            w = _param(self, "w", (c.d_model, self.tp.local(c.vocab_size)), ("embed", "vocab"))
+            w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
         return (x @ w.astype(dt)).astype(jnp.float32)
 
 

@@ -7,6 +7,11 @@
 `data` is not in the table: parameters are replicated over `data` (or, with ZeRO-1,
 sharded along one free dimension per leaf, chosen in `framework/data_parallel.py`),
 and the batch is split over `data` by the engine's shard_map.
+
+This table is the whole tensor-parallel plan: the engine's shard_map specs, the model's
+per-device weight shapes and the places of Megatron's collectives
+(`framework/tensor_parallel.py`), and the memory and communication models all read it.
+A rule the model cannot run (e.g. `embed -> tensor`) raises when the engine is built.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+TENSOR = "tensor"  # the mesh axis of tensor parallelism
 TENSOR_SHARDED = ("heads", "kv_heads", "mlp", "vocab")
 
 
 def param_rules() -> tuple[tuple[str, str | None], ...]:
-    return (("stage", "pipe"),) + tuple((name, "tensor") for name in TENSOR_SHARDED)
+    return (("stage", "pipe"),) + tuple((name, TENSOR) for name in TENSOR_SHARDED)
 
 
 def spec(axes: tuple[str, ...], rules) -> P:

@@ -29,7 +29,8 @@ import numpy as np
 
 from framework import checkpoint as ckpt_lib
 from framework import devices as devices_lib
-from framework import distributed, faults, flops, init_from, profiling, runlock
+from framework import (attention, distributed, faults, flops, init_from, memory_check,
+                       profiling, runlock)
 from framework import resume as resume_lib
 from framework import tokenizer as tokenizer_lib
 from framework.checkpoint import Checkpointer, DamagedCheckpoint, NonFiniteStateError
@@ -231,6 +232,8 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
                  "hf_config": model_io["hf_config"],
                  "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
+    attention.check_platform(cfg.model, devset.platform)
+    memory_check.check(cfg, parallel, devset)  # before anything is allocated or compiled
     mesh = make_mesh(parallel, devset.devices)
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
 

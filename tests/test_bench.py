@@ -57,3 +57,28 @@ def test_host_peak_and_compile_times_are_positive(cfg):
     par = bench.layouts_for(small, [], False)[0]
     times = bench.compile_times(small, par, jax.devices(), layers=(1, 2), reps=1)
     assert set(times) == {1, 2} and all(t[0] > 0 for t in times.values())
+
+
+def test_attention_rows_and_a_reference_shape_that_does_not_fit(cfg):
+    from framework.devices import DeviceSet
+
+    gpu = DeviceSet(devices=(object(),), platform="gpu", simulated=False, kind="NVIDIA H100")
+    bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
+    own = bench.layouts_for(bf16, [], False)
+    rows = bench.attention_rows(bf16, gpu, None, own)  # auto runs cudnn there: not repeated
+    assert [kernel for _, kernel in rows] == ["dense", "blockwise"]
+    assert all(par == bf16.parallel for par, _ in rows)
+    cpu = DeviceSet(devices=(object(),), platform="cpu", simulated=True, kind="cpu")
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+        bench.attention_rows(bf16, cpu, "cudnn", own)
+    with pytest.raises(ConfigError, match="lower train.global_batch_size"):
+        bench.measure(cfg, own[:1], jax.devices(), limit=1.0, log=lambda *_: None)
+
+
+def test_one_runner_at_a_time_as_on_an_accelerator(cfg):
+    one = bench.layouts_for(cfg, [], False)[:1]
+    rows, ref, pairs = bench.measure(cfg, one, jax.devices(), steps=2, rounds=1, warmup=1,
+                                     log=lambda *_: None, resident=False)
+    assert pairs == [] and len(rows) == 1 and len(ref.times) == 2
+    line = bench.headline(bench.reference_ratio(rows, ref, pairs), pairs)
+    assert "ratio of median step times" in line and "nan" not in line

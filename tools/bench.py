@@ -4,6 +4,7 @@
     python tools/bench.py recipe=llama_small_3d parallel.tensor=2 \\
         --layout 4,2,1:microbatches=8:schedule=1f1b
     python tools/bench.py recipe=llama_tiny_debug --steps 3 --rounds 2 --markdown bench.md
+    python tools/bench.py recipe=llama_1b_1gpu devices.platform=gpu
 
 For each layout (default: 1,1,1 2,1,1 1,2,1 1,1,2 2,2,2, the recipe's own, then every
 `--layout P,D,T[:field=value...]`) it compiles the engine's step once (compilation
@@ -21,7 +22,15 @@ the host's float32 matmul peak, measured once here (simulated devices share the 
 cores, so there their rows show the parallel program's overhead, never a speed-up).
 Compile time: the step of the recipe's model traced and compiled with 4 and with 32
 layers, at (1,1,1) and at the recipe's layout (layers are scanned, so 32 layers should
-cost at most 1.5x what 4 cost).
+cost at most 1.5x what 4 cost); on CPU by default (`--compile-reps`).
+
+Attention: `--attention dense,blockwise,cudnn` (the default on GPUs) adds a row per
+kernel at the recipe's layout (`model.attention`; the first rows run `auto`). Before a
+row is built its memory is predicted (`framework/memory_model.py`) and checked against
+the device's limit (`framework/memory_check.py`): a row that would not fit is reported
+as skipped, with its prediction, instead of failing. On CPU the laptop row (`--laptop`,
+the default there): 4 layers, d_model 128, seq 64, batch 12 at (1,1,1) and its plain JAX
+reference, the shape of the issue's PyTorch comparison.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from tools.recipe import compose, user_error  # noqa: E402
 
 DEFAULT_LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2))
 SIMULATED_NOTE = ", simulated: rows on several devices show overhead, not speed-up"
+LAPTOP = {"seq_len": 64, "global_batch_size": 12}  # with ModelConfig()'s 4 x d_model 128
 
 
 @dataclass
@@ -125,19 +135,20 @@ def host_matmul_peak(device, n: int = 2048, reps: int = 7) -> float:
 
 
 class _EngineRunner:
-    def __init__(self, cfg, par, devices, params, tokens):
+    def __init__(self, cfg, par, devices, params, tokens, model=None):
         from framework.engine import build_engine
         from framework.mesh import make_mesh
         from framework.memory_model import predict_memory
 
-        self.engine = build_engine(cfg.model, par, cfg.optim, cfg.train.steps,
+        model = model or cfg.model
+        self.engine = build_engine(model, par, cfg.optim, cfg.train.steps,
                                    make_mesh(par, devices))
         self.state = self.engine.init_state(params)
         self.tokens = self.engine.shard_batch(tokens)
         stats = self.engine.compile(self.state, self.tokens)
         self.compile_s = stats["perf/compile_time_s"]
         self.peak_bytes = stats.get("memory/peak_bytes_per_device", float("nan"))
-        self.predicted_bytes = predict_memory(cfg.model, par, cfg.train)["total"]
+        self.predicted_bytes = predict_memory(model, par, cfg.train)["total"]
 
     def step(self):
         self.state, metrics = self.engine.step(self.state, self.tokens)
@@ -152,7 +163,10 @@ class _ReferenceRunner:
         from framework.optim import make_optimizer
 
         optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-        self.fn = reference.reference_train_step(cfg.model, optimizer)
+        # Parameters and optimizer state donated, as the engine's step does: on a GPU the
+        # 1B model's state must not be held twice.
+        self.fn = jax.jit(reference.reference_train_step(cfg.model, optimizer),
+                          donate_argnums=(0, 1))
         self.params = jax.device_put(params, device)
         self.opt_state = jax.jit(optimizer.init)(self.params)
         self.tokens = jax.device_put(tokens, device)
@@ -171,30 +185,77 @@ def _timed_step(runner) -> float:
     return time.perf_counter() - start
 
 
+def _variant(cfg, layout):
+    """A layout is a ParallelConfig, or (ParallelConfig, model.attention) for a row of
+    another attention kernel: (row name, parallel, model)."""
+    par, attention = layout if isinstance(layout, tuple) else (layout, None)
+    if attention is None:
+        return par.mesh_name, par, cfg.model
+    return (f"{par.mesh_name} attention={attention}", par,
+            dataclasses.replace(cfg.model, attention=attention))
+
+
 def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup: int = 2,
-            pairs: int = 20, seed: int = 0, log=print) -> tuple[list[Row], Row, list]:
+            pairs: int = 20, seed: int = 0, log=print, limit: float | None = None,
+            skipped: list | None = None, resident: bool = True) -> tuple[list[Row], Row, list]:
     """Times every layout and the reference, interleaved. Returns (rows, reference row,
     pairs): `pairs` more steps of the first layout and of the reference run back to
     back (alternating which goes first), [(framework s, reference s), ...]: on a shared
-    machine whose load changes by the second, neighbouring steps see the same load."""
+    machine whose load changes by the second, neighbouring steps see the same load.
+    Layouts after the first predicted over `limit` bytes per device are left out (a
+    line in `skipped`); the first (the reference's shape) must fit. With `resident`
+    false (accelerators: a dedicated device, whose memory holds one large model's state
+    at a time) each runner is built, timed and freed in turn, and there are no pairs."""
     import jax
 
+    from framework.memory_model import predict_memory
     from framework.model import init_params
     from framework.reference import tokens_for_step
 
     params = jax.jit(lambda key: init_params(cfg.model, key))(jax.random.key(cfg.train.seed))
+    if not resident:
+        params = jax.device_get(params)  # the host keeps the initial parameters
     tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
                              cfg.train.seq_len, cfg.model.vocab_size)
-    runners, rows = [], []
-    for par in layouts:
-        runner = _EngineRunner(cfg, par, devices, params, tokens)
-        rows.append(Row(par.mesh_name, par, par.n_devices, compile_s=runner.compile_s,
-                        peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes))
-        runners.append(runner)
-        log(f"compiled {par.mesh_name} in {runner.compile_s:.1f}s")
-    ref = _ReferenceRunner(cfg, devices[0], params, tokens)
-    rows.append(Row("reference (plain JAX)", None, 1, compile_s=ref.compile_s))
-    runners.append(ref)
+    runners, rows, fitting = [], [], []
+    for i, layout in enumerate(layouts):
+        name, par, model = _variant(cfg, layout)
+        need = predict_memory(model, par, cfg.train)["total"] if limit else 0
+        if limit and need > limit:
+            line = (f"{name}: predicted {need / 2**30:.2f} GiB per device, over the "
+                    f"{limit / 2**30:.2f} GiB limit: not run")
+            if i == 0:
+                from framework.config import ConfigError
+
+                raise ConfigError(f"{line} (it is the reference's shape: lower "
+                                  f"train.global_batch_size)")
+            log(f"skipped {line}")
+            (skipped if skipped is not None else []).append(line)
+            continue
+        fitting.append((name, par, model))
+    for name, par, model in fitting + [("reference (plain JAX)", None, None)]:
+        if par is None:
+            runner = _ReferenceRunner(cfg, devices[0], params, tokens)
+            row = Row(name, None, 1, compile_s=runner.compile_s)
+        else:
+            runner = _EngineRunner(cfg, par, devices, params, tokens, model)
+            row = Row(name, par, par.n_devices, compile_s=runner.compile_s,
+                      peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes)
+        rows.append(row)
+        log(f"compiled {name} in {runner.compile_s:.1f}s")
+        if resident:
+            runners.append(runner)
+            continue
+        for _ in range(warmup):
+            runner.step().block_until_ready()
+        for _ in range(rounds):
+            block = [_timed_step(runner) for _ in range(steps)]
+            row.times += block
+            row.rounds.append(statistics.median(block))
+        del runner  # frees its state before the next runner allocates its own
+    if not resident:
+        return rows[:-1], rows[-1], []
+    ref = runners[-1]
     for runner in runners:
         for _ in range(warmup):
             runner.step().block_until_ready()
@@ -277,6 +338,19 @@ def _extras(par) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _runs(cfg, devset) -> str:
+    """The attention kernel the recipe's model runs on this platform."""
+    from framework.attention import choose
+
+    m = cfg.model
+    return m.attention if m.attention != "auto" else choose(devset.platform, m.dtype,
+                                                           cfg.train.seq_len, m.head_dim)
+
+
+def _resolved(cfg, devset) -> str:
+    return f" (runs {_runs(cfg, devset)})" if cfg.model.attention == "auto" else ""
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -287,12 +361,38 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def laptop_lines(row: Row, ref: Row, pairs: list) -> list[str]:
+    """The laptop row's summary: tokens/s of the framework at (1,1,1) and of plain JAX."""
+    tokens = LAPTOP["seq_len"] * LAPTOP["global_batch_size"]
+    ratio = reference_ratio([row], ref, pairs)["paired"]
+    return [f"**Laptop shape** (4 layers, d_model 128, seq {LAPTOP['seq_len']}, batch "
+                f"{LAPTOP['global_batch_size']}, float32) at (1,1,1): framework "
+                f"{tokens / row.step_s:,.0f} tokens/s (median step {row.step_s * 1e3:.1f} ms), "
+                f"plain JAX {tokens / ref.step_s:,.0f} tokens/s; framework/reference "
+                f"{ratio:.3f} (median of {len(pairs)} back-to-back pairs)."]
+
+
+def headline(ratio: dict, pairs: list) -> str:
+    """The framework/reference sentence: from back-to-back pairs (CPU), else from the
+    rows' medians (an accelerator runs one runner at a time, with nothing else)."""
+    if not pairs:
+        return (f"**Framework (1,1,1) / reference: {ratio['of_medians']:.3f}**, the ratio of "
+                f"median step times (runners timed one after another; of minima "
+                f"{ratio['of_minima']:.3f}).")
+    quartiles = statistics.quantiles(ratio["pairs"], n=4) if len(pairs) > 1 else [float("nan")] * 3
+    return (f"**Framework (1,1,1) / reference: {ratio['paired']:.3f}**, the median over "
+            f"{len(pairs)} back-to-back step pairs (quartiles {quartiles[0]:.3f}, "
+            f"{quartiles[2]:.3f}). From the table's blocks: median of per-round ratios "
+            f"{ratio['median_of_rounds']:.3f} ({', '.join(f'{r:.3f}' for r in ratio['rounds'])}), "
+            f"ratio of medians {ratio['of_medians']:.3f}, of minima {ratio['of_minima']:.3f}.")
+
+
 def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: list,
-           compiled: dict) -> str:
-    """The whole result as Markdown: machine, settings, the table, the ratio, compile times."""
+           compiled: dict, extra: list[str] = ()) -> str:
+    """The whole result as Markdown: machine, settings, the table, the ratio, `extra`
+    paragraphs (skipped rows, device memory, the laptop row), compile times."""
     peak_flops, per_device, peak_what = peak
     ratio = reference_ratio(rows, ref, pairs)
-    quartiles = statistics.quantiles(ratio["pairs"], n=4) if len(pairs) > 1 else [float("nan")] * 3
     m, t = cfg.model, cfg.train
     kind = "" if devset.kind.lower() == devset.platform else f" ({devset.kind})"
     lines = [
@@ -301,7 +401,8 @@ def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: lis
         f"Machine: {_cpu_name()}, {os.cpu_count()} CPU cores; devices: {len(devset)} "
         f"{devset.platform}{kind}"
         f"{SIMULATED_NOTE if devset.simulated else ''}.",
-        f"Model: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype}; "
+        f"Model: {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype}, "
+        f"attention {m.attention}{_resolved(cfg, devset)}; "
         f"batch {t.global_batch_size} x {t.seq_len} tokens. Timing: {args.rounds} interleaved "
         f"rounds x {args.steps} steps per runner, after {args.warmup} warm-up steps; medians.",
         f"MFU against the {peak_what}: {peak_flops / 1e9:.1f} GFLOP/s"
@@ -309,15 +410,13 @@ def report(cfg, devset, args, peak: tuple, rows: list[Row], ref: Row, pairs: lis
         "",
         *table(cfg, rows, ref, peak_flops, per_device, devset.simulated),
         "",
-        f"**Framework (1,1,1) / reference: {ratio['paired']:.3f}**, the median over "
-        f"{len(pairs)} back-to-back step pairs (quartiles {quartiles[0]:.3f}, "
-        f"{quartiles[2]:.3f}). From the table's blocks: median of per-round ratios "
-        f"{ratio['median_of_rounds']:.3f} ({', '.join(f'{r:.3f}' for r in ratio['rounds'])}), "
-        f"ratio of medians {ratio['of_medians']:.3f}, of minima {ratio['of_minima']:.3f}.",
+        headline(ratio, pairs),
         "",
-        f"Compile time (trace + compile, seconds, {args.compile_reps} interleaved repetitions):",
-        "",
+        *[line for paragraph in extra for line in (paragraph, "")],
     ]
+    if compiled:
+        lines += [f"Compile time (trace + compile, seconds, {args.compile_reps} interleaved "
+                      f"repetitions):", ""]
     lo, hi = args.compile_layers
     for name, times in compiled.items():
         med = {n: statistics.median(x) for n, x in times.items()}
@@ -341,15 +440,44 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pairs", type=int, default=20,
                         help="back-to-back (1,1,1)/reference step pairs for the ratio")
     parser.add_argument("--compile-layers", type=int, nargs=2, default=[4, 32])
-    parser.add_argument("--compile-reps", type=int, default=3)
+    parser.add_argument("--compile-reps", type=int, default=None,
+                        help="default: 3 on CPU, 0 (not measured) on accelerators")
+    parser.add_argument("--attention", default=None,
+                        help="kernels for extra rows at the recipe's layout, e.g. dense,blockwise "
+                             "(default: dense,blockwise,cudnn on GPUs, none elsewhere)")
+    parser.add_argument("--laptop", action=argparse.BooleanOptionalAction, default=None,
+                        help="the laptop row (default: on CPU)")
     parser.add_argument("--markdown", type=Path, help="also write the report here")
     return parser
+
+
+def attention_rows(cfg, devset, kernels: str | None, valid: list) -> list:
+    """(recipe's layout, kernel) for each requested attention kernel other than the one
+    `auto` (or the recipe) already runs; raises ConfigError for one that cannot run here."""
+    from framework import attention
+    from framework.config import ConfigError, check
+
+    if kernels is None:
+        kernels = "dense,blockwise,cudnn" if devset.platform == "gpu" else ""
+    own = next((p for p in valid if p == cfg.parallel), valid[0])
+    out = []
+    for kernel in [k for k in kernels.split(",") if k]:
+        model = dataclasses.replace(cfg.model, attention=kernel)
+        errs = check(model, own, cfg.train, own.n_devices)
+        if kernel == "auto" or errs:
+            raise ConfigError(f"--attention {kernel}: " + ("; ".join(errs) or "auto is the "
+                                                                            "rows' own kernel"))
+        attention.check_platform(model, devset.platform)
+        if kernel != _runs(cfg, devset):
+            out.append((own, kernel))
+    return out
 
 
 def main(argv=None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     from framework import devices as devices_lib
-    from framework.config import ConfigError, DevicesConfig, ParallelConfig, check, validate
+    from framework.config import (ConfigError, DevicesConfig, ModelConfig, ParallelConfig, check,
+                                  validate)
 
     try:
         cfg = compose(overrides)
@@ -364,6 +492,7 @@ def main(argv=None) -> int:
             with warnings.catch_warnings():  # microbatches < pipeline: measured anyway
                 warnings.simplefilter("ignore")
                 valid.append(validate(cfg.model, par, cfg.train, par.n_devices))
+        variants = attention_rows(cfg, devset, args.attention, valid)
     except ConfigError as err:
         return user_error(err)
 
@@ -378,15 +507,41 @@ def main(argv=None) -> int:
         peak = (peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
                 f"{devset.kind} {cfg.model.dtype} peak per device (table)")
     print(f"{peak[2]}: {peak[0] / 1e9:.1f} GFLOP/s", flush=True)
-    rows, ref, pairs = measure(cfg, valid, devset.devices, args.steps, args.rounds,
-                               args.warmup, args.pairs)
+    limit = None
+    if devset.platform != "cpu":  # simulated CPU devices share the host's memory
+        from framework.memory_check import device_limit
+
+        limit = device_limit(devset)[0]
+    skipped = []
+    try:
+        rows, ref, pairs = measure(cfg, valid + variants, devset.devices, args.steps,
+                                   args.rounds, args.warmup, args.pairs, limit=limit,
+                                   skipped=skipped, resident=devset.platform == "cpu")
+    except ConfigError as err:
+        return user_error(err)
+    extra = [f"Skipped {line}." for line in skipped]  # paragraphs after the ratio
+    if devset.platform != "cpu":
+        used = devset.devices[0].memory_stats() or {}
+        if "peak_bytes_in_use" in used:
+            extra += [f"Peak memory in use on {devset.kind} (the whole benchmark): "
+                          f"{used['peak_bytes_in_use'] / 2**30:.2f} GiB of "
+                          f"{used.get('bytes_limit', float('nan')) / 2**30:.2f} GiB."]
+    if args.laptop if args.laptop is not None else devset.platform == "cpu":
+        small = dataclasses.replace(cfg, model=ModelConfig(), parallel=ParallelConfig(),
+                                    train=dataclasses.replace(cfg.train, **LAPTOP))
+        lrows, lref, lpairs = measure(small, [ParallelConfig()], devset.devices[:1], args.steps,
+                                      args.rounds, args.warmup, args.pairs)
+        extra += laptop_lines(lrows[0], lref, lpairs)
+    if args.compile_reps is None:
+        args.compile_reps = 3 if devset.platform == "cpu" else 0
     compiled = {}  # the single device, and the recipe's own layout if it runs here
-    for par in [valid[0]] + [p for p in valid[1:] if p == cfg.parallel]:
+    timed = [valid[0]] + [p for p in valid[1:] if p == cfg.parallel] if args.compile_reps else []
+    for par in timed:
         counts = [dataclasses.replace(cfg.model, n_layers=n) for n in args.compile_layers]
         if not any(check(model, par, cfg.train, par.n_devices) for model in counts):
             compiled[par.mesh_name] = compile_times(
                 cfg, par, devset.devices, tuple(args.compile_layers), args.compile_reps)
-    text = report(cfg, devset, args, peak, rows, ref, pairs, compiled)
+    text = report(cfg, devset, args, peak, rows, ref, pairs, compiled, extra)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
