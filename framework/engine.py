@@ -180,11 +180,11 @@ def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
 
 # --- The per-device step, in named pieces ---------------------------------------------
 
-def stage_fns(model: ModelConfig, parallel: ParallelConfig, n_tokens_global: int,
-              split: bool) -> StageFns:
-    """The model as the pipeline executors see it, on one device; the loss share of a
-    microbatch is its token cross-entropy sum over the global token count."""
-    tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
+def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
+              n_tokens_global: int, split: bool) -> StageFns:
+    """The model as the pipeline executors see it, on one device (`tp`: the tensor-
+    parallel plan); the loss share of a microbatch is its token cross-entropy sum over
+    the global token count."""
 
     def head_loss(head, embed, y, targets):
         logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
@@ -232,6 +232,9 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
                          schedule: Schedule, param_specs, zero1_dims, forward_only=False):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
     m, sp = parallel.microbatches, parallel.sequence_parallel and parallel.tensor > 1
+    # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
+    # PlanError here, when the engine is built.
+    tp = TensorParallel("tensor", parallel.tensor, parallel.sequence_parallel)
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -246,7 +249,7 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
 
     def eval_body(params, tokens):
         inputs, targets, n_tokens = split_batch(tokens)
-        fns = stage_fns(model, parallel, n_tokens, split=False)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=False)
         # Forward only: the GPipe forward over the same chunks (nothing to interleave).
         table = schedule if schedule.executor == "autodiff" else circular(
             schedule.n_stages, m, schedule.n_chunks)
@@ -257,7 +260,7 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
         inputs, targets, n_tokens = split_batch(tokens)
-        fns = stage_fns(model, parallel, n_tokens, split=schedule.split_backward)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=schedule.split_backward)
         loss, grads = executor(schedule).loss_and_grads(
             schedule, fns, device_params(params, zero1_dims, vary_over), inputs, targets)
         grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)

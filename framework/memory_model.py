@@ -46,6 +46,7 @@ need more there than predicted (the prediction is for accelerators, which keep b
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -58,7 +59,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from framework import attention, data_parallel, sharding
-from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.config import ModelConfig, ParallelConfig, TrainConfig, model_config_from_dict
 from framework.model import Block, apply_layers, init_params, param_logical_axes, split_layers
 from framework.pipeline import layout
 from framework.pipeline.buffers import plan
@@ -72,8 +73,13 @@ def _nbytes(tree) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def model_key(model: ModelConfig):
-    return tuple(dataclasses.astuple(model))
+def model_key(model: ModelConfig) -> str:
+    """A hashable key of a model's settings (for the caches below); `_model` reverses it."""
+    return json.dumps(dataclasses.asdict(model), sort_keys=True)
+
+
+def _model(key: str) -> ModelConfig:
+    return model_config_from_dict(json.loads(key))
 
 
 @lru_cache(maxsize=None)
@@ -86,7 +92,7 @@ def _residual_bytes(key, rules, n_layers: int, rows: int, seq: int, tp: int, sp:
     (the VJP of weights and input, what a fused backward keeps), or for a split
     backward (`model.split_layers`) "input" (the input-gradient VJP's residuals),
     "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients)."""
-    model = ModelConfig(*key)
+    model = _model(key)
     tp_plan = TensorParallel(sharding.TENSOR, tp, sp, rules)
     dt = jnp.dtype(model.dtype)
     found = {}
@@ -154,7 +160,7 @@ def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
 @lru_cache(maxsize=None)
 def _canonical(key):
     """Canonical parameter shapes and their logical axes (traced once per model)."""
-    model = ModelConfig(*key)
+    model = _model(key)
     return (jax.eval_shape(lambda: init_params(model, jax.random.key(0))),
             param_logical_axes(model))
 

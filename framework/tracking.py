@@ -160,6 +160,9 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     return path
 
 
+WANDB_RETRIES = 60  # seconds a restarted run waits for a killed run's W&B service
+
+
 class WandbSink:
     """One W&B run. Offline mode writes `<run_dir>/wandb/offline-run-*/run-*.wandb`,
     which `wandb sync` uploads later; the resolved config is the run's config.
@@ -173,11 +176,21 @@ class WandbSink:
         import wandb
 
         previous = previous_wandb_id(run_dir)
-        self.run = wandb.init(
+        init = lambda: wandb.init(
             mode=cfg.mode, project=cfg.project, entity=cfg.entity, group=cfg.group,
             name=name, dir=str(run_dir), config=config, reinit="finish_previous",
             id=previous, resume="allow" if previous else None,
             settings=wandb.Settings(console="off", silent=True, disable_git=True))
+        # After a kill, the killed process's W&B service may hold the run a few seconds
+        # more ("run ID ... is in use"), until it sees its parent gone: wait for it.
+        for attempt in range(WANDB_RETRIES + 1):
+            try:
+                self.run = init()
+                break
+            except Exception as err:  # W&B raises its own error types
+                if previous is None or "in use" not in str(err) or attempt == WANDB_RETRIES:
+                    raise
+                time.sleep(1.0)
         self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
         self._table, self._texts = wandb.Table, {}
 

@@ -22,7 +22,7 @@ import pytest
 from framework import data, generate, hf, train
 from framework.checkpoint import Checkpointer
 from framework.checkpoint_layout import canonical_shardings
-from framework.config import (CheckpointConfig, ConfigError, DataConfig, DevicesConfig,
+from framework.config import (OptimConfig, CheckpointConfig, ConfigError, DataConfig, DevicesConfig,
                               EvalConfig, LoggingConfig, ModelConfig, ParallelConfig,
                               RunConfig, TrainConfig, WandbConfig)
 from framework.safetensors_io import Tensors
@@ -67,6 +67,7 @@ def run_config(corpus: Path, **train_kw) -> RunConfig:
         parallel=ParallelConfig(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),
         train=TrainConfig(seq_len=16, global_batch_size=8, steps=2, init_from=str(FIXTURE),
                           **train_kw),
+        optim=OptimConfig(warmup_steps=1),
         data=DataConfig(kind="tokens", path=str(corpus / "corpus.bin")),
         eval=EvalConfig(every=2, batches=1, sample_prompt=PROMPT, sample_tokens=SAMPLE_TOKENS),
         checkpoint=CheckpointConfig(async_save=False),
