@@ -229,16 +229,32 @@ class LibraryOutput:
     def install(self) -> "LibraryOutput":
         self._stderr = sys.stderr
         sys.stderr = _ThreadRouter(sys.stderr, self.log_path)
+        # "Exception ignored in ..." (e.g. a restore's coroutine collected after a damaged
+        # checkpoint was given up): ignored by definition, so to run.log only.
+        self._unraisable, sys.unraisablehook = sys.unraisablehook, self._to_log
         self._handlers = [h for h in logging.getLogger().handlers
                           if type(h) is logging.StreamHandler]
         for handler in self._handlers:
             handler.addFilter(_for_terminal)
         return self
 
+    def _to_log(self, unraisable) -> None:
+        import traceback
+
+        text = "".join(traceback.format_exception(
+            unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+        try:
+            with open(self.log_path, "a") as f:
+                f.write(f"{unraisable.err_msg or 'Exception ignored in'}: "
+                        f"{unraisable.object!r}\n{text}")
+        except OSError:
+            pass
+
     def uninstall(self) -> None:
         if self._stderr is not None:
             sys.stderr = self._stderr
             self._stderr = None
+            sys.unraisablehook = self._unraisable
         for handler in self._handlers:
             handler.removeFilter(_for_terminal)
 

@@ -13,15 +13,12 @@ from tests.helpers import (MODEL, TRAIN, engine, engine_losses, max_rel_err, par
                            reference_grads, reference_losses, tokens, worst)
 
 CASES = [  # (schedule, pipeline, microbatches, virtual_stages, data, tensor, extra settings)
-    ("gpipe", 2, 4, 1, 1, 1, {}), ("gpipe", 4, 8, 1, 1, 1, {}),
-    ("circular", 2, 4, 2, 1, 1, {}), ("circular", 4, 8, 2, 1, 1, {}),
-    ("circular", 2, 4, 2, 2, 2, {}),
-    ("1f1b", 2, 4, 1, 1, 1, {}), ("1f1b", 4, 8, 1, 1, 1, {}), ("1f1b", 2, 4, 1, 2, 2, {}),
-    ("interleaved_1f1b", 2, 4, 2, 1, 1, {}), ("interleaved_1f1b", 4, 8, 2, 1, 2, {}),
-    ("interleaved_1f1b", 4, 4, 1, 2, 1, {}),
+    # (GPipe's layouts are in tests/test_parity.py)
+    ("circular", 4, 8, 2, 1, 1, {}), ("circular", 2, 4, 2, 2, 2, {}),
+    ("1f1b", 4, 8, 1, 1, 1, {}), ("1f1b", 2, 4, 1, 2, 2, {}),
+    ("interleaved_1f1b", 4, 8, 2, 1, 2, {}), ("interleaved_1f1b", 4, 4, 1, 2, 1, {}),
     ("interleaved_1f1b", 2, 4, 2, 2, 2, dict(zero1=True)),
-    ("zb_h1", 2, 4, 1, 1, 1, {}), ("zb_h1", 4, 8, 1, 1, 1, {}),
-    ("zb_h1", 2, 4, 1, 2, 2, dict(sequence_parallel=True)),
+    ("zb_h1", 4, 8, 1, 1, 1, {}), ("zb_h1", 2, 4, 1, 2, 2, dict(sequence_parallel=True)),
     ("zb_h1", 4, 4, 1, 1, 2, dict(zero1=False, remat="full")),
 ]
 
@@ -147,12 +144,13 @@ def temp_bytes(sched, m, v=1):
 
 def test_tick_schedules_memory_does_not_grow_with_microbatches():
     got = {(s, m): temp_bytes(s, m, 2 if s == "interleaved_1f1b" else 1)
-           for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for m in (4, 16)}
+           for s in ("interleaved_1f1b", "zb_h1") for m in (4, 16)}
+    got.update({(s, 16): temp_bytes(s, 16) for s in ("gpipe", "1f1b")})
     print("temp bytes (pipeline 4):", got)
+    for s in ("interleaved_1f1b", "zb_h1"):
+        assert got[s, 16] <= 1.25 * got[s, 4], s  # bounded like 1F1B's
     for s in ("1f1b", "interleaved_1f1b", "zb_h1"):
-        assert got[s, 16] <= 1.25 * got[s, 4], s
-        assert got[s, 16] < got["gpipe", 16], s
-    assert got["gpipe", 16] > 1.5 * got["gpipe", 4]
+        assert got[s, 16] < got["gpipe", 16], s  # GPipe keeps all 16 microbatches
     assert got["zb_h1", 16] <= 1.1 * got["1f1b", 16]  # ZB-H1: 1F1B's activation memory
 
 

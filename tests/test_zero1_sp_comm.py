@@ -48,16 +48,19 @@ def test_zero1_trains_like_the_reference_and_shards_optimizer_state():
 def comm_ratio(**kw):
     train = dataclasses.replace(TRAIN, global_batch_size=32)
     eng = engine(train=train, **kw)
-    stats = eng.compile(eng.init_state(params()), eng.shard_batch(tokens(0, train)))
+    stats = eng.compile(*eng.abstract_inputs(train.global_batch_size, train.seq_len))
     expected = comm_model.expected_bytes(eng.model, eng.parallel, train)
     return {a: stats[f"comm/bytes_per_step/{a}"] / expected[a] for a in ("pipe", "data", "tensor")}, eng
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["2-2-2", "2-2-2-sequence-parallel"])
-def test_measured_communication_within_10_percent_of_expected(sp):
-    # 4 microbatches: a 20% bubble, whose idle ticks must not communicate.
-    ratios, eng = comm_ratio(pipeline=2, data=2, tensor=2, microbatches=4, sequence_parallel=sp)
-    print(ratios)
+@pytest.mark.parametrize("schedule,v,sp", [
+    ("gpipe", 1, False), ("gpipe", 1, True), ("circular", 2, False), ("1f1b", 1, False),
+    ("interleaved_1f1b", 2, False), ("zb_h1", 1, True)], ids=lambda x: str(x))
+def test_measured_communication_within_10_percent_of_expected(schedule, v, sp):
+    # 4 microbatches: a bubble, whose idle ticks must not communicate (nor send on `pipe`).
+    ratios, eng = comm_ratio(pipeline=2, data=2, tensor=2, microbatches=4, schedule=schedule,
+                             virtual_stages=v, sequence_parallel=sp)
+    print(schedule, ratios)
     for axis, ratio in ratios.items():
         assert 0.99 <= ratio <= 1.1, (axis, ratio)
 

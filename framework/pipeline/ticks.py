@@ -98,12 +98,15 @@ class Packing:
             offset[key] += math.prod(a.shape)
         return stash
 
-    def unpack(self, flat: dict, like) -> list:
+    def read(self, stash: dict, slot, like) -> list:
+        """Arrays shaped like `like`, read from row `slot` of the stash at their offsets
+        (only what is asked for is copied out of the row)."""
         offset = dict.fromkeys(self.sizes, 0)
         out = []
         for a in like:
             key, n = _key(a), math.prod(a.shape)
-            out.append(flat[key][offset[key]:offset[key] + n].reshape(a.shape))
+            out.append(jax.lax.dynamic_slice(stash[key], (slot, offset[key]), (1, n))
+                       .reshape(a.shape))
             offset[key] += n
         return out
 
@@ -160,9 +163,6 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
     def idle(g, loss, x_in, dy_in, stash, saved, k, mb, c, first, last):
         return g, loss, zeros(x_like), zeros(x_like), no_res(), no_dout(), [zeros(a) for a in saved_like]
 
-    def read(stash, k):
-        return {key: buf[k] for key, buf in stash.items()}
-
     def forward(g, loss, x_in, dy_in, stash, saved_buf, k, mb, c, first, last):
         x = only_on(ON_FIRST, first, lambda: fns.embed(params["embed"], inputs[mb]), lambda: x_in)
         w = chunk_weights(c)
@@ -183,7 +183,7 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
 
     def backward(g, loss, x_in, dy_in, stash, saved, k, mb, c, first, last):
         w = chunk_weights(c)
-        vjp_fn = join_vjp(packing.unpack(read(stash, k), res_like), treedef, param_slot, w)
+        vjp_fn = join_vjp(packing.read(stash, k, res_like), treedef, param_slot, w)
         if split:  # B: the gradients of the input and of the matmul outputs
             dx, dout = vjp_fn(dy_in)
             dout = jax.tree.leaves(dout)
@@ -199,7 +199,7 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
     def weight(g, loss, x_in, dy_in, stash, saved_buf, k, mb, c, first, last):
         w = chunk_weights(c)
         saved = jax.tree.unflatten(saved_def, [buf[k] for buf in saved_buf])
-        douts = jax.tree.unflatten(dout_def, packing.unpack(read(stash, k), dout_like))
+        douts = jax.tree.unflatten(dout_def, packing.read(stash, k, dout_like))
         g_w = fns.split.weight_grads(w, saved, douts)
         return (add_chunk(g, c, g_w), loss, zeros(x_like), zeros(x_like), no_res(), no_dout(),
                 [zeros(a) for a in saved_like])
