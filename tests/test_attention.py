@@ -77,8 +77,9 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
 
 @pytest.mark.parametrize("kw", [dict(pipeline=2, microbatches=2), dict(
     pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), dict(
-    pipeline=2, microbatches=2, schedule="1f1b"), dict(tensor=2, sequence_parallel=True)],
-    ids=["gpipe", "circular", "1f1b", "sp"])
+    pipeline=2, microbatches=2, schedule="1f1b"), dict(pipeline=2, microbatches=2,
+    schedule="zb_h1"), dict(tensor=2, sequence_parallel=True)],
+    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp"])
 def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     """cuDNN's kernel cannot run here, but its JAX side can be traced with its GPU
     checks stubbed: gradients of the engine's step trace through every pipeline
@@ -128,9 +129,11 @@ def dense_reference():
     (2, 2, 2, 4, dict(schedule="gpipe")),
     (2, 2, 2, 4, dict(schedule="circular", virtual_stages=2)),
     (2, 2, 2, 4, dict(schedule="1f1b")),
+    (2, 2, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2)),
+    (2, 2, 2, 4, dict(schedule="zb_h1")),
     (1, 1, 4, 1, {}),
     (1, 2, 4, 2, dict(sequence_parallel=True)),
-], ids=["single", "gpipe", "circular", "1f1b", "tp4", "sp"])
+], ids=["single", "gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "tp4", "sp"])
 def test_blockwise_model_matches_dense_reference(pp, dp, tp, mb, kw, dense_reference):
     ref_loss, ref_grads = dense_reference
     loss, grads = engine_grads(engine(pp, dp, tp, mb, model=BLOCKWISE, **kw))
