@@ -15,6 +15,8 @@ from (`op_name` metadata), so each event is classified:
                   the loop, backward in its transpose)
 
 Per device: bubble = 1 - (time covered by stage work) / (time in the pipeline loops).
+Without a pipeline (`parallel.pipeline=1`) the trace is kept but no bubble is derived
+(one stage never waits for a neighbour), nor when no stage work is found in it.
 What is outside the stage's work inside the loop is the bubble in time: idle ticks,
 waiting for a neighbour's message, the sends themselves, the loop's bookkeeping.
 `pipeline/bubble_fraction_timed` is the mean over the devices (per pipeline rank in
@@ -255,11 +257,15 @@ class Profiler:
         if not files:
             return {}
         engine, mesh = self.engine, self.engine.mesh
+        if mesh.shape["pipe"] == 1:  # one stage: no device waits for a neighbour
+            return {}
         device_rank = {}
         for (rank, _, _), device in np.ndenumerate(mesh.devices):
             if device.process_index == jax.process_index():
                 device_rank[int(getattr(device, "local_hardware_id", device.id))] = int(rank)
         raw = timeline(files[0], engine.compiled.as_text(), device_rank, engine.schedule)
+        if not any(d["intervals"] for devices in raw["steps"] for d in devices.values()):
+            return {}  # no stage work found in the trace: no number rather than 100%
         result = summarize(raw, device_rank, mesh.shape["pipe"])
         par = engine.parallel
         record = {"schedule": {"name": par.schedule, "pipeline": par.pipeline,

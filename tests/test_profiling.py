@@ -46,6 +46,19 @@ def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     assert zb < gpipe  # tables: 20% against 43%
 
 
+def test_no_timed_bubble_without_a_pipeline(tmp_path):
+    """One stage never waits for a neighbour: no number (it read 100% before: no stage
+    work is classified when there is no tick dispatch)."""
+    eng = engine(1, 1, 1, 2)
+    state, batch = eng.init_state(params()), eng.shard_batch(tokens(0))
+    eng.compile(state, batch)
+
+    def steps():
+        jax.block_until_ready(eng.step(state, batch))
+
+    assert profiling.measure(eng, steps, tmp_path) == {}
+
+
 def test_profile_classifies_the_executors_cells():
     """Structure, not names: every busy branch of the cell dispatch is stage work of its
     kind, in both executors."""

@@ -35,7 +35,7 @@ def load_jobs(folder: Path) -> list[dict]:
 
 
 def _num(value, fmt: str) -> str:
-    return "" if value is None else format(value, fmt)
+    return "–" if value is None else format(value, fmt)
 
 
 def row(job: dict) -> list[str]:
