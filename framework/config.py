@@ -1,43 +1,59 @@
 """Typed configuration: one small dataclass per component.
 
 Each component receives only its own slice (the model gets `ModelConfig`, the
-pipeline gets `ParallelConfig`, ...). Hydra (see `framework/run.py`) composes these
+pipeline gets `ParallelConfig`, ...). Hydra (see `framework/run/cli.py`) composes these
 same dataclasses, so a misspelled key or a wrong type fails at composition time.
 
-`validate(...)` checks a whole configuration against a device count *before*
-anything is compiled and raises `ConfigError` with one line per problem, each naming
-the setting and a valid alternative.
+Nothing here imports JAX or any other part of the framework: every package reads
+its slice of these. The valid values of each setting with a fixed set of them are
+`CHOICES`, the valid range of each number `RANGES`; `check_choices` and
+`check_ranges` return one line per problem, naming the setting and what is valid.
+Whether a whole configuration can be built on some devices (degrees, divisibility,
+the schedule) is decided in `framework/engine/validate.py`; the schedules themselves
+are a registry (`framework/parallel/pipeline/schedule.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-from framework.pipeline import schedule as schedules
+from framework.errors import ConfigError
 
-REMAT_POLICIES = ("none", "full", "save_dots")
-DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "dense", "blockwise", "cudnn")  # framework/attention.py
+# The valid values of every setting that has a fixed set of them.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters stay float32
+    "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
+    "model.rope_scaling.rope_type": ("none", "llama3"),
+    "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
+    "train.resume": ("auto", "never"),  # framework/run/start.py
+    "data.kind": ("synthetic", "markov", "text", "tokens"),  # framework/io/data.py
+    "data.token_dtype": ("uint16", "uint32"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+    "devices.platform": ("auto", "cpu", "gpu", "tpu"),  # framework/runtime/devices.py
+}
 
 
-class ConfigError(ValueError):
-    """A user error in the configuration. `str(err)` is meant to be shown as is."""
+def not_one_of(key: str, value) -> str | None:
+    """One line when `value` is not one of `CHOICES[key]`, else None."""
+    valid = CHOICES[key]
+    return None if value in valid else f"{key}={value!r} is not one of {', '.join(valid)}"
 
 
-ROPE_TYPES = ("none", "llama3")
+# Logical axes of the model that tensor parallelism may split (framework/model/llama.py
+# declares them; framework/parallel/rules.py maps them onto the `tensor` mesh axis).
+TENSOR_SPLITTABLE = ("heads", "kv_heads", "mlp", "vocab")
 
 
-@dataclass
+@dataclass(unsafe_hash=True)  # hashable: the planner's caches key on it
 class RopeScaling:
     """RoPE frequency scaling. rope_type none: plain RoPE (the other fields unused).
     llama3 (`rope_type: llama3` in Hugging Face configs): wavelengths longer than
     original_max_position_embeddings / low_freq_factor are stretched `factor` times,
     those shorter than .../high_freq_factor are kept, and the band between is
-    interpolated (Llama 3, Dubey et al. 2024; framework/model.py)."""
+    interpolated (Llama 3, Dubey et al. 2024; framework/model/llama.py)."""
 
     rope_type: str = "none"  # none | llama3
     factor: float = 8.0
@@ -46,7 +62,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-@dataclass
+@dataclass(unsafe_hash=True)
 class ModelConfig:
     """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype."""
 
@@ -61,7 +77,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "float32"
-    attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/attention.py)
+    attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
     attention_block_q: int = 512  # blockwise: queries per block
     attention_block_kv: int = 512  # blockwise: keys per block
 
@@ -81,7 +97,7 @@ def model_config_from_dict(values: dict) -> ModelConfig:
     return ModelConfig(**kept)
 
 
-@dataclass
+@dataclass(unsafe_hash=True)
 class ParallelConfig:
     """How the model is laid out on the (pipe, data, tensor) mesh."""
 
@@ -94,19 +110,16 @@ class ParallelConfig:
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
     sequence_parallel: bool = False  # shard norms/residuals along seq over `tensor`
+    # The logical axes split over `tensor` (a subset of TENSOR_SPLITTABLE; the others
+    # are replicated): the tensor-parallel plan, framework/parallel/rules.py.
+    tensor_split: tuple[str, ...] = TENSOR_SPLITTABLE
+
+    def __post_init__(self):
+        self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list
 
     @property
     def n_devices(self) -> int:
         return self.pipeline * self.data * self.tensor
-
-    @property
-    def mesh_name(self) -> str:
-        name = f"pp{self.pipeline}-dp{self.data}-tp{self.tensor}-mb{self.microbatches}"
-        if self.schedule != "gpipe":
-            name += f"-{self.schedule}"
-            if schedules.uses_virtual_stages(self.schedule):
-                name += f"-v{self.virtual_stages}"
-        return name
 
 
 @dataclass
@@ -136,13 +149,13 @@ class TrainConfig:
     # schedule still spans train.steps, and the same command without it continues.
     stop_at: Optional[int] = None
     # A Hugging Face Llama folder (config.json + safetensors): start at step 0 from its
-    # weights; the model settings are read from its config.json (framework/hf.py).
+    # weights; the model settings are read from its config.json (framework/io/hf/llama.py).
     init_from: Optional[str] = None
 
 
 @dataclass
 class DataConfig:
-    """Token source. kind: synthetic | markov | text | tokens (see framework/data.py)."""
+    """Token source. kind: synthetic | markov | text | tokens (see framework/io/data.py)."""
 
     kind: str = "synthetic"
     path: Optional[str] = None  # text: a UTF-8 file; tokens: a flat uint16/uint32 file
@@ -188,14 +201,14 @@ class DevicesConfig:
     platform: str = "auto"  # auto | cpu | gpu | tpu
     local_device_count: Optional[int] = None  # simulated CPU devices per process
     # Refuse, before allocating anything, a run predicted not to fit the devices' memory
-    # (framework/memory_check.py); memory_limit_gb replaces the detected limit (GiB/device).
+    # (framework/analysis/memory_check.py); memory_limit_gb replaces the detected limit (GiB/device).
     memory_check: bool = True
     memory_limit_gb: Optional[float] = None
 
 
 @dataclass
 class ProfileConfig:
-    """Steps traced with jax.profiler to time the pipeline bubble (framework/profiling.py)."""
+    """Steps traced with jax.profiler to time the pipeline bubble (framework/analysis/profiling.py)."""
 
     steps: int = 2  # steps traced (0: no profile)
     start_step: int = 3  # the first traced step (moved earlier, not before a run's 2nd, if needed)
@@ -204,7 +217,7 @@ class ProfileConfig:
 
 @dataclass
 class DistributedConfig:
-    """Multi-host (framework/distributed.py): unset for one process, or for one task of
+    """Multi-host (framework/runtime/distributed.py): unset for one process, or for one task of
     a multi-task SLURM step (detected); all three for an explicit launch; or
     num_processes=-1 to let jax.distributed.initialize() detect the cluster."""
 
@@ -215,7 +228,7 @@ class DistributedConfig:
 
 @dataclass
 class GenerateConfig:
-    """`python -m framework.generate key=value ...` (framework/generate.py)."""
+    """`python -m framework.generate key=value ...` (framework/run/generate.py)."""
 
     checkpoint: Optional[str] = None  # a run folder, a checkpoint folder or a HF folder
     prompt: str = ""
@@ -282,8 +295,9 @@ class Range:
 
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
 FRACTION_BELOW_1 = Range(0, 1, high_open=True)
-# Every numeric setting outside `parallel` (whose degrees `check` covers) and
-# `distributed` (framework/distributed.py). New numeric settings belong here too.
+# Every numeric setting outside `parallel` (whose degrees framework/engine/validate.py
+# checks) and `distributed` (framework/runtime/distributed.py). New numeric settings
+# belong here too.
 RANGES: dict[str, Range] = {
     "model.vocab_size": AT_LEAST_1, "model.d_model": AT_LEAST_1,
     "model.n_layers": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
@@ -324,135 +338,3 @@ def check_ranges(cfg: "RunConfig") -> list[str]:
         errs.append(f"optim.warmup_steps={warmup} is more than train.steps={steps}: the "
                     f"learning rate would never reach optim.lr; use at most {steps}")
     return errs
-
-
-def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:
-    """Returns a copy with `data: -1` replaced by the devices left over."""
-    if parallel.data != -1:
-        return parallel
-    rest = parallel.pipeline * parallel.tensor
-    if rest < 1 or n_devices % rest:
-        raise ConfigError(
-            f"parallel.data=-1 cannot fill {n_devices} devices with "
-            f"parallel.pipeline*parallel.tensor={rest}: pick pipeline and tensor whose "
-            f"product divides {n_devices}"
-        )
-    return dataclasses.replace(parallel, data=n_devices // rest)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-          n_devices: int | None) -> list[str]:
-    """All problems with this configuration, one readable line each (empty = valid)."""
-    p = parallel
-    errs = []
-    for name in ("pipeline", "tensor", "microbatches", "virtual_stages"):
-        if getattr(p, name) < 1:
-            errs.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    if p.data < 1 and p.data != -1:
-        errs.append(f"parallel.data={p.data} must be >= 1, or -1 for all remaining devices")
-    if errs:
-        return errs  # the checks below divide by these degrees
-    errs += schedules.check(p.schedule, p.pipeline, p.microbatches, p.virtual_stages)
-    if p.remat not in REMAT_POLICIES:
-        errs.append(f"parallel.remat={p.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
-    if model.dtype not in DTYPES:
-        errs.append(f"model.dtype={model.dtype!r} is not one of {', '.join(DTYPES)}")
-    errs += _check_attention(model)
-    if n_devices is not None and p.data != -1 and p.n_devices != n_devices:
-        errs.append(
-            f"parallel.pipeline*data*tensor={p.pipeline}*{p.data}*{p.tensor}={p.n_devices} "
-            f"but {n_devices} devices are in use: make the product {n_devices} "
-            f"(e.g. parallel.data=-1 fills the remaining devices)"
-        )
-    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
-    if model.n_layers % n_chunks:
-        what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*virtual_stages"
-        ok = [d for d in _divisors(model.n_layers) if d <= 64]
-        errs.append(f"model.n_layers={model.n_layers} is not divisible by {what}={n_chunks}: "
-                    f"use a divisor of {model.n_layers} ({', '.join(map(str, ok))})")
-    if p.data != -1 and train.global_batch_size % (p.data * p.microbatches):
-        step = p.data * p.microbatches
-        good = max(step, (train.global_batch_size // step) * step)
-        errs.append(
-            f"train.global_batch_size={train.global_batch_size} is not divisible by "
-            f"parallel.data*microbatches={p.data}*{p.microbatches}={step}: "
-            f"use a multiple of {step} (e.g. {good})"
-        )
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        value = getattr(model, name)
-        if value % p.tensor:
-            errs.append(f"model.{name}={value} is not divisible by parallel.tensor={p.tensor}: "
-                        f"use tensor in {{{', '.join(map(str, _divisors(value)))}}}")
-    if model.d_model % model.n_heads:
-        errs.append(f"model.d_model={model.d_model} is not divisible by model.n_heads="
-                    f"{model.n_heads}")
-    if model.n_heads % model.n_kv_heads:
-        errs.append(f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads="
-                    f"{model.n_kv_heads}: grouped-query attention needs whole groups")
-    if model.head_dim % 2:
-        errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
-    errs.extend(check_rope_scaling(model.rope_scaling))
-    if p.sequence_parallel and train.seq_len % p.tensor:
-        errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
-                    f"{p.tensor}, needed by parallel.sequence_parallel=true")
-    return errs
-
-
-def check_rope_scaling(r: RopeScaling) -> list[str]:
-    if r.rope_type not in ROPE_TYPES:
-        return [f"model.rope_scaling.rope_type={r.rope_type!r} is not one of "
-                f"{', '.join(ROPE_TYPES)}"]
-    if r.rope_type == "none":
-        return []
-    errs = []
-    if r.factor < 1:
-        errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")
-    if not 0 < r.low_freq_factor < r.high_freq_factor:
-        errs.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be > 0 and "
-                    f"< model.rope_scaling.high_freq_factor={r.high_freq_factor}")
-    if r.original_max_position_embeddings < 1:
-        errs.append(f"model.rope_scaling.original_max_position_embeddings="
-                    f"{r.original_max_position_embeddings} must be >= 1")
-    return errs
-
-
-def _check_attention(model: ModelConfig) -> list[str]:
-    if model.attention not in ATTENTION:
-        return [f"model.attention={model.attention!r} is not one of {', '.join(ATTENTION)}"]
-    errs = [f"model.{name}={getattr(model, name)} must be >= 1"
-            for name in ("attention_block_q", "attention_block_kv") if getattr(model, name) < 1]
-    if model.attention == "cudnn" and model.dtype not in ("bfloat16",):
-        errs.append(f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused "
-                    f"attention has no {model.dtype} kernel): use model.attention=auto, "
-                    f"dense or blockwise")
-    if model.attention == "cudnn" and model.n_heads and model.d_model % model.n_heads == 0 \
-            and (model.head_dim % 8 or model.head_dim > 128):
-        errs.append(f"model.attention=cudnn needs d_model/n_heads={model.head_dim} to be a "
-                    f"multiple of 8 and at most 128: use model.attention=auto or blockwise")
-    return errs
-
-
-def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-             n_devices: int | None) -> ParallelConfig:
-    """Raises ConfigError listing every problem; returns the parallel config with
-    `data: -1` resolved. Warns when microbatches < pipeline (bubble over 50%)."""
-    errs = check(model, parallel, train, n_devices)
-    if errs:
-        raise ConfigError("; ".join(errs))
-    if n_devices is not None:
-        parallel = resolve_data_degree(parallel, n_devices)
-        errs = check(model, parallel, train, n_devices)
-        if errs:
-            raise ConfigError("; ".join(errs))
-    if parallel.microbatches < parallel.pipeline:
-        warnings.warn(
-            f"parallel.microbatches={parallel.microbatches} < parallel.pipeline="
-            f"{parallel.pipeline}: the pipeline bubble will exceed 50%; use microbatches >= "
-            f"{4 * parallel.pipeline} to keep it under 20%",
-            stacklevel=2,
-        )
-    return parallel

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from framework import reference
-from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
-from framework.engine import build_engine
-from framework.mesh import make_mesh
-from framework.model import init_params
-from framework.optim import make_optimizer
+from framework.model import reference
+from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from framework.engine.validate import validate
+from framework.engine.build import build_engine
+from framework.parallel.mesh import make_mesh
+from framework.model.llama import init_params
+from framework.engine.optim import make_optimizer
 
 # Small enough to compile in seconds, shaped so tensor=4 and pipeline*virtual=8 divide.
 MODEL = ModelConfig(vocab_size=128, d_model=64, n_layers=8, n_heads=8, n_kv_heads=4,

@@ -20,11 +20,11 @@ def main(process_id: int, port: int, folder: str) -> None:
                                process_id=process_id)
     import numpy as np
 
-    from framework import data
-    from framework.checkpoint import Checkpointer
-    from framework.checkpoint_layout import to_canonical
+    from framework.io import data
+    from framework.io.checkpoint.manager import Checkpointer
+    from framework.engine.state import to_canonical
     from framework.config import DataConfig
-    from framework.model import init_params
+    from framework.model.llama import init_params
     from tests.helpers import MODEL, TRAIN, engine
 
     # Random values of the parameters' shapes: compiling Flax's init costs more than
@@ -35,10 +35,10 @@ def main(process_id: int, port: int, folder: str) -> None:
     want = canonical
     eng = engine(2, 2, 2, 2)
     ckpt = Checkpointer(folder, keep=1)
-    ckpt.save(0, eng, eng.init_state(canonical))
+    ckpt.save(0, eng.layout, eng.init_state(canonical))
     ckpt.wait()
     for layout in [(1, 8, 1, 1), (4, 1, 2, 4)]:
-        restored = to_canonical(ckpt.restore(engine(*layout)))["params"]
+        restored = to_canonical(ckpt.restore(engine(*layout).layout))["params"]
         n_shards = 0
         for got, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(want)):
             for shard in got.addressable_shards:  # only this process's pieces

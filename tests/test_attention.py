@@ -1,4 +1,4 @@
-"""The attention kernels (framework/attention.py): blockwise and the cuDNN wrapper against
+"""The attention kernels (framework/model/attention.py): blockwise and the cuDNN wrapper against
 the dense reference, kernel by kernel and through the engine (loss and every gradient
 leaf against the single-device dense model, in the layouts and schedules there are),
 what `auto` picks, and blockwise memory growing linearly with the sequence."""
@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from framework import attention
-from framework.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, check
+from framework.model import attention
+from framework.analysis import audit
+from framework.errors import ConfigError
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.validate import check
 from tests.helpers import MODEL, OPTIM, engine, engine_grads, max_rel_err, reference_grads, worst
 
 
@@ -158,9 +161,9 @@ def test_auto_and_bfloat16_blockwise_models(dense_reference):
 def test_blockwise_memory_grows_linearly_with_sequence():
     """Compiled temporaries per device (compiled, never run) at seq 1024 and 4096:
     blockwise grows about linearly (<= 4.5x for 4x the tokens); at 4096 it needs less
-    than dense at 1024 (dense grows about 16x, see README)."""
-    from framework.engine import build_engine
-    from framework.mesh import make_mesh
+    than dense at 1024 (dense grows about 16x, see docs/performance.md)."""
+    from framework.engine.build import build_engine
+    from framework.parallel.mesh import make_mesh
 
     small = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                         d_ff=128)
@@ -169,7 +172,7 @@ def test_blockwise_memory_grows_linearly_with_sequence():
     for impl, seq in (("blockwise", 1024), ("blockwise", 4096), ("dense", 1024)):
         model = dataclasses.replace(small, attention=impl)
         eng = build_engine(model, par, OPTIM, 10, make_mesh(par, jax.devices()[:1]))
-        stats = eng.compile(*eng.abstract_inputs(2, seq))
+        stats = audit.step_stats(eng, *eng.abstract_inputs(2, seq))
         temp[impl, seq] = stats["memory/temp_bytes_per_device"]
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert temp["blockwise", 4096] <= 4.5 * temp["blockwise", 1024]

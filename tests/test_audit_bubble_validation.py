@@ -6,8 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from framework import audit
-from framework.config import ConfigError, ParallelConfig, TrainConfig, validate
+from framework.analysis import audit
+from framework.errors import ConfigError
+from framework.config import ParallelConfig, TrainConfig
+from framework.engine.validate import validate
 from tests.helpers import MODEL, TRAIN, engine, params, tokens
 
 

@@ -8,7 +8,8 @@ import math
 import jax
 import pytest
 
-from framework.config import ConfigError
+from framework.errors import ConfigError
+from framework.parallel.mesh import mesh_name
 from tools import bench
 from tools.recipe import compose
 
@@ -44,7 +45,7 @@ def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
         assert math.isfinite(ratio[key]) and ratio[key] > 0, key
     assert len(ratio["rounds"]) == 2 and len(ratio["pairs"]) == 3
     # A row on 8 simulated devices (timings made up: the table only formats them).
-    sim = bench.Row(cfg.parallel.mesh_name, cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
+    sim = bench.Row(mesh_name(cfg.parallel), cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
     text = "\n".join(bench.table(cfg, rows + [sim], ref, peak_flops=1e11,
                                  per_device_peak=False, simulated=True))
     assert "| 8 (simulated) |" in text and "| 1 |" in text and "reference (plain JAX)" in text
@@ -60,7 +61,7 @@ def test_host_peak_and_compile_times_are_positive(cfg):
 
 
 def test_attention_rows_and_a_reference_shape_that_does_not_fit(cfg):
-    from framework.devices import DeviceSet
+    from framework.runtime.devices import DeviceSet
 
     gpu = DeviceSet(devices=(object(),), platform="gpu", simulated=False, kind="NVIDIA H100")
     bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))

@@ -19,10 +19,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from framework import checkpoint, data
-from framework.checkpoint import Checkpointer
-from framework.checkpoint_layout import abstract_canonical_state, to_canonical
-from framework.config import ConfigError, DataConfig, TrainConfig
+from framework.config import DataConfig, TrainConfig
+from framework.engine.state import to_canonical
+from framework.errors import ConfigError, DamagedCheckpoint, NonFiniteStateError
+from framework.io import data
+from framework.io.checkpoint import manager as checkpoint
+from framework.io.checkpoint import paths
+from framework.io.checkpoint.manager import Checkpointer
+from framework.run import start
 from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, worst
 
 LAYOUT = (2, 2, 2, 2)  # (pipeline, data, tensor, microbatches) of the saving run
@@ -39,7 +43,7 @@ def run(eng, state, start, stop, ckpt=None, save_at=()):
         state, metrics = eng.step(state, tokens)
         losses.append(float(metrics["train/loss"]))
         if step + 1 in save_at:
-            ckpt.save(step + 1, eng, state, {"note": "test run"})
+            ckpt.save(step + 1, eng.layout, state, {"note": "test run"})
     return state, losses
 
 
@@ -92,8 +96,8 @@ def test_async_saves_do_not_disturb_training_and_keep_the_newest(uninterrupted, 
     assert meta["step"] == 6 and meta["note"] == "test run"
     assert (meta["parallel"]["pipeline"], meta["parallel"]["data"],
             meta["parallel"]["tensor"]) == LAYOUT[:3]
-    assert checkpoint.locate(os.path.join(folder, "6")) == (folder, 6)
-    assert checkpoint.locate(folder) == (folder, None)
+    found = paths.locate(os.path.join(folder, "6")), paths.locate(folder)
+    assert [(f.folder, f.step) for f in found] == [(folder, 6), (folder, None)]
     ckpt.close()
 
 
@@ -101,7 +105,7 @@ def test_resume_equals_uninterrupted_run(uninterrupted, saved):
     _, ref_losses, ref_params = uninterrupted
     fresh = engine(*LAYOUT)  # as in a new process: nothing shared with the saving run
     ckpt = Checkpointer(saved[0], keep=2)
-    state = ckpt.restore(fresh)
+    state = ckpt.restore(fresh.layout)
     ckpt.close()
     assert int(state["step"]) == SAVE_AT
     assert jax.tree.map(lambda a: a.sharding, state) == fresh.state_shardings
@@ -118,7 +122,7 @@ def test_restore_under_another_layout_continues_the_same_run(layout, uninterrupt
     _, ref_losses, ref_params = uninterrupted
     eng = engine(*layout)
     ckpt = Checkpointer(saved[0], keep=2)
-    state = ckpt.restore(eng)
+    state = ckpt.restore(eng.layout)
     ckpt.close()
     assert jax.tree.map(lambda a: a.sharding, state) == eng.state_shardings
     state, losses = run(eng, state, SAVE_AT, STEPS)
@@ -132,13 +136,13 @@ def test_round_trip_through_circular_zero1_layout_is_exact(uninterrupted, saved,
     _, _, at_save = saved
     circular = engine(2, 2, 2, 2, schedule="circular", virtual_stages=2, zero1=True)
     ckpt = Checkpointer(saved[0], keep=2)
-    state = ckpt.restore(circular)
+    state = ckpt.restore(circular.layout)
     ckpt.close()
     assert jax.tree.map(lambda a: a.sharding, state) == circular.state_shardings
     assert jax.tree.all(jax.tree.map(np.array_equal, canonical_host(circular, state), at_save))
     again = Checkpointer(str(tmp_path), keep=1, async_save=False)
-    again.save(SAVE_AT, circular, state)
-    back = again.restore(uninterrupted[0])
+    again.save(SAVE_AT, circular.layout, state)
+    back = again.restore(uninterrupted[0].layout)
     again.close()
     assert jax.tree.all(jax.tree.map(np.array_equal, canonical_host(uninterrupted[0], back),
                                      at_save))
@@ -157,8 +161,8 @@ def test_incomplete_checkpoints_are_never_picked(uninterrupted, saved, tmp_path)
     assert ckpt.latest_step() == SAVE_AT
     assert 9 not in ckpt.complete_steps()
     with pytest.raises(FileNotFoundError, match="no complete checkpoint of step 9"):
-        ckpt.restore(uninterrupted[0], step=9)
-    state = ckpt.restore(uninterrupted[0])
+        ckpt.restore(uninterrupted[0].layout, step=9)
+    state = ckpt.restore(uninterrupted[0].layout)
     ckpt.close()
     assert not os.path.exists(tmp)  # leftovers of the cut-short save are cleaned up
     assert jax.tree.all(jax.tree.map(np.array_equal,
@@ -177,17 +181,17 @@ def test_resume_from_wins_unless_the_same_command_made_the_own_checkpoints(
         uninterrupted, saved, tmp_path):
     eng, other = uninterrupted[0], saved[0]
     own = Checkpointer(str(tmp_path / "own"), keep=2, async_save=False)
-    resume_point = checkpoint.resume_point
+    resume_point = start.resume_point
     assert resume_point(TrainConfig(resume="auto"), own) is None
     assert resume_point(TrainConfig(resume="auto", resume_from=other), own) == (other, 6)
     step4 = os.path.join(other, "4")
     assert resume_point(TrainConfig(resume="never", resume_from=step4), own) == (other, 4)
-    state = checkpoint.resume(TrainConfig(resume_from=step4), own, eng)
+    state = start.restore(resume_point(TrainConfig(resume_from=step4), own), own, eng)
     assert int(state["step"]) == 4
     # The run goes on and checkpoints into its own folder, recording where its chain
     # started: the same command again continues it; another resume_from wins.
-    own.lineage = checkpoint.lineage(TrainConfig(resume_from=step4))
-    own.save(5, eng, state)
+    own.lineage = start.lineage_of(TrainConfig(resume_from=step4), own, None)
+    own.save(5, eng.layout, state)
     assert resume_point(TrainConfig(resume_from=step4), own) == (own.directory, 5)
     assert resume_point(TrainConfig(), own) == (own.directory, 5)  # auto: its own
     assert resume_point(TrainConfig(resume_from=other), own) == (other, 6)
@@ -196,7 +200,8 @@ def test_resume_from_wins_unless_the_same_command_made_the_own_checkpoints(
     # A run folder stands for its checkpoints/ (papercut: <run>/checkpoints was needed).
     run_folder = tmp_path / "a_run"
     shutil.copytree(other, run_folder / "checkpoints")
-    assert checkpoint.locate(str(run_folder)) == (str(run_folder / "checkpoints"), None)
+    found = paths.locate(str(run_folder))
+    assert (found.folder, found.step) == (str(run_folder / "checkpoints"), None)
     assert resume_point(TrainConfig(resume_from=str(run_folder)), own) == (
         str(run_folder / "checkpoints"), 6)
     empty = Checkpointer(str(tmp_path / "empty"))
@@ -214,31 +219,27 @@ def test_resume_from_wins_unless_the_same_command_made_the_own_checkpoints(
 
 def test_resume_from_moves_newer_own_checkpoints_aside_and_a_named_damaged_step_is_an_error(
         uninterrupted, saved, tmp_path):
-    from framework import resume
-    from framework.config import RunConfig
-
     eng = uninterrupted[0]
     source = Checkpointer(saved[0], read_only=True)
-    state = source.restore(eng, 4)
+    state = source.restore(eng.layout, 4)
     source.close()
     own = Checkpointer(str(tmp_path / "own"), keep=3, async_save=False)
-    own.save(5, eng, state)
-    own.save(7, eng, state)
+    own.save(5, eng.layout, state)
+    own.save(7, eng.layout, state)
     step4 = os.path.join(saved[0], "4")
-    point, notes = resume.start_point(RunConfig(train=TrainConfig(resume_from=step4)), own,
-                                      primary=True)
+    point, notes = start.start_point(TrainConfig(resume_from=step4), own, primary=True)
     assert point == (saved[0], 4) and own.complete_steps() == []
     assert all(os.path.isdir(os.path.join(own.directory, f"{s}.superseded")) for s in (5, 7))
     assert len(notes) == 1 and "wins over this run's own newer checkpoints" in notes[0]
     # A step named explicitly is never replaced by another one when it is damaged.
-    own.save(7, eng, state)
+    own.save(7, eng.layout, state)
     _flip_a_byte(os.path.join(own.directory, "7"))
-    named = RunConfig(train=TrainConfig(resume_from=os.path.join(own.directory, "7")))
-    with pytest.raises(checkpoint.DamagedCheckpoint) as damaged:
-        own.restore(eng, 7)
+    named = TrainConfig(resume_from=os.path.join(own.directory, "7"))
+    with pytest.raises(DamagedCheckpoint) as damaged:
+        own.restore(eng.layout, 7)
     with pytest.raises(ConfigError, match=r"resume_from=.*/7: the checkpoint of step 7 .* "
                                           r"is damaged: .*name another step"):
-        resume.fall_back(named, own, damaged.value, primary=True)
+        start.fall_back(named, own, damaged.value, primary=True)
     assert own.complete_steps() == [7]  # left where it is
     own.close()
 
@@ -284,7 +285,7 @@ def test_each_kind_of_damage_is_detected_and_the_previous_step_restores(
     DAMAGE[kind](os.path.join(folder, "6"))
     ckpt = Checkpointer(folder, keep=2)
     if kind == "flipped byte":  # Orbax alone reads other values without a word
-        abstract = checkpoint.to_nested(abstract_canonical_state(uninterrupted[0]))
+        abstract = checkpoint.to_nested(uninterrupted[0].layout.abstract_canonical())
         want = jax.tree.leaves(checkpoint.to_nested(saved[2]))
 
         def same_as_saved(manager) -> bool:
@@ -296,9 +297,9 @@ def test_each_kind_of_damage_is_detected_and_the_previous_step_restores(
         assert same_as_saved(intact.manager)
         intact.close()
         assert not same_as_saved(ckpt.manager)
-    with pytest.raises(checkpoint.DamagedCheckpoint, match="the checkpoint of step 6 in"):
-        ckpt.restore(uninterrupted[0], 6)
-    assert int(ckpt.restore(uninterrupted[0], 4)["step"]) == 4
+    with pytest.raises(DamagedCheckpoint, match="the checkpoint of step 6 in"):
+        ckpt.restore(uninterrupted[0].layout, 6)
+    assert int(ckpt.restore(uninterrupted[0].layout, 4)["step"]) == 4
     moved = ckpt.set_aside(6, "damaged")
     assert moved.endswith(os.path.join("ckpt", "6.damaged")) and os.path.isdir(moved)
     ckpt.reload()
@@ -314,10 +315,10 @@ def test_a_step_folder_without_its_marker_is_moved_aside_and_saved_again(
     os.remove(os.path.join(folder, "6", "_CHECKPOINT_METADATA"))
     ckpt = Checkpointer(folder, keep=3, async_save=False)
     assert ckpt.incomplete_steps() == [6] and ckpt.latest_step() == 4
-    assert not ckpt.save(6, eng, ckpt.restore(eng, 4))  # blocked while it is there
+    assert not ckpt.save(6, eng.layout, ckpt.restore(eng.layout, 4))  # blocked while it is there
     ckpt.set_aside(6, "damaged")
     ckpt.reload()
-    assert ckpt.save(6, eng, ckpt.restore(eng, 4))
+    assert ckpt.save(6, eng.layout, ckpt.restore(eng.layout, 4))
     assert ckpt.complete_steps() == [4, 6] and os.path.isdir(folder + "/6.damaged")
     ckpt.close()
 
@@ -326,11 +327,11 @@ def test_a_non_finite_state_is_never_saved(uninterrupted, tmp_path):
     eng = uninterrupted[0]
     ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
     state = eng.init_state(initial_params())
-    ckpt.save(1, eng, state)
+    ckpt.save(1, eng.layout, state)
     poisoned = dict(state, params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan),
                                                 state["params"]))
-    with pytest.raises(checkpoint.NonFiniteStateError, match="refusing to checkpoint step 2"):
-        ckpt.save(2, eng, poisoned)
+    with pytest.raises(NonFiniteStateError, match="refusing to checkpoint step 2"):
+        ckpt.save(2, eng.layout, poisoned)
     assert ckpt.complete_steps() == [1]
     ckpt.close()
 

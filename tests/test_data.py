@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from framework import data
-from framework.config import ConfigError, DataConfig, ParallelConfig, TrainConfig
-from framework.mesh import make_mesh
+from framework.io import data
+from framework.errors import ConfigError
+from framework.config import DataConfig, ParallelConfig, TrainConfig
+from framework.parallel.mesh import make_mesh
 
 TRAIN = TrainConfig(seq_len=16, global_batch_size=16, seed=3)
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box".split()

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from framework.checkpoint import Checkpointer
-from framework.tracking import read_metrics
+from framework.io.checkpoint.manager import Checkpointer
+from framework.run.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 # Every run here trains the same program (same shapes, same 10-step LR schedule), so
@@ -373,18 +373,18 @@ def test_non_finite_loss_stops_with_one_line_and_exit_3_keeping_the_last_checkpo
 
     import jax
 
-    from framework.checkpoint_layout import to_canonical
+    from framework.engine.state import to_canonical
     from tests.test_run import compose_recipe
-    from framework.config import validate
-    from framework.engine import build_engine
-    from framework.mesh import make_mesh
+    from framework.engine.validate import validate
+    from framework.engine.build import build_engine
+    from framework.parallel.mesh import make_mesh
 
     cfg = compose_recipe("llama_tiny_debug")
     parallel = validate(cfg.model, cfg.parallel, cfg.train, 8)
     engine = build_engine(cfg.model, parallel, cfg.optim, STEPS, make_mesh(parallel))
     ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
     try:
-        state = ckpt.restore(engine)
+        state = ckpt.restore(engine.layout)
     finally:
         ckpt.close()
     assert int(state["step"]) == 6

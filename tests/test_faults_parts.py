@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from framework import checkpoint_integrity as integrity
-from framework import devices, runlock, sweep, tracking
+from framework import errors
+from framework.io.checkpoint import integrity
+from framework.runtime import devices, runlock
+from framework.run import sweep, tracking
 from framework.config import ParallelConfig
-from framework.faults import StorageError
+from framework.errors import StorageError
 
 
 # --- The run-folder lock ----------------------------------------------------------------
@@ -30,7 +32,7 @@ def test_a_second_lock_on_a_folder_is_refused_naming_the_holder(tmp_path):
     lock = runlock.acquire(tmp_path / "run")
     held = json.loads((tmp_path / "run" / runlock.LOCK_FILE).read_text())
     assert held["pid"] == os.getpid() and held["host"]
-    with pytest.raises(runlock.FolderBusy) as refused:
+    with pytest.raises(errors.FolderBusy) as refused:
         runlock.acquire(tmp_path / "run")
     line = str(refused.value)
     assert "\n" not in line and str(tmp_path / "run") in line
@@ -64,7 +66,7 @@ def test_stale_locks_are_taken_over_live_ones_are_not(tmp_path):
         runlock.acquire(tmp_path / "reused").release()
     # Another host, heartbeat recent: live. Old heartbeat: stale.
     path = _write_lock(tmp_path / "remote")
-    with pytest.raises(runlock.FolderBusy, match="host elsewhere, pid 1"):
+    with pytest.raises(errors.FolderBusy, match="host elsewhere, pid 1"):
         runlock.acquire(tmp_path / "remote")
     old = os.stat(path).st_mtime - runlock.STALE_AFTER_S - 5
     os.utime(path, (old, old))
@@ -73,7 +75,7 @@ def test_stale_locks_are_taken_over_live_ones_are_not(tmp_path):
     # An unreadable lock counts as live until its age says otherwise.
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / runlock.LOCK_FILE).write_text("{not json")
-    with pytest.raises(runlock.FolderBusy, match="an unreadable lock"):
+    with pytest.raises(errors.FolderBusy, match="an unreadable lock"):
         runlock.acquire(tmp_path / "garbled")
 
 
@@ -231,7 +233,7 @@ BAD_NUMBERS = [
 def _cli_in_this_process(monkeypatch, tmp_path, *args) -> tuple[int, str]:
     """`python -m framework.run recipe=llama_tiny_debug <args>` through its entry point,
     with devices.start replaced by a tripwire: reaching it fails the test."""
-    from framework import run as run_cli
+    from framework.run import cli as run_cli
 
     def tripwire(*a, **k):
         raise AssertionError("the run reached the devices")

@@ -9,9 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from framework import decode, generate, hf, reference
-from framework.config import ConfigError, ParallelConfig
-from framework.mesh import make_mesh
+from framework.engine import decode
+from framework.run import generate
+from framework.io.hf import llama as hf
+from framework.model import reference
+from framework.errors import ConfigError
+from framework.config import ParallelConfig
+from framework.parallel.mesh import make_mesh
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "llama3_bf16_sharded"
 REPO = Path(__file__).resolve().parent.parent

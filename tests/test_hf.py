@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from framework import hf, reference
-from framework.checkpoint_layout import canonical_shardings
-from framework.config import ConfigError, ModelConfig, RopeScaling, TrainConfig
-from framework.safetensors_io import Tensors
+from framework.io.hf import llama as hf
+from framework.model import reference
+from framework.errors import ConfigError
+from framework.config import ModelConfig, RopeScaling, TrainConfig
+from framework.io.hf.safetensors import Tensors
 from tests.helpers import engine
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -106,7 +107,7 @@ def test_import_then_export_is_bit_exact(name, dtype, tmp_path):
     tensors, bit for bit (and sharded like the original past a size limit)."""
     cfg = hf.model_config(hf.read_config(FIXTURES / name))
     eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
-    params = hf.load_params(FIXTURES / name, cfg, canonical_shardings(eng)["params"])
+    params = hf.load_params(FIXTURES / name, cfg, eng.layout.canonical_shardings["params"])
     files = hf.export(tmp_path, cfg, params, dtype, hf.read_config(FIXTURES / name),
                       max_shard_bytes=14_000)
     original, exported = Tensors(FIXTURES / name), Tensors(tmp_path)
@@ -128,7 +129,7 @@ def test_a_process_reads_only_the_blocks_its_devices_hold():
     name = "llama3_bf16_sharded"
     cfg = hf.model_config(hf.read_config(FIXTURES / name))
     eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
-    shardings = canonical_shardings(eng)["params"]
+    shardings = eng.layout.canonical_shardings["params"]
     shapes = hf.canonical_shapes(cfg)
     mesh = eng.mesh
     sizes = {n: int(np.prod(s)) * 2 for n, s in hf.expected_tensors(cfg).items()}  # bf16

@@ -19,13 +19,15 @@ import jax
 import numpy as np
 import pytest
 
-from framework import data, generate, hf, train
-from framework.checkpoint import Checkpointer
-from framework.checkpoint_layout import canonical_shardings
-from framework.config import (OptimConfig, CheckpointConfig, ConfigError, DataConfig, DevicesConfig,
+from framework.io import data
+from framework.run import generate, train
+from framework.io.hf import llama as hf
+from framework.io.checkpoint.manager import Checkpointer
+from framework.config import (OptimConfig, CheckpointConfig, DataConfig, DevicesConfig,
                               EvalConfig, LoggingConfig, ModelConfig, ParallelConfig,
                               RunConfig, TrainConfig, WandbConfig)
-from framework.safetensors_io import Tensors
+from framework.errors import ConfigError
+from framework.io.hf.safetensors import Tensors
 from tests.helpers import engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +102,7 @@ def test_first_loss_at_2_2_2_equals_the_imported_model_at_1_1_1(trained):
     cfg, _, records = trained
     model = hf.model_config(hf.read_config(FIXTURE))
     eng = engine(1, 1, 1, 1, model=model, train=cfg.train)
-    params = hf.load_params(FIXTURE, model, canonical_shardings(eng)["params"])
+    params = hf.load_params(FIXTURE, model, eng.layout.canonical_shardings["params"])
     batch = data.make_dataset(cfg.data, cfg.train, model.vocab_size).train_batch(0)
     loss = float(eng.loss_and_grads_fn()(eng.shard_params(params), eng.shard_batch(batch))[0])
     assert records[0]["step"] == 1
@@ -118,8 +120,8 @@ def test_samples_reach_metrics_wandb_and_match_framework_generate(trained):
         f"checkpoint={run_dir}", f"prompt={PROMPT}", f"max_new_tokens={SAMPLE_TOKENS}",
         "temperature=0", "stop_at_eos=false"]), devices=jax.devices())
     assert out["text"] == sample  # one device, from the checkpoint == on (2, 2, 2), in training
-    from framework import artifacts  # a run folder, its checkpoint folder, one step folder
-    found = [artifacts.locate(str(p)) for p in (run_dir, run_dir / "checkpoints",
+    from framework.io import weights as artifacts
+    found = [artifacts.open_source(str(p)) for p in (run_dir, run_dir / "checkpoints",
                                                  run_dir / "checkpoints" / "2")]
     assert {(s.path, s.step, s.tokenizer) for s in found} == {
         (str(run_dir / "checkpoints"), 2, str(run_dir / "tokenizer.json"))}
@@ -133,10 +135,10 @@ def test_export_from_2_2_2_equals_export_after_resuming_at_1_1_1(trained, tmp_pa
     model = hf.model_config(hf.read_config(FIXTURE))
     eng = engine(1, 1, 1, 1, model=model, train=cfg.train)
     source = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
-    state, meta = source.restore(eng), source.metadata()
+    state, meta = source.restore(eng.layout), source.metadata()
     source.close()
     again = Checkpointer(str(tmp_path / "resumed" / "checkpoints"), async_save=False)
-    again.save(int(state["step"]), eng, state, {k: v for k, v in meta.items()
+    again.save(int(state["step"]), eng.layout, state, {k: v for k, v in meta.items()
                                                if k not in ("step", "parallel", "model")})
     again.close()
     exporter.export(str(tmp_path / "resumed"), str(tmp_path / "b"))
@@ -154,7 +156,7 @@ def test_export_from_2_2_2_equals_export_after_resuming_at_1_1_1(trained, tmp_pa
 def test_which_model_settings_count_as_given():
     """With train.init_from the default model group does not count; a group picked on
     the command line or by a recipe, and model.X= values, do."""
-    from framework.run import given_model_settings
+    from framework.run.cli import given_model_settings
 
     assert given_model_settings([], None) == set()
     assert given_model_settings(["model.dtype=bfloat16", "train.steps=3"], None) == {"dtype"}

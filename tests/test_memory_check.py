@@ -1,5 +1,5 @@
-"""The memory check before allocation (framework/memory_check.py), and the process
-settings made before JAX starts (framework/devices.py: XLA's GPU overlap flags, the CPU
+"""The memory check before allocation (framework/analysis/memory_check.py), and the process
+settings made before JAX starts (framework/runtime/devices.py: XLA's GPU overlap flags, the CPU
 allocator)."""
 
 import dataclasses
@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from framework import devices, memory_check, memory_model
-from framework.config import ConfigError, RunConfig
-from framework.devices import DeviceSet
+from framework import errors
+from framework.runtime import devices
+from framework.analysis import memory_check, memory_model
+from framework.errors import ConfigError
+from framework.config import RunConfig
+from framework.runtime.devices import DeviceSet
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = DeviceSet(devices=(object(),) * 8, platform="cpu", simulated=True, kind="cpu")
@@ -45,7 +48,7 @@ def test_over_the_limit_names_changes_that_fit():
     need = memory_model.predict_memory(cfg.model, cfg.parallel, cfg.train, "cpu")["total"]
     limit = 0.8 * need
     cfg.devices = dataclasses.replace(cfg.devices, memory_limit_gb=limit / 2**30)
-    with pytest.raises(memory_check.MemoryCheckError) as err:
+    with pytest.raises(errors.MemoryCheckError) as err:
         memory_check.check(cfg, cfg.parallel, CPU)
     line = str(err.value)
     assert "\n" not in line and "over the limit" in line and "devices.memory_check=false" in line
@@ -66,7 +69,7 @@ def test_a_model_no_layout_fits_says_so():
     cfg = _run_config(d_model=16384, n_layers=64, d_ff=65536, n_heads=128, n_kv_heads=8)
     one = dataclasses.replace(cfg.parallel, pipeline=1, data=1, tensor=1, microbatches=1)
     expected = r"available host memory\); nothing on 1 device is predicted to fit"
-    with pytest.raises(memory_check.MemoryCheckError, match=expected):
+    with pytest.raises(errors.MemoryCheckError, match=expected):
         memory_check.check(cfg, one, ONE_CPU)
     limit, source = memory_check.device_limit(CPU)
     assert 0 < limit < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -140,7 +143,7 @@ def test_one_gpu_recipe_is_the_largest_batch_that_fits_80gb():
     """recipes/llama_1b_1gpu.yaml: valid on one device, predicted to fit 90% of 80 GiB
     (XLA's share, devices.GPU_MEMORY_FRACTION) with its batch and not with one row more;
     the memory check on such a GPU lets it through."""
-    from framework.config import validate
+    from framework.engine.validate import validate
     from tools.recipe import compose
 
     cfg = compose(["recipe=llama_1b_1gpu"])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.config import OptimConfig
-from framework.optim import decay_mask, make_optimizer
+from framework.engine.optim import decay_mask, make_optimizer
 from tests.helpers import MODEL, params
 
 

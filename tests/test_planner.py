@@ -5,10 +5,12 @@ import dataclasses
 
 import pytest
 
-from framework import memory_model, planner
-from framework.config import ModelConfig, ParallelConfig, TrainConfig, validate
-from framework.engine import build_engine
-from framework.mesh import make_mesh
+from framework.analysis import memory_model, planner
+from framework.analysis import audit
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.validate import validate
+from framework.engine.build import build_engine
+from framework.parallel.mesh import make_mesh
 from tests.helpers import OPTIM
 
 # Big enough that activations, weights and optimizer state all weigh (~300 MiB at one
@@ -24,7 +26,7 @@ def compiled_peak_bytes(par: ParallelConfig) -> int:
     par = validate(MODEL, par, TRAIN, par.n_devices)
     eng = build_engine(MODEL, par, OPTIM, TRAIN.steps, make_mesh(par))
     state, tokens = eng.abstract_inputs(TRAIN.global_batch_size, TRAIN.seq_len)
-    return eng.compile(state, tokens)["memory/peak_bytes_per_device"]
+    return audit.step_stats(eng, state, tokens)["memory/peak_bytes_per_device"]
 
 
 @pytest.mark.parametrize("kw", [

@@ -1,4 +1,4 @@
-"""The bubble timed on the devices' own timeline (framework/profiling.py): it ranks
+"""The bubble timed on the devices' own timeline (framework/analysis/profiling.py): it ranks
 configurations the way their schedules say, and the run's plot draws it."""
 
 import dataclasses
@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from framework import profiling
-from framework.pipeline.schedule import make_schedule
+from framework.analysis import profiling
+from framework.parallel.pipeline.schedule import make_schedule
 from tests.helpers import MODEL, TRAIN, engine, params, tokens
 
 # Big enough that a cell's compute outweighs the per-tick bookkeeping on a CPU.
@@ -39,7 +39,7 @@ def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path) -> f
 @pytest.mark.filterwarnings("ignore:parallel.microbatches")
 def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     """No absolute timings: 4 simulated devices share 2 cores here, so every device also
-    waits while the others run (README, "A bubble measured in time")."""
+    waits while the others run (docs/parallelism.md, "A bubble measured in time")."""
     few, many = timed_bubble("gpipe", 4, 2, tmp_path), timed_bubble("gpipe", 4, 16, tmp_path)
     assert few > many  # (p-1)/(m+p-1): 60% at m = 2, 16% at m = 16
     gpipe, zb = timed_bubble("gpipe", 4, 4, tmp_path), timed_bubble("zb_h1", 4, 4, tmp_path)

@@ -13,10 +13,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from framework import run as run_cli
-from framework.config import RunConfig, validate
-from framework.pipeline.schedule import make_schedule
-from framework.train import check_run
+from framework.run import cli as run_cli
+from framework.config import RunConfig
+from framework.engine.validate import validate
+from framework.parallel.pipeline.schedule import make_schedule
+from framework.run.train import check_run
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))

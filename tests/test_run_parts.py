@@ -13,10 +13,13 @@ import jax.numpy as jnp
 import pytest
 from omegaconf import OmegaConf
 
-from framework import devices, distributed, faults, flops, loop, sweep, tracking
-from framework.config import (ConfigError, DevicesConfig, DistributedConfig, ModelConfig,
-                              ParallelConfig)
-from framework.run import _job_dirname, one_line
+from framework import errors
+from framework.runtime import devices, distributed, faults
+from framework.analysis import flops
+from framework.run import loop, sweep, tracking
+from framework.errors import ConfigError
+from framework.config import DevicesConfig, DistributedConfig, ModelConfig, ParallelConfig
+from framework.run.cli import _job_dirname, one_line
 
 
 @pytest.mark.parametrize("degrees,local,expected", [
@@ -189,7 +192,7 @@ def run_fake(losses, steps, hooks=(), stop=None, log_every=2, start=0):
 def test_a_nan_loss_stops_the_loop_before_any_hook_sees_its_state():
     saved = []
     hook = loop.Hook("checkpoint", 1, lambda step, state: saved.append(step))
-    with pytest.raises(faults.Diverged, match=r"non-finite train/loss at step 4 "
+    with pytest.raises(errors.Diverged, match=r"non-finite train/loss at step 4 "
                                               r"\(train/loss=nan, train/grad_norm=1\)"):
         run_fake([3.0, 2.5, 2.0, float("nan"), 1.0, 1.0], 6, (hook,), log_every=10)
     assert saved == [1, 2, 3]  # never step 4
@@ -241,7 +244,7 @@ def test_a_resumed_run_keeps_metrics_up_to_its_checkpoint_and_appends(tmp_path):
 
 
 def test_only_process_0_writes_metrics_summary_and_wandb(tmp_path):
-    from framework.train import make_tracker
+    from framework.run.train import make_tracker
     from tests.test_run import compose_recipe
 
     cfg = compose_recipe("llama_tiny_debug")  # W&B offline by default

@@ -6,9 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from framework.pipeline import buffers as buffers_lib
-from framework.pipeline import schedule as schedules
-from framework.pipeline.schedule import BW, B, F, W, make_schedule
+from framework.parallel.pipeline import buffers as buffers_lib
+from framework.analysis import audit
+from framework.parallel.pipeline import schedule as schedules
+from framework.parallel.pipeline.schedule import BW, B, F, W, make_schedule
 from tests.helpers import (MODEL, TRAIN, engine, engine_losses, max_rel_err, params,
                            reference_grads, reference_losses, tokens, worst)
 
@@ -105,7 +106,9 @@ def test_buffer_check_catches_an_overwritten_slot():
 
 
 def test_invalid_combinations_are_one_line_errors():
-    from framework.config import ConfigError, ParallelConfig, validate
+    from framework.errors import ConfigError
+    from framework.config import ParallelConfig
+    from framework.engine.validate import validate
     cases = [(dict(schedule="interleaved_1f1b", microbatches=6, virtual_stages=2), "multiple of parallel.pipeline"),
              (dict(schedule="zb_h1", virtual_stages=2), "parallel.virtual_stages=2 only applies"),
              (dict(schedule="circular", microbatches=2, virtual_stages=2), "microbatches >= pipeline"),
@@ -139,7 +142,7 @@ def temp_bytes(sched, m, v=1):
     train = dataclasses.replace(TRAIN, global_batch_size=2 * m, seq_len=32)
     eng = engine(4, 1, 1, m, train=train, schedule=sched, virtual_stages=v)
     state, toks = eng.abstract_inputs(train.global_batch_size, train.seq_len)
-    return eng.compile(state, toks)["memory/temp_bytes_per_device"]
+    return audit.step_stats(eng, state, toks)["memory/temp_bytes_per_device"]
 
 
 def test_tick_schedules_memory_does_not_grow_with_microbatches():

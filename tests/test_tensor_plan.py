@@ -1,13 +1,16 @@
-"""One tensor-parallel plan: the rules of framework/sharding.py decide the shard_map specs,
+"""One tensor-parallel plan: the rules of framework/parallel/rules.py decide the shard_map specs,
 the model's per-device weight shapes and where Megatron's collectives go. Changing a
 rule therefore either still computes the single-device model or fails when the engine
 is built; it cannot leave specs and model disagreeing."""
 
+import dataclasses
+
 import pytest
 
-from framework import sharding
+from framework.parallel import rules as sharding
 from framework.config import ParallelConfig
-from framework.tensor_parallel import PlanError, TensorParallel
+from framework.errors import PlanError
+from framework.parallel.tensor import TensorParallel
 from tests.helpers import MODEL, engine, engine_grads, max_rel_err, reference_grads, worst
 
 
@@ -31,10 +34,9 @@ def test_local_shapes_come_from_the_rules():
     (("mlp", "vocab"), True),  # attention replicated: gathers the sequence, keeps its slice
     (("heads", "kv_heads", "mlp"), False),  # vocabulary replicated: plain embedding and head
 ], ids=["no-mlp", "no-heads", "no-vocab"])
-def test_changed_rule_keeps_parity(split, sp, ref_grads, monkeypatch):
-    monkeypatch.setattr(sharding, "TENSOR_SHARDED", split)
+def test_changed_rule_keeps_parity(split, sp, ref_grads):
     ref_loss, ref_g = ref_grads
-    loss, grads = engine_grads(engine(1, 2, 4, 2, sequence_parallel=sp))
+    loss, grads = engine_grads(engine(1, 2, 4, 2, sequence_parallel=sp, tensor_split=split))
     assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert worst(max_rel_err(grads, ref_g)) <= 1e-4
 
@@ -44,21 +46,20 @@ def test_changed_rule_keeps_parity(split, sp, ref_grads, monkeypatch):
     (("heads", "mlp", "vocab"), False, "heads and kv_heads"),
     (("heads", "kv_heads", "mlp"), True, "sequence parallelism needs the vocabulary"),
 ], ids=["norm", "heads-alone", "sp-without-vocab"])
-def test_rule_the_model_cannot_run_fails_loudly(split, sp, message, monkeypatch):
-    monkeypatch.setattr(sharding, "TENSOR_SHARDED", split)
+def test_rule_the_model_cannot_run_fails_loudly(split, sp, message):
     with pytest.raises(PlanError, match=message):
-        engine(1, 2, 4, 2, sequence_parallel=sp)
+        engine(1, 2, 4, 2, sequence_parallel=sp, tensor_split=split)
 
 
-def test_memory_model_follows_the_rules(monkeypatch):
+def test_memory_model_follows_the_rules():
     """The planner's parameter bytes come from the same rules: replicating the MLP over
     tensor=4 adds 3/4 of its weights to every device."""
-    from framework import memory_model
+    from framework.analysis import memory_model
     from tests.helpers import TRAIN
 
     par = ParallelConfig(tensor=4)
     before = memory_model.predict_memory(MODEL, par, TRAIN)["params"]
-    monkeypatch.setattr(sharding, "TENSOR_SHARDED", ("heads", "kv_heads", "vocab"))
-    after = memory_model.predict_memory(MODEL, par, TRAIN)["params"]
+    no_mlp = dataclasses.replace(par, tensor_split=("heads", "kv_heads", "vocab"))
+    after = memory_model.predict_memory(MODEL, no_mlp, TRAIN)["params"]
     mlp = MODEL.n_layers * 3 * MODEL.d_model * MODEL.d_ff * 4  # float32 bytes
     assert after - before == pytest.approx(mlp * 3 / 4)

@@ -1,12 +1,12 @@
 """ZeRO-1 and sequence parallelism keep parity; measured communication per mesh axis
-stays within 10% of what the math requires (framework/comm_model.py)."""
+stays within 10% of what the math requires (framework/analysis/comm_model.py)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from framework import audit, comm_model
+from framework.analysis import audit, comm_model
 from tests.helpers import (TRAIN, engine, engine_grads, engine_losses, max_rel_err, params,
                            reference_grads, reference_losses, tokens, worst)
 
@@ -41,14 +41,14 @@ def test_zero1_trains_like_the_reference_and_shards_optimizer_state():
     args = []
     for eng in (plain, zero1):
         state = eng.init_state(params())
-        args.append(eng.compile(state, eng.shard_batch(tokens(0)))["memory/argument_bytes_per_device"])
+        args.append(audit.step_stats(eng, state, eng.shard_batch(tokens(0)))["memory/argument_bytes_per_device"])
     assert args[1] < args[0] / 8 * 1.05, args
 
 
 def comm_ratio(**kw):
     train = dataclasses.replace(TRAIN, global_batch_size=32)
     eng = engine(train=train, **kw)
-    stats = eng.compile(*eng.abstract_inputs(train.global_batch_size, train.seq_len))
+    stats = audit.step_stats(eng, *eng.abstract_inputs(train.global_batch_size, train.seq_len))
     expected = comm_model.expected_bytes(eng.model, eng.parallel, train)
     return {a: stats[f"comm/bytes_per_step/{a}"] / expected[a] for a in ("pipe", "data", "tensor")}, eng
 

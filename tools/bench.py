@@ -9,7 +9,7 @@
 For each layout (default: 1,1,1 2,1,1 1,2,1 1,1,2 2,2,2, the recipe's own, then every
 `--layout P,D,T[:field=value...]`) it compiles the engine's step once (compilation
 excluded from every timing) and, in the same process, the naive single-device
-reference step (`framework/reference.py`). Timing survives a noisy shared machine:
+reference step (`framework/model/reference.py`). Timing survives a noisy shared machine:
 every runner gets `--rounds` blocks of `--steps` individually timed steps, the blocks
 of all runners interleaved (in a shuffled order per round) after one untimed step, and
 the table quotes medians. The framework/reference ratio at (1,1,1) is the median over
@@ -17,7 +17,7 @@ the table quotes medians. The framework/reference ratio at (1,1,1) is the median
 first alternates): on a machine whose load changes from second to second, only
 neighbouring steps see the same machine.
 
-MFU: on accelerators against the peak table (`framework/flops.py`); on CPU against
+MFU: on accelerators against the peak table (`framework/analysis/flops.py`); on CPU against
 the host's float32 matmul peak, measured once here (simulated devices share the host's
 cores, so there their rows show the parallel program's overhead, never a speed-up).
 Compile time: the step of the recipe's model traced and compiled with 4 and with 32
@@ -26,8 +26,8 @@ cost at most 1.5x what 4 cost); on CPU by default (`--compile-reps`).
 
 Attention: `--attention dense,blockwise,cudnn` (the default on GPUs) adds a row per
 kernel at the recipe's layout (`model.attention`; the first rows run `auto`). Before a
-row is built its memory is predicted (`framework/memory_model.py`) and checked against
-the device's limit (`framework/memory_check.py`): a row that would not fit is reported
+row is built its memory is predicted (`framework/analysis/memory_model.py`) and checked against
+the device's limit (`framework/analysis/memory_check.py`): a row that would not fit is reported
 as skipped, with its prediction, instead of failing. On CPU the laptop row (`--laptop`,
 the default there): 4 layers, d_model 128, seq 64, batch 12 at (1,1,1) and its plain JAX
 reference, the shape of the issue's PyTorch comparison.
@@ -51,6 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 from tools.recipe import compose, user_error  # noqa: E402
+from framework.analysis import audit  # noqa: E402
+from framework.parallel.mesh import mesh_name  # noqa: E402
 
 DEFAULT_LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2))
 SIMULATED_NOTE = ", simulated: rows on several devices show overhead, not speed-up"
@@ -66,7 +68,7 @@ class Row:
     rounds: list = field(default_factory=list)  # median of each round's block
     compile_s: float = float("nan")
     peak_bytes: float = float("nan")  # XLA's memory analysis, per device
-    predicted_bytes: float = float("nan")  # framework/memory_model.py
+    predicted_bytes: float = float("nan")  # framework/analysis/memory_model.py
 
     @property
     def step_s(self) -> float:
@@ -76,7 +78,8 @@ class Row:
 def parse_layout(spec: str, base):
     """'P,D,T[:field=value...]' -> ParallelConfig on top of `base` (microbatches and
     schedule reset to 1 / gpipe unless given: pipeline > 1 keeps the base's)."""
-    from framework.config import ConfigError, ParallelConfig
+    from framework.errors import ConfigError
+    from framework.config import ParallelConfig
 
     degrees, *extras = spec.split(":")
     try:
@@ -136,16 +139,16 @@ def host_matmul_peak(device, n: int = 2048, reps: int = 7) -> float:
 
 class _EngineRunner:
     def __init__(self, cfg, par, devices, params, tokens, model=None):
-        from framework.engine import build_engine
-        from framework.mesh import make_mesh
-        from framework.memory_model import predict_memory
+        from framework.engine.build import build_engine
+        from framework.parallel.mesh import make_mesh
+        from framework.analysis.memory_model import predict_memory
 
         model = model or cfg.model
         self.engine = build_engine(model, par, cfg.optim, cfg.train.steps,
                                    make_mesh(par, devices))
         self.state = self.engine.init_state(params)
         self.tokens = self.engine.shard_batch(tokens)
-        stats = self.engine.compile(self.state, self.tokens)
+        stats = audit.step_stats(self.engine, self.state, self.tokens)
         self.compile_s = stats["perf/compile_time_s"]
         self.peak_bytes = stats.get("memory/peak_bytes_per_device", float("nan"))
         self.predicted_bytes = predict_memory(model, par, cfg.train)["total"]
@@ -159,8 +162,8 @@ class _ReferenceRunner:
     def __init__(self, cfg, device, params, tokens):
         import jax
 
-        from framework import reference
-        from framework.optim import make_optimizer
+        from framework.model import reference
+        from framework.engine.optim import make_optimizer
 
         optimizer = make_optimizer(cfg.optim, cfg.train.steps)
         # Parameters and optimizer state donated, as the engine's step does: on a GPU the
@@ -190,8 +193,8 @@ def _variant(cfg, layout):
     another attention kernel: (row name, parallel, model)."""
     par, attention = layout if isinstance(layout, tuple) else (layout, None)
     if attention is None:
-        return par.mesh_name, par, cfg.model
-    return (f"{par.mesh_name} attention={attention}", par,
+        return mesh_name(par), par, cfg.model
+    return (f"{mesh_name(par)} attention={attention}", par,
             dataclasses.replace(cfg.model, attention=attention))
 
 
@@ -208,16 +211,36 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
     at a time) each runner is built, timed and freed in turn, and there are no pairs."""
     import jax
 
-    from framework.memory_model import predict_memory
-    from framework.model import init_params
-    from framework.reference import tokens_for_step
+    from framework.model.llama import init_params
+    from framework.model.reference import tokens_for_step
 
     params = jax.jit(lambda key: init_params(cfg.model, key))(jax.random.key(cfg.train.seed))
     if not resident:
         params = jax.device_get(params)  # the host keeps the initial parameters
     tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
                              cfg.train.seq_len, cfg.model.vocab_size)
-    runners, rows, fitting = [], [], []
+    fitting = _fitting(cfg, layouts, limit, log, skipped)
+    runners, rows = [], []
+    for name, par, model in fitting + [("reference (plain JAX)", None, None)]:
+        runner, row = _runner(cfg, name, par, model, devices, params, tokens)
+        rows.append(row)
+        log(f"compiled {name} in {runner.compile_s:.1f}s")
+        if resident:
+            runners.append(runner)
+            continue
+        _time_alone(runner, row, steps, rounds, warmup)
+        del runner  # frees its state before the next runner allocates its own
+    if not resident:
+        return rows[:-1], rows[-1], []
+    _time_interleaved(runners, rows, steps, rounds, warmup, seed, log)
+    return rows[:-1], rows[-1], _paired(runners[0], runners[-1], pairs)
+
+
+def _fitting(cfg, layouts, limit, log, skipped) -> list:
+    """(name, parallel, model) of the layouts predicted to fit `limit` (bytes/device)."""
+    from framework.analysis.memory_model import predict_memory
+
+    fitting = []
     for i, layout in enumerate(layouts):
         name, par, model = _variant(cfg, layout)
         need = predict_memory(model, par, cfg.train)["total"] if limit else 0
@@ -225,7 +248,7 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
             line = (f"{name}: predicted {need / 2**30:.2f} GiB per device, over the "
                     f"{limit / 2**30:.2f} GiB limit: not run")
             if i == 0:
-                from framework.config import ConfigError
+                from framework.errors import ConfigError
 
                 raise ConfigError(f"{line} (it is the reference's shape: lower "
                                   f"train.global_batch_size)")
@@ -233,29 +256,31 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
             (skipped if skipped is not None else []).append(line)
             continue
         fitting.append((name, par, model))
-    for name, par, model in fitting + [("reference (plain JAX)", None, None)]:
-        if par is None:
-            runner = _ReferenceRunner(cfg, devices[0], params, tokens)
-            row = Row(name, None, 1, compile_s=runner.compile_s)
-        else:
-            runner = _EngineRunner(cfg, par, devices, params, tokens, model)
-            row = Row(name, par, par.n_devices, compile_s=runner.compile_s,
-                      peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes)
-        rows.append(row)
-        log(f"compiled {name} in {runner.compile_s:.1f}s")
-        if resident:
-            runners.append(runner)
-            continue
-        for _ in range(warmup):
-            runner.step().block_until_ready()
-        for _ in range(rounds):
-            block = [_timed_step(runner) for _ in range(steps)]
-            row.times += block
-            row.rounds.append(statistics.median(block))
-        del runner  # frees its state before the next runner allocates its own
-    if not resident:
-        return rows[:-1], rows[-1], []
-    ref = runners[-1]
+    return fitting
+
+
+def _runner(cfg, name, par, model, devices, params, tokens):
+    """(runner, its row): the reference's for `par` None, else the framework's."""
+    if par is None:
+        runner = _ReferenceRunner(cfg, devices[0], params, tokens)
+        return runner, Row(name, None, 1, compile_s=runner.compile_s)
+    runner = _EngineRunner(cfg, par, devices, params, tokens, model)
+    return runner, Row(name, par, par.n_devices, compile_s=runner.compile_s,
+                       peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes)
+
+
+def _time_alone(runner, row: Row, steps: int, rounds: int, warmup: int) -> None:
+    for _ in range(warmup):
+        runner.step().block_until_ready()
+    for _ in range(rounds):
+        block = [_timed_step(runner) for _ in range(steps)]
+        row.times += block
+        row.rounds.append(statistics.median(block))
+
+
+def _time_interleaved(runners, rows, steps: int, rounds: int, warmup: int, seed: int,
+                      log) -> None:
+    """Every round, each runner's block of steps, in a shuffled order per round."""
     for runner in runners:
         for _ in range(warmup):
             runner.step().block_until_ready()
@@ -269,12 +294,16 @@ def measure(cfg, layouts: list, devices, steps: int = 5, rounds: int = 3, warmup
             rows[i].times += block
             rows[i].rounds.append(statistics.median(block))
         log(f"round {r + 1}/{rounds} done")
+
+
+def _paired(framework_runner, ref, pairs: int) -> list:
+    """[(framework s, reference s), ...]: back-to-back steps, alternating which first."""
     paired = []
     for k in range(pairs):
-        first, second = (runners[0], ref) if k % 2 == 0 else (ref, runners[0])
+        first, second = (framework_runner, ref) if k % 2 == 0 else (ref, framework_runner)
         a, b = _timed_step(first), _timed_step(second)
         paired.append((a, b) if k % 2 == 0 else (b, a))
-    return rows[:-1], rows[-1], paired
+    return paired
 
 
 def reference_ratio(rows: list[Row], ref: Row, pairs: list) -> dict:
@@ -293,8 +322,8 @@ def reference_ratio(rows: list[Row], ref: Row, pairs: list) -> dict:
 def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int, list[float]]:
     """Seconds to trace + compile the step for each layer count (never run: abstract
     inputs), repetitions interleaved, each with a fresh engine."""
-    from framework.engine import build_engine
-    from framework.mesh import make_mesh
+    from framework.engine.build import build_engine
+    from framework.parallel.mesh import make_mesh
 
     out = {n: [] for n in layers}
     for _ in range(reps):
@@ -302,14 +331,14 @@ def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int,
             model = dataclasses.replace(cfg.model, n_layers=n)
             eng = build_engine(model, par, cfg.optim, cfg.train.steps, make_mesh(par, devices))
             inputs = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
-            out[n].append(eng.compile(*inputs)["perf/compile_time_s"])
+            out[n].append(eng.compile(*inputs))
     return out
 
 
 def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bool,
           simulated: bool) -> list[str]:
     """Markdown rows: one per layout, then the reference."""
-    from framework.flops import flops_per_token
+    from framework.analysis.flops import flops_per_token
 
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -340,7 +369,7 @@ def _extras(par) -> str:
 
 def _runs(cfg, devset) -> str:
     """The attention kernel the recipe's model runs on this platform."""
-    from framework.attention import choose
+    from framework.model.attention import choose
 
     m = cfg.model
     return m.attention if m.attention != "auto" else choose(devset.platform, m.dtype,
@@ -454,8 +483,9 @@ def _parser() -> argparse.ArgumentParser:
 def attention_rows(cfg, devset, kernels: str | None, valid: list) -> list:
     """(recipe's layout, kernel) for each requested attention kernel other than the one
     `auto` (or the recipe) already runs; raises ConfigError for one that cannot run here."""
-    from framework import attention
-    from framework.config import ConfigError, check
+    from framework.model import attention
+    from framework.errors import ConfigError
+    from framework.engine.validate import check
 
     if kernels is None:
         kernels = "dense,blockwise,cudnn" if devset.platform == "gpu" else ""
@@ -475,41 +505,21 @@ def attention_rows(cfg, devset, kernels: str | None, valid: list) -> list:
 
 def main(argv=None) -> int:
     args, overrides = _parser().parse_known_args(argv)
-    from framework import devices as devices_lib
-    from framework.config import (ConfigError, DevicesConfig, ModelConfig, ParallelConfig, check,
-                                  validate)
+    from framework.errors import ConfigError
 
     try:
-        cfg = compose(overrides)
-        layouts = layouts_for(cfg, args.layout, not args.no_defaults)
-        wanted = max(par.n_devices for par in layouts)
-        devset = devices_lib.start(DevicesConfig(cfg.devices.platform, wanted), ParallelConfig())
-        valid = []
-        for par in layouts:
-            if par.n_devices > len(devset):
-                print(f"skipped {par.mesh_name}: needs {par.n_devices} devices, {len(devset)} here")
-                continue
-            with warnings.catch_warnings():  # microbatches < pipeline: measured anyway
-                warnings.simplefilter("ignore")
-                valid.append(validate(cfg.model, par, cfg.train, par.n_devices))
+        cfg, devset, valid = _layouts(overrides, args)
         variants = attention_rows(cfg, devset, args.attention, valid)
     except ConfigError as err:
         return user_error(err)
-
     import jax
 
-    from framework.flops import peak_flops_per_device
-
     jax.config.update("jax_enable_compilation_cache", False)  # time real compilations
-    if devset.platform == "cpu":
-        peak = (host_matmul_peak(devset.devices[0]), False, "host float32 matmul peak (measured)")
-    else:
-        peak = (peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
-                f"{devset.kind} {cfg.model.dtype} peak per device (table)")
+    peak = _peak(cfg, devset)
     print(f"{peak[2]}: {peak[0] / 1e9:.1f} GFLOP/s", flush=True)
     limit = None
     if devset.platform != "cpu":  # simulated CPU devices share the host's memory
-        from framework.memory_check import device_limit
+        from framework.analysis.memory_check import device_limit
 
         limit = device_limit(devset)[0]
     skipped = []
@@ -519,33 +529,81 @@ def main(argv=None) -> int:
                                    skipped=skipped, resident=devset.platform == "cpu")
     except ConfigError as err:
         return user_error(err)
-    extra = [f"Skipped {line}." for line in skipped]  # paragraphs after the ratio
+    extra = [f"Skipped {line}." for line in skipped] + _extra_lines(cfg, devset, args)
+    compiled = _compile_rows(cfg, devset, args, valid)
+    text = report(cfg, devset, args, peak, rows, ref, pairs, compiled, extra)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 0
+
+
+def _layouts(overrides: list[str], args):
+    """(the composed config, the devices, the layouts that can run on them, validated)."""
+    from framework.config import DevicesConfig, ParallelConfig
+    from framework.engine.validate import validate
+    from framework.runtime import devices as devices_lib
+
+    cfg = compose(overrides)
+    layouts = layouts_for(cfg, args.layout, not args.no_defaults)
+    wanted = max(par.n_devices for par in layouts)
+    devset = devices_lib.start(DevicesConfig(cfg.devices.platform, wanted), ParallelConfig())
+    valid = []
+    for par in layouts:
+        if par.n_devices > len(devset):
+            print(f"skipped {mesh_name(par)}: needs {par.n_devices} devices, {len(devset)} here")
+            continue
+        with warnings.catch_warnings():  # microbatches < pipeline: measured anyway
+            warnings.simplefilter("ignore")
+            valid.append(validate(cfg.model, par, cfg.train, par.n_devices))
+    return cfg, devset, valid
+
+
+def _peak(cfg, devset) -> tuple:
+    """(peak FLOP/s per device, whether it is per device, where the number is from)."""
+    from framework.analysis.flops import peak_flops_per_device
+
+    if devset.platform == "cpu":
+        return host_matmul_peak(devset.devices[0]), False, "host float32 matmul peak (measured)"
+    return (peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
+            f"{devset.kind} {cfg.model.dtype} peak per device (table)")
+
+
+def _extra_lines(cfg, devset, args) -> list[str]:
+    """Paragraphs after the ratio: an accelerator's peak memory, the laptop row."""
+    from framework.config import ModelConfig, ParallelConfig
+
+    extra = []
     if devset.platform != "cpu":
         used = devset.devices[0].memory_stats() or {}
         if "peak_bytes_in_use" in used:
             extra += [f"Peak memory in use on {devset.kind} (the whole benchmark): "
-                          f"{used['peak_bytes_in_use'] / 2**30:.2f} GiB of "
-                          f"{used.get('bytes_limit', float('nan')) / 2**30:.2f} GiB."]
+                      f"{used['peak_bytes_in_use'] / 2**30:.2f} GiB of "
+                      f"{used.get('bytes_limit', float('nan')) / 2**30:.2f} GiB."]
     if args.laptop if args.laptop is not None else devset.platform == "cpu":
         small = dataclasses.replace(cfg, model=ModelConfig(), parallel=ParallelConfig(),
                                     train=dataclasses.replace(cfg.train, **LAPTOP))
         lrows, lref, lpairs = measure(small, [ParallelConfig()], devset.devices[:1], args.steps,
                                       args.rounds, args.warmup, args.pairs)
         extra += laptop_lines(lrows[0], lref, lpairs)
+    return extra
+
+
+def _compile_rows(cfg, devset, args, valid) -> dict:
+    """Compile times with few and many layers: the single device, and the recipe's own
+    layout if it runs here."""
+    from framework.engine.validate import check
+
     if args.compile_reps is None:
         args.compile_reps = 3 if devset.platform == "cpu" else 0
-    compiled = {}  # the single device, and the recipe's own layout if it runs here
+    compiled = {}
     timed = [valid[0]] + [p for p in valid[1:] if p == cfg.parallel] if args.compile_reps else []
     for par in timed:
         counts = [dataclasses.replace(cfg.model, n_layers=n) for n in args.compile_layers]
         if not any(check(model, par, cfg.train, par.n_devices) for model in counts):
-            compiled[par.mesh_name] = compile_times(
+            compiled[mesh_name(par)] = compile_times(
                 cfg, par, devset.devices, tuple(args.compile_layers), args.compile_reps)
-    text = report(cfg, devset, args, peak, rows, ref, pairs, compiled, extra)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
-    return 0
+    return compiled
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ the math requires.
 Compiles (does not run) the step for the composed configuration on simulated CPU
 devices (or the accelerators, with devices.platform=gpu|tpu) and prints one row per
 collective: kind, the mesh axes its replica groups span, executions per step, buffer
-and bytes sent per device per step (`framework/audit.py`), then per axis the measured
-total beside `framework/comm_model.py`'s analytic expectation.
+and bytes sent per device per step (`framework/analysis/audit.py`), then per axis the measured
+total beside `framework/analysis/comm_model.py`'s analytic expectation.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hlo", type=Path, help="also write the compiled HLO text here")
     args = parser.parse_args(argv)
 
-    from framework import devices
-    from framework.config import ConfigError, validate
+    from framework.runtime import devices
+    from framework.errors import ConfigError
+    from framework.engine.validate import validate
     try:
         cfg = compose(args.overrides)
         devset = devices.start(cfg.devices, cfg.parallel)
@@ -39,9 +40,10 @@ def main(argv=None) -> int:
     except ConfigError as err:
         return user_error(err)
 
-    from framework import audit, comm_model
-    from framework.engine import build_engine
-    from framework.mesh import make_mesh
+    from framework.analysis import audit, comm_model
+    from framework.engine.build import build_engine
+    from framework.parallel.mesh import make_mesh
+    from framework.parallel.mesh import mesh_name
 
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, devset.devices))
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     mesh_shape = dict(engine.mesh.shape)
     measured = audit.bytes_per_axis(found, mesh_shape)
     expected = comm_model.expected_bytes(cfg.model, parallel, cfg.train)
-    print(f"{parallel.mesh_name} ({parallel.schedule}"
+    print(f"{mesh_name(parallel)} ({parallel.schedule}"
           f"{', sequence parallel' if parallel.sequence_parallel else ''}"
           f"{', ZeRO-1' if parallel.zero1 else ''}): {len(found)} collectives; "
           f"bytes sent per device per step")

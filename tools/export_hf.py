@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework.config import ConfigError  # noqa: E402
+from framework.errors import ConfigError
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30}
@@ -43,11 +43,12 @@ def export(source_path: str, out: str, step: int | None = None, dtype: str | Non
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from framework import artifacts, hf
-    from framework.tokenizer import BYTES
+    from framework.io import weights as artifacts
+    from framework.io.hf import llama as hf
+    from framework.io.tokenizer import BYTES
 
     max_bytes = parse_size(max_shard_size)
-    source = artifacts.locate(source_path, step, setting="source")
+    source = artifacts.open_source(source_path, step, setting="source")
     original = source.hf_config or {}
     if dtype is None:
         stored = original.get("torch_dtype", original.get("dtype"))

@@ -5,7 +5,7 @@
         peak_tflops=100 tensor_gbps=300 pipe_gbps=25 data_gbps=25 parallel.remat=full
 
 Enumerates every valid (pipeline, data, tensor, microbatches, schedule, zero1) for
-`devices` devices, predicts per-device memory and step time (framework/planner.py: no
+`devices` devices, predicts per-device memory and step time (framework/analysis/planner.py: no
 devices needed, nothing is compiled) and prints them ranked, fastest first, with the
 layouts that do not fit in `device_memory_gb` marked NO. Other `key=value` arguments are
 the usual Hydra overrides (remat and sequence parallelism are taken from them).
@@ -37,8 +37,8 @@ SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,
 
 
 def hardware(settings: dict, dtype: str):
-    from framework import flops, planner
-    from framework.config import ConfigError
+    from framework.analysis import flops, planner
+    from framework.errors import ConfigError
 
     peak = settings.get("peak_tflops")
     peak = peak * 1e12 if peak else flops.peak_flops_per_device("h100", dtype)
@@ -58,7 +58,8 @@ def _size(nbytes: float) -> str:
 
 
 def main(argv=None) -> int:
-    from framework.config import ConfigError
+    from framework.errors import ConfigError
+    from framework.parallel.mesh import mesh_name
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
                               f"(e.g. devices=8 device_memory_gb=80)")
         cfg = compose(overrides)
-        from framework import planner
+        from framework.analysis import planner
 
         hw = hardware(settings, cfg.model.dtype)
         plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw)
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     mine = next((pl for pl in plans if pl.parallel == cfg.parallel), None)
     if mine is not None:
         rank = plans.index(mine) + 1
-        print(f"the recipe's own layout ({cfg.parallel.mesh_name}) ranks {rank} of {len(plans)}: "
+        print(f"the recipe's own layout ({mesh_name(cfg.parallel)}) ranks {rank} of {len(plans)}: "
               f"{_size(mine.memory['total'])} per device "
               f"({'fits' if mine.fits else 'does NOT fit'}), {mine.time['total'] * 1e3:.4g} ms per step")
     return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from framework.config import ConfigError, RunConfig
+from framework.errors import ConfigError
+from framework.config import RunConfig
 
 
 def split_settings(args: list[str], own: dict[str, type]) -> tuple[dict, list[str]]:
@@ -33,7 +34,7 @@ def compose(overrides: list[str]) -> RunConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from framework.run import CONF_DIR, one_line, register_configs
+    from framework.run.cli import CONF_DIR, one_line, register_configs
 
     register_configs()
     try:

@@ -12,7 +12,7 @@ blank. The table drawn is the very one the engine executes
 (`framework.pipeline.schedule`).
 
 Trace (`--trace <run folder>`): the run's profiled steps (`profile.steps`), read from
-the timeline its profile left (`profile/timeline.json`, `framework/profiling.py`): per
+the timeline its profile left (`profile/timeline.json`, `framework/analysis/profiling.py`): per
 pipeline rank, the time each device spent in each kind of cell, in milliseconds, with
 the schedule's table drawn above at the same scale of ticks.
 """
@@ -32,8 +32,8 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from framework.pipeline.schedule import (BW, B, F, IDLE, KIND_NAMES, W, Schedule,  # noqa: E402
-                                         make_schedule, schedule_names)
+from framework.parallel.pipeline.schedule import (BW, B, F, IDLE, KIND_NAMES, W, Schedule,
+                                                  make_schedule, schedule_names)
 
 COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756"}
 LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward"}
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         return 0
     if args.schedule is None or args.pipeline is None or args.microbatches is None:
         parser.error("give --schedule, --pipeline and --microbatches (or --trace)")
-    from framework.pipeline.schedule import check
+    from framework.parallel.pipeline.schedule import check
     problems = check(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
     if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
         parser.error("; ".join(problems) or "--pipeline, --microbatches and "

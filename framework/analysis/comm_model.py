@@ -1,0 +1,91 @@
+"""What the math requires each mesh axis to carry per step: the analytic side of the
+communication audit (`framework/analysis/audit.py` measures the compiled program).
+
+Bytes are sent per device per step, averaged over the devices, with ring collectives
+on n devices (all-reduce 2(n-1)/n of the buffer; all-gather and reduce-scatter (n-1)/n
+of the full buffer each). With B the global batch, s the sequence, d the model width,
+L the layers, p/dp/tp the degrees, m the microbatches and A = (B/dp) * s * d the
+hidden states of one data replica's batch (in the compute dtype):
+
+  tensor  Megatron-LM: two reductions of the hidden states per layer in the forward and
+          two in the backward (attention and MLP, f and g), for the L/p layers of a
+          stage:  4 * (L/p) * 2(tp-1)/tp * A. With sequence parallelism each all-reduce
+          is an all-gather + reduce-scatter pair: the same bytes. Plus the vocabulary-
+          parallel embedding (one reduction forward) and LM head (one backward), each
+          on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
+          label logit), and with sequence parallelism one all-reduce of the norm-scale
+          gradients per step.
+  pipe    Each microbatch's hidden states cross every stage boundary forward and its
+          gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
+          parallelism; v chunks per rank for circular and interleaved_1f1b). Plus one all-reduce
+          of the gradients of the parameters several ranks use (embedding, LM head,
+          final norm), float32.
+  data    One all-reduce of this device's gradient shard per step (float32); ZeRO-1's
+          reduce-scatter + all-gather moves the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.model.llama import init_params, param_logical_axes
+from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.pipeline.schedule import chunks_per_rank
+
+FP32 = 4
+
+
+def _ring_all_reduce(n: int) -> float:
+    return 2 * (n - 1) / n
+
+
+def local_param_counts(model: ModelConfig, parallel: ParallelConfig) -> dict[str, int]:
+    """Parameters held by one device, by top-level group (embed, layers, head), before
+    any ZeRO-1 sharding: layers split over `pipe`, the rules' dims split over `tensor`."""
+    tensor_dims = set(parallel.tensor_split)
+    shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    axes = param_logical_axes(model)
+    counts = {}
+    for group in shapes:
+        total = 0
+        for shape, names in zip(jax.tree.leaves(shapes[group]),
+                                jax.tree.leaves(axes[group], is_leaf=lambda a: isinstance(a, tuple))):
+            size = math.prod(shape.shape)
+            size //= parallel.tensor ** sum(n in tensor_dims for n in names)
+            if group == "layers":
+                size //= parallel.pipeline
+            total += size
+        counts[group] = total
+    return counts
+
+
+def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
+                   train: TrainConfig) -> dict[str, float]:
+    """Bytes each mesh axis must carry per device per step (see the module docstring)."""
+    p, dp, tp = parallel.pipeline, parallel.data, parallel.tensor
+    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    act_bytes = np.dtype(model.dtype).itemsize
+    rows = train.global_batch_size // dp
+    hidden = rows * train.seq_len * model.d_model * act_bytes  # A
+    layers = model.n_layers // p
+    counts = local_param_counts(model, parallel)
+
+    tensor = 4 * layers * _ring_all_reduce(tp) * hidden
+    tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
+    tensor += 3 * _ring_all_reduce(tp) * rows * train.seq_len * FP32 / p  # loss
+    if parallel.sequence_parallel:
+        norms = (2 * layers + 1) * model.d_model
+        tensor += _ring_all_reduce(tp) * norms * FP32
+
+    boundary = hidden / (tp if parallel.sequence_parallel else 1)
+    pipe = 2 * (p * v - 1) / p * boundary
+    shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
+    pipe += _ring_all_reduce(p) * shared * FP32
+
+    data = _ring_all_reduce(dp) * sum(counts.values()) * FP32
+    return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
+            TENSOR: tensor if tp > 1 else 0.0}

@@ -1,0 +1,150 @@
+"""Will the run fit? Decided before any parameter is allocated or the step compiled.
+
+The planner's memory model (`framework/analysis/memory_model.py`: parameters, optimizer state,
+gradients, activations per schedule, traced from the model's own layers, no devices
+used) predicts the step's peak bytes per device; the limit is the device's:
+
+    GPU / TPU  `bytes_limit` of the device's memory statistics (what XLA's allocator
+               may use, after the client's own reservation);
+    CPU        the host's available memory (MemAvailable), shared by this process's
+               simulated devices.
+
+`devices.memory_limit_gb` replaces the detected limit (e.g. to leave headroom, or to
+check for a device you do not have); `devices.memory_check=false` skips the check.
+Over the limit, the run stops with one line (exit 2): the prediction, the limit, and
+up to three changes that would fit, fastest first by the planner's step-time model
+(`framework/analysis/planner.py`): rematerialisation, more pipeline or tensor parallelism,
+ZeRO-1, 1F1B (fewer microbatches in flight), blockwise attention, and last a smaller
+batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from framework.errors import ConfigError, MemoryCheckError
+from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+
+GIB = 2**30
+SHOWN = 3  # suggestions in the error line
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_limit(devset) -> tuple[float | None, str]:
+    """(bytes per device the run may use, where the number comes from); None when the
+    device does not say."""
+    if devset.platform == "cpu":
+        local = max(len(devset) // max(devset.process_count, 1), 1)
+        avail = _host_available_bytes()
+        share = f" / {local} devices" if local > 1 else ""
+        return avail / local, f"{avail / GIB:.1f} GiB of available host memory{share}"
+    stats = devset.devices[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None, f"{devset.kind} reports no memory limit"
+    return float(stats["bytes_limit"]), f"{devset.kind} bytes_limit"
+
+
+def _changes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+             new: tuple[ModelConfig, ParallelConfig, TrainConfig]) -> str:
+    """The overrides that turn the run's settings into `new`, e.g. 'parallel.remat=full'."""
+    out = []
+    for group, old, cand in (("model", model, new[0]), ("parallel", parallel, new[1]),
+                             ("train", train, new[2])):
+        for f in dataclasses.fields(old):
+            if getattr(old, f.name) != getattr(cand, f.name):
+                value = getattr(cand, f.name)
+                value = str(value).lower() if isinstance(value, bool) else value
+                out.append(f"{group}.{f.name}={value}")
+    return " ".join(out)
+
+
+def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                n_devices: int):
+    """Layouts of these devices (the planner's enumeration, with the run's remat and
+    with full remat), blockwise attention, then halved batches (changing what is trained,
+    so they come last)."""
+    from framework.analysis import planner
+
+    layouts = []
+    for remat in dict.fromkeys([parallel.remat, "full"]):
+        base = dataclasses.replace(parallel, remat=remat)
+        layouts += planner.enumerate_layouts(model, train, n_devices, base)
+        layouts.append(base)
+    models = [model] + ([dataclasses.replace(model, attention="blockwise")]
+                        if model.attention == "dense" else [])
+    unique = [par for i, par in enumerate(layouts) if par not in layouts[:i]]
+    found = [(m, par, train) for m in models for par in unique]
+    batch = train.global_batch_size // 2
+    while batch >= parallel.data * parallel.microbatches:
+        smaller = dataclasses.replace(train, global_batch_size=batch)
+        found.append((model, dataclasses.replace(parallel, remat="full"), smaller))
+        batch //= 2
+    return found
+
+
+def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                n_devices: int, limit: float, platform: str, kind: str = "") -> list[str]:
+    """Changes predicted to fit under `limit`, fastest first ('<overrides> (x GiB)')."""
+    from framework.analysis import flops, memory_model, planner
+    from framework.engine.validate import check
+
+    peak = flops.peak_flops_per_device(kind, model.dtype) or 1e12
+    hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0)
+    ranked = []
+    for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):
+        if check(m, par, tr, n_devices):
+            continue
+        total = memory_model.predict_memory(m, par, tr, platform)["total"]
+        if total <= limit:
+            smaller_batch = tr.global_batch_size != train.global_batch_size
+            speed = planner.predict_time(m, par, tr, hw)["total"] / tr.global_batch_size
+            change = _changes(model, parallel, train, (m, par, tr))
+            ranked.append(((smaller_batch, speed, i), f"{change} ({_size(total)})"))
+    return [text for _, text in sorted(ranked)]
+
+
+def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
+    """Raises MemoryCheckError when the run is predicted not to fit the devices; returns
+    the prediction and the limit otherwise (None when skipped). `parallel`: validated."""
+    if not cfg.devices.memory_check:
+        return None
+    from framework.analysis import memory_model
+
+    if cfg.devices.memory_limit_gb is not None:
+        if cfg.devices.memory_limit_gb <= 0:
+            raise ConfigError(f"devices.memory_limit_gb={cfg.devices.memory_limit_gb} must be > 0 "
+                              f"(GiB per device), or null for the device's own limit")
+        limit, source = cfg.devices.memory_limit_gb * GIB, "devices.memory_limit_gb"
+    else:
+        limit, source = device_limit(devset)
+    if limit is None:
+        return None
+    predicted = memory_model.predict_memory(cfg.model, parallel, cfg.train, devset.platform)
+    total = predicted["total"]
+    if total <= limit:
+        return {"predicted_bytes": total, "limit_bytes": limit}
+    fits = suggestions(cfg.model, parallel, cfg.train, len(devset), limit, devset.platform,
+                       devset.kind)
+    n = len(devset)
+    advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
+              f"nothing on {n} device{'s' if n > 1 else ''} is predicted to fit: use more "
+              f"devices or a smaller model")
+    raise MemoryCheckError(
+        f"the run needs {_size(total)} per device (predicted by the memory model), "
+        f"over the limit of {_size(limit)} ({source}); {advice}; "
+        f"devices.memory_check=false skips this check")

@@ -1,0 +1,264 @@
+"""Per-device memory of the train step, predicted without devices or compilation: the
+memory side of the parallelism planner (`framework/analysis/planner.py`), as
+`framework/analysis/comm_model.py` is its communication side.
+
+Memory per device (bytes): what XLA's buffer assignment holds at the step's peak.
+
+  params, optimizer  float32 parameters and AdamW's two moments (`framework/engine/optim.py`),
+             each leaf's local shard by the engine's own layout and rules: layers split
+             over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
+             ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
+  gradients  float32, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
+             all-gathered parameters; with a tick loop (p > 1) also its accumulators.
+  activations  what the backward keeps from the forward. One layer's VJP residuals are
+             measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
+             `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
+             devices, nothing compiled; the model's own tensor-parallel plan and
+             collectives), split into a part per token row and a part per layer (e.g.
+             bfloat16 casts of the weights). Remat policies change what the VJP keeps,
+             so the trace follows them; so does the attention kernel (`auto` resolved for
+             the platform predicted for; cudnn, which cannot be traced off a GPU, as
+             blockwise: both keep q, k, v, blockwise also its output and a float32
+             log-sum-exp, a slight overestimate). Per schedule
+             (`framework/parallel/pipeline/`):
+               GPipe / circular: autodiff of the tick loop keeps every forward tick's
+                 residuals, (v*m + p - 1) ticks x one chunk for one microbatch; the
+                 per-layer part once (loop-invariant), except in the circular schedule,
+                 where the chunk's weights are sliced per tick; plus the whole local
+                 batch's hidden states (inputs, outputs and their gradients);
+               tick executor (1F1B, interleaved 1F1B, ZB-H1): the stash slots of the
+                 schedule's buffer plan (`framework/parallel/pipeline/buffers.py`; at most p
+                 stages' worth), each a chunk's residuals for one microbatch (split
+                 backward: B's residuals or W's output gradients, the larger, plus the
+                 weight ops' inputs), one spare slot for the writes not kept and the
+                 entry a cell's branch returns; the receive slots of messages.
+  transient  the larger of two moments that do not overlap: the LM head + loss (a few
+             float32 logits-sized tensors of one microbatch: both executors run the head
+             microbatch by microbatch) and one layer's backward (its full residuals once
+             more, the attention kernel's score tensors, and the tick's slice of the
+             residual stack).
+The constants that are not traced (copies of logits and batch-sized tensors) were read
+from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
+compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
+need more there than predicted (the prediction is for accelerators, which keep bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.split import split_layers
+from framework.engine.state import abstract_train_params, param_specs
+from framework.model import attention
+from framework.model.llama import Block, apply_layers
+from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.pipeline.autodiff import split_vjp
+from framework.parallel.pipeline.buffers import plan
+from framework.parallel.pipeline.schedule import AUTODIFF, make_schedule
+from framework.parallel.rules import param_rules
+from framework.parallel.tensor import TensorParallel
+
+FP32 = 4
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+@lru_cache(maxsize=None)
+def _residual_bytes(model: ModelConfig, rules, n_layers: int, rows: int, seq: int, tp: int,
+                    sp: bool, remat: str, part: str = "full") -> int:
+    """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
+    traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
+    tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
+    devices, so weights and activations have their per-device shapes. `part`: "full"
+    (the VJP of weights and input, what a fused backward keeps), or for a split
+    backward (`framework/engine/split.py`) "input" (the input-gradient VJP's residuals),
+    "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients)."""
+    tp_plan = TensorParallel(TENSOR, tp, sp, rules)
+    dt = jnp.dtype(model.dtype)
+    found = {}
+
+    def chunk_residuals():  # runs per device, at trace time only
+        vary = (lambda a: jax.lax.pcast(a, TENSOR, to="varying")) if sp else (lambda a: a)
+        x = vary(jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt))
+        keys = jax.random.split(jax.random.key(0), n_layers)
+        init = lambda k: nn.meta.unbox(Block(model, tp_plan).init(k, x[:1])["params"])
+        weights = jax.tree.map(vary, jax.vmap(init)(keys))  # as the engine types them
+        if part == "full":
+            _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, tp_plan), weights, x)
+        else:
+            y, vjp_fn, saved = split_layers(model, remat, tp_plan).forward(weights, x)
+            if part != "input":
+                found["bytes"] = _nbytes(saved if part == "saved" else vjp_fn(y)[1])
+                return jnp.zeros(())
+        # The residual leaves, without the weights the VJP closes over (the split the
+        # tick executor makes for its stash, framework/parallel/pipeline/ticks.py).
+        found["bytes"] = _nbytes(split_vjp(vjp_fn, weights)[0])
+        return jnp.zeros(())
+
+    mesh = AbstractMesh((tp,), (TENSOR,))
+    jax.eval_shape(jax.shard_map(chunk_residuals, mesh=mesh, in_specs=(), out_specs=P()))
+    return found["bytes"]
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """What one layer's backward keeps from its forward, per device: a part per token
+    row (activations) and a part per layer (e.g. bfloat16 casts of its weights)."""
+
+    per_row: int
+    per_layer: int
+
+    def chunk(self, n_layers: int, rows: int) -> int:
+        return n_layers * (rows * self.per_row + self.per_layer)
+
+
+def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) -> ModelConfig:
+    """The model with the attention kernel whose memory is predicted: `auto` resolved for
+    `platform` (default: JAX's default backend), cudnn as blockwise (see the module
+    docstring)."""
+    impl = model.attention
+    if impl == "auto":
+        impl = attention.choose(platform or jax.default_backend(), model.dtype, seq,
+                                model.head_dim)
+    return dataclasses.replace(model, attention="blockwise" if impl == "cudnn" else impl)
+
+
+def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
+              part: str = "full", rules=None) -> Residuals:
+    """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
+    layer-invariant z, w (the causal mask and other broadcast constants, which the
+    layer scan hoists and XLA folds into their users) are not memory: dropped.
+    `model.attention` must be resolved (`attention_traced`)."""
+    rules = param_rules() if rules is None else rules
+    r = {(n, b): _residual_bytes(model, rules, n, b, seq, tp, sp, remat, part)
+         for n in (1, 2) for b in (1, 2)}
+    per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
+    return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
+
+
+@lru_cache(maxsize=None)
+def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
+                 n_chunks: int) -> tuple[int, int, int]:
+    """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
+    sharding over `data`, the layers alone), from the engine's own layout and rules
+    (`framework/engine/state.py`)."""
+    shapes = abstract_train_params(model, parallel.pipeline, n_chunks)
+    degrees = {PIPE: parallel.pipeline, DATA: parallel.data, TENSOR: parallel.tensor, None: 1}
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
+
+    def local(tree_specs, group=None):
+        total = 0
+        for k in shapes if group is None else (group,):
+            for shape, spec in zip(jax.tree.leaves(shapes[k]),
+                                   jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
+                total += math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
+        return total
+
+    plain = param_specs(model, dataclasses.replace(parallel, zero1=False), n_chunks)[0]
+    stored = param_specs(model, parallel, n_chunks)[0]
+    return local(plain), local(stored), local(plain, "stages")
+
+
+# float32 [mb rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
+# their exponentials, the logit gradients, ...), read from XLA's buffer assignment of
+# llama_1b_8gpu's step: GPipe runs the head microbatch by microbatch after the tick loop
+# (recomputing it in the backward; with one microbatch, directly), 1F1B inside it.
+LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
+# [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
+# the pipeline's outputs, and their gradients.
+GPIPE_BATCH_COPIES = 4
+# float32 attention-score tensors one layer's backward holds beyond its residuals, read
+# from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
+# score gradient [mb, heads, seq, seq] (1.1-1.2 of it); blockwise, one block's scores,
+# probabilities and their gradients [mb, heads, block_q, block_kv] (about 4).
+ATTENTION_SCORE_COPIES = {"dense": 1.2, "blockwise": 4}
+
+
+def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> float:
+    """The attention kernel's transient in one layer's backward (`model.attention`
+    resolved, see `attention_traced`), bytes per device."""
+    bq, bk = seq, seq
+    if model.attention == "blockwise":
+        bq, bk = min(model.attention_block_q, seq), min(model.attention_block_kv, seq)
+    heads = model.n_heads // tp
+    return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
+
+
+def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool, rules) -> int:
+    """One stash slot of the tick executor: a chunk's VJP residuals for one microbatch;
+    with a split backward the input-gradient VJP's residuals, later overwritten by the
+    weight ops' output gradients (the slot holds the larger), next to the weight ops'
+    inputs."""
+    if not split:
+        return residuals(model, seq, tp, sp, remat, rules=rules).chunk(layers, rows)
+    part = lambda name: residuals(model, seq, tp, sp, remat, name, rules).chunk(layers, rows)
+    return max(part("input"), part("douts")) + part("saved")
+
+
+def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                   platform: str | None = None) -> dict:
+    """Predicted bytes per device at the step's peak, by term (see the module
+    docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
+    (default: JAX's default backend)."""
+    model = attention_traced(model, train.seq_len, platform)
+    p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
+    sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
+    v = sched.n_chunks
+    full, stored, stage_weights = _param_bytes(model, parallel, v)
+    rules = param_rules(parallel.tensor_split)
+    rows = train.global_batch_size // dp  # this data replica's rows
+    mb_rows = rows // m
+    sp = parallel.sequence_parallel and tp > 1
+    seq_local = train.seq_len // tp if sp else train.seq_len
+    hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
+    logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
+    res = residuals(model, train.seq_len, tp, sp, parallel.remat, rules=rules)
+    layers = model.n_layers // (p * v)  # per chunk
+    # One layer's backward in flight: its residuals once more (recomputed under remat).
+    layer_backward = residuals(model, train.seq_len, tp, sp, "none", rules=rules).chunk(1, mb_rows)
+    layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)
+    grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
+    if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
+        ticks = sched.forward_rows().n_ticks
+        per_tick = layers * mb_rows * res.per_row
+        fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
+        if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
+            per_tick += fixed + stage_weights // v
+        kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
+        head = LOGIT_COPIES["per_microbatch" if m > 1 else "whole_batch"] * logits * mb_rows
+        backward = layer_backward
+        if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
+            backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
+            grads += stage_weights  # for the stage's weights
+    else:  # tick executor: the table's stash and receive slots (+ the spare write slot)
+        slot = _stash_slot(model, train.seq_len, tp, sp, parallel.remat, layers, mb_rows,
+                           sched.split_backward, rules)
+        n = plan(sched).n_slots
+        # + the slot contents a cell's branch returns for the write after it
+        kept = (n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden
+        head = LOGIT_COPIES["1f1b"] * logits * mb_rows
+        backward = layer_backward + slot  # a forward's new slot is built apart
+        grads += full  # the tick loop's gradient accumulators
+    out = {
+        "params": stored,
+        "optimizer": 2 * stored,  # AdamW's mu and nu, sharded like the parameters
+        "tokens": rows * (train.seq_len + 1) * 4,
+        "gradients": grads,
+        "activations": kept,
+        "transient": max(head, backward),  # the head's peak and the layers' do not overlap
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,192 @@
+"""Which (pipeline, data, tensor, microbatches, schedule, zero1) layout to pick, before
+spending cluster hours: every valid layout for a device count, its per-device memory
+(`framework/analysis/memory_model.py`) and step time (below), ranked. Nothing here needs a
+device or compiles anything: `tools/plan.py` is the command line.
+
+Step time (seconds), no overlap of computation and communication assumed:
+
+  compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
+             that remat recomputes, at the given peak FLOP/s: the layers split over all
+             devices and stretched by the schedule table's bubble (lockstep ticks with
+             unit-cost cells, `Schedule.bubble_fraction`; GPipe: (p-1)/(m+p-1), Huang et
+             al. 2019), t = flops / (N * peak) / (1 - bubble); the LM head on
+             the last pipeline rank, split over data x tensor only.
+  comm       bytes per device per step on each mesh axis (`framework/analysis/comm_model.py`)
+             over that axis's bandwidth; `tensor` is innermost on the mesh, so an axis
+             uses the in-node link (NVLink) while the devices it spans fit in one node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from framework.analysis import comm_model, flops
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.validate import check
+from framework.analysis.memory_model import predict_memory
+from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.pipeline.schedule import (chunks_per_rank, make_schedule,
+                                                  schedule_names, uses_virtual_stages)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the planner assumes about the cluster. Bandwidths are per device and per
+    direction (bytes/s); an axis whose devices fit in one node uses `intra_node`, else
+    `inter_node`, unless `axis_bandwidth` pins it (the user's tensor/pipe/data_gbps)."""
+
+    memory_bytes: float
+    peak_flops: float  # per device, for the model's compute dtype
+    intra_node: float = 450 * GB  # NVLink 4 (H100 SXM): 900 GB/s both directions
+    inter_node: float = 50 * GB  # one 400 Gb/s InfiniBand NDR link per GPU
+    devices_per_node: int = 8
+    axis_bandwidth: tuple = ()  # ((axis, bytes/s), ...) overrides
+    memory_fraction: float = 0.9  # of memory_bytes usable by XLA's buffers
+
+    def bandwidth(self, axis: str, parallel: ParallelConfig) -> float:
+        pinned = dict(self.axis_bandwidth)
+        if axis in pinned:
+            return pinned[axis]
+        # Mesh (pipe, data, tensor), tensor innermost: an axis's groups span the devices
+        # of the axes inside it times its own degree.
+        span = {TENSOR: parallel.tensor, DATA: parallel.data * parallel.tensor,
+                PIPE: parallel.n_devices}[axis]
+        return self.intra_node if span <= self.devices_per_node else self.inter_node
+
+
+def _split_flops_per_token(model: ModelConfig, seq: int, remat: str) -> tuple[float, float]:
+    """(training FLOPs per token of the layers, with what remat recomputes; of the LM
+    head), from `flops.flops_per_token` (PaLM appendix B). Remat recomputes the layers'
+    forward (a third of their 6N + 12LHQT) for `full`; for `save_dots` the attention
+    score and value matmuls (batched dots, not saved: 4LHQT)."""
+    head = 6 * model.d_model * model.vocab_size
+    layers = flops.flops_per_token(model, seq) - head
+    attention = 4 * model.n_layers * model.n_heads * model.head_dim * seq
+    layers += {"none": 0.0, "full": layers / 3, "save_dots": float(attention)}[remat]
+    return layers, head
+
+
+_COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree set
+
+
+def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
+    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    key = (model, parallel.pipeline, parallel.data, parallel.tensor, v,
+           parallel.sequence_parallel, train.global_batch_size, train.seq_len)
+    if key not in _COMM:
+        _COMM[key] = comm_model.expected_bytes(model, parallel, train)
+    return _COMM[key]
+
+
+def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                 hw: Hardware) -> dict:
+    """Predicted seconds per step by term (see the module docstring), with the bubble
+    and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
+    dp, tp, n = parallel.data, parallel.tensor, parallel.n_devices
+    sched = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                          parallel.virtual_stages)
+    tokens = train.global_batch_size * train.seq_len
+    layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat)
+    out = {"compute": layers * tokens / n / hw.peak_flops / (1 - sched.bubble_fraction)
+           + head * tokens / (dp * tp) / hw.peak_flops}
+    for axis, nbytes in _comm_bytes(model, parallel, train).items():
+        out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
+    out["total"] = sum(out.values())
+    out["bubble"] = sched.bubble_fraction
+    ideal = flops.flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
+    out["mfu"] = ideal / out["total"]
+    return out
+
+
+@dataclass
+class Plan:
+    parallel: ParallelConfig
+    memory: dict  # bytes per device, by term (memory_model.predict_memory)
+    time: dict  # seconds per step, by term (predict_time)
+    fits: bool
+    tokens_per_step: int
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens_per_step / self.time["total"]
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    return [2**k for k in range(max(hi, 1).bit_length()) if lo <= 2**k <= hi]
+
+
+def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
+                      base: ParallelConfig, schedules=None,
+                      virtual_stages=(2, 4)) -> list[ParallelConfig]:
+    """Every valid (pipeline, data, tensor, microbatches, schedule, zero1) on n_devices
+    (`framework.engine.validate.check` decides validity); remat and sequence parallelism come
+    from `base`; schedules: every registered one by default, those with virtual stages
+    at each of `virtual_stages`. Without a pipeline: one microbatch (GPipe at p = 1
+    keeps every microbatch's activations anyway). With one: powers of two from p (fewer
+    leave most of the pipeline idle) up to one row per microbatch."""
+    schedules = schedule_names() if schedules is None else schedules
+    out = []
+    for p in range(1, n_devices + 1):
+        for tp in range(1, n_devices // p + 1):
+            if n_devices % (p * tp):
+                continue
+            dp = n_devices // (p * tp)
+            micro = _powers_of_two(p, train.global_batch_size // dp)
+            options = [("gpipe", 1, 1)] if p == 1 else [
+                (s, m, v) for s in schedules for m in micro
+                for v in (virtual_stages if uses_virtual_stages(s) else (1,))]
+            for schedule, m, v in options:
+                for zero1 in ((False, True) if dp > 1 else (False,)):
+                    par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp,
+                                              microbatches=m, schedule=schedule,
+                                              virtual_stages=v, zero1=zero1)
+                    if not check(model, par, train, n_devices):
+                        out.append(par)
+    return out
+
+
+def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Hardware) -> Plan:
+    mem = predict_memory(model, par, train)
+    return Plan(par, mem, predict_time(model, par, train, hw),
+                mem["total"] <= hw.memory_bytes * hw.memory_fraction,
+                train.global_batch_size * train.seq_len)
+
+
+def plan(model: ModelConfig, train: TrainConfig, base: ParallelConfig, n_devices: int,
+         hw: Hardware, **enumerate_kw) -> list[Plan]:
+    """Every valid layout with its predictions: fitting ones first, fastest first (then
+    the smallest memory)."""
+    plans = [evaluate(model, train, par, hw)
+             for par in enumerate_layouts(model, train, n_devices, base, **enumerate_kw)]
+    return sorted(plans, key=lambda pl: (not pl.fits, pl.time["total"], pl.memory["total"]))
+
+
+def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
+    """The `top` fitting layouts, then the `unfit` best that do not fit (marked NO), as
+    a fixed-width table: memory per device in GiB (MiB for small models), times in ms
+    per step."""
+    shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
+    big = max((pl.memory["total"] for pl in shown), default=0) >= 2**30
+    unit, name = (2**30, "GiB") if big else (2**20, "MiB")
+    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} {'zero1':<5} "
+            f"{'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} {'fits':<4} "
+            f"{'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} {'data':>8} "
+            f"{'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
+    lines = [head, "-" * len(head)]
+    for i, pl in enumerate(shown, 1):
+        par, m, t = pl.parallel, pl.memory, pl.time
+        gib = lambda *keys: sum(m[k] for k in keys) / unit
+        sched = par.schedule + (f"/v{par.virtual_stages}" if uses_virtual_stages(par.schedule) else "")
+        lines.append(
+            f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.tensor:>3} {par.microbatches:>4} "
+            f"{sched:<19} {'yes' if par.zero1 else 'no':<5} {gib('total'):>8.2f} "
+            f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
+            f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
+            f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "
+            f"{t['comm_tensor'] * 1e3:>8.3g} {t['comm_pipe'] * 1e3:>8.3g} "
+            f"{t['comm_data'] * 1e3:>8.3g} {t['bubble']:>6.1%} {pl.tokens_per_sec:>11,.0f} "
+            f"{t['mfu']:>6.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The engine: everything needed to run and inspect steps of one (model, parallel)
+configuration on one mesh, built once per run.
+
+`build_engine` picks the schedule table, lays out the train state (`StateLayout`,
+`framework/engine/state.py`) and jits the pure step (`framework/engine/step.py`). The
+engine compiles that step once for the run's shapes (`compile`), runs it (`step`), and
+gives the forward-only loss for evaluation and the bare (loss, gradients) function for
+the parity tests. It holds no training loop (`framework/run/loop.py`) and reads no
+statistics of its program (`framework/analysis/`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from framework.config import ModelConfig, OptimConfig, ParallelConfig
+from framework.engine.optim import lr_schedule, make_optimizer
+from framework.engine.state import StateLayout, param_specs
+from framework.engine.step import build_loss_and_grads, train_step
+from framework.parallel.mesh import DATA
+from framework.parallel.pipeline import layout
+from framework.parallel.pipeline.schedule import Schedule, make_schedule
+
+
+@dataclass(eq=False)
+class Engine:
+    """The jitted step of one configuration on one mesh, and its state's layout."""
+
+    layout: StateLayout
+    schedule: Schedule
+    lr: optax.Schedule
+    step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
+    compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
+
+    def __post_init__(self):
+        self.step_fn = jax.jit(
+            train_step(self._loss_and_grads(), self.optimizer, self.lr),
+            in_shardings=(self.state_shardings, self.batch_sharding()),
+            out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+    # The configuration and the layout, as the rest of the framework reads them.
+    model = property(lambda self: self.layout.model)
+    parallel = property(lambda self: self.layout.parallel)
+    mesh = property(lambda self: self.layout.mesh)
+    optimizer = property(lambda self: self.layout.optimizer)
+    param_specs = property(lambda self: self.layout.param_specs)
+    zero1_dims = property(lambda self: self.layout.zero1_dims)
+    state_shardings = property(lambda self: self.layout.shardings)
+    n_chunks = property(lambda self: self.layout.n_chunks)
+
+    def _loss_and_grads(self, forward_only: bool = False):
+        return build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
+                                    self.param_specs, self.zero1_dims, forward_only)
+
+    def shard_params(self, canonical):
+        """Canonical params (host or device) -> train layout, placed on the mesh."""
+        return self.layout.place(canonical)
+
+    def canonical_params(self, params):
+        return layout.train_to_canonical(params)
+
+    def init_state(self, canonical):
+        """Train state {params, opt_state, step} from canonical params, on the mesh."""
+        return self.layout.init(self.layout.place(canonical))
+
+    def abstract_params(self):
+        """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves)."""
+        return self.layout.abstract_params
+
+    def abstract_inputs(self, global_batch_size: int, seq_len: int):
+        """(state, tokens) as ShapeDtypeStructs with this engine's shardings: enough to
+        compile the step and read its memory and communication without allocating."""
+        tokens = jax.ShapeDtypeStruct((global_batch_size, seq_len + 1), jnp.int32,
+                                      sharding=self.batch_sharding())
+        return self.layout.abstract_state(), tokens
+
+    def loss_and_grads_fn(self):
+        """Jitted (params, tokens) -> (loss, grads in train layout): the step without the
+        optimizer, for parity tests and audits."""
+        return jax.jit(self._loss_and_grads())
+
+    def eval_loss_fn(self):
+        """Jitted (params, tokens) -> mean loss, forward only (for eval/loss)."""
+        return jax.jit(self._loss_and_grads(forward_only=True),
+                       in_shardings=(self.state_shardings["params"], self.batch_sharding()))
+
+    def batch_sharding(self):
+        return NamedSharding(self.mesh, P(DATA))
+
+    def shard_batch(self, tokens):
+        return jax.device_put(tokens, self.batch_sharding())
+
+    def compile(self, state, tokens) -> float:
+        """Compiles the step once for these shapes (later `step` calls reuse it);
+        returns the seconds it took to obtain the executable (from JAX's cache or not)."""
+        start = time.perf_counter()
+        self.compiled = self.step_fn.lower(state, tokens).compile()
+        return time.perf_counter() - start
+
+    def step(self, state, tokens):
+        """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
+        fn = self.compiled if self.compiled is not None else self.step_fn
+        return fn(state, tokens)
+
+    def host_metrics(self, metrics) -> dict:
+        out = {k: float(v) for k, v in metrics.items()}
+        out["pipeline/bubble_fraction"] = self.schedule.formula_bubble
+        out["pipeline/bubble_fraction_table"] = self.schedule.bubble_fraction
+        return out
+
+
+def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
+                 total_steps: int, mesh) -> Engine:
+    """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh."""
+    schedule = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                             parallel.virtual_stages)
+    specs, dims = param_specs(model, parallel, schedule.n_chunks)
+    state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
+                        schedule.n_chunks, specs, dims)
+    return Engine(state, schedule, lr_schedule(optim, total_steps))

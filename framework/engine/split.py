@@ -1,0 +1,62 @@
+"""The zero-bubble split backward (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
+the backward of a stack of layers in two halves that a schedule can run at different
+ticks. B, the gradient w.r.t. the input, and W, the gradient w.r.t. the weights, which
+needs only each weight op's input x (saved by the forward) and its output gradient dy
+(taken by B): dW = x^T dy, one matmul per weight.
+
+The model takes part through one hook: every use of a layer weight goes through
+`weight_op` (framework/model/llama.py), which under the collections used here records
+its input, adds a zero "tap" whose gradient is dL/dy, or replays the op on a given
+input. Everything else in a layer is dead code for W, which XLA drops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from framework.model.llama import (GIVEN, NO_TP, PRODUCTS, REMAT_POLICIES, SAVED, TAPS,
+                                   Block)
+from framework.config import ModelConfig
+from framework.parallel.pipeline import SplitBackward
+from framework.parallel.tensor import TensorParallel
+
+
+def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP):
+    """The backward of a stack of layers in two halves, for zero-bubble pipeline
+    schedules (Qi et al. 2024): B, the gradient w.r.t. the input, and W, the gradient
+    w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
+    and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
+
+    forward(layers, x) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B (the VJP w.r.t.
+    the input and the zero taps on every weight op's output; the weights are constants
+    to it, so no weight gradient is computed); saved: the weight ops' inputs [L, ...].
+    weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
+    applied to their saved inputs (everything else in the layer is dead code), pulled
+    back through their output gradients."""
+    def block(variables, x, mutable):
+        return Block(cfg, tp).apply(variables, x, mutable=mutable)
+
+    def layer(x, params_and_taps):  # one layer, recording its weight ops' inputs
+        params, taps = params_and_taps
+        y, state = block({"params": params, TAPS: taps}, x, [SAVED])
+        return y, state[SAVED]
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+    def forward(layers, x):
+        # Zero taps shaped like every weight op's output (the traced forward is dead code).
+        taps = jax.vmap(lambda p: block({"params": p}, x, [TAPS])[1][TAPS])(layers)
+        run = lambda x, taps: jax.lax.scan(layer, x, (layers, taps))
+        return jax.vjp(run, x, taps, has_aux=True)
+
+    def weight_grads(layers, saved, douts):
+        def products(layers):
+            def one(params, given):
+                x = jnp.zeros_like(given["attn_norm"]["scale"])  # shape only: dead code
+                return block({"params": params, GIVEN: given}, x, [PRODUCTS])[1][PRODUCTS]
+            return jax.vmap(one)(layers, saved)
+        return jax.vjp(products, layers)[1](douts)[0]
+
+    return SplitBackward(forward, weight_grads)

@@ -1,0 +1,193 @@
+"""The train state {params, opt_state, step}: its one constructor and its two layouts.
+
+Train layout: what the step reads and writes. Parameters in the stage layout
+(`framework/parallel/pipeline/layout.py`): each layer leaf is
+[stage@pipe, chunk, layers_per_chunk, ...], sharded by the logical-axis rules
+(`framework/parallel/rules.py`) and, with ZeRO-1, over `data` along one free
+dimension per leaf (`framework/parallel/data.py`). AdamW's moments are laid out like
+the parameters they track.
+
+Canonical layout: what checkpoints and Hugging Face folders hold, [layers, ...], one
+`layers` axis, no stage or chunk axis, for the parameters and for every optimizer leaf
+that mirrors them (AdamW mu/nu, found by tree structure). It is mesh-independent: a
+checkpoint written under one (pipeline, data, tensor, schedule, zero1) restores under
+any other. `StateLayout.canonical_shardings` keeps every mesh axis a leaf had (tensor,
+data under ZeRO-1, and pipe on the layers axis where the layers of a rank stay
+contiguous), so saving and restoring move no more data than each device already
+holds, except for interleaved (circular) chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from framework.config import ModelConfig, ParallelConfig
+from framework.model.llama import init_params, param_logical_axes
+from framework.parallel import data as data_parallel
+from framework.parallel import rules
+from framework.parallel.pipeline import layout
+
+
+def train_state(params, opt_state, step) -> dict:
+    """The train state. Every state of the framework is built here."""
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def new_state(params, optimizer: optax.GradientTransformation) -> dict:
+    """The state before the first step: a fresh optimizer state, step 0."""
+    return train_state(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+@lru_cache(maxsize=None)
+def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
+    """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves); allocates nothing
+    (traced once per model and layout)."""
+    return jax.eval_shape(lambda: layout.canonical_to_train(
+        init_params(model, jax.random.key(0)), n_stages, n_chunks))
+
+
+def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
+    """(PartitionSpecs of the train-layout parameters, ZeRO-1's dimension per leaf or
+    None without ZeRO-1)."""
+    axes = layout.train_axes(param_logical_axes(model))
+    specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split))
+    if not (parallel.zero1 and parallel.data > 1):
+        return specs, None
+    shapes = abstract_train_params(model, parallel.pipeline, n_chunks)
+    dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
+    return data_parallel.add_data_axis(specs, dims), dims
+
+
+def _map_params(tree, params_def, fn: Callable):
+    """Applies `fn` to every subtree of `tree` shaped like the parameters (treedef
+    `params_def`): the parameters themselves and each optimizer moment (mu, nu)."""
+    is_params = lambda x: jax.tree.structure(x) == params_def
+    return jax.tree.map(lambda x: fn(x) if is_params(x) else x, tree, is_leaf=is_params)
+
+
+def to_canonical(state):
+    """Train-layout state -> canonical state (parameters and moments: stages -> layers)."""
+    train_def = jax.tree.structure(state["params"])
+    return train_state(layout.train_to_canonical(state["params"]),
+                       _map_params(state["opt_state"], train_def, layout.train_to_canonical),
+                       state["step"])
+
+
+def _layers_spec(spec: P, shape: tuple[int, ...], mesh_shape: dict) -> P:
+    """Spec of a canonical [layers, ...] leaf from its stage-layout spec.
+
+    Stage leaves are [stage@pipe, chunk, layers_per_chunk, ...]; the canonical layers
+    axis is the merge of (chunk, stage, layers_per_chunk), major to minor. A merged axis
+    can only be split into contiguous blocks, so a factor's mesh axis is kept while every
+    more-major factor has size 1 or is split into single elements; the rest is
+    replicated along `layers` (e.g. the circular schedule's interleaved chunks).
+    """
+    parts = tuple(spec) + (None,) * (len(shape) - len(spec))
+    factors = ((shape[1], parts[1]), (shape[0], parts[0]), (shape[2], parts[2]))
+    axes, contiguous = [], True
+    for size, axis in factors:
+        if axis is None:
+            contiguous = contiguous and size == 1
+            continue
+        if not contiguous:
+            break
+        axes.append(axis)
+        contiguous = size == mesh_shape[axis]
+    lead = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    return P(lead, *parts[3:])
+
+
+@dataclass(eq=False)
+class StateLayout:
+    """Where the train state lives for one (model, layout, mesh, optimizer): its
+    shardings in both layouts, the conversions between them, and abstract copies
+    (shapes and shardings, nothing allocated) for compiling and restoring."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    mesh: jax.sharding.Mesh
+    optimizer: optax.GradientTransformation
+    n_chunks: int  # layer chunks per pipeline rank
+    param_specs: dict  # PartitionSpecs of the train-layout parameters
+    zero1_dims: dict | None  # ZeRO-1's dimension per leaf (None: no ZeRO-1)
+
+    to_canonical = staticmethod(to_canonical)  # train-layout state -> canonical state
+
+    @property
+    def abstract_params(self):
+        """Train-layout parameter shapes (ShapeDtypeStruct leaves, no shardings)."""
+        return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
+
+    @cached_property
+    def shardings(self) -> dict:
+        """NamedShardings of the train state; optimizer moments exactly like the
+        parameters they track, the rest replicated."""
+        params = rules.named(self.mesh, self.param_specs)
+        replicated = NamedSharding(self.mesh, P())
+        opt = optax.tree_map_params(self.optimizer, lambda _, sh: sh,
+                                    jax.eval_shape(self.optimizer.init, self.abstract_params),
+                                    params, transform_non_params=lambda _: replicated)
+        return train_state(params, opt, replicated)
+
+    @cached_property
+    def canonical_shardings(self) -> dict:
+        """NamedShardings of the canonical state (same tree as `to_canonical`'s output)."""
+        mesh, train = self.mesh, self.shardings
+
+        def params(shardings):
+            layers = jax.tree.map(
+                lambda sh, s: NamedSharding(mesh, _layers_spec(sh.spec, s.shape,
+                                                               dict(mesh.shape))),
+                shardings["stages"], self.abstract_params["stages"])
+            return {**{k: v for k, v in shardings.items() if k != "stages"}, "layers": layers}
+
+        train_def = jax.tree.structure(train["params"])
+        return train_state(params(train["params"]),
+                           _map_params(train["opt_state"], train_def, params),
+                           NamedSharding(mesh, P()))
+
+    def to_train(self, canonical):
+        """Inverse of `to_canonical` for this layout's (pipeline, chunks)."""
+        split = lambda p: layout.canonical_to_train(p, self.parallel.pipeline, self.n_chunks)
+        canonical_def = jax.tree.structure(canonical["params"])
+        return train_state(split(canonical["params"]),
+                           _map_params(canonical["opt_state"], canonical_def, split),
+                           canonical["step"])
+
+    def place(self, canonical_params):
+        """Canonical params on the host -> train layout, placed on the mesh (each
+        process places its own shards)."""
+        params = layout.canonical_to_train(canonical_params, self.parallel.pipeline,
+                                           self.n_chunks)
+        return jax.device_put(params, self.shardings["params"])
+
+    def from_canonical(self, canonical_params):
+        """Canonical params already on the mesh -> train layout (one jitted relayout)."""
+        relayout = lambda c: layout.canonical_to_train(c, self.parallel.pipeline, self.n_chunks)
+        return jax.jit(relayout, out_shardings=self.shardings["params"])(canonical_params)
+
+    def init(self, params) -> dict:
+        """The state before the first step, from train-layout params on the mesh."""
+        return jax.jit(lambda p: new_state(p, self.optimizer),
+                       out_shardings=self.shardings)(params)
+
+    def abstract_state(self) -> dict:
+        """The train state as ShapeDtypeStructs with its shardings."""
+        state = jax.eval_shape(lambda p: new_state(p, self.optimizer), self.abstract_params)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            state, self.shardings)
+
+    def abstract_canonical(self) -> dict:
+        """The canonical state (what a checkpoint holds) as ShapeDtypeStructs with the
+        canonical shardings."""
+        canonical = jax.eval_shape(lambda p: to_canonical(new_state(p, self.optimizer)),
+                                   self.abstract_params)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            canonical, self.canonical_shardings)

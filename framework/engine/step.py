@@ -1,0 +1,144 @@
+"""The 3D-parallel train step, in named pieces: one pure function
+(state, tokens) -> (state, metrics) that `framework/engine/build.py` jits.
+
+Layout of one step on the (pipe, data, tensor) mesh:
+  1. a `shard_map` over all three axes runs on every device, with its shards of the
+     parameters (laid out by `framework/parallel/rules.py`) and its data replica's rows:
+       - `device_params`: ZeRO-1's gather, and the per-device view of the weights;
+       - the pipeline executor the schedule names (`framework/parallel/pipeline/`) runs
+         the schedule table: each stage's layers, with Megatron's tensor-parallel
+         collectives inside (`framework/parallel/tensor.py`), head + loss on the last
+         stage, and returns this device's loss share and gradients;
+       - `reduce_gradients`: each gradient once over `data` (`framework/parallel/data.py`),
+         over `pipe` for the parameters several ranks use (embedding, head);
+  2. outside it, AdamW updates the parameters with the optimizer state sharded like them.
+Every collective is explicit, so the compiled program holds exactly the communication
+written here (`framework/analysis/audit.py` lists it).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+from framework.config import ModelConfig, ParallelConfig
+from framework.engine.split import split_layers
+from framework.engine.state import train_state
+from framework.model.llama import Embed, Head, apply_layers, cross_entropy_sum
+from framework.parallel import data as data_parallel
+from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.pipeline import StageFns, executor
+from framework.parallel.pipeline.autodiff import forward as forward_loss
+from framework.parallel.pipeline.comm import varying
+from framework.parallel.pipeline.schedule import AUTODIFF, Schedule, circular
+from framework.parallel.rules import param_rules
+from framework.parallel.tensor import TensorParallel
+
+MANUAL = (PIPE, DATA)  # replicated parameters are made per-device over these
+
+
+def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
+              n_tokens_global: int, split: bool) -> StageFns:
+    """The model as the pipeline executors see it, on one device (`tp`: the tensor-
+    parallel plan); the loss share of a microbatch is its token cross-entropy sum over
+    the global token count."""
+
+    def head_loss(head, embed, y, targets):
+        logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
+        return cross_entropy_sum(logits, targets, tp) / n_tokens_global
+
+    return StageFns(
+        embed=lambda e, ids: Embed(model, tp).apply({"params": e}, ids),
+        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp),
+        head_loss=head_loss,
+        split=split_layers(model, remat=parallel.remat, tp=tp) if split else None)
+
+
+def device_params(params, zero1_dims, vary_over):
+    """This device's weights for the step: ZeRO-1 shards gathered, typed per device (so
+    that gradients are taken per device, without implicit sums), the layers viewed as
+    this rank's chunks [v, Lc, ...]."""
+    if zero1_dims is not None:
+        params = data_parallel.gather_params(params, zero1_dims)
+    params = jax.tree.map(lambda a: varying(a, vary_over), params)
+    return {"embed": params["embed"], "head": params["head"],
+            "chunks": jax.tree.map(lambda a: a[0], params["stages"])}  # drop the stage axis
+
+
+def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims):
+    """Each gradient reduced once: per-device chunks back to the stage layout; with
+    sequence parallelism the norm scales' partial sums over `tensor`; the parameters
+    several pipeline ranks use (embedding on the first, head on the last) over `pipe`;
+    everything over `data` (or ZeRO-1's reduce-scatter)."""
+    grads = {"embed": grads["embed"], "head": grads["head"],
+             "stages": jax.tree.map(lambda a: a[None], grads["chunks"])}
+    if sequence_parallel:
+        grads = jax.tree.map(lambda g, r: jax.lax.psum(g, TENSOR) if r else g,
+                             grads, tensor_replicated)
+    grads = {k: v if k == "stages" else jax.lax.psum(v, PIPE) for k, v in grads.items()}
+    return data_parallel.reduce_gradients(grads, zero1_dims)
+
+
+def split_batch(tokens, microbatches: int, data: int):
+    """This replica's rows [b, seq + 1] -> (inputs, targets) [micro, b / micro, seq] and
+    the global token count."""
+    mb = lambda a: a.reshape((microbatches, a.shape[0] // microbatches) + a.shape[1:])
+    return mb(tokens[:, :-1]), mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1)
+
+
+def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
+                         schedule: Schedule, param_specs, zero1_dims, forward_only=False):
+    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
+    m, sp = parallel.microbatches, parallel.sequence_parallel and parallel.tensor > 1
+    # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
+    # PlanError here, when the engine is built.
+    tp = TensorParallel(TENSOR, parallel.tensor, parallel.sequence_parallel,
+                        param_rules(parallel.tensor_split))
+    # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
+    # every tensor device computes their full gradient from identical activations; with
+    # it each device sees its slice of the sequence, so they are summed over `tensor`.
+    tensor_replicated = jax.tree.map(lambda s: TENSOR not in s, param_specs,
+                                     is_leaf=lambda s: isinstance(s, P))
+    vary_over = MANUAL + ((TENSOR,) if parallel.sequence_parallel else ())
+
+    def eval_body(params, tokens):
+        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=False)
+        # Forward only: the GPipe forward over the same chunks (nothing to interleave).
+        table = schedule if schedule.executor == AUTODIFF else circular(
+            schedule.n_stages, m, schedule.n_chunks)
+        loss = forward_loss(table, fns, device_params(params, zero1_dims, vary_over),
+                            inputs, targets)
+        return jax.lax.psum(loss, MANUAL)
+
+    def body(params, tokens):
+        """Runs on each device: params are its shards, tokens its data replica's rows."""
+        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=schedule.split_backward)
+        loss, grads = executor(schedule).loss_and_grads(
+            schedule, fns, device_params(params, zero1_dims, vary_over), inputs, targets)
+        grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)
+        return jax.lax.psum(loss, MANUAL), grads
+
+    if forward_only:
+        return jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P(DATA)),
+                             out_specs=P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
+                         out_specs=(P(), param_specs))
+
+
+def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule):
+    """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics)."""
+
+    def step(state, tokens):
+        loss, grads = loss_and_grads(state["params"], tokens)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
+                   "train/lr": lr(state["step"])}
+        return train_state(params, opt_state, state["step"] + 1), metrics
+
+    return step

@@ -1,0 +1,67 @@
+"""Every error a user of the framework can be shown, in one place.
+
+Each carries a message meant to be printed as it is: one line, naming the setting, the
+file or the step involved, and what would work instead. The command lines turn them
+into an exit status (`framework/run/cli.py`):
+
+    ConfigError          2  bad settings, a folder another run holds, a run that will
+                            not fit; raised before anything is compiled
+    Diverged             3  a non-finite loss or gradient norm
+    StorageError         4  a checkpoint or a record could not be written
+The others are handled where they occur: a DamagedCheckpoint makes a run fall back to
+the previous checkpoint, a NonFiniteStateError becomes Diverged, a PlanError is a
+ConfigError of the tensor-parallel rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration. `str(err)` is meant to be shown as is."""
+
+
+class PlanError(ConfigError):
+    """The tensor-parallel rules ask for a layout the model cannot run."""
+
+
+class MemoryCheckError(ConfigError):
+    """The run is predicted not to fit its devices; the message says what would."""
+
+
+class FolderBusy(ConfigError):
+    """Another live run holds the folder."""
+
+
+class StorageError(RuntimeError):
+    """A checkpoint or a record could not be written (no space, permission, quota).
+    `str(err)` is one line: what failed, where, the size needed, the newest good
+    checkpoint."""
+
+
+class Diverged(RuntimeError):
+    """A non-finite loss or gradient norm (or train state) at `step`."""
+
+    def __init__(self, step: int, message: str):
+        self.step = step
+        super().__init__(message)
+
+    @classmethod
+    def from_values(cls, step: int, values: dict) -> "Diverged":
+        bad = [k for k, v in values.items() if not math.isfinite(v)]
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        return cls(step, f"non-finite {' and '.join(bad)} at step {step} ({shown})")
+
+
+class NonFiniteStateError(ValueError):
+    """A train state with NaN/inf values was about to be checkpointed."""
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be restored as saved: unreadable, incomplete, or with
+    arrays whose fingerprints differ. `str(err)` is one line."""
+
+    def __init__(self, directory: str, step: int, reason: str):
+        self.directory, self.step, self.reason = directory, step, reason
+        super().__init__(f"the checkpoint of step {step} in {directory} is damaged: {reason}")

@@ -1,0 +1,67 @@
+"""What a path given by the user holds, checkpoint-wise: a run folder, a checkpoint
+folder (Orbax step folders `<step>/`) or one step folder of one. Every command that
+takes such a path (`train.resume_from`, `framework.generate checkpoint=`,
+`tools/export_hf.py`) reads it through `locate`.
+
+    <run>/                    its checkpoint folder: summary.json's `checkpoint_dir`
+                              (where `checkpoint.dir` put them), else <run>/checkpoints
+    <run>/checkpoints/        the newest complete step in it
+    <run>/checkpoints/<step>/ that step
+Remote paths (gs://...) are kept as given: a folder, or a step folder by its number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+RUN_CHECKPOINTS = "checkpoints"  # a run folder's checkpoint folder
+STATE, METADATA = "state", "metadata"  # the two items of every checkpoint step
+# Written by Orbax (the step's own metadata) and by us, inside the atomic step folder:
+# a step folder missing either (e.g. copied by hand, or half-written on a filesystem
+# without atomic rename) is never picked.
+COMPLETE_MARKERS = ("_CHECKPOINT_METADATA", os.path.join(METADATA, "metadata"))
+
+
+@dataclass(frozen=True)
+class Located:
+    folder: str  # the checkpoint folder (absolute, or remote)
+    step: int | None  # the step named by the path, or None for the newest complete one
+    run_dir: str | None  # the run folder it belongs to, where known
+
+
+def absolute(path: str) -> str:
+    """A path as recorded in checkpoints and summaries: absolute (remote: as given)."""
+    if "://" in path:
+        return path.rstrip("/")
+    return os.path.abspath(os.path.expanduser(path)).rstrip(os.sep)
+
+
+def locate(path: str) -> Located | None:
+    """The checkpoint folder and step a path names (see the module docstring), or None
+    when it is none of these."""
+    if "://" in path:
+        head, _, name = path.rstrip("/").rpartition("/")
+        return Located(head, int(name), None) if name.isdigit() else Located(
+            path.rstrip("/"), None, None)
+    path = absolute(path)
+    parent, name = os.path.split(path)
+    looks_like_step = any(os.path.exists(os.path.join(path, m)) for m in (STATE, *COMPLETE_MARKERS))
+    if name.isdigit() and os.path.isdir(parent) and (looks_like_step or not os.path.exists(path)):
+        return Located(parent, int(name), os.path.dirname(parent))
+    if not os.path.isdir(path):
+        return None
+    if os.path.exists(os.path.join(path, "summary.json")) or \
+            os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)):
+        return Located(_run_checkpoints(path), None, path)
+    return Located(path, None, parent)
+
+
+def _run_checkpoints(run_dir: str) -> str:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            recorded = json.load(f).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return recorded or os.path.join(run_dir, RUN_CHECKPOINTS)

@@ -1,0 +1,114 @@
+"""What a path given to `framework.generate` or `tools/export_hf.py` holds: a Hugging
+Face folder (config.json + safetensors), a run folder (`<run>/checkpoints/`), a
+checkpoint folder (Orbax steps) or one step folder of it; the model it describes, its
+tokenizer and how to load its parameters onto given shardings.
+
+Tokenizer lookup for a checkpoint: the checkpoint's metadata (`tokenizer`: "bytes" or
+a tokenizer.json path, written by the training run), else `<run folder>/tokenizer.json`,
+else byte-level when the run trained on bytes (`data` text/markov/synthetic with a
+vocabulary of at most 256), else unknown (ids only). For a HF folder: its
+tokenizer.json if present, else byte-level when its vocabulary is 256 (what
+tools/export_hf.py writes for a byte-level run), else unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from framework.io.hf import llama as hf
+from framework.io.checkpoint.manager import Checkpointer
+from framework.io.checkpoint.paths import locate
+from framework.errors import ConfigError
+from framework.config import ModelConfig, model_config_from_dict
+from framework.io.tokenizer import BYTES
+
+BYTE_LEVEL_DATA = ("text", "markov", "synthetic")
+
+
+@dataclass
+class Source:
+    kind: str  # "hf" | "checkpoint"
+    path: str  # the HF folder, or the checkpoint folder
+    step: int | None  # checkpoint step
+    model: ModelConfig
+    tokenizer: str | None  # "bytes", a tokenizer.json path, or None (unknown)
+    hf_config: dict | None  # the config.json the weights came from (token ids, context)
+    metadata: dict  # the checkpoint's metadata ({} for a HF folder)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = (self.hf_config or {}).get("eos_token_id")
+        return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+    def describe(self) -> str:
+        if self.kind == "hf":
+            return f"Hugging Face folder {self.path}"
+        return f"checkpoint of step {self.step} in {self.path}"
+
+    def load(self, shardings):
+        """Canonical float32 parameters placed with `shardings` (each process reads only
+        its devices' blocks, from safetensors or from the Orbax checkpoint)."""
+        if self.kind == "hf":
+            return hf.load_params(self.path, self.model, shardings)
+        shapes = hf.canonical_shapes(self.model)
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                shapes, shardings)
+        ckpt = Checkpointer(self.path, read_only=True)
+        try:
+            return ckpt.restore_params(self.step, abstract)
+        finally:
+            ckpt.close()
+
+
+def open_source(path: str, step: int | None = None, setting: str = "checkpoint") -> Source:
+    """The model at `path` (see the module docstring). Raises ConfigError naming
+    `setting` when there is none."""
+    where = Path(os.path.expanduser(path)).absolute()
+    if not where.exists():
+        raise ConfigError(f"{setting}={path} does not exist")
+    if hf.is_hf_folder(where):
+        config = hf.read_config(where)
+        tok = where / hf.TOKENIZER_FILE
+        model = hf.model_config(config, str(where / hf.CONFIG_FILE))
+        tokenizer = str(tok) if tok.is_file() else BYTES if model.vocab_size == 256 else None
+        return Source("hf", str(where), None, model, tokenizer, config, {})
+    found = locate(str(where))
+    if found is None or not os.path.isdir(found.folder):
+        raise ConfigError(f"{setting}={path} is neither a Hugging Face folder (config.json) "
+                          f"nor a run or checkpoint folder")
+    folder, run_dir = Path(found.folder), Path(found.run_dir or where.parent)
+    ckpt = Checkpointer(str(folder), read_only=True)
+    try:
+        try:
+            step = ckpt.pick(step if step is not None else found.step)
+        except FileNotFoundError as err:
+            raise ConfigError(f"{setting}={path}: {err}") from None
+        meta = ckpt.metadata(step)
+    finally:
+        ckpt.close()
+    if "model" not in meta:
+        raise ConfigError(f"{setting}={path}: the checkpoint of step {step} has no model settings")
+    model = model_config_from_dict(meta["model"])
+    return Source("checkpoint", str(folder), step, model,
+                  _checkpoint_tokenizer(meta, run_dir, model), meta.get("hf_config"), meta)
+
+
+def _checkpoint_tokenizer(meta: dict, run_dir: Path, model: ModelConfig) -> str | None:
+    recorded = meta.get("tokenizer")
+    if recorded == BYTES or (recorded and os.path.isfile(recorded)):
+        return recorded
+    if (run_dir / hf.TOKENIZER_FILE).is_file():
+        return str(run_dir / hf.TOKENIZER_FILE)
+    if meta.get("data") in BYTE_LEVEL_DATA and model.vocab_size <= 256:
+        return BYTES
+    return None
+
+
+def with_dtype(source: Source, dtype: str | None) -> Source:
+    return source if dtype is None else dataclasses.replace(
+        source, model=dataclasses.replace(source.model, dtype=dtype))

@@ -1,0 +1,377 @@
+"""A Llama decoder in Flax (linen), written in *logical* axes.
+
+Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`, `mlp`,
+`vocab`, ...); the table that maps them to the (pipe, data, tensor) mesh lives in
+`framework/parallel/rules.py`. The model never sees a mesh: weights are declared with their
+global shapes, and a `TensorParallel` object (`framework/parallel/tensor.py`) derives
+from those rules each device's shard of them and the Megatron operators each block
+needs around its matmuls (named by the logical axis the block splits); the default one
+splits nothing, which is the single-device model. Attention kernels are in
+`framework/model/attention.py` (`model.attention`).
+
+The model is split into three pieces so a pipeline can place them: `Embed` (token
+ids -> hidden states), `Block` (one decoder layer; the pipeline stacks and scans
+these) and `Head` (final norm + LM head). `init_params` returns the *canonical*
+parameter tree: {'embed', 'layers' (stacked along a leading `layers` axis), 'head'}.
+
+Decoding (framework/engine/decode.py) uses the same modules and weights: `Attention` and
+`Block` take an optional KV cache and the position of their first row
+(`apply_layers_cached`), and `rotary` takes explicit positions.
+
+Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
+GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from framework.model.attention import attend
+from framework.config import ModelConfig, RopeScaling, not_one_of
+from framework.parallel.tensor import TensorParallel
+
+NO_TP = TensorParallel()
+init_normal = nn.initializers.normal(stddev=0.02)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
+    """A float32 weight of global `shape` with logical `axes`; the module's tensor-parallel
+    plan makes it this device's shard."""
+    shape = getattr(module, "tp", NO_TP).local_shape(shape, axes)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+# Collections of the split backward (`framework/engine/split.py`), read only when present.
+TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
+
+
+def weight_op(module: nn.Module, name: str, eq: str, x, w):
+    """y = einsum(eq, x, w): every use of a layer weight goes through here. Normally just
+    that; for the zero-bubble split backward (framework/engine/split.py) it records x
+    (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
+    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
+    if module.has_variable(GIVEN, name):
+        x = module.get_variable(GIVEN, name)
+    if module.is_mutable_collection(SAVED):
+        module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    y = jnp.einsum(eq, x, w)
+    if module.is_mutable_collection(PRODUCTS):
+        module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    return module.perturb(name, y, collection=TAPS)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):  # x: [..., embed]
+        scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None):
+    """Rotary inverse frequencies theta^(-2i/dim), i < dim/2 (Su et al. 2021): [dim/2] f32.
+
+    With Llama 3's scaling (Dubey et al. 2024; the `apply_scaling` of Meta's reference
+    code), a frequency whose wavelength 2*pi/f exceeds L/low_freq_factor is divided by
+    `factor`, one whose wavelength is below L/high_freq_factor is kept, and in between
+    f' = (1 - a) f / factor + a f with a = (L / wavelength - low) / (high - low), where
+    L = original_max_position_embeddings. Computed in float32, as transformers does."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    if scaling is None or scaling.rope_type == "none":
+        return inv_freq
+    s, length = scaling, float(scaling.original_max_position_embeddings)
+    wavelength = 2 * math.pi / inv_freq
+    stretched = jnp.where(wavelength > length / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    a = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - a) * stretched / s.factor + a * stretched
+    middle = ((wavelength >= length / s.high_freq_factor)
+              & (wavelength <= length / s.low_freq_factor))
+    return jnp.where(middle, blended, stretched)
+
+
+def rotary(x, theta: float, positions, scaling: RopeScaling | None = None):
+    """Rotary position embedding (Su et al. 2021), rotate-half form.
+    x: [batch, seq, ..., head_dim]; positions: [seq] int, the absolute position of each
+    row (0..seq-1 in training; offset by the cache length when decoding)."""
+    dim = x.shape[-1]
+    inv_freq = rope_frequencies(dim, theta, scaling)  # [dim/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
+    angles = angles.reshape((1, x.shape[1]) + (1,) * (x.ndim - 3) + (dim // 2,))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the positions decoded so far, for one layer (stacked over
+    layers by `apply_layers_cached`): [batch, max_len, kv_heads@tensor, head_dim] each.
+    Entries at or after the current length are stale and masked out."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention.
+
+    q, k and v come from one fused weight laid out per kv group, [embed, kv_heads,
+    q_per_kv + 2, head_dim]: group g holds its q_per_kv query heads, then its key and
+    its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
+    (column-parallel), and the fused matmul needs one reduction in the backward instead
+    of three. The output projection is row-parallel: one reduction in the forward. The
+    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/model/attention.py`."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """x: [batch, seq (/tensor with SP), embed] -> the same shape.
+
+        Training (cache None): causal attention among the rows of x, positions 0..seq-1.
+        Decoding: x holds the rows at positions start..start+seq-1; their keys and values
+        are written into `cache` at those positions and the rows attend to every cached
+        position up to their own. Returns (out, updated cache)."""
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        d, hd, r = c.d_model, c.head_dim, c.n_heads // c.n_kv_heads  # r: q heads per kv head
+        wqkv = _param(self, "wqkv", (d, c.n_kv_heads, r + 2, hd),
+                      ("embed", "kv_heads", "qkv", "head_dim"))
+        wo = _param(self, "wo", (c.n_heads, hd, d), ("heads", "head_dim", "embed"))
+        x = self.tp.enter(x, "kv_heads", whole_sequence=True).astype(dt)  # [b, s, embed]
+        positions = start + jnp.arange(x.shape[1])  # [s]
+        qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b,s,kv@tensor,r+2,hd]
+        q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
+        k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
+        v = qkv[:, :, :, r + 1]
+        if cache is not None:  # keys/values: [b, max_len, kv@tensor, hd]; the rows after
+            # the cached length are stale and causally masked (later positions)
+            cache = KVCache(*(jax.lax.dynamic_update_slice(whole, new.astype(whole.dtype),
+                                                           (0, start, 0, 0))
+                              for whole, new in ((cache.k, k), (cache.v, v))))
+            k, v = cache.k.astype(dt), cache.v.astype(dt)
+        out = attend(q, k, v, c.attention, block_q=c.attention_block_q,
+                     block_kv=c.attention_block_kv, q_offset=start)  # [b, s, kv@tensor, r, hd]
+        out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
+        out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)), "heads",
+                           whole_sequence=True)
+        return out if cache is None else (out, cache)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: gate and up fused in one column-parallel weight
+    [embed, 2, mlp] (one backward reduction), row-parallel down projection."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
+        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
+        x = self.tp.enter(x, "mlp").astype(dt)
+        gate_up = weight_op(self, "w_gate_up", "bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
+        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        return self.tp.exit(weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt)),
+                            "mlp")
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: h = x + attn(norm(x)), out = h + mlp(norm(h))."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """x: [batch, seq (/tensor with SP), embed]; with a cache (decoding, see
+        Attention) returns (out, updated cache)."""
+        attn = Attention(self.cfg, self.tp, name="attn")
+        normed = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)
+        if cache is None:
+            h = x + attn(normed)
+        else:
+            attended, cache = attn(normed, cache, start)
+            h = x + attended
+        out = h + MLP(self.cfg, self.tp, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
+        return out if cache is None else (out, cache)
+
+
+class Embed(nn.Module):
+    """Token embedding, vocabulary-parallel: each device looks up the ids that fall in
+    its slice of the table, zeros elsewhere, and `exit` sums the slices."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq(/tp), embed]
+        c = self.cfg
+        table = _param(self, "table", (c.vocab_size, c.d_model), ("vocab", "embed"))
+        local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
+        mine = (local >= 0) & (local < table.shape[0])
+        x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
+        return self.tp.exit(x.astype(jnp.dtype(c.dtype)), "vocab", whole_sequence=True)
+
+
+class Head(nn.Module):
+    """Final RMSNorm + LM head (vocabulary-parallel). With tied embeddings the caller
+    passes the embedding table as `tied_table`. Returns this device's vocabulary slice
+    of the logits, [batch, seq, vocab@tensor] float32."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, x, tied_table=None):  # x: [batch, seq (/tensor with SP), embed]
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x = self.tp.enter(RMSNorm(c.norm_eps, name="norm")(x), "vocab").astype(dt)
+        if c.tie_embeddings:
+            w = tied_table.T  # [embed, vocab@tensor]
+        else:
+            w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
+        return (x @ w.astype(dt)).astype(jnp.float32)
+
+
+def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP):
+    """Sum of token cross-entropies over a vocabulary-parallel logits tensor.
+    logits: [b, s, vocab@tensor] f32 (this device's slice), targets: [b, s] int32.
+    log Z = max + log sum exp(logits - max), both reduced over the vocabulary slices."""
+    peak = tp.vocab_max(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))  # [b, s]
+    log_z = peak + jnp.log(tp.vocab_sum(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)))
+    local = targets - tp.vocab_offset(logits.shape[-1])  # one_hot is zero off this slice
+    label = tp.vocab_sum(jnp.sum(logits * jax.nn.one_hot(local, logits.shape[-1]), axis=-1))
+    return jnp.sum(log_z - label)
+
+
+# ---------------------------------------------------------------------------------
+# Parameters in canonical layout.
+
+
+def _is_axes(a):
+    return isinstance(a, tuple)
+
+
+def _unbox(boxed):
+    """Splits Flax's boxed params into (arrays, logical axis tuples)."""
+    axes = nn.get_partition_spec(boxed)  # PartitionSpec of logical names per leaf
+    axes = jax.tree.map(tuple, axes, is_leaf=_is_axes)
+    return nn.meta.unbox(boxed), axes
+
+
+def init_params_and_axes(cfg: ModelConfig, key):
+    """(params, logical_axes) in canonical layout; axes are tuples of names."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    x = jnp.zeros((1, 2, cfg.d_model), jnp.float32)
+    embed, embed_axes = _unbox(Embed(cfg).init(k_embed, tokens)["params"])
+    init_layer = lambda k: Block(cfg).init(k, x)["params"]
+    layers = jax.vmap(lambda k: nn.meta.unbox(init_layer(k)))(
+        jax.random.split(k_layers, cfg.n_layers))
+    _, layer_axes = _unbox(jax.eval_shape(init_layer, k_layers))
+    layer_axes = jax.tree.map(lambda a: ("layers",) + a, layer_axes, is_leaf=_is_axes)
+    head, head_axes = _unbox(Head(cfg).init(k_head, x, tied_table=embed["table"])["params"])
+    params = {"embed": embed, "layers": layers, "head": head}
+    axes = {"embed": embed_axes, "layers": layer_axes, "head": head_axes}
+    return params, axes
+
+
+def init_params(cfg: ModelConfig, key):
+    """Canonical parameters {'embed', 'layers', 'head'}; layers stacked on axis 0."""
+    return init_params_and_axes(cfg, key)[0]
+
+
+@lru_cache(maxsize=None)
+def param_logical_axes(cfg: ModelConfig):
+    """Logical axis names of every canonical parameter, without allocating them (traced
+    once per model; do not modify the returned tree)."""
+    found = {}
+
+    def shapes_only():
+        params, found["axes"] = init_params_and_axes(cfg, jax.random.key(0))
+        return params
+
+    jax.eval_shape(shapes_only)
+    return found["axes"]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    c = cfg
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
+    layer = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
+    return c.vocab_size * c.d_model + c.n_layers * layer + head
+
+
+def check_model(model: ModelConfig) -> list[str]:
+    """Problems of the model's own shape (whatever the layout)."""
+    errs = []
+    if model.d_model % model.n_heads:
+        errs.append(f"model.d_model={model.d_model} is not divisible by model.n_heads="
+                    f"{model.n_heads}")
+    if model.n_heads % model.n_kv_heads:
+        errs.append(f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads="
+                    f"{model.n_kv_heads}: grouped-query attention needs whole groups")
+    if model.head_dim % 2:
+        errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
+    return errs + check_rope_scaling(model.rope_scaling)
+
+
+def check_rope_scaling(r: RopeScaling) -> list[str]:
+    problem = not_one_of("model.rope_scaling.rope_type", r.rope_type)
+    if problem:
+        return [problem]
+    if r.rope_type == "none":
+        return []
+    errs = []
+    if r.factor < 1:
+        errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        errs.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be > 0 and "
+                    f"< model.rope_scaling.high_freq_factor={r.high_freq_factor}")
+    if r.original_max_position_embeddings < 1:
+        errs.append(f"model.rope_scaling.original_max_position_embeddings="
+                    f"{r.original_max_position_embeddings} must be >= 1")
+    return errs
+
+
+REMAT_POLICIES = {
+    "full": None,  # save only each layer's input; recompute the rest in the backward
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
+
+def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP):
+    """Runs a stack of decoder layers under `scan` (compile time independent of depth).
+    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]."""
+
+    def layer(x, layer_params):
+        return Block(cfg, tp).apply({"params": layer_params}, x)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)
+    return x
+
+
+def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
+                        tp: TensorParallel = NO_TP):
+    """The decode path of `apply_layers`: the same layers, each reading and extending its
+    KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
+    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]."""
+
+    def layer(x, scanned):
+        layer_params, cache = scanned
+        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start)
+
+    return jax.lax.scan(layer, x, (layers, tuple(caches)))

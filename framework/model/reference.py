@@ -1,0 +1,52 @@
+"""The naive single-device reference: the whole model on one device, no microbatches,
+no collectives. Every parallel path is tested against this (loss and gradients), and
+`tools/bench.py` times the framework against `reference_train_step`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from framework.config import ModelConfig
+from framework.model.llama import Block, Embed, Head, cross_entropy_sum
+
+
+def forward(params, inputs, cfg: ModelConfig):
+    """inputs: [batch, seq] int32 -> logits [batch, seq, vocab] float32."""
+    x = Embed(cfg).apply({"params": params["embed"]}, inputs)
+
+    def layer(x, layer_params):
+        return Block(cfg).apply({"params": layer_params}, x), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
+
+
+def loss_fn(params, tokens, cfg: ModelConfig):
+    """Mean next-token cross-entropy. tokens: [batch, seq + 1]."""
+    logits = forward(params, tokens[:, :-1], cfg)
+    return cross_entropy_sum(logits, tokens[:, 1:]) / tokens[:, 1:].size
+
+
+def loss_and_grads(params, tokens, cfg: ModelConfig):
+    return jax.value_and_grad(loss_fn)(params, tokens, cfg)
+
+
+def reference_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
+    """A plain jitted AdamW step: (params, opt_state, tokens) -> (params, opt_state, loss)."""
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        loss, grads = loss_and_grads(params, tokens, cfg)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def tokens_for_step(seed: int, step: int, batch: int, seq_len: int, vocab: int):
+    """A seeded synthetic token stream: [batch, seq_len + 1] int32, a pure function of
+    (seed, step), so every layout sees the same data."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.randint(key, (batch, seq_len + 1), 0, vocab, dtype=jnp.int32)

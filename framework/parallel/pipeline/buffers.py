@@ -1,0 +1,231 @@
+"""What an executor needs besides the cells, derived from a schedule table and checked:
+which buffer slot every message and stash entry uses, and which point-to-point sends
+each tick makes.
+
+Messages. F(i, g) sends its output to F(i, g+1) (buffer `act`); the last stage's F sends
+dL/dy to its own backward (buffer `grad`, locally); B or BW(i, g) sends dx to the backward
+of (i, g-1) (`grad`). A message is stored at the end of the tick that produced it, on the
+rank that consumes it, and read during the consumer's tick.
+
+Stash. F(i, g) keeps what its backward needs until its last backward cell: the VJP
+residuals for BW; for a split backward, the residuals of B and the weight matmuls'
+inputs, and then (written by B over the dead residuals) the matmul output gradients W
+needs.
+
+Slots. Per rank and buffer, entries are intervals [written, read]; a slot is reused as
+soon as its last entry was read (interval colouring, lowest free slot first, which is
+optimal for intervals). Every rank allocates the largest count (one SPMD program).
+
+Sends. A message from rank s to rank d travels on channel (buffer, (d - s) mod p): on a
+tick, the ranks sending on one channel form a permutation (each rank sends at most one
+message per buffer per tick), so one `ppermute` with exactly those pairs moves them, and
+idle ranks send nothing. Shift 0 is a rank's message to itself (no communication).
+`check` re-verifies all of this by replaying the table tick by tick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from framework.parallel.pipeline.schedule import AUTODIFF, BW, B, F, IDLE, W, Schedule
+
+ACT, GRAD = "act", "grad"
+
+
+@dataclass(frozen=True)
+class Message:
+    buffer: str  # ACT or GRAD
+    microbatch: int
+    src: int  # ranks
+    dst: int
+    sent: int  # tick at whose end it is stored
+    used: int  # tick that reads it
+
+
+@dataclass(frozen=True, eq=False)
+class Channel:
+    buffer: str
+    shift: int  # dst = (src + shift) % p; 0: to itself
+    arrive: np.ndarray  # [ticks, ranks] slot the rank stores into after the tick (-1: none)
+    pattern: np.ndarray  # [ticks] index into `pairs`; 0 = nobody sends
+    pairs: tuple  # pairs[k]: ((src, dst), ...) of pattern k; pairs[0] == ()
+
+
+@dataclass(frozen=True, eq=False)
+class Buffers:
+    n_slots: dict  # {"stash", "act", "grad"} -> slots per rank
+    stash: np.ndarray  # [ticks, ranks] the cell's microbatch's stash slot (-1: none):
+    #                    F writes it, B (split) reads and rewrites it, W or BW reads it
+    read: np.ndarray  # [ticks, ranks] F: its input's `act` slot (-1: the embedding);
+    #                   B, BW: its dy's `grad` slot
+    channels: tuple  # Channel, ...
+    messages: tuple  # Message, ... (for checks and accounting)
+
+
+def _cells(s: Schedule) -> dict:
+    """(kind letter, microbatch, global stage) -> (tick, rank); BW counts as B and W."""
+    at = {}
+    stage = s.global_stage
+    for (t, r), kind in np.ndenumerate(s.kind):
+        if kind == IDLE:
+            continue
+        i, g = int(s.microbatch[t, r]), int(stage[t, r])
+        letters = {F: "F", B: "B", W: "W", BW: "BW"}[int(kind)]
+        for letter in ("B", "W") if letters == "BW" else (letters,):
+            if (letter, i, g) in at:
+                raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) appears twice")
+            at[letter, i, g] = (t, r)
+    return at
+
+
+def messages(s: Schedule) -> list[Message]:
+    rows = s.forward_rows()
+    at = _cells(rows)
+    S = s.n_global_stages
+    out = []
+    for (letter, i, g), (t, r) in sorted(at.items(), key=lambda kv: kv[1]):
+        if letter == "F" and g < S - 1:
+            t2, r2 = at["F", i, g + 1]
+            out.append(Message(ACT, i, r, r2, t, t2))
+        if s.executor == AUTODIFF:
+            continue
+        if letter == "F" and g == S - 1:
+            out.append(Message(GRAD, i, r, r, t, at["B", i, g][0]))
+        if letter == "B" and g > 0:
+            t2, r2 = at["B", i, g - 1]
+            out.append(Message(GRAD, i, r, r2, t, t2))
+    return out
+
+
+def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
+    """intervals (start, end, key), per rank: slot per key such that an entry's slot
+    is reused only from its end on. Returns ({key: slot}, slots used)."""
+    free_at: list[int] = []  # per slot: the tick from which it is free
+    slot = {}
+    for start, end, key in sorted(intervals):
+        for k, t in enumerate(free_at):
+            if t <= start:
+                free_at[k] = end
+                slot[key] = k
+                break
+        else:
+            slot[key] = len(free_at)
+            free_at.append(end)
+    return slot, len(free_at)
+
+
+@lru_cache(maxsize=None)
+def _plan(s: Schedule) -> Buffers:
+    p, T = s.n_stages, s.n_ticks
+    rows = s.forward_rows()
+    T = rows.n_ticks
+    msgs = messages(s)
+    at = _cells(rows)
+    read = np.full((T, p), -1, np.int32)
+    n_slots = {}
+    slot_of: dict[Message, int] = {}
+    for buf in (ACT, GRAD):
+        n_slots[buf] = 0
+        for r in range(p):
+            mine = [(m.sent, m.used, m) for m in msgs if m.buffer == buf and m.dst == r]
+            slots, n = _colour(mine)
+            slot_of.update(slots)
+            n_slots[buf] = max(n_slots[buf], n)
+    for m in msgs:
+        read[m.used, m.dst] = slot_of[m]
+    # A microbatch's stash slot lives from its F to its W (BW): with a split backward
+    # B reuses it for the matmul output gradients W needs (the residuals are dead then).
+    stash = np.full((T, p), -1, np.int32)
+    n_slots["stash"] = 0
+    if s.executor != AUTODIFF:
+        for r in range(p):
+            mine = [(t, at["W", i, g][0], (i, g))
+                    for (letter, i, g), (t, rr) in at.items() if letter == "F" and rr == r]
+            slots, n = _colour(mine)
+            n_slots["stash"] = max(n_slots["stash"], n)
+            for (i, g), k in slots.items():
+                for letter in ("F", "B", "W"):
+                    stash[at[letter, i, g]] = k
+    channels = []
+    for buf in (ACT, GRAD):
+        for shift in range(p):
+            mine = [m for m in msgs if m.buffer == buf and (m.dst - m.src) % p == shift]
+            if not mine:
+                continue
+            arrive = np.full((T, p), -1, np.int32)
+            senders: dict[int, set] = {}
+            for m in mine:
+                arrive[m.sent, m.dst] = slot_of[m]
+                senders.setdefault(m.sent, set()).add(m.src)
+            patterns = [()]
+            pattern = np.zeros(T, np.int32)
+            for t, srcs in sorted(senders.items()):
+                pairs = tuple((src, (src + shift) % p) for src in sorted(srcs))
+                if pairs not in patterns:
+                    patterns.append(pairs)
+                pattern[t] = patterns.index(pairs)
+            channels.append(Channel(buf, shift, arrive, pattern, tuple(patterns)))
+    return Buffers(n_slots, stash, read, tuple(channels), tuple(msgs))
+
+
+def plan(s: Schedule) -> Buffers:
+    """The checked buffer plan of a schedule (cached per schedule)."""
+    buffers = _plan(s)
+    check(s, buffers)
+    return buffers
+
+
+def check(s: Schedule, buffers: Buffers) -> None:
+    """Replays the table and raises ValueError unless: every microbatch passes every
+    stage once forward and once backward (B + W, or BW) on the rank that holds the
+    stage; every cell runs after what it depends on (messages one tick later); and no
+    buffer slot is overwritten while its entry is still to be read."""
+    rows = s.forward_rows()
+    at = _cells(rows)
+    S, m = s.n_global_stages, s.n_microbatches
+    letters = ("F",) if s.executor == AUTODIFF else ("F", "B", "W")
+    for i in range(m):
+        for g in range(S):
+            for letter in letters:
+                if (letter, i, g) not in at:
+                    raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) is missing")
+                if at[letter, i, g][1] != s.rank_chunk_of[g][0]:
+                    raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) on the wrong rank")
+    for (letter, i, g), (t, _) in at.items():
+        deps = {"F": [("F", i, g - 1)] if g > 0 else [],
+                "B": [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else []),
+                "W": [("B", i, g)]}[letter]
+        if letter == "B" and g == S - 1 and s.executor == AUTODIFF:
+            deps = []
+        for d in deps:
+            if d in at and not at[d][0] < t and not (letter == "W" and at[d][0] == t):
+                raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) at tick {t} "
+                                 f"runs before {d[0]}({d[1]}, stage {d[2]})")
+    # Slots: replay stores (end of tick) and reads (during the tick) per rank and buffer.
+    live: dict[tuple, object] = {}  # (buffer, rank, slot) -> what it holds
+    events = []  # (tick, order, action, key, content): reads (0) before stores (1)
+    for msg in buffers.messages:
+        k = buffers.read[msg.used, msg.dst]
+        events += [(msg.sent, 1, "store", (msg.buffer, msg.dst, k), msg),
+                   (msg.used, 0, "read", (msg.buffer, msg.dst, k), msg)]
+    for (letter, i, g), (t, r) in at.items():
+        if letter == "F" and buffers.stash[t, r] >= 0:
+            t2 = at["W", i, g][0]
+            if buffers.stash[at["B", i, g]] != buffers.stash[t, r]:
+                raise ValueError(f"schedule {s.name}: B({i}, stage {g}) uses another stash slot")
+            events += [(t, 1, "store", ("stash", r, buffers.stash[t, r]), (i, g)),
+                       (t2, 0, "read", ("stash", r, buffers.stash[t2, r]), (i, g))]
+    for t, _, action, key, content in sorted(events, key=lambda e: e[:2]):
+        if action == "store":
+            if key in live:
+                raise ValueError(f"schedule {s.name}: tick {t} overwrites {key[0]} slot "
+                                 f"{key[2]} of rank {key[1]} while it is live")
+            live[key] = content
+        else:
+            if live.get(key) != content:
+                raise ValueError(f"schedule {s.name}: tick {t} reads {key[0]} slot {key[2]} "
+                                 f"of rank {key[1]}, which does not hold its entry")
+            del live[key]

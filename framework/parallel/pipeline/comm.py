@@ -1,0 +1,82 @@
+"""The pipeline's communication and per-rank control flow, shared by the executors.
+
+Executors run inside a `shard_map` that is manual over `pipe` (and `data`, `tensor`):
+every rank runs the same tick loop and reads its own cell of the table. Work that only
+some ranks or ticks do sits under `only_on` (a `lax.cond`, so the other ranks skip it and
+its collectives), inside a named scope that the communication audit weighs by how often
+the table runs it (`framework/analysis/audit.py`).
+
+Point-to-point sends follow `framework/parallel/pipeline/buffers.py`: per channel (buffer, shift)
+and tick, exactly the ranks with a message send it. A `collective-permute` has static
+source-target pairs, so each distinct set of senders ("pattern") is its own branch of
+a `lax.switch` on the tick's pattern index, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework.parallel.mesh import PIPE
+from framework.parallel.pipeline.buffers import Channel
+from framework.parallel.pipeline.scopes import send_scope
+
+
+def only_on(scope: str, pred, fn, otherwise):
+    """`fn()` where `pred` holds (this rank or tick), `otherwise()` elsewhere. A Python
+    bool `pred` picks the branch at trace time."""
+
+    def run():
+        with jax.named_scope(scope):
+            return fn()
+
+    if isinstance(pred, (bool, np.bool_)):
+        return run() if pred else otherwise()
+    return jax.lax.cond(pred, run, otherwise)
+
+
+def varying(x, axes=(PIPE,)):
+    """Marks x as (possibly) different on each device of `axes` (a shard_map type)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zeros_typed_like(a, axes=(), also=None):
+    """Zeros shaped like `a`, at least as device-varying as `a` (or `also`, for shape-only
+    `a`) and over `axes`."""
+    vary = set(axes) | set(jax.typeof(a).manual_axis_type.varying if also is None else also)
+    return varying(jnp.zeros(a.shape, a.dtype), tuple(sorted(vary)))
+
+
+def send(channel: Channel, pattern, value):
+    """What this rank receives on `channel` this tick (zeros if nothing arrives): the
+    senders of `pattern` (a traced index into `channel.pairs`) pass `value` on."""
+    if channel.shift == 0:  # a rank's message to itself
+        return value
+
+    def permute(k):
+        def branch(x):
+            with jax.named_scope(send_scope(channel, k)):
+                return jax.lax.ppermute(x, PIPE, list(channel.pairs[k]))
+        return branch
+
+    branches = [jnp.zeros_like] + [permute(k) for k in range(1, len(channel.pairs))]
+    return jax.lax.switch(pattern, branches, value)
+
+
+def send_weights(channels, n_ticks: int) -> dict[str, float]:
+    """Audit weights: per pattern scope, the share of the loop's ticks that run it."""
+    return {send_scope(ch, k): float(np.mean(ch.pattern == k))
+            for ch in channels for k in range(1, len(ch.pairs))}
+
+
+def slots(like_shape, n: int) -> tuple:
+    """Shape of a buffer of n slots: one more, the last, takes the writes not kept."""
+    return (n + 1,) + tuple(like_shape)
+
+
+def store(buf, value, slot, keep):
+    """buf[slot] = value where `keep`, else value goes to the spare last slot (`slots`):
+    an unconditional in-place write, no read of the old slot."""
+    return buf.at[jnp.where(keep, slot, buf.shape[0] - 1)].set(value)

@@ -1,0 +1,329 @@
+"""Pipeline schedules as tables: (tick, rank) -> one cell of work, or idle.
+
+A cell is F(i, c) (forward of microbatch i through this rank's layer chunk c), B(i, c)
+(the gradient w.r.t. the chunk's input), W(i, c) (the gradient w.r.t. its weights) or
+BW(i, c) (B and W fused, as in 1F1B). The table is the single source of truth: the
+executors run it, `framework/parallel/pipeline/buffers.py` derives the stash and receive slots
+and the point-to-point sends from it, and the bubble, the audit's weights, the memory
+model and `tools/schedule_plot.py` read it.
+
+Global stages. With p ranks and v chunks per rank the model is cut into S = p*v stages;
+`stage_of[rank, chunk]` says which one a (rank, chunk) holds. Megatron-LM's interleaved
+assignment (Narayanan et al. 2021), used by every schedule here: stage g lives on rank
+g mod p as its chunk g // p, so a microbatch goes round the ring v times.
+
+Schedules (register a new one with `@register`; nothing else needs to change):
+
+  gpipe             (Huang et al. 2019) all forwards, then all backwards. The executor
+                    runs the forward rows; JAX autodiff runs the mirrored backward half.
+                    Bubble (p-1)/(m+p-1).
+  circular          (MaxText's circular pipeline) GPipe with v chunks per rank:
+                    forward of microbatch i, chunk c on rank r at tick c*m + i + r
+                    (needs m >= p). Bubble (p-1)/(v*m+p-1). Autodiff backward.
+  1f1b              (PipeDream-Flush, Narayanan et al. 2021) rank r runs p-1-r warm-up
+                    forwards, then alternates F and BW, then drains. (p-1)/(m+p-1).
+  interleaved_1f1b  (Megatron-LM's interleaved schedule, Narayanan et al. 2021) 1F1B
+                    over v chunks per rank, microbatches in groups of p (m % p == 0).
+                    Bubble (p-1)/(v*m+p-1): v times shorter idle ticks.
+  zb_h1             (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1) 1F1B with
+                    the backward split into B and W; rank r postpones its first r W's
+                    so every rank keeps p microbatches in flight (1F1B's peak, reached on
+                    rank 0) and the postponed W's fill the drain. With unit-cost F, B, W:
+                    bubble (p-1)/(3m+p-1), a third of 1F1B's idle time.
+
+All tick-loop schedules come from one simulator (`simulate`): each rank runs its program
+(an ordered list of cells) in lockstep ticks, a cell starting at the first tick after
+everything it depends on has finished (a message sent at tick t is usable at t+1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import numpy as np
+
+IDLE, F, B, W, BW = 0, 1, 2, 3, 4
+KIND_NAMES = ("idle", "F", "B", "W", "BW")
+# Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W.
+UNIT_COST = np.array([0, 1, 1, 1, 2])
+AUTODIFF, TICKS = "autodiff", "ticks"  # who runs the backward: JAX autodiff, or the table
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    name: str
+    n_stages: int  # pipeline ranks, p
+    n_microbatches: int  # m
+    n_chunks: int  # layer chunks per rank, v
+    kind: np.ndarray  # [ticks, ranks] IDLE / F / B / W / BW
+    microbatch: np.ndarray  # [ticks, ranks] (0 where idle)
+    chunk: np.ndarray  # [ticks, ranks] chunk index on that rank (0 where idle)
+    formula_bubble: float  # the closed form from the paper the schedule comes from
+    executor: str = TICKS  # AUTODIFF: the executor runs the F rows, autodiff the rest
+
+    @property
+    def n_ticks(self) -> int:
+        return self.kind.shape[0]
+
+    @property
+    def n_global_stages(self) -> int:
+        return self.n_stages * self.n_chunks
+
+    @cached_property
+    def stage_of(self) -> np.ndarray:
+        """[ranks, chunks] -> global stage (Megatron's interleaved assignment)."""
+        p, v = self.n_stages, self.n_chunks
+        return np.arange(v)[None, :] * p + np.arange(p)[:, None]
+
+    @cached_property
+    def rank_chunk_of(self) -> dict[int, tuple[int, int]]:
+        """Global stage -> (rank, chunk)."""
+        return {int(g): (r, c) for (r, c), g in np.ndenumerate(self.stage_of)}
+
+    @property
+    def global_stage(self) -> np.ndarray:
+        """[ticks, ranks] the global stage of every cell (meaningless where idle)."""
+        return self.stage_of[np.arange(self.n_stages)[None, :], self.chunk]
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the backward is split into B and W cells (zero-bubble schedules)."""
+        return bool(np.isin(self.kind, (B, W)).any())
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step in lockstep ticks with unit costs (F = B = W = 1, BW =
+        2): every rank waits for the slowest cell of each tick, as one SPMD program
+        does. 1 - busy cost / (ranks x sum over ticks of the tick's largest cost)."""
+        cost = UNIT_COST[self.kind]
+        return float(1 - cost.sum() / (self.n_stages * cost.max(axis=1).sum()))
+
+    def forward_rows(self) -> "Schedule":
+        """The rows the executor runs itself: the forward half for autodiff schedules."""
+        if self.executor != AUTODIFF:
+            return self
+        t = int((self.kind == F).any(axis=1).nonzero()[0].max()) + 1
+        return Schedule(self.name, self.n_stages, self.n_microbatches, self.n_chunks,
+                        self.kind[:t], self.microbatch[:t], self.chunk[:t],
+                        self.formula_bubble, self.executor)
+
+    def max_in_flight(self) -> np.ndarray:
+        """Per rank: the most microbatch-chunks whose forward ran but whose weight
+        gradient (BW or W) did not yet."""
+        done = (self.kind == BW) | (self.kind == W)
+        live = np.cumsum((self.kind == F).astype(int) - done, axis=0)
+        return live.max(axis=0)
+
+
+# --- Generators: name -> (p, m, v) -> Schedule ---------------------------------------
+
+@dataclass(frozen=True)
+class Generator:
+    build: Callable[[int, int, int], Schedule]
+    uses_virtual_stages: bool  # reads parallel.virtual_stages (else it must be 1)
+    check: Callable[[int, int, int], list[str]]  # (p, m, v) -> one-line problems
+
+
+GENERATORS: dict[str, Generator] = {}
+
+
+def register(name: str, uses_virtual_stages: bool = False,
+             check: Callable[[int, int, int], list[str]] = lambda p, m, v: []):
+    """Decorator: `build(p, m, v) -> Schedule` becomes `parallel.schedule=<name>`."""
+    def wrap(build):
+        GENERATORS[name] = Generator(build, uses_virtual_stages, check)
+        return build
+    return wrap
+
+
+def schedule_names() -> tuple[str, ...]:
+    return tuple(GENERATORS)
+
+
+def check(name: str, p: int, m: int, v: int) -> list[str]:
+    """One-line problems with (parallel.schedule, pipeline, microbatches, virtual_stages)."""
+    if name not in GENERATORS:
+        return [f"parallel.schedule={name!r} is not one of {', '.join(GENERATORS)}"]
+    gen = GENERATORS[name]
+    if not gen.uses_virtual_stages and v != 1:
+        users = [n for n, g in GENERATORS.items() if g.uses_virtual_stages]
+        return [f"parallel.virtual_stages={v} only applies to parallel.schedule in "
+                f"{{{', '.join(users)}}}: set it to 1 or pick one of those"]
+    return gen.check(p, m, v)
+
+
+def uses_virtual_stages(name: str) -> bool:
+    return name in GENERATORS and GENERATORS[name].uses_virtual_stages
+
+
+def chunks_per_rank(name: str, virtual_stages: int) -> int:
+    return virtual_stages if uses_virtual_stages(name) else 1
+
+
+def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    problems = check(name, pipeline, microbatches, virtual_stages)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return _build(name, pipeline, microbatches, chunks_per_rank(name, virtual_stages))
+
+
+_CACHE: dict = {}
+
+
+def _build(name, p, m, v) -> Schedule:
+    if (name, p, m, v) not in _CACHE:
+        _CACHE[name, p, m, v] = GENERATORS[name].build(p, m, v)
+    return _CACHE[name, p, m, v]
+
+
+# --- The lockstep simulator behind every tick-loop schedule --------------------------
+
+Cell = tuple[int, int, int]  # (kind, microbatch, chunk)
+
+
+def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
+             formula: float) -> Schedule:
+    """Runs each rank's program in lockstep ticks: a cell starts at the first tick after
+    its dependencies finished (F(i, g) after F(i, g-1); B or BW(i, g) after F(i, g) and
+    the backward of (i, g+1); W(i, g) after B(i, g)). Raises if the programs deadlock."""
+    stage = lambda r, c: c * p + r  # Megatron's interleaved assignment (see Schedule)
+    S = p * v
+    done: dict[tuple[str, int, int], int] = {}  # (F|B, microbatch, global stage) -> tick
+    pc = [0] * p
+    rows = []
+    while any(pc[r] < len(programs[r]) for r in range(p)):
+        t = len(rows)
+        row = [None] * p
+        for r in range(p):
+            if pc[r] == len(programs[r]):
+                continue
+            kind, i, c = programs[r][pc[r]]
+            g = stage(r, c)
+            if kind == F:
+                deps = [("F", i, g - 1)] if g > 0 else []
+            elif kind in (B, BW):
+                deps = [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else [])
+            else:  # W
+                deps = [("B", i, g)]
+            if all(done.get(d, t) < t for d in deps):
+                row[r] = programs[r][pc[r]]
+        if not any(row):
+            raise RuntimeError(f"schedule {name} deadlocks at tick {t} (p={p}, m={m}, v={v})")
+        for r, cell in enumerate(row):
+            if cell is not None:
+                kind, i, c = cell
+                done[("F" if kind == F else "B" if kind in (B, BW) else "W", i, stage(r, c))] = t
+                pc[r] += 1
+        rows.append(row)
+    grid = np.array([[cell or (IDLE, 0, 0) for cell in row] for row in rows], np.int32)
+    return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula)
+
+
+# --- The schedules -------------------------------------------------------------------
+
+def _mirrored(name, p, m, v, kind, micro, chunk, formula) -> Schedule:
+    """Appends the backward half that autodiff runs: forward tick t mirrored to tick
+    2T-1-t, same rank, same microbatch and chunk, as fused BW cells."""
+    back = np.where(kind == F, BW, IDLE)[::-1]
+    return Schedule(name, p, m, v, np.concatenate([kind, back]),
+                    np.concatenate([micro, micro[::-1]]),
+                    np.concatenate([chunk, chunk[::-1]]), formula, AUTODIFF)
+
+
+def _circular_check(p, m, v):
+    if v > 1 and m < p:
+        return [f"parallel.microbatches={m} < parallel.pipeline={p}: the circular schedule "
+                f"needs microbatches >= pipeline (a microbatch must leave the last rank "
+                f"before the first rank needs it again)"]
+    return []
+
+
+def circular(p: int, m: int, v: int) -> Schedule:
+    """Circular schedule with v chunks per rank; v = 1 is GPipe."""
+    ticks = v * m + p - 1
+    k = np.arange(ticks)[:, None] - np.arange(p)[None, :]  # [ticks, ranks]
+    valid = (k >= 0) & (k < v * m)
+    k = np.where(valid, k, 0)
+    return _mirrored("gpipe" if v == 1 else "circular", p, m, v,
+                     np.where(valid, F, IDLE).astype(np.int32), (k % m).astype(np.int32),
+                     (k // m).astype(np.int32), (p - 1) / (v * m + p - 1))
+
+
+@register("gpipe")
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+    return circular(p, m, 1)
+
+
+register("circular", uses_virtual_stages=True, check=_circular_check)(circular)
+
+
+def _one_f_one_b_programs(p: int, m: int, v: int) -> list[list[Cell]]:
+    """Megatron-LM's (interleaved) 1F1B order. Virtual microbatch k of a rank is
+    microbatch (k // (p*v)) * p + k % p of chunk (k // p) % v (forward; the backward
+    visits the chunks in reverse). Rank r warms up with (p-1-r) + (v-1)*p forwards,
+    then alternates F and BW. (Megatron warms up 2(p-1-r) + (v-1)p because its sends
+    overlap the next compute; with one-tick message latency in lockstep ticks the
+    smaller warm-up gives the same ticks with at most p*v chunk activations in flight,
+    1F1B's memory.)"""
+    def cell(kind, k):
+        group = k % (p * v)
+        chunk = group // p if kind == F else v - 1 - group // p
+        return (kind, (k // (p * v)) * p + k % p, chunk)
+
+    programs = []
+    for r in range(p):
+        n = m * v
+        warm = min((p - 1 - r) + (v - 1) * p, n)
+        prog = [cell(F, k) for k in range(warm)]
+        for k in range(n - warm):
+            prog += [cell(F, warm + k), cell(BW, k)]
+        prog += [cell(BW, k) for k in range(n - warm, n)]
+        programs.append(prog)
+    return programs
+
+
+@register("1f1b")
+def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
+    return simulate("1f1b", p, m, 1, _one_f_one_b_programs(p, m, 1), (p - 1) / (m + p - 1))
+
+
+def _interleaved_check(p, m, v):
+    if m % p:
+        return [f"parallel.microbatches={m} is not a multiple of parallel.pipeline={p}: "
+                f"the interleaved 1F1B schedule runs microbatches in groups of pipeline "
+                f"(use {max(p, m // p * p)} or {(m // p + 1) * p})"]
+    return []
+
+
+@register("interleaved_1f1b", uses_virtual_stages=True, check=_interleaved_check)
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    return simulate("interleaved_1f1b", p, m, v, _one_f_one_b_programs(p, m, v),
+                    (p - 1) / (v * m + p - 1))
+
+
+@register("zb_h1")
+def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, section 2.1). Rank r: 1F1B's p-1-r warm-up forwards, then
+    F, B and W in turn, except that its first r rounds skip the W (run at the very end):
+    every rank then holds p microbatches between F and W, the peak 1F1B has on rank 0,
+    and the postponed W's fill the drain's idle ticks."""
+    programs = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        prog = [(F, i, 0) for i in range(warm)]
+        nf, nb, nw, rounds = warm, 0, 0, 0
+        while nb < m:
+            if nf < m:
+                prog.append((F, nf, 0))
+                nf += 1
+            prog.append((B, nb, 0))
+            nb += 1
+            if rounds >= r:
+                prog.append((W, nw, 0))
+                nw += 1
+            rounds += 1
+        prog += [(W, i, 0) for i in range(nw, m)]
+        programs.append(prog)
+    return simulate("zb_h1", p, m, 1, programs, (p - 1) / (3 * m + p - 1))

@@ -1,0 +1,120 @@
+"""Tensor parallelism, derived from one plan: the logical-axis rules of
+`framework/parallel/rules.py`. The model declares every weight with its *global* shape and
+logical axes; this object turns that into the device's local shape and decides which
+collectives a block needs, so the shard_map specs (built from the same rules) and the
+model cannot disagree.
+
+Megatron-LM (Shoeybi et al. 2019) splits each block into a column-parallel matmul
+(weights sharded on their output dim: q/k/v, gate/up) followed by a row-parallel one
+(sharded on their input dim: attention output, down projection). Each device then
+holds partial sums, and two conjugate operators close the block:
+
+    f = `enter`: before the column-parallel matmul. Forward: identity. Backward:
+        all-reduce of the input gradient (JAX inserts it: the input is the same on
+        every `tensor` device, the weights are not).
+    g = `exit`: after the row-parallel matmul. Forward: all-reduce. Backward: identity.
+
+A block names the logical axis it splits (`kv_heads`/`heads` for attention, `mlp`,
+`vocab`); f and g are placed only when the rules map that axis to this mesh axis. A
+block whose axis is not split runs replicated and needs neither.
+
+With sequence parallelism (Korthikanti et al. 2022) the activations between blocks
+(norms, residuals, the pipeline's messages) stay sharded along the sequence, so
+f becomes an all-gather along the sequence and g a reduce-scatter: the same bytes as
+one all-reduce, with 1/tensor of the activation memory outside the matmuls. An
+unsplit block that mixes tokens (attention, the embedding lookup) gathers the sequence
+and keeps its own slice of the result; an unsplit token-wise block (the MLP) runs on
+its slice as it is.
+
+The vocabulary-parallel embedding and loss need a sum, a max and this device's
+offset into the vocabulary. `TensorParallel()` (no axis) is the single-device
+reference: every operator is the identity. The model receives this object, never a
+mesh; the engine builds it for the `tensor` mesh axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+
+from framework.config import TENSOR_SPLITTABLE
+from framework.errors import PlanError
+from framework.parallel.mesh import TENSOR
+from framework.parallel.rules import param_rules
+
+SEQ = 1  # activations are [batch, seq, ...]
+# Pairs of logical axes that must be split together (attention's fused q/k/v weight
+# and its output projection).
+SPLIT_TOGETHER = (("heads", "kv_heads"),)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    axis: str | None = None  # the mesh axis, inside a shard_map that is manual over it
+    size: int = 1  # devices along it
+    sequence_parallel: bool = False
+    rules: tuple = field(default_factory=param_rules)  # logical -> mesh axis
+
+    def __post_init__(self):
+        split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}
+        unknown = sorted(split - set(TENSOR_SPLITTABLE))
+        if unknown:
+            raise PlanError(f"sharding rules map {', '.join(unknown)} to {TENSOR}, "
+                            f"but the model can only split {', '.join(TENSOR_SPLITTABLE)} over it")
+        for group in SPLIT_TOGETHER:
+            if 0 < len(split & set(group)) < len(group):
+                raise PlanError(f"sharding rules must map {' and '.join(group)} to the same "
+                                f"mesh axis (attention's q/k/v and output projections)")
+        if self.sequence_parallel and "vocab" not in split and self.size > 1:
+            raise PlanError("sequence parallelism needs the vocabulary split over "
+                            f"{TENSOR} (the loss is summed over whole sequences)")
+
+    def splits(self, logical: str) -> bool:
+        """Whether this logical axis is split over the mesh axis this object runs on."""
+        return self.axis is not None and dict(self.rules).get(logical) == self.axis
+
+    def local_shape(self, shape, logical_axes) -> tuple:
+        """The device's shard of a weight of global `shape` with these logical axes."""
+        out = []
+        for n, name in zip(shape, logical_axes):
+            if self.splits(name):
+                if n % self.size:
+                    raise PlanError(f"{name} of size {n} cannot be split {self.size} ways")
+                n //= self.size
+            out.append(n)
+        return tuple(out)
+
+    def _gather_sequence(self) -> bool:
+        return self.axis is not None and self.sequence_parallel
+
+    def enter(self, x, split: str, whole_sequence: bool = False):
+        """f before the block that splits `split`: x [b, s (/tensor with SP), d] ->
+        [b, s, d]. An unsplit block gathers the sequence only if it needs every token."""
+        if self._gather_sequence() and (self.splits(split) or whole_sequence):
+            return jax.lax.all_gather(x, self.axis, axis=SEQ, tiled=True)
+        return x
+
+    def exit(self, y, split: str, whole_sequence: bool = False):
+        """g after the block that splits `split`: partial sums [b, s, d] -> their total
+        ([b, s / tensor, d] with SP). Unsplit: y is complete; with SP a block that saw
+        the whole sequence keeps this device's slice of it."""
+        if self.splits(split):
+            if self.sequence_parallel:
+                return jax.lax.psum_scatter(y, self.axis, scatter_dimension=SEQ, tiled=True)
+            return jax.lax.psum(y, self.axis)
+        if self._gather_sequence() and whole_sequence:
+            n = y.shape[SEQ] // self.size
+            start = jax.lax.axis_index(self.axis) * n
+            return jax.lax.dynamic_slice_in_dim(y, start, n, axis=SEQ)
+        return y
+
+    def vocab_offset(self, local_size: int):
+        """Index of this device's first vocabulary entry (vocabulary-parallel layers)."""
+        return jax.lax.axis_index(self.axis) * local_size if self.splits("vocab") else 0
+
+    def vocab_sum(self, x):
+        return jax.lax.psum(x, self.axis) if self.splits("vocab") else x
+
+    def vocab_max(self, x):
+        return jax.lax.pmax(x, self.axis) if self.splits("vocab") else x

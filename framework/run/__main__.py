@@ -1,0 +1,9 @@
+"""`python -m framework.run recipe=<name> [key=value ...]`: train (framework/run/cli.py)."""
+
+from framework.runtime import faults
+
+faults.install_early_handlers()  # SIGTERM/SIGINT from the first instant, before Hydra and JAX
+
+from framework.run.cli import main  # noqa: E402
+
+main()

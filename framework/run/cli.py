@@ -1,0 +1,244 @@
+"""The command line of training, the only module that knows Hydra
+(`framework/run/__main__.py` starts it):
+
+    python -m framework.run recipe=llama_small_3d [key=value ...]
+    python -m framework.run -m recipe=llama_small_3d parallel.pipeline=1,2 parallel.data=-1
+
+Configuration: `conf/config.yaml` (groups model/, parallel/, optim/, data/,
+logging/) on top of the typed schema `framework.config.RunConfig`, then a recipe from
+the top-level `recipes/` folder. Recipes are registered as the config group `recipe`
+from the package's location, so they are found from any working directory.
+
+Bad input (unknown recipe, misspelled key, wrong type, a number out of range, invalid
+degrees, an output folder that cannot be created, a folder another run holds) ends
+with exit status 2 and one line on stderr, before anything is compiled. A run stopped
+by a non-finite loss ends with exit status 3 and one line, one whose checkpoint could
+not be written with exit status 4 and one line (framework/errors.py); one that was
+preempted (SIGTERM) or reached train.stop_at exits 0 after its last checkpoint. SIGTERM
+and SIGINT are handled from the first instant: `__main__` installs the handlers
+before this module imports Hydra and JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config import DevicesConfig, ParallelConfig, RunConfig
+from framework.errors import ConfigError, Diverged, StorageError
+from framework.parallel.mesh import resolve_data_degree
+from framework.run import sweep
+from framework.runtime import devices, faults
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = ROOT / "conf"
+RECIPES_DIR = ROOT / "recipes"
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # set: the user wants tracebacks
+
+
+def register_configs() -> None:
+    """The schema, the recipes (group `recipe`, global package) and the resolvers."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path),
+                    package="_global_")
+    OmegaConf.register_new_resolver("job_dirname", _job_dirname, replace=True)
+
+
+def _swept_keys(root: DictConfig) -> set[str] | None:
+    """Keys this sweep varies: `a=1,2`-style arguments and hydra.sweeper.params. None
+    when this process's command line is not the sweep's (a launcher such as submitit
+    runs the job in another process, whose arguments are its own)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, keys, given = OverridesParser.create(), set(), set()
+    for arg in sys.argv[1:]:
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # flags such as -m, --cfg and their values
+            continue
+        given.add(override.key_or_group)
+        if override.is_sweep_override():
+            keys.add(override.key_or_group)
+    task = {o.split("=", 1)[0].lstrip("+~") for o in root.hydra.overrides.task}
+    if task and not task & given:
+        return None
+    params = OmegaConf.select(root, "hydra.sweeper.params", default=None) or {}
+    return keys | set(params)
+
+
+def _job_dirname(*, _root_: DictConfig) -> str:
+    """hydra.sweep.subdir: the job's resolved degrees (+ other swept settings, or the
+    job number where they cannot be known: never one folder for two jobs, since a job
+    resumes from the checkpoints it finds in its folder)."""
+    try:
+        parallel = ParallelConfig(**OmegaConf.to_container(_root_.parallel, resolve=True))
+        found = DevicesConfig(**OmegaConf.to_container(_root_.devices, resolve=True))
+        count = devices.planned_count(found, parallel)
+        if count is not None:
+            try:
+                parallel = resolve_data_degree(parallel, count)
+            except ConfigError:
+                pass  # the job reports why (skipped); its folder says dpfill
+        label = sweep.mesh_label(parallel)
+        task = list(_root_.hydra.overrides.task)
+        swept = _swept_keys(_root_)
+        if swept is None:
+            return f"{label}_job{_root_.hydra.job.num}"
+        return sweep.job_name(label, task, swept)
+    except Exception:  # never break the sweep over a folder name
+        return f"job{_root_.hydra.job.num}"
+
+
+_TASK_STARTED = False  # Hydra has created the output folder and called _main
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    global _TASK_STARTED
+    _TASK_STARTED = True
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        _launch_job(cfg, hc)
+        return
+    from framework.run import train
+
+    run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    run_dir = Path(hc.runtime.output_dir)
+    if faults.command_line():  # for the rest of this process (not in the tests' own)
+        # Libraries' background noise (e.g. a failed save's tracebacks) to run.log only.
+        faults.LibraryOutput(run_dir / f"{hc.job.name}.log").install()
+    try:
+        train.run(run_cfg, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                  on_start=lambda: _save_hydra_files(cfg, run_dir),
+                  model_given=given_model_settings(list(hc.overrides.task),
+                                                   hc.runtime.choices.get("recipe")))
+    except ConfigError as err:  # exit here: Hydra would add a line of its own
+        _user_error(err)
+    except Diverged as err:  # summary.json already says "diverged"
+        _fault(err, faults.DIVERGED_EXIT)
+    except StorageError as err:  # summary.json (if it could be written): "failed"
+        _fault(err, faults.STORAGE_EXIT)
+
+
+HYDRA_FILES = ".hydra"  # what Hydra writes itself unless hydra.output_subdir is null
+
+
+def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
+    """The composed config, Hydra's config and the overrides, as Hydra would write them
+    (conf/config.yaml turns that off: here they are written once the folder is held)."""
+    folder = run_dir / HYDRA_FILES
+    folder.mkdir(parents=True, exist_ok=True)
+    hydra_cfg = HydraConfig.instance().cfg
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hydra_cfg),
+                       ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+        (folder / name).write_text(OmegaConf.to_yaml(node))
+
+
+def _fault(err: BaseException, status: int):
+    if _USER_FULL_ERROR == "1":
+        raise err
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
+    """Names of the model.* settings chosen on purpose: `model.X=` on the command line,
+    a `model=` group picked there or by the recipe (every key of that group's file), and
+    the recipe's own `model:` values. The default group does not count: with
+    train.init_from the model comes from config.json, and only these may contradict it."""
+    names, groups = set(), []
+    for override in task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "model":
+            groups.append(value)
+        elif key.startswith("model."):
+            names.add(key.split(".")[1])
+    if recipe and (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        content = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / f"{recipe}.yaml"))
+        names.update((content.get("model") or {}).keys())
+        for entry in content.get("defaults") or []:  # e.g. {"override /model": "llama_1b"}
+            if isinstance(entry, dict):
+                groups += [v for k, v in entry.items()
+                           if k.replace("override", "").strip().strip("/") == "model"]
+    for group in groups:
+        path = CONF_DIR / "model" / f"{group}.yaml"
+        if path.is_file():
+            names.update((OmegaConf.to_container(OmegaConf.load(path)) or {}).keys())
+    return names
+
+
+def _launch_job(cfg: DictConfig, hc) -> None:
+    """Multirun parent: this job runs in its own process (see framework/run/sweep.py)."""
+    job_dir = Path(hc.runtime.output_dir)
+    group = cfg.logging.wandb.group or Path(hc.sweep.dir).name
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if _USER_FULL_ERROR is not None:
+        env["HYDRA_FULL_ERROR"] = _USER_FULL_ERROR
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
+                            parallel, env)
+    print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
+
+
+def one_line(err: BaseException) -> str:
+    """A user error as one line: Hydra's message, what caused it, the valid options."""
+    def first(e):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return lines[0].rstrip(".") if lines else type(e).__name__
+
+    parts = [first(err)]
+    if err.__cause__ is not None:
+        parts.append(first(err.__cause__))
+    full_key = getattr(err, "full_key", None)
+    if isinstance(err, OmegaConfBaseException) and full_key:
+        parts.append(f"key {full_key}")
+    text = ": ".join(parts)
+    if isinstance(err, MissingConfigException) and err.options:
+        text += f" (available: {', '.join(sorted(err.options))})"
+    return text
+
+
+# At import, not only in main(): launchers that run jobs in other processes (e.g.
+# Hydra's submitit launcher on SLURM) import this module there and resolve the job's
+# folder name (`job_dirname`) in that process.
+register_configs()
+
+
+def main() -> None:
+    # Hydra prints composition errors over several lines (and a traceback for errors
+    # in the task); with HYDRA_FULL_ERROR it raises them instead, and we print one line.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _main()
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        _user_error(err)
+    except KeyboardInterrupt:  # summary.json already says "interrupted"
+        print("error: interrupted", file=sys.stderr, flush=True)
+        sys.exit(faults.INTERRUPTED_EXIT)
+    except OSError as err:
+        if _TASK_STARTED or _USER_FULL_ERROR == "1":
+            raise
+        # Hydra could not create the output folder (or its log file in it).
+        where = err.filename or "the output folder"
+        _user_error(ConfigError(f"cannot create the output folder {where}: {err.strerror}: "
+                                f"set hydra.run.dir (or hydra.sweep.dir) to a folder that "
+                                f"can be written"))
+
+
+def _user_error(err: BaseException):
+    if _USER_FULL_ERROR == "1":
+        raise err
+    print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+    sys.exit(sweep.USER_ERROR)
+

@@ -1,0 +1,201 @@
+"""The training loop: feeds batches to the engine's pure jitted step and hangs the
+side effects (metrics, progress, checkpoints, evaluation, stopping) off it.
+
+Timing. JAX dispatches steps asynchronously, so the loop only waits for the device
+when it must: to log, to run a hook, or to check the loss. A log window's wall time,
+minus the time spent in hooks, divided by its steps is `perf/step_time_s`. Compilation
+happens before the loop (`Engine.compile`), and the first step, which still pays
+one-off costs (buffer allocation, first transfers), is timed on its own and kept out of
+every throughput number.
+
+Faults (framework/runtime/faults.py). The loss and gradient norm of every step are checked on
+the host whenever the loop waits anyway (at log steps, before hooks, at the end), so a
+NaN is reported at the step it first appeared and no hook (no checkpoint) ever sees
+the state it produced. `stop(step)` is asked at every step boundary (SIGTERM,
+train.stop_at) and ends the loop there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import jax
+import numpy as np
+
+from framework.runtime.faults import WATCHED, StopCheck, first_non_finite
+from framework.errors import Diverged
+
+Batches = Callable[[int], Any]  # step index -> tokens [global_batch, seq_len + 1]
+
+
+class Logger(Protocol):
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def update(self, step: int) -> None: ...
+
+
+@dataclass
+class LoopSettings:
+    steps: int  # train until this many optimizer steps are done
+    log_every: int
+    start: int = 0  # steps already done (a resumed run starts later)
+    constants: dict = field(default_factory=dict)  # added to every record (e.g. memory)
+    once: dict = field(default_factory=dict)  # added to the first record only
+
+
+@dataclass
+class Hook:
+    """A side effect after some steps: `fn(step, state)` returns metrics for that step's
+    record (e.g. eval/loss), or None. Due every `every` steps (0: never) and, with
+    `at_end`, after step `LoopSettings.steps`. `after_log` hooks run once the step's
+    record is written: a checkpoint must never be on disk without the records of the
+    steps it contains, or a run resumed from it would miss them."""
+
+    name: str
+    every: int
+    fn: Callable[[int, Any], dict | None]
+    at_end: bool = False
+    after_log: bool = False
+
+    def due(self, step: int, last: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last)
+
+
+@dataclass
+class ProfileWindow:
+    """Steps `first`..`last` (step numbers) run under a profiler: `start()` before the
+    first, `stop()` after the last (the loop waits for it) returns metrics added to
+    every later record. The traced steps are left out of the throughput."""
+
+    first: int
+    last: int
+    start: Callable[[], None]
+    stop: Callable[[], dict]
+
+
+@dataclass
+class LoopResult:
+    state: Any
+    step: int  # optimizer steps done
+    first_step_s: float | None  # wall time of this run's first step (None: no step run)
+    stopped: str | None = None  # None: reached settings.steps; else why it stopped early
+
+
+def is_log_step(step: int, settings: LoopSettings) -> bool:
+    return step % settings.log_every == 0 or step == settings.steps
+
+
+def to_host(value) -> np.ndarray:
+    """A device value as numpy, also when other processes hold parts of it."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable \
+            and not value.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+def check_finite(unchecked: list) -> None:
+    """Raises Diverged at the first of these steps with a non-finite loss or gradient
+    norm; empties the list (of (step, device metrics))."""
+    values = jax.device_get([[m[k] for k in WATCHED] for _, m in unchecked])
+    found = first_non_finite([(step, {k: float(v) for k, v in zip(WATCHED, row)})
+                              for (step, _), row in zip(unchecked, values)])
+    unchecked.clear()
+    if found is not None:
+        raise Diverged.from_values(*found)
+
+
+class _Clock:
+    """The current throughput window: wall time since it began, steps timed in it, and
+    time spent in hooks (subtracted)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.start, self.steps, self.paused = time.perf_counter(), 0, 0.0
+
+    def step_time(self) -> float | None:
+        elapsed = time.perf_counter() - self.start - self.paused
+        return elapsed / self.steps if self.steps else None
+
+
+def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
+               perf: Callable[[float], dict], hooks: tuple[Hook, ...] = (),
+               stop: StopCheck | None = None, profile: ProfileWindow | None = None) -> LoopResult:
+    """Runs steps `settings.start + 1 .. settings.steps`, or until `stop(step)` gives a
+    reason. perf: step time in seconds -> the perf/* metrics (tokens/s, TFLOP/s, MFU).
+    Raises Diverged (framework/runtime/faults.py) on a non-finite loss or gradient norm."""
+    clock, first_step_s = _Clock(), None
+    pending_once = dict(settings.once)
+    unchecked: list = []  # (step, metrics) whose loss has not been looked at yet
+    step, stopped, tracing = settings.start, None, False
+    try:
+        for index in range(settings.start, settings.steps):
+            if profile is not None and index + 1 == profile.first:
+                jax.block_until_ready(state)  # the trace holds the profiled steps only
+                profile.start()
+                tracing = True
+            state, metrics = engine.step(state, engine.shard_batch(batches(index)))
+            step = index + 1
+            unchecked.append((step, metrics))
+            if first_step_s is None:  # excluded from throughput: wait, restart the clock
+                jax.block_until_ready(metrics)
+                first_step_s = time.perf_counter() - clock.start
+                clock.reset()
+            elif not tracing:
+                clock.steps += 1
+            stopped = stop(step) if stop is not None else None  # every process, every step
+            stopped = None if step == settings.steps else stopped  # done anyway
+            if tracing and (step == profile.last or stopped):
+                jax.block_until_ready(state)
+                tracing = False
+                found = profile.stop()
+                settings.constants.update({k: v for k, v in found.items() if isinstance(v, float)})
+                clock.reset()  # the traced steps ran slower: no window contains them
+            pending_once = _after_step(engine, state, metrics, step, settings, logger, perf,
+                                       hooks, unchecked, clock, pending_once, stopped, tracing)
+            if stopped:
+                break
+    finally:
+        if tracing:  # an error while tracing: end the trace
+            jax.profiler.stop_trace()
+    return LoopResult(state, step, first_step_s, stopped)
+
+
+def _after_step(engine, state, metrics, step, settings, logger, perf, hooks, unchecked,
+                clock: _Clock, pending_once: dict, stopped, tracing: bool) -> dict:
+    """The step's checks, hooks and (if due) record; returns the one-off metrics not
+    logged yet."""
+    due = [hook for hook in hooks if hook.due(step, settings.steps)]
+    log_now = is_log_step(step, settings)
+    if due or log_now or stopped or step == settings.steps:
+        check_finite(unchecked)  # waits for this step
+    extra: dict = {}
+    started = time.perf_counter()
+    for hook in due:
+        if not hook.after_log:
+            extra.update(hook.fn(step, state) or {})
+    clock.paused += time.perf_counter() - started
+    logger.update(step)
+    if log_now or extra:
+        record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
+        step_time = None if tracing else clock.step_time()
+        record["perf/step_time_s"] = step_time
+        # Nothing timed yet (only the first step in this window): same keys, null values.
+        record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
+        record.update(settings.constants)
+        record.update(pending_once)
+        record.update(extra)
+        pending_once = {}
+        logger.log(step, record)
+        clock.reset()
+    started = time.perf_counter()
+    for hook in due:
+        if hook.after_log:
+            hook.fn(step, state)
+    clock.paused += time.perf_counter() - started
+    return pending_once

@@ -1,0 +1,338 @@
+"""Where a run's numbers go: the terminal, `metrics.jsonl`, `summary.json` and W&B.
+
+Every sink gets the same records: `log(step, metrics)` every `logging.every` steps and
+`finish(summary)` once. `Tracker` fans them out and keeps the summary: the last value
+of every logged key, the run's one-off numbers (compile time, memory, communication),
+its resolved degrees and its status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Protocol, TextIO
+
+from framework.config import WandbConfig
+from framework.errors import StorageError
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf become null (strict JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def finish(self, summary: dict) -> None: ...
+
+
+class JsonlSink:
+    """`metrics.jsonl`: one JSON object per logged step.
+
+    Each record is one `write` of a whole line to a file opened for appending (one
+    system call: a line is never split or interleaved, and a single writer is
+    guaranteed by the run folder's lock, framework/runtime/runlock.py); `sync()` (before every
+    checkpoint) makes the lines so far durable, so no checkpoint is on disk without the
+    records of the steps it holds, even after a power loss.
+
+    resumed_at: the step a resumed run continues from. The records up to it (written
+    before the run was stopped or killed) are kept and the new ones appended; records
+    after it, logged after the checkpoint the run resumes from, are dropped (the run
+    logs those steps again), as is a last line cut short by a kill. The file then reads
+    as if the run had never stopped, which is checked (every line parses, steps
+    strictly increase, none after `resumed_at`). If anything else would be dropped
+    (unreadable or out-of-order lines in the middle), or a fresh start finds records
+    of an earlier attempt, the old file is kept as `metrics.jsonl.<n>` first: nothing
+    is lost."""
+
+    def __init__(self, run_dir: Path, resumed_at: int | None = None):
+        path = Path(run_dir) / METRICS_FILE
+        self.path, self.kept_aside = path, None
+        if resumed_at is not None and path.exists():
+            lines = path.read_bytes().decode(errors="replace").split("\n")
+            kept, odd = _records_up_to(lines, resumed_at)
+            if odd:
+                self.kept_aside = _keep_aside(path)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)  # atomic: a kill here leaves the old or the new file
+            check_metrics(path, resumed_at)
+        elif path.exists() and path.stat().st_size:
+            self.kept_aside = _keep_aside(path)  # a fresh start: earlier records stay
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                          | (os.O_TRUNC if resumed_at is None else 0), 0o644)
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            written = os.write(self.fd, line)
+        except OSError as err:
+            raise StorageError(f"could not write {self.path}: {err.strerror} (errno "
+                               f"{err.errno}) at step {step}") from None
+        if written != len(line):
+            raise StorageError(f"could not write {self.path}: {written} of {len(line)} "
+                               f"bytes written at step {step} (disk full?)")
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError:
+            pass  # e.g. a filesystem without fsync; the lines are written already
+
+    def finish(self, summary: dict) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _records_up_to(lines: list[str], step: int) -> tuple[list[str], int]:
+    """(the lines to keep: valid records of steps <= step in increasing order, how many
+    other lines are dropped that are not just records after `step` or a last line cut
+    short by a kill)."""
+    kept, odd, last = [], 0, 0
+    cut_short = len(lines) - 1 if lines and lines[-1] else None  # no final newline
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        record = _parse(line)
+        if record is None:
+            odd += i != cut_short
+        elif record["step"] > step:
+            continue
+        elif record["step"] <= last:
+            odd += 1  # repeated or out of order
+        else:
+            kept.append(line)
+            last = record["step"]
+    return kept, odd
+
+
+def _keep_aside(path: Path) -> Path:
+    for n in range(1, 10_000):
+        aside = path.with_name(f"{path.name}.{n}")
+        if not aside.exists():
+            path.replace(aside)
+            return aside
+    raise StorageError(f"too many old copies of {path}")
+
+
+def check_metrics(path: Path, resumed_at: int) -> None:
+    """Raises StorageError unless every line of `path` is a record, steps strictly
+    increase, and none is after `resumed_at`."""
+    last = 0
+    for line in Path(path).read_text().splitlines():
+        record = _parse(line)
+        if record is None or not last < record["step"] <= resumed_at:
+            raise StorageError(f"{path} is not as written after truncating it to step "
+                               f"{resumed_at} (line {line[:80]!r}); the original is kept")
+        last = record["step"]
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    path = Path(run_dir) / METRICS_FILE
+    return [r for line in path.read_text().splitlines() if (r := _parse(line)) is not None]
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    path = Path(run_dir) / SUMMARY_FILE
+    path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+    return path
+
+
+WANDB_RETRIES = 60  # seconds a restarted run waits for a killed run's W&B service
+
+
+class WandbSink:
+    """One W&B run. Offline mode writes `<run_dir>/wandb/offline-run-*/run-*.wandb`,
+    which `wandb sync` uploads later; the resolved config is the run's config.
+
+    A run folder has one W&B run: every invocation in it (a resume, a restart after a
+    kill before the first checkpoint) continues the W&B run already there (same id,
+    resume="allow"; W&B keeps the history of steps it has already seen). Offline, each
+    invocation adds an `offline-run-<time>-<id>` folder of that same id."""
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, name: str, config: dict):
+        import wandb
+
+        previous = previous_wandb_id(run_dir)
+        init = lambda: wandb.init(
+            mode=cfg.mode, project=cfg.project, entity=cfg.entity, group=cfg.group,
+            name=name, dir=str(run_dir), config=config, reinit="finish_previous",
+            id=previous, resume="allow" if previous else None,
+            settings=wandb.Settings(console="off", silent=True, disable_git=True))
+        # After a kill, the killed process's W&B service may hold the run a few seconds
+        # more ("run ID ... is in use"), until it sees its parent gone: wait for it.
+        for attempt in range(WANDB_RETRIES + 1):
+            try:
+                self.run = init()
+                break
+            except Exception as err:  # W&B raises its own error types
+                if previous is None or "in use" not in str(err) or attempt == WANDB_RETRIES:
+                    raise
+                time.sleep(1.0)
+        self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
+        self._table, self._texts = wandb.Table, {}
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Numbers go to the history; text (eval/sample) to a table of (step, text) rows,
+        re-logged with every new row (W&B tables are immutable once logged)."""
+        row = {}
+        for key, value in metrics.items():
+            if isinstance(value, str):
+                self._texts.setdefault(key, []).append([step, value])
+                row[key] = self._table(columns=["step", "text"], data=list(self._texts[key]))
+            elif _clean(value) is not None:
+                row[key] = value
+        self.run.log(row, step=step)
+
+    def finish(self, summary: dict) -> None:
+        flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
+        self.run.summary.update(flat)
+        self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
+
+
+def previous_wandb_id(run_dir: Path) -> str | None:
+    """The id of the newest W&B run in run_dir, from its folder's name
+    (`wandb/offline-run-<time>-<id>`, `wandb/run-<time>-<id>`), which W&B creates
+    first thing: also a run killed before it wrote anything is found."""
+    folders = [p for p in Path(run_dir).glob("wandb/*run-*-*") if p.is_dir()]
+    newest = max(folders, key=lambda p: (p.name.rsplit("-", 2)[-2], p.stat().st_mtime),
+                 default=None)
+    return newest.name.rsplit("-", 1)[-1] if newest else None
+
+
+class ProgressBar:
+    """A dependency-free progress line: redrawn in place on a terminal, one line per
+    logged step otherwise (CI logs, pipes)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stdout, first: int = 0):
+        self.total, self.stream = total, stream
+        self.first = first  # steps already done when this process started (resumed)
+        self.tty = stream.isatty()
+        self.start = time.perf_counter()
+        self.last: dict = {}
+
+    def _line(self, step: int) -> str:
+        frac = step / max(self.total, 1)
+        width = 24
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        elapsed = time.perf_counter() - self.start
+        done = (step - self.first) / max(self.total - self.first, 1)  # of this process's part
+        eta = elapsed / done - elapsed if done > 0 else 0.0
+        parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {frac:4.0%}"]
+        if "train/loss" in self.last:
+            parts.append(f"loss {self.last['train/loss']:.4f}")
+        if self.last.get("perf/tokens_per_sec") is not None:
+            parts.append(f"{self.last['perf/tokens_per_sec']:,.0f} tok/s")
+        parts.append(f"{_clock(elapsed)}<{_clock(eta)}")
+        return " | ".join(parts)
+
+    def update(self, step: int) -> None:
+        """Called every step; draws only on a terminal."""
+        if self.tty:
+            cols = shutil.get_terminal_size((100, 20)).columns
+            self.stream.write("\r" + self._line(step)[: cols - 1].ljust(cols - 1))
+            self.stream.flush()
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.last = metrics
+        if self.tty:
+            self.update(step)
+        else:
+            self.stream.write(self._line(step) + "\n")
+            self.stream.flush()
+
+    def finish(self, summary: dict) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Tracker:
+    """Fans records out to the sinks and builds `summary.json` (written only when
+    `write`: in a multi-process run, process 0 alone writes files)."""
+
+    def __init__(self, run_dir: Path, sinks: list, summary: dict, write: bool = True):
+        self.run_dir = Path(run_dir)
+        self.sinks = sinks
+        self.write = write
+        self.summary = {"status": "running", **summary}
+
+    def log(self, step: int, metrics: dict) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+        self.summary["step"] = step
+        self.summary.update({k: v for k, v in metrics.items() if v is not None})
+
+    def update(self, step: int) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "update"):
+                sink.update(step)
+
+    def sync(self) -> None:
+        """Makes the records so far durable (called before every checkpoint)."""
+        for sink in self.sinks:
+            if hasattr(sink, "sync"):
+                sink.sync()
+
+    def finish(self, status: str, **extra) -> dict:
+        """Writes summary.json and closes the sinks. A full disk here leaves the summary
+        unwritten (the run's error line says why) rather than adding a traceback."""
+        self.summary.update(status=status, **extra)
+        if self.write:
+            try:
+                write_summary(self.run_dir, self.summary)
+            except OSError:
+                pass
+        for sink in self.sinks:
+            try:
+                sink.finish(self.summary)
+            except OSError:
+                pass
+        return self.summary
+
+
+def final_line(summary: dict) -> str:
+    """The one-line summary printed when a run ends."""
+    parts = [f"{summary.get('status', '?')}: {summary.get('mesh_name', '')}",
+             f"step {summary.get('step', 0)}"]
+    if summary.get("train/loss") is not None:
+        parts.append(f"loss {summary['train/loss']:.4f}")
+    if summary.get("perf/tokens_per_sec") is not None:
+        parts.append(f"{summary['perf/tokens_per_sec']:,.0f} tok/s")
+        parts.append(f"{summary['perf/tflops_per_device']:.4g} TFLOP/s/device")
+    if summary.get("perf/mfu") is not None:
+        parts.append(f"MFU {summary['perf/mfu']:.1%}")
+    if summary.get("pipeline/bubble_fraction") is not None:
+        timed = summary.get("pipeline/bubble_fraction_timed")
+        parts.append(f"bubble {summary['pipeline/bubble_fraction']:.1%}"
+                     + (f" (timed {timed:.1%})" if timed is not None else ""))
+    if summary.get("wall_time_s") is not None:
+        parts.append(f"{summary['wall_time_s']:.1f} s")
+    return " | ".join(parts)

@@ -1,0 +1,359 @@
+"""One training run from a `RunConfig`, in the order it happens:
+
+    settings checked            (`check_run`; the model read from train.init_from)
+    the run folder held         (framework/runtime/runlock.py), before JAX starts
+    devices started             (framework/runtime/devices.py; other processes joined)
+    layout validated, memory    (framework/engine/validate.py,
+    checked, engine built        framework/analysis/memory_check.py, framework/engine/)
+    the start state             (framework/run/start.py: a checkpoint, or fresh weights)
+    compiled, then the loop     (framework/run/loop.py, with framework/run/hooks.py)
+    the last checkpoint saved, summary.json written
+
+No Hydra here (`framework/run/cli.py` turns the command line into a `RunConfig`); each
+step gets only its slice of the configuration. User errors raise `ConfigError` before
+anything is compiled. How runs end early is in `framework/runtime/faults.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from framework.analysis import audit, flops, memory_check
+from framework.config import RunConfig, check_ranges, not_one_of
+from framework.engine.build import build_engine
+from framework.engine.validate import check, validate
+from framework.errors import ConfigError, Diverged, StorageError
+from framework.io import tokenizer as tokenizer_lib
+from framework.io.checkpoint.manager import Checkpointer
+from framework.io.data import make_dataset
+from framework.model import attention
+from framework.model.llama import count_params
+from framework.parallel.mesh import describe, make_mesh, mesh_name
+from framework.run import start
+from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
+                                 save_checkpoint)
+from framework.run.loop import Hook, LoopSettings, to_host, train_loop
+from framework.run.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, final_line,
+                                    read_metrics)
+from framework.runtime import devices as devices_lib
+from framework.runtime import distributed, faults, runlock
+from framework.runtime.faults import StopRequests
+
+CHECKPOINT_DIR = "checkpoints"  # inside the run folder, unless checkpoint.dir is set
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Everything that can be checked without devices (degrees against the device
+    count come later, in `framework.engine.validate.validate`)."""
+    errs = check_ranges(cfg)
+    if errs:  # the checks below divide by some of these numbers
+        raise ConfigError("; ".join(errs))
+    errs = check(cfg.model, cfg.parallel, cfg.train, None)
+    errs += [e for e in (not_one_of("train.resume", cfg.train.resume),
+                         not_one_of("logging.wandb.mode", cfg.logging.wandb.mode),
+                         not_one_of("devices.platform", cfg.devices.platform)) if e]
+    if cfg.eval.sample_prompt is not None and not cfg.eval.every:
+        errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
+    try:
+        distributed.plan(cfg.distributed)
+    except ConfigError as err:
+        errs.append(str(err))
+    if errs:
+        raise ConfigError("; ".join(errs))
+
+
+def run(cfg: RunConfig, run_dir: Path, run_config: dict,
+        on_start: Callable[[], None] | None = None, model_given=None) -> dict:
+    """Trains as configured, writing metrics.jsonl, summary.json (and W&B) in run_dir.
+    run_config: the composed configuration as a plain dict (the W&B run config).
+    on_start: called once the run holds its folder (the command line writes .hydra/).
+    model_given: names of the model.* settings the user or recipe set (checked against
+    train.init_from's config.json; None: all of them).
+    Returns the summary; its status is completed, stopped (train.stop_at) or preempted
+    (SIGTERM). Raises ConfigError before anything is compiled for bad settings and
+    FolderBusy when another run holds the folder; Diverged on a non-finite loss
+    (summary status "diverged"); StorageError when a save failed ("failed")."""
+    model, train, hf_config = start.resolve_init_from(cfg.model, cfg.train, model_given)
+    cfg = dataclasses.replace(cfg, model=model, train=train)
+    check_run(cfg)
+    tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
+                                      cfg.train.init_from)
+    codec = None
+    if cfg.eval.sample_prompt is not None:
+        codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
+        if codec is None:
+            raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
+                              "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
+                              "unset eval.sample_prompt")
+    launch = distributed.plan(cfg.distributed)
+    guard = runlock.Guard(held_folders(cfg, run_dir))
+    if _process_index_before_start(launch) == 0:
+        guard.take()  # before JAX starts: a second run on this folder stops at once
+    if launch is None:
+        guard.settle(0, 1)
+    with guard:
+        return _run(cfg, run_dir, run_config, guard, on_start,
+                    {"hf_config": hf_config, "tokenizer": tokenizer, "codec": codec})
+
+
+def held_folders(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The folders this run must have to itself: the run folder, and the checkpoint
+    folder when it is elsewhere (local paths only)."""
+    folders = [str(Path(run_dir).absolute())]
+    ckpt_dir = cfg.checkpoint.dir
+    if ckpt_dir and "://" not in ckpt_dir:
+        ckpt_dir = str(Path(ckpt_dir).expanduser().absolute())
+        if not (ckpt_dir + "/").startswith(folders[0] + "/"):
+            folders.append(ckpt_dir)
+    return folders
+
+
+def _process_index_before_start(launch: distributed.Plan | None) -> int | None:
+    """This process's index when known before JAX starts (None: known only after)."""
+    if launch is None:
+        return 0
+    if launch.process_id is not None:
+        return launch.process_id
+    rank = os.environ.get("SLURM_PROCID", "") if launch.source == "slurm" else ""
+    return int(rank) if rank.isdigit() else None
+
+
+def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
+         on_start: Callable[[], None] | None, model_io: dict) -> dict:
+    started = time.perf_counter()
+    dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
+    if cfg.eval.every and not dataset.has_eval:
+        raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
+                          f"data.holdout_fraction={cfg.data.holdout_fraction}: set it > 0 "
+                          f"or eval.every=0")
+    devices_lib.enable_compile_cache()
+    devset = devices_lib.start(cfg.devices, cfg.parallel, cfg.distributed)
+    guard.settle(devset.process_index, devset.process_count)  # all follow process 0
+    faults.run_started()  # a SIGTERM from now on asks the run to stop
+    if on_start is not None:
+        on_start()
+    primary = devset.process_index == 0
+    # What a checkpoint needs for generation and export besides the weights.
+    meta = {"data": cfg.data.kind, "seed": cfg.train.seed, "train_steps": cfg.train.steps,
+            "seq_len": cfg.train.seq_len, "init_from": cfg.train.init_from,
+            "hf_config": model_io["hf_config"],
+            "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
+    engine = _build(cfg, devset)
+    ckpt = Checkpointer(_checkpoint_folder(cfg, run_dir), keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    try:
+        if primary:
+            print(start_line(devset.simulated, cfg, engine), flush=True)
+        # From here on SIGTERM only sets a flag (also while restoring and compiling).
+        with StopRequests(multi_process=devset.process_count > 1,
+                          stop_at=cfg.train.stop_at) as stop:
+            state, point = start.start_state(cfg.model, cfg.train, engine, ckpt, devset)
+            ckpt.lineage = start.lineage_of(cfg.train, ckpt, point)
+            tracker = _tracker(cfg, run_dir, run_config, engine, devset, ckpt, point)
+            try:
+                status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, state,
+                                         stop, meta, model_io["codec"])
+            except BaseException as err:  # record why, then let it propagate
+                _record_failure(tracker, ckpt, err, started)
+                raise
+    finally:
+        ckpt.close()
+    summary = tracker.finish(status, wall_time_s=time.perf_counter() - started, **summary)
+    if primary:
+        print(final_line(summary), flush=True)
+    return summary
+
+
+def _build(cfg: RunConfig, devset):
+    """The engine for these devices, once the layout is valid for them, the attention
+    kernel runs on their platform and the run is predicted to fit their memory."""
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
+    attention.check_platform(cfg.model, devset.platform)
+    memory_check.check(cfg, parallel, devset)  # before anything is allocated or compiled
+    mesh = make_mesh(parallel, devset.devices)
+    return build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
+
+
+def _checkpoint_folder(cfg: RunConfig, run_dir: Path) -> str:
+    """checkpoint.dir, or <run folder>/checkpoints: process 0's (the run folders of other
+    processes may differ, e.g. Hydra's default time-stamped ones)."""
+    folder = str(cfg.checkpoint.dir or run_dir / CHECKPOINT_DIR)
+    if "://" not in folder:  # local; remote (gs://...) paths are kept as given
+        folder = str(Path(folder).expanduser().absolute())
+    return distributed.agree(folder)
+
+
+def _tracker(cfg: RunConfig, run_dir: Path, run_config: dict, engine, devset,
+             ckpt: Checkpointer, point) -> Tracker:
+    """The run's tracker, with what summary.json records from the start."""
+    parallel = engine.parallel
+    own = point is not None and point[0] == ckpt.directory
+    base = {"mesh_name": mesh_name(parallel), "parallel": dataclasses.asdict(parallel),
+            "run_name": cfg.logging.wandb.name or mesh_name(parallel),
+            "n_devices": len(devset), "n_processes": devset.process_count,
+            "platform": devset.platform, "device_kind": devset.kind,
+            "simulated_devices": devset.simulated,
+            "n_params": count_params(cfg.model), "steps": cfg.train.steps,
+            "checkpoint_dir": ckpt.directory, "init_from": cfg.train.init_from,
+            "resumed_from_step": None if point is None else point[1]}
+    return make_tracker(cfg, run_dir, {**run_config, "parallel": base["parallel"]}, base,
+                        devset.process_index == 0, resumed_at=point[1] if own else None,
+                        start=0 if point is None else point[1])
+
+
+def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
+                 primary: bool, resumed_at: int | None, start: int) -> Tracker:
+    """Process 0: metrics.jsonl, progress bar, W&B, summary.json. Others: nothing."""
+    if not primary:
+        return Tracker(run_dir, [], base, write=False)
+    sinks = [JsonlSink(run_dir, resumed_at)]
+    if sinks[0].kept_aside is not None:  # records that would otherwise be lost
+        print(f"the earlier {sinks[0].path.name} is kept as {sinks[0].kept_aside}",
+              flush=True)
+    if start >= cfg.train.steps:  # nothing to train: keep the last record's numbers
+        records = read_metrics(run_dir) if resumed_at is not None else []
+        return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
+    if cfg.logging.progress:
+        sinks.append(ProgressBar(cfg.train.steps, first=start))
+    if cfg.logging.wandb.mode != "disabled":
+        wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config)
+        base = {**base, "wandb_dir": str(wandb_sink.dir)}
+        sinks.append(wandb_sink)
+    return Tracker(run_dir, sinks, base)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('h') else 's'}"
+
+
+def start_line(simulated: bool, cfg: RunConfig, engine) -> str:
+    sched, p = engine.schedule, cfg.model
+    return (f"{describe(engine.mesh, simulated)} | {count_params(p) / 1e6:.2f}M params "
+            f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}) | schedule "
+            f"{sched.name}: {_plural(sched.n_stages, 'stage')} x "
+            f"{_plural(sched.n_microbatches, 'microbatch')}, "
+            f"bubble {sched.formula_bubble:.1%} | batch {cfg.train.global_batch_size} x "
+            f"{cfg.train.seq_len} tokens, {cfg.train.steps} steps")
+
+
+def _record_failure(tracker: Tracker, ckpt: Checkpointer, err: BaseException,
+                    started: float) -> None:
+    """summary.json for a run that ends with an exception (whose message is completed
+    here for a divergence)."""
+    status = ("interrupted" if isinstance(err, KeyboardInterrupt) else
+              "diverged" if isinstance(err, Diverged) else "failed")
+    if isinstance(err, Diverged):
+        try:
+            ckpt.wait()  # saves of earlier, good states finish
+        except StorageError:
+            pass  # reported as the newest good checkpoint below
+        latest = ckpt.latest_step()
+        where = (f"the newest checkpoint is step {latest} in {ckpt.directory}"
+                 if latest is not None else "no checkpoint was written")
+        err.args = (f"training diverged: {err}; nothing saved after it, {where} "
+                    f"(try a lower optim.lr or a longer optim.warmup_steps)",)
+    reason = (str(err) if isinstance(err, (Diverged, StorageError))
+              else f"{type(err).__name__}: {err}")
+    tracker.finish(status, reason=reason[:500], wall_time_s=time.perf_counter() - started)
+
+
+def _nothing_new(ckpt: Checkpointer, start_step: int, primary: bool) -> tuple[str, dict]:
+    """A SIGTERM came before the first step (while restoring or compiling)."""
+    latest = ckpt.latest_step()
+    if primary:
+        where = (f"the newest checkpoint is step {latest} in {ckpt.directory}"
+                 if latest is not None else "no checkpoint yet")
+        print(f"SIGTERM before the first step: nothing new to save ({where})", flush=True)
+    return "preempted", {"step": start_step, "last_checkpoint_step": latest}
+
+
+def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer, state,
+           stop: StopRequests, meta: dict, codec=None) -> tuple[str, dict]:
+    """Trains from `state`, saves the last checkpoint. Returns (status, numbers for
+    the summary)."""
+    batches = make_batches(dataset, engine)
+    primary = devset.process_index == 0
+    first = int(to_host(state["step"]))
+    tracker.summary["step"] = first
+    save = lambda step, state: save_checkpoint(ckpt, engine, state, step, meta, tracker)
+    if first >= cfg.train.steps:
+        if primary:
+            print(f"nothing to train: the checkpoint is at step {first} >= train.steps="
+                  f"{cfg.train.steps}", flush=True)
+        save(first, state)  # into this run's folder
+        ckpt.wait()
+        return "completed", {"step": first}
+    if stop.before_first_step():
+        return _nothing_new(ckpt, first, primary)
+    stats = audit.step_stats(engine, state, engine.shard_batch(batches(first)))
+    if stop.before_first_step():  # came while compiling (the cache keeps the program)
+        return _nothing_new(ckpt, first, primary)
+    tracker.summary.update(stats)
+    per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len)
+    tracker.summary["model/flops_per_token"] = per_token
+    result = train_loop(engine, state, batches, _loop_settings(cfg, first, stats, dataset),
+                        tracker, _perf(cfg, devset, per_token),
+                        _hooks(cfg, engine, dataset, devset, codec, save),
+                        _boundary(ckpt, devset, stop),
+                        profile_window(cfg.profile, min(cfg.train.steps, cfg.train.stop_at
+                                                        or cfg.train.steps), engine, first,
+                                       tracker) if primary else None)
+    # The last checkpoint: at the end, at train.stop_at, or on SIGTERM; the run exits
+    # only once it (and any save still in flight) is on disk. A second SIGTERM
+    # meanwhile only sets the flag again.
+    save(result.step, result.state)
+    ckpt.wait()
+    tracker.summary["step"] = result.step
+    return result.stopped or "completed", {"perf/first_step_time_s": result.first_step_s,
+                                           "last_checkpoint_step": ckpt.latest_step(),
+                                           **{f"checkpoint/{k}": v
+                                              for k, v in ckpt.stats.items()}}
+
+
+def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset) -> LoopSettings:
+    """The compiled step's memory analysis and communication per mesh axis (and the
+    data's entropy floor) go into every record, the compile time into the first."""
+    constants = {k: v for k, v in stats.items()
+                 if k.startswith(("memory/peak", "memory/temp", "comm/"))}
+    if dataset.entropy_floor is not None:
+        constants["data/entropy_floor"] = dataset.entropy_floor
+    return LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=first,
+                        constants=constants,
+                        once={"perf/compile_time_s": stats["perf/compile_time_s"]})
+
+
+def _perf(cfg: RunConfig, devset, per_token: float):
+    """step time -> the perf/* metrics (tokens/s, TFLOP/s per device, MFU)."""
+    peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    return lambda step_time: flops.throughput(tokens_per_step / step_time, len(devset),
+                                              per_token, peak)
+
+
+def _boundary(ckpt: Checkpointer, devset, stop: StopRequests):
+    """Every step: a failed background save stops the run here (one process; with
+    several, at the next checkpoint, where all of them check together)."""
+    def boundary(step: int) -> str | None:
+        if devset.process_count == 1:
+            ckpt.raise_if_save_failed()
+        return stop(step)
+
+    return boundary
+
+
+def _hooks(cfg: RunConfig, engine, dataset, devset, codec, save) -> tuple[Hook, ...]:
+    hooks = []
+    if cfg.eval.every:
+        hooks.append(Hook("eval", cfg.eval.every,
+                          make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
+    if cfg.eval.sample_prompt is not None:
+        hooks.append(Hook("sample", cfg.eval.every,
+                          make_sampler(cfg.model, cfg.eval, engine, codec,
+                                       devset.process_index == 0), at_end=True))
+    if cfg.checkpoint.every:
+        hooks.append(Hook("checkpoint", cfg.checkpoint.every, save, after_log=True))
+    return tuple(hooks)

@@ -1,0 +1,237 @@
+"""Which devices a run uses, decided before JAX starts its backend.
+
+`devices.platform`:
+    auto  the accelerators JAX finds (GPU or TPU), else simulated CPU devices
+    cpu   simulated CPU devices, even when accelerators are present
+    gpu   / tpu: that platform, or a one-line error when it is missing
+
+CPU devices are simulated with `jax_num_cpu_devices`, which must be set before the
+first JAX call that starts a backend; afterwards the count is fixed for the process
+(hence one process per job in multirun, see `framework/run/sweep.py`). How many:
+    devices.local_device_count, if set;
+    else pipeline * data * tensor when all three degrees are given;
+    else (parallel.data = -1) max(8, pipeline * tensor), and data fills the rest;
+in a multi-process run (framework/runtime/distributed.py) the two last counts are the whole
+mesh's, split evenly among the processes.
+On a single CPU the simulated devices share its cores: they show the parallel program
+and its overhead, never a speed-up.
+
+Process settings made here, before the backend starts (`runtime_settings`):
+    GPU  XLA's latency-hiding scheduler, which moves the asynchronous collectives (XLA's
+         default on GPUs) so that they overlap with independent computation, and the
+         highest-priority stream for them: GPU_XLA_FLAGS, added to XLA_FLAGS unless the
+         user's own XLA_FLAGS already sets that flag (theirs wins). XLA's allocator may
+         take 90% of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 unless set; the
+         client's default is 75%), the share the planner assumes; the rest is left to
+         cuDNN/NCCL workspaces.
+    CPU  glibc malloc serves every allocation from its main heap and keeps freed memory
+         (mallopt: one arena, no mmap, trim threshold 1 GiB). XLA:CPU allocates the
+         step's temporaries afresh on every execution; glibc maps any block of 32 MiB
+         or more with mmap and unmaps it on free, so every step page-faulted its
+         temporaries in again (15.8k faults per step for a 62 MiB temp buffer, most of
+         the run's kernel time). Skipped when the user sets MALLOC_* or GLIBC_TUNABLES,
+         preloads another allocator, or the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import json
+import os
+import platform as platform_lib
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from framework.runtime import distributed
+from framework.errors import ConfigError
+from framework.config import DevicesConfig, DistributedConfig, ParallelConfig, not_one_of
+
+DEFAULT_SIMULATED = 8  # CPU devices simulated when parallel.data = -1
+
+
+@dataclass(frozen=True)
+class DeviceSet:
+    devices: tuple  # the jax.Device objects the run may use, in jax.devices() order
+    platform: str  # "cpu", "gpu" or "tpu"
+    simulated: bool  # CPU devices simulated by XLA (not real parallel hardware)
+    kind: str  # device_kind of the first device, e.g. "NVIDIA H100 80GB HBM3"
+    process_index: int = 0  # this process, in a multi-process run
+    process_count: int = 1
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+
+def simulated_count(devices: DevicesConfig, parallel: ParallelConfig,
+                    n_processes: int | None = 1) -> int:
+    """How many CPU devices to simulate in this process (see the module docstring).
+    n_processes: of the run (None: unknown, then devices.local_device_count is needed)."""
+    if devices.local_device_count is not None:
+        if devices.local_device_count < 1:
+            raise ConfigError(f"devices.local_device_count={devices.local_device_count} "
+                              f"must be >= 1 (or null to size it from the degrees)")
+        return devices.local_device_count
+    fixed = max(parallel.pipeline, 1) * max(parallel.tensor, 1)
+    total = max(DEFAULT_SIMULATED, fixed) if parallel.data == -1 else fixed * max(parallel.data, 1)
+    if n_processes == 1:
+        return total
+    if n_processes is None or total % n_processes:
+        raise ConfigError(f"cannot split {total} simulated CPU devices evenly among "
+                          f"{n_processes or 'an unknown number of'} processes: set "
+                          f"devices.local_device_count (devices per process)")
+    return total // n_processes
+
+
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                 "--xla_gpu_enable_highest_priority_async_stream=true")
+# glibc mallopt parameters (malloc.h) and the values set on CPU (see the module docstring).
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+CPU_MALLOPT = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
+
+
+def _accelerator_plugins() -> list[str]:
+    """Installed JAX accelerator plugins (distribution names), without starting JAX."""
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return sorted(n for n in names if n.startswith(("jax-cuda", "jax-rocm", "libtpu")))
+
+
+def with_gpu_flags(xla_flags: str) -> str:
+    """XLA_FLAGS plus GPU_XLA_FLAGS, except flags the given string already sets."""
+    have = {tok.split("=", 1)[0] for tok in xla_flags.split()}
+    added = [f for f in GPU_XLA_FLAGS if f.split("=", 1)[0] not in have]
+    return " ".join([xla_flags.strip()] + added).strip()
+
+
+def tune_cpu_allocator() -> bool:
+    """The CPU allocator settings of the module docstring; True when applied."""
+    user_set = any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in os.environ)
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if user_set or preloaded or platform_lib.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in CPU_MALLOPT)
+
+
+GPU_MEMORY_FRACTION = "0.9"
+
+
+def runtime_settings(platform: str) -> None:
+    """Settings that must precede the backend (module docstring). `platform`:
+    devices.platform; with `auto`, the installed plugins say which applies."""
+    plugins = _accelerator_plugins() if platform == "auto" else []
+    if platform == "gpu" or any(p.startswith(("jax-cuda", "jax-rocm")) for p in plugins):
+        os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    if platform == "cpu" or (platform == "auto" and not plugins):
+        tune_cpu_allocator()
+
+
+COMPILE_CACHE = Path("~/.cache/framework/jax-compile").expanduser()
+
+
+def enable_compile_cache() -> None:
+    """JAX's persistent compilation cache, so a configuration compiled once loads in a
+    fraction of a second next time (sweeps, repeated runs, the tests). JAX reads
+    JAX_COMPILATION_CACHE_DIR itself; when it is set (even empty, which disables the
+    cache) this leaves it alone."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+
+
+def _check_platform(platform: str) -> None:
+    problem = not_one_of("devices.platform", platform)
+    if problem:
+        raise ConfigError(problem)
+
+
+def start(devices: DevicesConfig, parallel: ParallelConfig,
+          multi: DistributedConfig | None = None) -> DeviceSet:
+    """Configures JAX for `devices.platform`, joins the other processes of a multi-process
+    run (`framework/runtime/distributed.py`), starts the backend and returns every process's
+    devices. Must be the first thing in the process that starts a JAX backend."""
+    _check_platform(devices.platform)
+    launch = distributed.plan(multi or DistributedConfig())
+    runtime_settings(devices.platform)
+    import jax
+
+    try:  # only the CPU backend reads this (harmless on GPU/TPU); raises once started
+        try:
+            count = simulated_count(devices, parallel, distributed.expected_processes(launch))
+        except ConfigError:
+            if devices.platform == "cpu":
+                raise
+            count = 1  # on GPUs/TPUs it does not matter; on CPU validation will say why
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as err:
+        raise RuntimeError("devices.start() must run before anything starts a JAX "
+                           "backend (the device count is fixed per process)") from err
+    if devices.platform != "auto":
+        jax.config.update("jax_platforms", devices.platform)
+    distributed.initialize(launch)
+    try:
+        found = tuple(jax.devices())
+    except RuntimeError as err:
+        raise ConfigError(f"devices.platform={devices.platform} is not available here "
+                          f"({_missing_platform(devices.platform, err)}); use "
+                          f"devices.platform=auto or cpu") from None
+    platform = found[0].platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind),
+                     jax.process_index(), jax.process_count())
+
+
+def _missing_platform(platform: str, err: RuntimeError) -> str:
+    """Why JAX has no such device, in words. JAX's own message for a missing GPU names
+    the last backend it probed (ROCm), which misleads on a machine without any GPU."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if platform == "gpu" and ("rocm" in first.lower() or "unknown backend" in first.lower()):
+        return ("JAX finds no GPU: no NVIDIA GPU is visible, or JAX's CUDA plugin is not "
+                "installed (pip install 'jax[cuda12]')")
+    if platform == "tpu" and "unknown backend" in first.lower():
+        return "JAX finds no TPU"
+    return first
+
+
+# A tiny program run in a child process, so the parent never starts a backend (and on
+# GPUs never takes their memory): which platform would this run get, with how many devices?
+_PROBE = """
+import json, sys, jax
+if sys.argv[1] != "auto":
+    jax.config.update("jax_platforms", sys.argv[1])
+d = jax.devices()
+print(json.dumps({"platform": d[0].platform, "count": len(d)}))
+"""
+
+
+@lru_cache(maxsize=None)
+def _probe(platform: str) -> tuple[str, int] | None:
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, platform], capture_output=True,
+                             text=True, timeout=300, check=True).stdout
+        found = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return found["platform"], found["count"]
+
+
+def planned_count(devices: DevicesConfig, parallel: ParallelConfig) -> int | None:
+    """The device count a run with these settings will see, without starting a backend
+    in this process (None when it cannot be known). Used to name sweep jobs."""
+    if parallel.data != -1:
+        return parallel.n_devices
+    if devices.platform == "cpu":
+        return simulated_count(devices, parallel)
+    found = _probe(devices.platform)
+    if found is None:
+        return None
+    platform, count = found
+    return simulated_count(devices, parallel) if platform == "cpu" else count
