@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from framework.errors import ConfigError
 
 # The valid values of every setting that has a fixed set of them.
 CHOICES: dict[str, tuple[str, ...]] = {

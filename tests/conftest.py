@@ -18,3 +18,12 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e/ is end to end (marker `e2e`; see tests/README.md)."""
+    import pytest
+
+    for item in items:
+        if "/e2e/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.e2e)

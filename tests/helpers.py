@@ -1,20 +1,46 @@
-"""Shared fixtures for the parity tests: a tiny model and the single-device reference."""
+"""Shared fixtures: a tiny model, engines of it on any layout, the single-device
+reference's loss and gradients to compare them with, and the repository's paths."""
 
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from framework.model import reference
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from framework.engine.validate import validate
 from framework.engine.build import build_engine
-from framework.parallel.mesh import make_mesh
-from framework.model.llama import init_params
 from framework.engine.optim import make_optimizer
+from framework.engine.validate import validate
+from framework.model import reference
+from framework.model.llama import init_params
+from framework.parallel.mesh import make_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"  # small Hugging Face Llamas written by transformers
+
+
+def load_tool(name: str):
+    """The module of tools/<name>.py (its functions, without running its command line)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compose_recipe(name: str, *overrides: str):
+    """The RunConfig `python -m framework.run recipe=<name> <overrides>` composes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from framework.run import cli
+
+    cli.register_configs()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"recipe={name}", *overrides])
+    return OmegaConf.to_object(cfg)
+
 
 # Small enough to compile in seconds, shaped so tensor=4 and pipeline*virtual=8 divide.
 MODEL = ModelConfig(vocab_size=128, d_model=64, n_layers=8, n_heads=8, n_kv_heads=4,

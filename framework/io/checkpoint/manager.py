@@ -28,7 +28,6 @@ noticed at the next step boundary (`failed_save`) and raised as `StorageError`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time

@@ -310,7 +310,7 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
     """[(name, shape, dtype, make)] for safetensors_io.write_folder; `make()` builds one
     HF tensor from the canonical parameters (host or device arrays), one layer at a time."""
     np_dtype = EXPORT_DTYPES[dtype]
-    r, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    r = cfg.n_heads // cfg.n_kv_heads
     layers = params["layers"]
     get = lambda leaf, n: np.asarray(leaf[n], dtype=np.float32)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import StageFns

@@ -1,6 +1,5 @@
 """Every (pipeline, data, tensor) layout computes what one device computes."""
 
-import jax
 import numpy as np
 import pytest
 
@@ -11,6 +10,9 @@ LAYOUTS = [  # (pipeline, data, tensor, microbatches)
     (1, 1, 1, 1), (2, 1, 1, 2), (4, 1, 1, 4), (1, 2, 1, 1), (1, 8, 1, 2), (1, 1, 2, 1),
     (1, 1, 4, 1), (2, 2, 2, 4), (2, 1, 4, 2), (4, 2, 1, 4), (1, 2, 4, 2),
 ]
+FAST = {(1, 1, 1, 1), (1, 1, 4, 1), (2, 2, 2, 4), (4, 2, 1, 4), (1, 2, 4, 2)}  # fast tier
+ONE_STEP = [layout if layout in FAST else pytest.param(*layout, marks=pytest.mark.slow)
+            for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def ref_losses():
     return reference_losses(5)[0]
 
 
-@pytest.mark.parametrize("pp,dp,tp,mb", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("pp,dp,tp,mb", ONE_STEP, ids=lambda v: str(v))
 def test_one_step_loss_and_gradients_match_reference(pp, dp, tp, mb, ref_grads):
     ref_loss, ref_g = ref_grads
     loss, grads = engine_grads(engine(pp, dp, tp, mb))
@@ -32,6 +34,7 @@ def test_one_step_loss_and_gradients_match_reference(pp, dp, tp, mb, ref_grads):
     assert worst(errs) <= 1e-4, errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp,dp,tp,mb", LAYOUTS, ids=lambda v: str(v))
 def test_five_adamw_steps_match_reference(pp, dp, tp, mb, ref_losses):
     losses, _ = engine_losses(engine(pp, dp, tp, mb), 5)
@@ -39,12 +42,15 @@ def test_five_adamw_steps_match_reference(pp, dp, tp, mb, ref_losses):
     assert losses[-1] < losses[0]  # it trains
 
 
-@pytest.mark.parametrize("mb", [1, 2, 4, 8])
+@pytest.mark.parametrize("mb", [pytest.param(1, marks=pytest.mark.slow),
+                                pytest.param(2, marks=pytest.mark.slow), 4,
+                                pytest.param(8, marks=pytest.mark.slow)])
 def test_microbatch_count_does_not_change_gradients(mb, ref_grads):
     _, grads = engine_grads(engine(2, 1, 1, mb))
     assert worst(max_rel_err(grads, ref_grads[1])) <= 1e-4
 
 
+@pytest.mark.slow
 def test_tied_embeddings_and_bfloat16_compute():
     import dataclasses
     from tests.helpers import MODEL

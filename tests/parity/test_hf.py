@@ -10,7 +10,6 @@ untied + Llama 3 RoPE scaling in bfloat16 across three safetensors files.
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,9 +21,9 @@ from framework.model import reference
 from framework.errors import ConfigError
 from framework.config import ModelConfig, RopeScaling, TrainConfig
 from framework.io.hf.safetensors import Tensors
-from tests.helpers import engine
+from tests.helpers import FIXTURES, compose_recipe, engine
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+HF = FIXTURES / "hf"
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded")
 
 
@@ -34,7 +33,7 @@ def single_device(cfg: ModelConfig):
 
 
 def load(name: str, shardings=None):
-    folder = FIXTURES / name
+    folder = HF / name
     cfg = hf.model_config(hf.read_config(folder))
     return cfg, hf.load_params(folder, cfg, shardings or single_device(cfg))
 
@@ -46,7 +45,7 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(name):
     cfg, params = load(name)
-    ids, want = np.load(FIXTURES / name / "ids.npy"), np.load(FIXTURES / name / "logits.npy")
+    ids, want = np.load(HF / name / "ids.npy"), np.load(HF / name / "logits.npy")
     forward = lambda c: jax.jit(lambda p, i: reference.forward(p, i, c))(params, ids)
     assert rel(forward(cfg), want) <= 1e-5
     if name == "llama3_bf16_sharded":  # the scaling is what makes it match
@@ -58,7 +57,7 @@ def test_both_rope_spellings_and_the_llama_1b_group():
     """`rope_theta` + `rope_scaling` (published Llama 3 folders) and `rope_parameters`
     (newer transformers) give the same model; conf/model/llama_1b.yaml is exactly what
     Llama-3.2-1B's config.json maps to."""
-    new = hf.read_config(FIXTURES / "llama3_bf16_sharded")
+    new = hf.read_config(HF / "llama3_bf16_sharded")
     legacy = {k: v for k, v in new.items() if k != "rope_parameters"}
     params = dict(new["rope_parameters"])
     legacy["rope_theta"] = params.pop("rope_theta")
@@ -72,32 +71,31 @@ def test_both_rope_spellings_and_the_llama_1b_group():
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "tie_word_embeddings": True, "max_position_embeddings": 131072}
-    from tests.test_run import compose_recipe
     group = compose_recipe("llama_1b_8gpu").model
     assert hf.model_config(llama_3_2_1b, dtype=group.dtype) == group
 
 
 def test_config_json_errors_are_one_line(tmp_path):
-    cfg = hf.model_config(hf.read_config(FIXTURES / "tied_gqa"))
+    cfg = hf.model_config(hf.read_config(HF / "tied_gqa"))
     with pytest.raises(ConfigError) as err:
         hf.merge_model({"d_model": 64, "n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
     assert str(err.value).startswith("model.d_model=64 but x/config.json has hidden_size=32")
     assert "\n" not in str(err.value)
     merged = hf.merge_model({"n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
     assert merged == dataclasses.replace(cfg, dtype="bfloat16")
-    bad = {**hf.read_config(FIXTURES / "tied_gqa"), "rope_parameters": {"rope_type": "yarn"}}
+    bad = {**hf.read_config(HF / "tied_gqa"), "rope_parameters": {"rope_type": "yarn"}}
     with pytest.raises(ConfigError, match="rope_type 'yarn' is not supported"):
         hf.model_config(bad)
     # A truncated safetensors file and a missing tensor.
     folder = tmp_path / "damaged"
-    shutil.copytree(FIXTURES / "tied_gqa", folder)
+    shutil.copytree(HF / "tied_gqa", folder)
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(ConfigError, match="truncated or damaged"):
         Tensors(folder)
     untied = dataclasses.replace(cfg, tie_embeddings=False)
     with pytest.raises(ConfigError, match="lm_head.weight is missing"):
-        hf.check_tensors(Tensors(FIXTURES / "tied_gqa"), untied, "tied_gqa")
+        hf.check_tensors(Tensors(HF / "tied_gqa"), untied, "tied_gqa")
 
 
 @pytest.mark.parametrize("name,dtype", [("llama3_bf16_sharded", "bfloat16"),
@@ -105,12 +103,12 @@ def test_config_json_errors_are_one_line(tmp_path):
 def test_import_then_export_is_bit_exact(name, dtype, tmp_path):
     """Imported onto a (2, 2, 2) layout's shardings, exported, read back: the same
     tensors, bit for bit (and sharded like the original past a size limit)."""
-    cfg = hf.model_config(hf.read_config(FIXTURES / name))
+    cfg = hf.model_config(hf.read_config(HF / name))
     eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
-    params = hf.load_params(FIXTURES / name, cfg, eng.layout.canonical_shardings["params"])
-    files = hf.export(tmp_path, cfg, params, dtype, hf.read_config(FIXTURES / name),
+    params = hf.load_params(HF / name, cfg, eng.layout.canonical_shardings["params"])
+    files = hf.export(tmp_path, cfg, params, dtype, hf.read_config(HF / name),
                       max_shard_bytes=14_000)
-    original, exported = Tensors(FIXTURES / name), Tensors(tmp_path)
+    original, exported = Tensors(HF / name), Tensors(tmp_path)
     assert sorted(original.where) == sorted(exported.where)
     for tensor in original.where:
         a, b = original.read(tensor), exported.read(tensor)
@@ -127,7 +125,7 @@ def test_a_process_reads_only_the_blocks_its_devices_hold():
     (2, 2, 2) mesh: the 4 devices of pipeline stage 0 read everything but layer 1; the 4
     devices of tensor rank 0 read half of every tensor-sharded weight plus the norms."""
     name = "llama3_bf16_sharded"
-    cfg = hf.model_config(hf.read_config(FIXTURES / name))
+    cfg = hf.model_config(hf.read_config(HF / name))
     eng = engine(2, 2, 2, 2, model=cfg, train=TrainConfig(seq_len=8, global_batch_size=8))
     shardings = eng.layout.canonical_shardings["params"]
     shapes = hf.canonical_shapes(cfg)
@@ -136,7 +134,7 @@ def test_a_process_reads_only_the_blocks_its_devices_hold():
     total = sum(sizes.values())
 
     def bytes_read(devices) -> int:
-        tensors = Tensors(FIXTURES / name)
+        tensors = Tensors(HF / name)
         readers = hf.leaf_readers(tensors, cfg)
         for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
             key = tuple(k.key for k in path)
@@ -159,7 +157,7 @@ def _get(tree, key):
 
 
 def test_exported_config_is_what_transformers_reads():
-    cfg = hf.model_config(hf.read_config(FIXTURES / "llama3_bf16_sharded"))
+    cfg = hf.model_config(hf.read_config(HF / "llama3_bf16_sharded"))
     out = hf.export_config(cfg, "bfloat16", None, max_positions=256)
     assert out["rope_scaling"]["rope_type"] == "llama3" and out["head_dim"] == 8
     assert out["max_position_embeddings"] == 256 and out["torch_dtype"] == "bfloat16"

@@ -4,37 +4,28 @@ from a working directory outside the repository (recipes must still be found).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from framework.run import cli as run_cli
 from framework.config import RunConfig
 from framework.engine.validate import validate
 from framework.parallel.pipeline.schedule import make_schedule
 from framework.run.train import check_run
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import cli
+from tests.cli import REPO
+from tests.helpers import compose_recipe
+
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 TINY_STEPS, TINY_EVERY = 6, 2  # recipes/llama_tiny_debug.yaml
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The subprocesses share one fresh JAX compilation cache (the tests' own, so a
-    stale user cache can neither help nor hurt): repeated compilations load from it."""
-    cache = tmp_path_factory.mktemp("jax_compile_cache")
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
-
-
 def framework_run(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "framework.run", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return cli.framework("run", *args, cwd=cwd, env=env)
 
 
 def wandb_records(run_dir: Path) -> list[dict]:
@@ -45,13 +36,6 @@ def wandb_records(run_dir: Path) -> list[dict]:
                           str(files[0])], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-
-def compose_recipe(name: str, *overrides: str) -> RunConfig:
-    run_cli.register_configs()
-    with initialize_config_dir(config_dir=str(run_cli.CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"recipe={name}", *overrides])
-    return OmegaConf.to_object(cfg)
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -7,7 +7,7 @@ One uninterrupted 10-step run on Markov data (`full`, losses logged every step, 
 every 5 steps, a checkpoint after every step) is the reference that the stopped,
 killed, fallen-back and two-process runs must reproduce; while it runs, a second run
 tries its folder. Markov, text and token-file data train here; synthetic data in
-tests/test_run.py (the default of llama_tiny_debug).
+tests/e2e/test_run.py (the default of llama_tiny_debug).
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +25,11 @@ import pytest
 
 from framework.io.checkpoint.manager import Checkpointer
 from framework.run.tracking import read_metrics
+from tests import cli
+from tests.cli import assert_same, command, complete_steps, losses, ok, summary
+from tests.cli import train as framework_run
+from tests.helpers import load_tool
 
-REPO = Path(__file__).resolve().parent.parent
 # Every run here trains the same program (same shapes, same 10-step LR schedule), so
 # only the first compiles it and the others load it from the compilation cache.
 BASE = ("recipe=llama_tiny_debug", "train.steps=10", "logging.every=1", "eval.every=5",
@@ -36,49 +37,6 @@ BASE = ("recipe=llama_tiny_debug", "train.steps=10", "logging.every=1", "eval.ev
 COMMON = (*BASE, "data=markov")
 STEPS = 10
 EVERY_STEP = ("checkpoint.every=1", f"checkpoint.keep={STEPS}")  # all steps kept
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_compile_cache")
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
-
-
-def command(run_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "framework.run", *args, f"hydra.run.dir={run_dir}"]
-
-
-def framework_run(run_dir: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    # One after the other, never side by side: the first run of a program compiles it,
-    # the next ones load it from the shared compilation cache.
-    return subprocess.run(command(run_dir, *args), cwd=run_dir.parent, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def losses(run_dir: Path, key: str = "train/loss") -> dict[int, float]:
-    return {r["step"]: r[key] for r in read_metrics(run_dir) if r.get(key) is not None}
-
-
-def assert_same(got: dict, want: dict, steps) -> None:
-    for step in steps:
-        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got, want)
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def complete_steps(run_dir: Path) -> list[int]:
-    ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
-    try:
-        return ckpt.complete_steps()
-    finally:
-        ckpt.close()
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +332,7 @@ def test_non_finite_loss_stops_with_one_line_and_exit_3_keeping_the_last_checkpo
     import jax
 
     from framework.engine.state import to_canonical
-    from tests.test_run import compose_recipe
+    from tests.helpers import compose_recipe
     from framework.engine.validate import validate
     from framework.engine.build import build_engine
     from framework.parallel.mesh import make_mesh
@@ -428,15 +386,9 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0_here_on_a_token_file(tmp_p
     assert all(np.isfinite(r["train/loss"]) for r in read_metrics(run_dir))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_of_four_cpu_devices_train_like_one_of_eight(full, tmp_path, env):
     run_dir = tmp_path / "run"
-    port = free_port()
+    port = cli.free_port()
     procs = [subprocess.Popen(
         command(run_dir, *COMMON, "devices.platform=cpu",
                 "devices.local_device_count=4", "distributed.num_processes=2",
@@ -458,13 +410,7 @@ def test_two_processes_of_four_cpu_devices_train_like_one_of_eight(full, tmp_pat
 
 
 def load_prepare_data():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data",
-                                                  REPO / "tools" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("prepare_data")
 
 
 def test_a_text_file_trains_and_evaluates_through_the_command_line(tmp_path, env):

@@ -11,7 +11,6 @@ samples -> generation -> export, in one run (framework.train.run in this process
 """
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,20 +27,14 @@ from framework.config import (OptimConfig, CheckpointConfig, DataConfig, Devices
                               RunConfig, TrainConfig, WandbConfig)
 from framework.errors import ConfigError
 from framework.io.hf.safetensors import Tensors
-from tests.helpers import engine
+from tests.helpers import FIXTURES, engine, load_tool
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURE = REPO / "tests" / "fixtures" / "hf" / "untied_gqa"  # vocabulary 64
+FIXTURE = FIXTURES / "hf" / "untied_gqa"  # vocabulary 64
 WORDS = ("the cat dog sat on a mat and ran to big small red blue house tree under over "
          "bird sang sun moon saw it was day night").split()
 PROMPT, SAMPLE_TOKENS = "the cat", 8
 
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,6 @@
 """Decoding: the KV cache against recomputing the full forward (one device and tensor
 parallel), transformers' own greedy continuation, seeded sampling, the command line."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,9 +13,9 @@ from framework.model import reference
 from framework.errors import ConfigError
 from framework.config import ParallelConfig
 from framework.parallel.mesh import make_mesh
+from tests.helpers import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "llama3_bf16_sharded"
-REPO = Path(__file__).resolve().parent.parent
+FIXTURE = FIXTURES / "hf" / "llama3_bf16_sharded"
 N_NEW = 32
 
 
@@ -82,18 +79,6 @@ def test_nucleus_keeps_the_smallest_set_holding_top_p():
     assert draw(3, 1.0) == {0, 1, 2}
     assert draw(3, 0.9) == {0, 1, 2}  # top_p over the renormalised top 3
     assert draw(0, 1.0) == {0, 1, 2, 3}
-
-
-def test_command_line_on_a_hf_folder_with_tensor_parallelism(recomputed):
-    out = subprocess.run(
-        [sys.executable, "-m", "framework.generate", f"checkpoint={FIXTURE}",
-         "prompt_ids=" + ",".join(map(str, np.load(FIXTURE / "ids.npy")[0, :4])),
-         f"max_new_tokens={N_NEW}", "temperature=0", "tensor=2", "print_ids=true",
-         "stop_at_eos=false", "platform=cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert f"ids: {recomputed[0][0].tolist()}" in out.stdout
-    assert "tensor=2" in out.stderr and "tokens/s" in out.stderr
 
 
 def test_bad_settings_are_one_line_errors():

@@ -258,15 +258,3 @@ def test_every_impossible_number_is_one_line_and_exit_2(monkeypatch, tmp_path):
         assert lines[0] == f"error: {message}" or lines[0].startswith(f"error: {message}"), (
             setting, lines[0])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-def test_an_output_folder_that_cannot_be_created_is_one_line_and_exit_2(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")
-    proc = subprocess.run([sys.executable, "-m", "framework.run", "recipe=llama_tiny_debug",
-                           f"hydra.run.dir={blocker / 'run'}"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [
-        f"error: cannot create the output folder {blocker / 'run'}: Not a directory: set "
-        f"hydra.run.dir (or hydra.sweep.dir) to a folder that can be written"]

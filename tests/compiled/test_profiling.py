@@ -2,15 +2,11 @@
 configurations the way their schedules say, and the run's plot draws it."""
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import pytest
 
 from framework.analysis import profiling
-from framework.parallel.pipeline.schedule import make_schedule
 from tests.helpers import MODEL, TRAIN, engine, params, tokens
 
 # Big enough that a cell's compute outweighs the per-tick bookkeeping on a CPU.
@@ -36,6 +32,7 @@ def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path) -> f
     return found["pipeline/bubble_fraction_timed"]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:parallel.microbatches")
 def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     """No absolute timings: 4 simulated devices share 2 cores here, so every device also
@@ -78,27 +75,3 @@ def test_profile_window_fits_the_run():
     assert profiling.profile_steps(2, 3, 10, 100) == (12, 13)  # resumed at step 10
     assert profiling.profile_steps(2, 3, 0, 2) is None  # too short: its 1st step is warm-up
     assert profiling.profile_steps(0, 3, 0, 100) is None
-
-
-def test_schedule_plot_draws_a_runs_trace(tmp_path):
-    """The timeline a profiled run leaves, drawn beside its table."""
-    eng = engine(2, 1, 1, 4, schedule="zb_h1")
-    box = {"state": eng.init_state(params())}
-    batch = eng.shard_batch(tokens(0))
-    eng.compile(box["state"], batch)
-
-    def two():
-        for _ in range(2):
-            box["state"], metrics = eng.step(box["state"], batch)
-        jax.block_until_ready(metrics)
-
-    two()
-    found = profiling.measure(eng, two, tmp_path)
-    assert 0 < found["pipeline/bubble_fraction_timed"] < 1
-    tool = Path(__file__).resolve().parents[1] / "tools" / "schedule_plot.py"
-    out = tmp_path / "trace.png"
-    proc = subprocess.run([sys.executable, str(tool), "--trace", str(tmp_path), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert out.read_bytes()[:4] == b"\x89PNG" and "bubble measured" in proc.stdout
-    assert make_schedule("zb_h1", 2, 4).bubble_fraction == pytest.approx(1 / 13)

@@ -1,9 +1,7 @@
 """Datasets: shapes, determinism, held-out splits, the Markov entropy floor, per-process
 rows, bad input, and tools/prepare_data.py."""
 
-import importlib.util
 import json
-import os
 
 import jax
 import numpy as np
@@ -13,20 +11,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from framework.io import data
 from framework.errors import ConfigError
 from framework.config import DataConfig, ParallelConfig, TrainConfig
+from tests.helpers import load_tool
 from framework.parallel.mesh import make_mesh
 
 TRAIN = TrainConfig(seq_len=16, global_batch_size=16, seed=3)
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box".split()
 TEXT = "\n".join(" ".join(np.random.default_rng(i).choice(WORDS, 9)) for i in range(200))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_prepare_data():
-    spec = importlib.util.spec_from_file_location(
-        "prepare_data", os.path.join(ROOT, "tools", "prepare_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("prepare_data")
 
 
 @pytest.fixture(scope="module")

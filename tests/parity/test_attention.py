@@ -1,7 +1,7 @@
 """The attention kernels (framework/model/attention.py): blockwise and the cuDNN wrapper against
 the dense reference, kernel by kernel and through the engine (loss and every gradient
 leaf against the single-device dense model, in the layouts and schedules there are),
-what `auto` picks, and blockwise memory growing linearly with the sequence."""
+what `auto` picks. (Blockwise memory against the sequence: tests/compiled/test_memory.py.)"""
 
 import dataclasses
 
@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from framework.model import attention
-from framework.analysis import audit
 from framework.errors import ConfigError
-from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.config import ParallelConfig, TrainConfig
 from framework.engine.validate import check
-from tests.helpers import MODEL, OPTIM, engine, engine_grads, max_rel_err, reference_grads, worst
+from tests.helpers import MODEL, engine, engine_grads, max_rel_err, reference_grads, worst
 
 
 def _qkv(b, sq, sk, g, r, hd, dtype=jnp.float32, seed=0):
@@ -127,15 +126,16 @@ def dense_reference():
     return reference_grads(dataclasses.replace(MODEL, attention="dense"))
 
 
-@pytest.mark.parametrize("pp,dp,tp,mb,kw", [
+@pytest.mark.parametrize("pp,dp,tp,mb,kw", [  # single and zb_h1 in the fast tier
     (1, 1, 1, 1, {}),
-    (2, 2, 2, 4, dict(schedule="gpipe")),
-    (2, 2, 2, 4, dict(schedule="circular", virtual_stages=2)),
-    (2, 2, 2, 4, dict(schedule="1f1b")),
-    (2, 2, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2)),
+    pytest.param(2, 2, 2, 4, dict(schedule="gpipe"), marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, dict(schedule="circular", virtual_stages=2), marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, dict(schedule="1f1b"), marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2),
+                 marks=pytest.mark.slow),
     (2, 2, 2, 4, dict(schedule="zb_h1")),
-    (1, 1, 4, 1, {}),
-    (1, 2, 4, 2, dict(sequence_parallel=True)),
+    pytest.param(1, 1, 4, 1, {}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 4, 2, dict(sequence_parallel=True), marks=pytest.mark.slow),
 ], ids=["single", "gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "tp4", "sp"])
 def test_blockwise_model_matches_dense_reference(pp, dp, tp, mb, kw, dense_reference):
     ref_loss, ref_grads = dense_reference
@@ -145,6 +145,7 @@ def test_blockwise_model_matches_dense_reference(pp, dp, tp, mb, kw, dense_refer
     assert worst(errs) <= 1e-4, errs
 
 
+@pytest.mark.slow
 def test_auto_and_bfloat16_blockwise_models(dense_reference):
     # auto on CPU at this length is dense: the same numbers as the reference.
     ref_loss, ref_grads = dense_reference
@@ -156,24 +157,3 @@ def test_auto_and_bfloat16_blockwise_models(dense_reference):
     loss, grads = engine_grads(engine(1, 1, 2, 1, model=bf16, sequence_parallel=True))
     assert abs(loss - float(ref_loss)) < 2e-2 * float(ref_loss)
     assert worst(max_rel_err(grads, ref_grads)) < 0.1  # bf16 rounding, not a kernel bug
-
-
-def test_blockwise_memory_grows_linearly_with_sequence():
-    """Compiled temporaries per device (compiled, never run) at seq 1024 and 4096:
-    blockwise grows about linearly (<= 4.5x for 4x the tokens); at 4096 it needs less
-    than dense at 1024 (dense grows about 16x, see docs/performance.md)."""
-    from framework.engine.build import build_engine
-    from framework.parallel.mesh import make_mesh
-
-    small = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
-                        d_ff=128)
-    par = ParallelConfig()
-    temp = {}
-    for impl, seq in (("blockwise", 1024), ("blockwise", 4096), ("dense", 1024)):
-        model = dataclasses.replace(small, attention=impl)
-        eng = build_engine(model, par, OPTIM, 10, make_mesh(par, jax.devices()[:1]))
-        stats = audit.step_stats(eng, *eng.abstract_inputs(2, seq))
-        temp[impl, seq] = stats["memory/temp_bytes_per_device"]
-    print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
-    assert temp["blockwise", 4096] <= 4.5 * temp["blockwise", 1024]
-    assert temp["blockwise", 4096] < temp["dense", 1024]

@@ -245,7 +245,7 @@ def test_a_resumed_run_keeps_metrics_up_to_its_checkpoint_and_appends(tmp_path):
 
 def test_only_process_0_writes_metrics_summary_and_wandb(tmp_path):
     from framework.run.train import make_tracker
-    from tests.test_run import compose_recipe
+    from tests.helpers import compose_recipe
 
     cfg = compose_recipe("llama_tiny_debug")  # W&B offline by default
     other = make_tracker(cfg, tmp_path, {}, {"run_name": "x"}, primary=False, resumed_at=None,

@@ -30,6 +30,7 @@ def test_layouts_put_the_reference_shaped_single_device_first(cfg):
         bench.parse_layout("2,1,1:micro=4", cfg.parallel)
 
 
+@pytest.mark.slow
 def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
     one = bench.layouts_for(cfg, [], False)[0]
     rows, ref, pairs = bench.measure(cfg, [one], jax.devices(), steps=2, rounds=2, warmup=1,

@@ -1,0 +1,97 @@
+"""Per-device memory of compiled steps (XLA's memory analysis; compiled, never run):
+the memory model's prediction against it, the tick schedules' memory against the
+microbatch count, and blockwise attention against the sequence length."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from framework.analysis import audit, memory_model
+from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.build import build_engine
+from framework.engine.validate import validate
+from framework.parallel.mesh import make_mesh
+from tests.helpers import OPTIM, engine
+from tests.helpers import TRAIN as PARITY_TRAIN
+
+# Big enough that activations, weights and optimizer state all weigh (~300 MiB at one
+# device, a third of it not activations), small enough to compile in a few seconds.
+MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                    d_ff=512, dtype="float32")
+TRAIN = TrainConfig(seq_len=64, global_batch_size=16)
+
+
+def compiled_peak_bytes(par: ParallelConfig) -> int:
+    """`memory/peak_bytes_per_device` of the compiled step (abstract inputs: nothing
+    is allocated or run)."""
+    par = validate(MODEL, par, TRAIN, par.n_devices)
+    eng = build_engine(MODEL, par, OPTIM, TRAIN.steps, make_mesh(par))
+    state, tokens = eng.abstract_inputs(TRAIN.global_batch_size, TRAIN.seq_len)
+    return audit.step_stats(eng, state, tokens)["memory/peak_bytes_per_device"]
+
+
+SLOW = pytest.mark.slow
+LAYOUTS = [  # the first two in the fast tier
+    dict(),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
+    pytest.param(dict(pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), marks=SLOW),
+    pytest.param(dict(pipeline=4, microbatches=8, schedule="1f1b"), marks=SLOW),
+    pytest.param(dict(tensor=4, sequence_parallel=True), marks=SLOW),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, remat="full"), marks=SLOW),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", zero1=True),
+                 marks=SLOW),
+    pytest.param(dict(pipeline=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
+                 marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS,
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "single")
+def test_memory_prediction_within_15_percent_of_compiled(kw):
+    par = ParallelConfig(**kw)
+    predicted = memory_model.predict_memory(MODEL, par, TRAIN)
+    measured = compiled_peak_bytes(par)
+    print(kw, f"predicted {predicted['total'] / 2**20:.1f} MiB, compiled "
+              f"{measured / 2**20:.1f} MiB, ratio {predicted['total'] / measured:.3f}")
+    assert abs(predicted["total"] / measured - 1) <= 0.15
+
+
+def temp_bytes(sched, m, v=1):
+    """Compiled temp memory at pipeline=4 with a fixed microbatch of 2 sequences."""
+    train = dataclasses.replace(PARITY_TRAIN, global_batch_size=2 * m, seq_len=32)
+    eng = engine(4, 1, 1, m, train=train, schedule=sched, virtual_stages=v)
+    state, toks = eng.abstract_inputs(train.global_batch_size, train.seq_len)
+    return audit.step_stats(eng, state, toks)["memory/temp_bytes_per_device"]
+
+
+@pytest.mark.slow
+def test_tick_schedules_memory_does_not_grow_with_microbatches():
+    got = {(s, m): temp_bytes(s, m, 2 if s == "interleaved_1f1b" else 1)
+           for s in ("interleaved_1f1b", "zb_h1") for m in (4, 16)}
+    got.update({(s, 16): temp_bytes(s, 16) for s in ("gpipe", "1f1b")})
+    print("temp bytes (pipeline 4):", got)
+    for s in ("interleaved_1f1b", "zb_h1"):
+        assert got[s, 16] <= 1.25 * got[s, 4], s  # bounded like 1F1B's
+    for s in ("1f1b", "interleaved_1f1b", "zb_h1"):
+        assert got[s, 16] < got["gpipe", 16], s  # GPipe keeps all 16 microbatches
+    assert got["zb_h1", 16] <= 1.1 * got["1f1b", 16]  # ZB-H1: 1F1B's activation memory
+
+
+@pytest.mark.slow
+def test_blockwise_memory_grows_linearly_with_sequence():
+    """Compiled temporaries per device (compiled, never run) at seq 1024 and 4096:
+    blockwise grows about linearly (<= 4.5x for 4x the tokens); at 4096 it needs less
+    than dense at 1024 (dense grows about 16x, see docs/performance.md)."""
+    small = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
+                        d_ff=128)
+    par = ParallelConfig()
+    temp = {}
+    for impl, seq in (("blockwise", 1024), ("blockwise", 4096), ("dense", 1024)):
+        model = dataclasses.replace(small, attention=impl)
+        eng = build_engine(model, par, OPTIM, 10, make_mesh(par, jax.devices()[:1]))
+        stats = audit.step_stats(eng, *eng.abstract_inputs(2, seq))
+        temp[impl, seq] = stats["memory/temp_bytes_per_device"]
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
+    assert temp["blockwise", 4096] <= 4.5 * temp["blockwise", 1024]
+    assert temp["blockwise", 4096] < temp["dense", 1024]
