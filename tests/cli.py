@@ -1,6 +1,6 @@
 """The command lines, run as a user runs them, for the end-to-end tests: each call is a
 subprocess (`python -m framework.run ...`, `python -m framework.generate ...`, a tool),
-with the tests' own compilation cache (`tests/e2e/conftest.py`, fixture `cli_env`)."""
+with the environment of `tests/e2e/conftest.py` (fixture `env`)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ def command(run_dir: Path, *args: str) -> list[str]:
 
 
 def train(run_dir: Path, *args: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-    """A training run in `run_dir`, started from its parent folder. One after the other,
-    never side by side: the first run of a program compiles it, the next ones load it
-    from the shared compilation cache."""
+    """A training run in `run_dir`, started from its parent folder (one after the other,
+    never side by side: the machine's cores are shared)."""
     return subprocess.run(command(run_dir, *args), cwd=run_dir.parent, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

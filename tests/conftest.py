@@ -1,23 +1,21 @@
-"""Test setup: 8 simulated CPU devices, fixed before JAX starts its backend, and one
-fresh persistent compilation cache for the session. Many tests compile the same
-programs (a layout checked in several files, the command-line runs' subprocesses), and
-the cache compiles each once; being fresh, it cannot hide a change from the tests.
-XLA's LLVM back end optimises less (--xla_backend_optimization_level=0): the tests'
-programs are tiny, so compiling them dominates and running them does not; the HLO
-(sharding, collectives, buffer assignment, hence the memory figures) is unchanged."""
+"""Test setup: 8 simulated CPU devices, fixed before JAX starts its backend, and no
+persistent compilation cache: XLA:CPU runs multi-device programs loaded from it
+wrongly (framework/runtime/devices.py, `compile_cache_safe`), and every program of
+the tests runs on several simulated devices. XLA's LLVM back end optimises less
+(--xla_backend_optimization_level=0): the tests' programs are tiny, so compiling them
+dominates and running them does not; the HLO (sharding, collectives, buffer
+assignment, hence the memory figures) is unchanged."""
 
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="framework-test-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = ""  # off, also in the subprocesses
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -130,8 +130,8 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
                           f"data.holdout_fraction={cfg.data.holdout_fraction}: set it > 0 "
                           f"or eval.every=0")
-    devices_lib.enable_compile_cache()
     devset = devices_lib.start(cfg.devices, cfg.parallel, cfg.distributed)
+    devices_lib.enable_compile_cache(devset)
     guard.settle(devset.process_index, devset.process_count)  # all follow process 0
     faults.run_started()  # a SIGTERM from now on asks the run to stop
     if on_start is not None:

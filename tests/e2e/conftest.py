@@ -7,9 +7,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory):
-    """The subprocesses' environment: one fresh JAX compilation cache for all of them (the
-    tests' own, so a stale user cache can neither help nor hurt); runs one after the
-    other, so the first run of a program compiles it and the next ones load it."""
-    cache = tmp_path_factory.mktemp("jax_compile_cache")
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+def env():
+    """The subprocesses' environment: without JAX's persistent compilation cache (see
+    tests/conftest.py), so that no stale user cache can help or hurt either."""
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}

@@ -253,3 +253,15 @@ def test_only_process_0_writes_metrics_summary_and_wandb(tmp_path):
     other.log(1, {"train/loss": 1.0})
     other.finish("completed")
     assert other.sinks == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_compile_cache_is_used_only_where_it_is_safe():
+    """Not with several CPU devices (devices.compile_cache_safe); elsewhere yes."""
+    def devset(platform, n):
+        return devices.DeviceSet(tuple(range(n)), platform, platform == "cpu", "x")
+
+    assert not devices.compile_cache_safe(devset("cpu", 8))
+    assert devices.compile_cache_safe(devset("cpu", 1))
+    assert devices.compile_cache_safe(devset("gpu", 8))
+    assert devices.compile_cache_safe(devset("tpu", 4))
+

@@ -1,0 +1,159 @@
+"""A randomized search for layouts that compute something else than one device does.
+
+    python tools/parity_search.py --cases 200 --seed 1     # a developer's long sweep
+    python tools/parity_search.py --cases 20 --seed 7 --devices 8
+
+Draws random valid configurations (schedule from the registry, pipeline, data, tensor,
+microbatches, virtual stages, sequence parallelism, ZeRO-1, remat, tied embeddings,
+small model shapes), runs each one's loss and gradients twice on the same inputs, and
+compares the loss and every gradient leaf of both runs with the single-device reference
+(framework/model/reference.py): relative error at most 1e-4. A failing configuration
+is printed as one line of `python -m framework.run` settings, e.g.
+
+    FAIL zb_h1 pp4 dp1 tp2 mb8: 19.6 (run 2) ... | parallel.pipeline=4 parallel.data=1 ...
+
+tests/parity/test_search.py runs a fixed seed of this in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+TOLERANCE = 1e-4
+
+
+def draw(rng: np.random.Generator, n_devices: int = 8):
+    """(model, parallel, train) of one valid random configuration on at most n_devices."""
+    from framework.config import ModelConfig, ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+    from framework.parallel.pipeline import schedule as schedules
+
+    pick = lambda options: options[int(rng.integers(len(options)))]
+    while True:
+        name = pick(list(schedules.schedule_names()))
+        p, t = pick([1, 2, 4]), pick([1, 2, 4])
+        d = pick([d for d in (1, 2, 4) if p * d * t <= n_devices] or [1])
+        v = pick([1, 2]) if schedules.uses_virtual_stages(name) else 1
+        m = pick([1, 2, 4, 8])
+        kv = pick([k for k in (1, 2, 4) if k % t == 0] or [t])
+        heads = kv * pick([1, 2])
+        model = ModelConfig(
+            vocab_size=32 * pick([2, 4]), d_model=heads * pick([8, 16]),
+            n_layers=p * v * pick([1, 2]), n_heads=heads, n_kv_heads=kv,
+            d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
+            dtype="float32")
+        par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,
+                             virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
+                             zero1=bool(rng.integers(2)) and d > 1,
+                             sequence_parallel=bool(rng.integers(2)) and t > 1)
+        train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
+                            seed=int(rng.integers(1000)))
+        if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
+            return model, par, train
+
+
+def overrides(model, par, train) -> str:
+    """The configuration as `python -m framework.run` settings (one line)."""
+    items = [("model", model), ("parallel", par), ("train", train)]
+    out = []
+    for group, cfg in items:
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name in ("rope_scaling", "resume", "resume_from", "stop_at", "init_from",
+                          "steps", "tensor_split"):
+                continue
+            value = str(value).lower() if isinstance(value, bool) else value
+            out.append(f"{group}.{f.name}={value}")
+    return " ".join(out)
+
+
+def _relative_errors(grads, ref) -> list[float]:
+    import jax
+
+    def one(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    return jax.tree.leaves(jax.tree.map(one, grads, ref))
+
+
+def run_case(model, par, train, devices) -> str | None:
+    """None when both runs match the reference, else why not (one line)."""
+    import jax
+
+    from framework.config import OptimConfig
+    from framework.engine.build import build_engine
+    from framework.model import reference
+    from framework.model.llama import init_params
+    from framework.parallel.mesh import make_mesh
+
+    params = jax.jit(lambda k: init_params(model, k))(jax.random.key(train.seed))
+    tokens = reference.tokens_for_step(train.seed, 0, train.global_batch_size,
+                                       train.seq_len, model.vocab_size)
+    ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(p, x, model))(
+        params, tokens)
+    eng = build_engine(model, par, OptimConfig(), 1, make_mesh(par, devices))
+    fn = eng.loss_and_grads_fn()
+    args = eng.shard_params(params), eng.shard_batch(tokens)
+    for attempt in (1, 2):
+        loss, grads = fn(*args)
+        loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+        worst = max(_relative_errors(eng.canonical_params(grads), ref_grads))
+        if loss_err > TOLERANCE or worst > TOLERANCE:
+            return (f"run {attempt}: loss {float(loss):.6g} (reference "
+                    f"{float(ref_loss):.6g}), worst gradient leaf off by {worst:.3g}")
+    return None
+
+
+def label(par) -> str:
+    extra = "".join(f" {k}" for k in ("zero1", "sequence_parallel") if getattr(par, k))
+    v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
+    return (f"{par.schedule} pp{par.pipeline} dp{par.data} tp{par.tensor} "
+            f"mb{par.microbatches}{v} remat={par.remat}{extra}")
+
+
+def search(seed: int, cases: int, devices, log=print) -> list[str]:
+    """Draws `cases` configurations; returns one line per failure."""
+    import warnings
+
+    rng = np.random.default_rng(seed)
+    failures = []
+    for i in range(cases):
+        model, par, train = draw(rng, len(devices))
+        start = time.perf_counter()
+        with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
+            warnings.simplefilter("ignore")
+            why = run_case(model, par, train, devices[:par.n_devices])
+        line = f"{label(par)}: {why} | {overrides(model, par, train)}" if why else None
+        if line:
+            failures.append(line)
+        log(f"[{i + 1}/{cases}] {'FAIL ' + line if line else 'ok   ' + label(par)} "
+            f"({time.perf_counter() - start:.1f} s)")
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    args = parser.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    jax.config.update("jax_platforms", "cpu")
+    failures = search(args.seed, args.cases, jax.devices())
+    print(f"{len(failures)} of {args.cases} configurations differ from the reference")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
