@@ -12,3 +12,7 @@ import rules, which tests/unit/test_architecture.py enforces):
     io/         data, tokenizers, checkpoints, Hugging Face weights
     run/        the command line: train, loop, hooks, tracking, sweeps, generation
 """
+
+from framework.runtime.quiet import import_jax
+
+import_jax()  # first, so no JAX plugin prints to stderr (framework/runtime/quiet.py)

@@ -262,6 +262,14 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
+@dataclass
+class CompileConfig(RunConfig):
+    """`python -m framework.compile`: a run's configuration and the cluster it is
+    compiled for (framework/compile/targets.py): local, tpu:v5p-256, gpu:h100x64, ..."""
+
+    target: str = "local"
+
+
 @dataclass(frozen=True)
 class Range:
     """Valid values of a numeric setting: low/high bounds (None: unbounded), each
@@ -332,8 +340,28 @@ def check_ranges(cfg: "RunConfig") -> list[str]:
             problem = valid.problem(key, getattr(holder, name))
             if problem:
                 errs.append(problem)
-    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
-    if not errs and warmup > steps:
-        errs.append(f"optim.warmup_steps={warmup} is more than train.steps={steps}: the "
-                    f"learning rate would never reach optim.lr; use at most {steps}")
     return errs
+
+
+def setting_names(cls, prefix: str = "") -> list[str]:
+    """Every leaf setting of a config dataclass, as its dotted name (e.g. train.steps)."""
+    import typing
+
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, name = hints[f.name], prefix + f.name
+        out += setting_names(kind, name + ".") if dataclasses.is_dataclass(kind) else [name]
+    return out
+
+
+def clamp_warmup(cfg: "RunConfig") -> tuple["RunConfig", str | None]:
+    """A warm-up longer than the run (a short trial of a recipe) becomes the whole run;
+    returns the config and the warning to print (None when nothing changed)."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if warmup <= steps:
+        return cfg, None
+    optim = dataclasses.replace(cfg.optim, warmup_steps=steps)
+    return dataclasses.replace(cfg, optim=optim), (
+        f"warning: optim.warmup_steps={warmup} is more than train.steps={steps}: the "
+        f"learning rate warms up over all {steps} steps (it reaches optim.lr at the last)")

@@ -29,8 +29,9 @@ def load_tool(name: str):
     return module
 
 
-def compose_recipe(name: str, *overrides: str):
-    """The RunConfig `python -m framework.run recipe=<name> <overrides>` composes."""
+def compose_recipe(name: str, *overrides: str, config: str = "config"):
+    """The RunConfig `python -m framework.run recipe=<name> <overrides>` composes
+    (config="compile": the CompileConfig of `python -m framework.compile`)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -38,7 +39,7 @@ def compose_recipe(name: str, *overrides: str):
 
     cli.register_configs()
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"recipe={name}", *overrides])
+        cfg = compose(config, overrides=[f"recipe={name}", *overrides])
     return OmegaConf.to_object(cfg)
 
 

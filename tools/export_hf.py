@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only folders
+    from framework.runtime import faults
+
+    faults.LibraryOutput(os.devnull).install()  # an abandoned restore's thread noise
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run folder, checkpoint folder or step folder")
     parser.add_argument("out", help="the Hugging Face folder to write")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from framework.analysis import hlo as hlo_lib
+from framework.analysis.overlap import overlapped_names
 from framework.parallel.pipeline import executor
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -49,6 +50,7 @@ class Collective:
     pairs: list[tuple[int, int]] | None  # collective-permute source -> target
     name: str  # the HLO instruction
     op_name: str = ""  # the JAX operation it came from (metadata), e.g. ".../Block/attn/..."
+    overlapped: bool = False  # asynchronous, with compute scheduled before its done (GPU)
 
     @property
     def buffer_bytes(self) -> int:
@@ -112,6 +114,15 @@ def _scope_weight(op_name: str, scope_weights: dict[str, float] | None) -> float
     return weight
 
 
+def _async_results(kind: str, shapes: list) -> list:
+    """The result buffers of an async `-start`: all-reduce-start returns the results;
+    the others return (operands, results[, context scalars]): the second half."""
+    if kind == "all-reduce":
+        return shapes
+    buffers = [s for s in shapes if s[1] or s[0] not in ("u32", "s32")]
+    return buffers[len(buffers) // 2:]
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int],
                 scope_weights: dict[str, float] | None = None) -> list[Collective]:
     """All collectives of a compiled program. mesh_shape: {'pipe': 2, 'data': 2, ...} in
@@ -119,6 +130,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
     n = int(np.prod(list(mesh_shape.values())))
     program = hlo_lib.parse(hlo)
     mult = program.multipliers()
+    hidden = overlapped_names(program)
     found = []
     for comp, instrs in program.computations.items():
         if mult.get(comp, 0) == 0:
@@ -130,8 +142,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
                 continue
             shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
                       for dt, dims in _SHAPE.findall(instr.result) if dt in DTYPE_BYTES]
-            if op.endswith("-start") and shapes:  # async tuples repeat the buffers
-                shapes = [max(shapes, key=lambda s: np.prod(s[1]))]
+            if op.endswith("-start"):
+                shapes = _async_results(kind, shapes)
             pairs = None
             if kind == "collective-permute":
                 pm = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
@@ -145,9 +157,10 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
                 senders = sum(len(g) for g in groups if len(g) > 1) / n
             axes = tuple(sorted({a for g in groups for a in _axes_of(g, mesh_shape)},
                                 key=list(mesh_shape).index))
-            runs = mult[comp] * _scope_weight(instr.op_name, scope_weights)
+            op_name = program.op_name_of(comp, instr)
+            runs = mult[comp] * _scope_weight(op_name, scope_weights)
             found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, instr.name,
-                                    instr.op_name))
+                                    op_name, instr.name in hidden))
     return found
 
 

@@ -88,6 +88,39 @@ class Program:
                 todo += [c for _, c in instr.callees] + list(instr.branches)
         return seen
 
+    def op_name_of(self, comp: str, instr: Instruction, depth: int = 4) -> str:
+        """The instruction's op_name, or for one the compiler made without metadata
+        (e.g. the GPU compiler's combined all-reduces) that of its nearest operand that
+        has one: the JAX scope its data comes from."""
+        if instr.op_name or depth == 0:
+            return instr.op_name
+        by_name = {i.name: i for i in self.computations.get(comp, ())}
+        args = instr.line.split(f" {instr.opcode}(", 1)[-1].split(")", 1)[0]
+        for operand in re.findall(r"%([\w.\-]+)", args):
+            if operand in by_name:
+                found = self.op_name_of(comp, by_name[operand], depth - 1)
+                if found:
+                    return found
+        return ""
+
+    def trip_count(self, loop: Instruction) -> int | None:
+        """A while loop's trip count: XLA's `known_trip_count` where the compiler wrote
+        it (CPU, GPU); else read from the condition, `counter < constant` (the TPU
+        compiler writes none), for JAX's loops, whose counter starts at 0 and steps by 1."""
+        if loop.trip_count:
+            return loop.trip_count
+        cond = dict(loop.callees).get("condition")
+        instrs = self.computations.get(cond, ())
+        root = next((i for i in instrs if i.line.lstrip().startswith("ROOT ")), None)
+        if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+            return None
+        constants = {i.name: i.line for i in instrs if i.opcode == "constant"}
+        for operand in re.findall(r"%([\w.\-]+)", root.line.split("compare(", 1)[1].split(")")[0]):
+            m = re.search(r"constant\((\d+)\)", constants.get(operand, ""))
+            if m:
+                return int(m.group(1))
+        return None
+
     def multipliers(self) -> dict[str, int]:
         """How often each computation runs per execution of the program: a while
         body x its trip count (when known), everything else x 1."""
@@ -97,7 +130,7 @@ class Program:
             mult[name] += factor
             for instr in self.computations.get(name, ()):
                 for attr, callee in instr.callees:
-                    trip = instr.trip_count if attr == "body" and instr.trip_count else 1
+                    trip = (self.trip_count(instr) or 1) if attr == "body" else 1
                     visit(callee, factor * trip)
                 for branch in instr.branches:
                     visit(branch, factor)

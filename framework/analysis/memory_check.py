@@ -1,8 +1,13 @@
-"""Will the run fit? Decided before any parameter is allocated or the step compiled.
+"""Will the run fit? Decided before any parameter is allocated.
 
-The planner's memory model (`framework/analysis/memory_model.py`: parameters, optimizer state,
-gradients, activations per schedule, traced from the model's own layers, no devices
-used) predicts the step's peak bytes per device; the limit is the device's:
+On GPUs and TPUs the compiler says it: the step is compiled from abstract inputs first
+(the run reuses that program) and its memory analysis (arguments + outputs +
+temporaries - aliased, per device) is compared with the limit; the TPU compiler itself
+refuses a program over the chip's HBM. On CPU, where compiling a large program for
+simulated devices costs more than it tells, the planner's memory model
+(`framework/analysis/memory_model.py`: parameters, optimizer state, gradients,
+activations per schedule, traced from the model's own layers, no devices used) predicts
+the step's peak bytes per device. The limit is the device's:
 
     GPU / TPU  `bytes_limit` of the device's memory statistics (what XLA's allocator
                may use, after the client's own reservation);
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from framework.errors import ConfigError, MemoryCheckError
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -118,33 +124,80 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return [text for _, text in sorted(ranked)]
 
 
-def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
-    """Raises MemoryCheckError when the run is predicted not to fit the devices; returns
-    the prediction and the limit otherwise (None when skipped). `parallel`: validated."""
-    if not cfg.devices.memory_check:
-        return None
-    from framework.analysis import memory_model
-
+def _limit(cfg: RunConfig, devset) -> tuple[float | None, str]:
     if cfg.devices.memory_limit_gb is not None:
         if cfg.devices.memory_limit_gb <= 0:
             raise ConfigError(f"devices.memory_limit_gb={cfg.devices.memory_limit_gb} must be > 0 "
                               f"(GiB per device), or null for the device's own limit")
-        limit, source = cfg.devices.memory_limit_gb * GIB, "devices.memory_limit_gb"
-    else:
-        limit, source = device_limit(devset)
-    if limit is None:
-        return None
-    predicted = memory_model.predict_memory(cfg.model, parallel, cfg.train, devset.platform)
-    total = predicted["total"]
-    if total <= limit:
-        return {"predicted_bytes": total, "limit_bytes": limit}
+        return cfg.devices.memory_limit_gb * GIB, "devices.memory_limit_gb"
+    return device_limit(devset)
+
+
+def _refuse(cfg: RunConfig, parallel: ParallelConfig, devset, total: float, limit: float,
+            source: str, whose: str) -> MemoryCheckError:
     fits = suggestions(cfg.model, parallel, cfg.train, len(devset), limit, devset.platform,
                        devset.kind)
     n = len(devset)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               f"nothing on {n} device{'s' if n > 1 else ''} is predicted to fit: use more "
               f"devices or a smaller model")
-    raise MemoryCheckError(
-        f"the run needs {_size(total)} per device (predicted by the memory model), "
-        f"over the limit of {_size(limit)} ({source}); {advice}; "
-        f"devices.memory_check=false skips this check")
+    return MemoryCheckError(
+        f"the run needs {_size(total)} per device ({whose}), over the limit of "
+        f"{_size(limit)} ({source}); {advice}; devices.memory_check=false skips this check")
+
+
+def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
+    """CPU: raises MemoryCheckError when the run is predicted not to fit the devices;
+    returns the prediction and the limit otherwise (None when skipped). On GPUs and
+    TPUs the compiled program says it (`check_compiled`). `parallel`: validated."""
+    if not cfg.devices.memory_check or devset.platform != "cpu":
+        return None
+    from framework.analysis import memory_model
+
+    limit, source = _limit(cfg, devset)
+    if limit is None:
+        return None
+    total = memory_model.predict_memory(cfg.model, parallel, cfg.train, devset.platform)["total"]
+    if total > limit:
+        raise _refuse(cfg, parallel, devset, total, limit, source, "predicted by the memory model")
+    return {"predicted_bytes": total, "limit_bytes": limit}
+
+
+def hbm_oom(err: Exception) -> tuple[float, float] | None:
+    """(bytes needed, bytes available) when the TPU compiler refused a program for lack
+    of HBM: "... required for HLO temporaries (119.33G) exceeds available HBM (95.74G)"."""
+    m = re.search(r"\(([\d.]+)([GM])\) exceeds available HBM \(([\d.]+)([GM])\)", str(err))
+    if not m:
+        return None
+    unit = lambda u: GIB if u == "G" else 2**20
+    return float(m.group(1)) * unit(m.group(2)), float(m.group(3)) * unit(m.group(4))
+
+
+def compiled_bytes(compiled) -> int:
+    """Arguments + outputs + temporaries - aliased (the donated state counted once):
+    what XLA's buffer assignment holds at the step's high-water mark, per device."""
+    mem = compiled.memory_analysis()
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+               + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+
+
+def check_compiled(cfg: RunConfig, engine, devset) -> dict | None:
+    """GPU / TPU: compiles the step from abstract inputs (nothing allocated yet; the
+    run reuses the program) and refuses it, like `check`, when the compiler's own
+    memory analysis is over the device's limit (TPU: when the compiler refuses it)."""
+    if not cfg.devices.memory_check or devset.platform == "cpu":
+        return None
+    limit, source = _limit(cfg, devset)
+    state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
+    try:
+        engine.compile(state, tokens)
+    except Exception as err:  # XLA's error type differs between jaxlib versions
+        oom = hbm_oom(err)
+        if oom is None:
+            raise
+        raise _refuse(cfg, engine.parallel, devset, oom[0], oom[1], "the TPU's HBM",
+                      "of temporaries, the compiler's figure") from None
+    total = compiled_bytes(engine.compiled)
+    if limit is not None and total > limit:
+        raise _refuse(cfg, engine.parallel, devset, total, limit, source, "the compiler's figure")
+    return {"compiled_bytes": total, "limit_bytes": limit}

@@ -220,10 +220,16 @@ class Profiler:
         jax.profiler.start_trace(str(self.out))
 
     def stop(self) -> dict:
-        """Stops tracing (the caller waited for the steps) and analyses the trace."""
+        """Stops tracing (the caller waited for the steps) and analyses the trace. A trace
+        that cannot be written (a full disk) gives no numbers rather than an error: the
+        profile is an extra, the run goes on."""
         import jax
 
-        jax.profiler.stop_trace()
+        try:
+            jax.profiler.stop_trace()
+        except Exception:  # JaxRuntimeError RESOURCE_EXHAUSTED: no space for the trace
+            shutil.rmtree(self.out, ignore_errors=True)
+            return {}
         files = glob.glob(str(self.out / "**" / "*.xplane.pb"), recursive=True)
         if not files:
             return {}
@@ -245,7 +251,10 @@ class Profiler:
                   "platform": mesh.devices.flat[0].platform,
                   "bubble_table": engine.schedule.bubble_fraction,
                   "bubble_formula": engine.schedule.formula_bubble, **result}
-        (self.out / TIMELINE_FILE).write_text(json.dumps(record) + "\n")
+        try:
+            (self.out / TIMELINE_FILE).write_text(json.dumps(record) + "\n")
+        except OSError:
+            pass  # a full disk: the numbers still reach metrics.jsonl
         size = sum(os.path.getsize(f) for f in glob.glob(str(self.out / "**" / "*"), recursive=True)
                    if os.path.isfile(f))
         if size > self.keep_trace_mb * 2**20:

@@ -37,6 +37,7 @@ class Engine:
     lr: optax.Schedule
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
     compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
+    compile_s: float = 0.0  # the seconds that took
 
     def __post_init__(self):
         self.step_fn = jax.jit(
@@ -97,11 +98,15 @@ class Engine:
         return jax.device_put(tokens, self.batch_sharding())
 
     def compile(self, state, tokens) -> float:
-        """Compiles the step once for these shapes (later `step` calls reuse it);
-        returns the seconds it took to obtain the executable (from JAX's cache or not)."""
-        start = time.perf_counter()
-        self.compiled = self.step_fn.lower(state, tokens).compile()
-        return time.perf_counter() - start
+        """Compiles the step once for these shapes and shardings (arrays or
+        ShapeDtypeStructs; later `step` calls reuse it, later `compile` calls return at
+        once); returns the seconds it took to obtain the executable (from JAX's cache
+        or not)."""
+        if self.compiled is None:
+            start = time.perf_counter()
+            self.compiled = self.step_fn.lower(state, tokens).compile()
+            self.compile_s = time.perf_counter() - start
+        return self.compile_s
 
     def step(self, state, tokens):
         """One optimizer step; metrics stay on device (call `host_metrics` to read)."""

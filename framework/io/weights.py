@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
 from framework.io.hf import llama as hf
+from framework.io.checkpoint.integrity import short_reason
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import locate
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DamagedCheckpoint
 from framework.config import ModelConfig, model_config_from_dict
 from framework.io.tokenizer import BYTES
 
@@ -39,6 +41,7 @@ class Source:
     tokenizer: str | None  # "bytes", a tokenizer.json path, or None (unknown)
     hf_config: dict | None  # the config.json the weights came from (token ids, context)
     metadata: dict  # the checkpoint's metadata ({} for a HF folder)
+    named: bool = False  # the step was named (step=, or a step folder): no fallback
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -52,7 +55,9 @@ class Source:
 
     def load(self, shardings):
         """Canonical float32 parameters placed with `shardings` (each process reads only
-        its devices' blocks, from safetensors or from the Orbax checkpoint)."""
+        its devices' blocks, from safetensors or from the Orbax checkpoint). A damaged
+        checkpoint (fingerprints, unreadable files) is never used: the newest older intact
+        step is, with a warning line on stderr; a named step is refused in one line."""
         if self.kind == "hf":
             return hf.load_params(self.path, self.model, shardings)
         shapes = hf.canonical_shapes(self.model)
@@ -60,9 +65,36 @@ class Source:
                                 shapes, shardings)
         ckpt = Checkpointer(self.path, read_only=True)
         try:
-            return ckpt.restore_params(self.step, abstract)
+            while True:
+                try:
+                    return ckpt.restore_params(self.step, abstract)
+                except DamagedCheckpoint as err:
+                    self.step = older_step(ckpt, err, self.named)
         finally:
             ckpt.close()
+
+
+def older_step(ckpt: Checkpointer, err: DamagedCheckpoint, named: bool) -> int:
+    """The step to read instead of a damaged one (said on stderr); ConfigError when the
+    step was named or none is older."""
+    if named:
+        raise ConfigError(f"{err}: name another step, or the folder for its newest "
+                          f"intact one") from None
+    older = [s for s in ckpt.complete_steps() if s < err.step]
+    if not older:
+        raise ConfigError(f"{err}, and there is no older checkpoint there") from None
+    print(f"warning: {err}; using step {older[-1]}", file=sys.stderr, flush=True)
+    return older[-1]
+
+
+def _metadata(ckpt: Checkpointer, step: int, named: bool) -> tuple[int, dict]:
+    """(step, its metadata), falling back over steps whose metadata cannot be read."""
+    while True:
+        try:
+            return step, ckpt.metadata(step)
+        except Exception as err:  # what Orbax says about a damaged file
+            damaged = DamagedCheckpoint(ckpt.directory, step, short_reason(err))
+            step = older_step(ckpt, damaged, named)
 
 
 def open_source(path: str, step: int | None = None, setting: str = "checkpoint") -> Source:
@@ -85,17 +117,18 @@ def open_source(path: str, step: int | None = None, setting: str = "checkpoint")
     ckpt = Checkpointer(str(folder), read_only=True)
     try:
         try:
+            named = step is not None or found.step is not None
             step = ckpt.pick(step if step is not None else found.step)
         except FileNotFoundError as err:
             raise ConfigError(f"{setting}={path}: {err}") from None
-        meta = ckpt.metadata(step)
+        step, meta = _metadata(ckpt, step, named)
     finally:
         ckpt.close()
     if "model" not in meta:
         raise ConfigError(f"{setting}={path}: the checkpoint of step {step} has no model settings")
     model = model_config_from_dict(meta["model"])
     return Source("checkpoint", str(folder), step, model,
-                  _checkpoint_tokenizer(meta, run_dir, model), meta.get("hf_config"), meta)
+                  _checkpoint_tokenizer(meta, run_dir, model), meta.get("hf_config"), meta, named)
 
 
 def _checkpoint_tokenizer(meta: dict, run_dir: Path, model: ModelConfig) -> str | None:

@@ -54,8 +54,14 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> jax.sharding.Mesh:
     devices = list(jax.devices() if devices is None else devices)[:n]
     if len(devices) < n:
         raise ValueError(f"the mesh needs {n} devices but only {len(devices)} are available")
-    return jax.make_mesh((parallel.pipeline, parallel.data, parallel.tensor), AXES,
-                         axis_types=(AxisType.Auto,) * 3, devices=devices)
+    shape, types = (parallel.pipeline, parallel.data, parallel.tensor), (AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    except NotImplementedError:  # a TPU torus none of whose axes products give a degree
+        from jax.experimental import mesh_utils  # (e.g. 8 on 4x4x4): split its axes
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, AXES, axis_types=types)
 
 
 def describe(mesh: jax.sharding.Mesh, simulated: bool = False) -> str:

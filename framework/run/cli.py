@@ -33,7 +33,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.config import DevicesConfig, ParallelConfig, RunConfig
+from framework.config import (CompileConfig, DevicesConfig, ParallelConfig, RunConfig,
+                              setting_names)
 from framework.errors import ConfigError, Diverged, StorageError
 from framework.parallel.mesh import resolve_data_degree
 from framework.run import sweep
@@ -48,11 +49,42 @@ _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR")  # set: the user wants tra
 def register_configs() -> None:
     """The schema, the recipes (group `recipe`, global package) and the resolvers."""
     store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
+    store.store(group="schema", name="run", node=RunConfig, package="_global_")
+    store.store(group="schema", name="compile", node=CompileConfig, package="_global_")
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path),
                     package="_global_")
     OmegaConf.register_new_resolver("job_dirname", _job_dirname, replace=True)
+
+
+GROUPS = ("model", "parallel", "optim", "data", "logging", "recipe", "schema")
+
+
+def check_added_keys(task: list[str], schema=RunConfig) -> None:
+    """Hydra adds any key given with `+` (or `++`), even one the schema lacks, which the
+    run would then ignore: such a key must still be a setting (or a config group)."""
+    import difflib
+
+    names = setting_names(schema)
+    sections = {n.split(".")[0] for n in names}
+    for override in task:
+        if not override.startswith("+"):
+            continue
+        key = override.lstrip("+").split("=", 1)[0]
+        if key in names or key in GROUPS or key in sections or key.startswith("hydra"):
+            continue
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{override.split('=', 1)[0]} is not a setting{hint}: see "
+                          f"docs/configuration.md")
+
+
+def check_run_dir(hydra_overrides: list[str]) -> None:
+    """An empty `hydra.run.dir=` would put the run in the current folder, where the
+    next such run would resume from it."""
+    if "hydra.run.dir=" in hydra_overrides:
+        raise ConfigError("hydra.run.dir is empty: name the run's folder (the default is "
+                          "outputs/<date>/<time>)")
 
 
 def _swept_keys(root: DictConfig) -> set[str] | None:
@@ -100,19 +132,30 @@ def _job_dirname(*, _root_: DictConfig) -> str:
         return f"job{_root_.hydra.job.num}"
 
 
-_TASK_STARTED = False  # Hydra has created the output folder and called _main
+_TASK_STARTED = False  # Hydra has created the output folder and called the task
+
+
+def task_started():
+    """Called first by a Hydra task (here and framework/compile/cli.py): from now on an
+    OSError is the task's, not Hydra's failure to create the output folder."""
+    global _TASK_STARTED
+    _TASK_STARTED = True
+    return HydraConfig.get()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
-    global _TASK_STARTED
-    _TASK_STARTED = True
-    hc = HydraConfig.get()
+    hc = task_started()
     if hc.mode == RunMode.MULTIRUN:
-        _launch_job(cfg, hc)
+        launch_job(cfg, hc)
         return
     from framework.run import train
 
+    try:
+        check_added_keys(list(hc.overrides.task))
+        check_run_dir(list(hc.overrides.hydra))
+    except ConfigError as err:
+        user_error(err)
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
     run_dir = Path(hc.runtime.output_dir)
     if faults.command_line():  # for the rest of this process (not in the tests' own)
@@ -124,7 +167,7 @@ def _main(cfg: DictConfig) -> None:
                   model_given=given_model_settings(list(hc.overrides.task),
                                                    hc.runtime.choices.get("recipe")))
     except ConfigError as err:  # exit here: Hydra would add a line of its own
-        _user_error(err)
+        user_error(err)
     except Diverged as err:  # summary.json already says "diverged"
         _fault(err, faults.DIVERGED_EXIT)
     except StorageError as err:  # summary.json (if it could be written): "failed"
@@ -178,7 +221,7 @@ def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
     return names
 
 
-def _launch_job(cfg: DictConfig, hc) -> None:
+def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> None:
     """Multirun parent: this job runs in its own process (see framework/run/sweep.py)."""
     job_dir = Path(hc.runtime.output_dir)
     group = cfg.logging.wandb.group or Path(hc.sweep.dir).name
@@ -187,7 +230,7 @@ def _launch_job(cfg: DictConfig, hc) -> None:
         env["HYDRA_FULL_ERROR"] = _USER_FULL_ERROR
     parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
     summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
-                            parallel, env)
+                            parallel, env, module)
     print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
 
 
@@ -215,14 +258,15 @@ def one_line(err: BaseException) -> str:
 register_configs()
 
 
-def main() -> None:
+def main(task=None) -> None:
+    """Runs a Hydra task (default: training) with every user error as one line."""
     # Hydra prints composition errors over several lines (and a traceback for errors
     # in the task); with HYDRA_FULL_ERROR it raises them instead, and we print one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        _main()
+        (task or _main)()
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        _user_error(err)
+        user_error(err)
     except KeyboardInterrupt:  # summary.json already says "interrupted"
         print("error: interrupted", file=sys.stderr, flush=True)
         sys.exit(faults.INTERRUPTED_EXIT)
@@ -231,12 +275,12 @@ def main() -> None:
             raise
         # Hydra could not create the output folder (or its log file in it).
         where = err.filename or "the output folder"
-        _user_error(ConfigError(f"cannot create the output folder {where}: {err.strerror}: "
+        user_error(ConfigError(f"cannot create the output folder {where}: {err.strerror}: "
                                 f"set hydra.run.dir (or hydra.sweep.dir) to a folder that "
                                 f"can be written"))
 
 
-def _user_error(err: BaseException):
+def user_error(err: BaseException):
     if _USER_FULL_ERROR == "1":
         raise err
     print(f"error: {one_line(err)}", file=sys.stderr, flush=True)

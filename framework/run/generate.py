@@ -14,6 +14,7 @@ was loaded and how fast the tokens came. Bad input: `error: ...` on one line, ex
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 import typing
@@ -21,6 +22,7 @@ import typing
 from framework.config import (CHOICES, DevicesConfig, GenerateConfig, ParallelConfig,
                               TrainConfig)
 from framework.errors import ConfigError
+from framework.runtime import faults
 from framework.engine.validate import check
 
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -136,12 +138,25 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     return {"prompt_ids": ids, "ids": new.tolist(), "text": text, "tokens_per_s": steady}
 
 
+def usage() -> str:
+    """The docstring above and every setting with its default (for --help)."""
+    rows = [f"  {f.name}={f.default if f.default is not dataclasses.MISSING else '<required>'}"
+            for f in dataclasses.fields(GenerateConfig)]
+    return __doc__.strip() + "\n\nSettings (docs/configuration.md):\n" + "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only folders
+    # Background threads' noise (an abandoned restore of a damaged step) goes nowhere.
+    faults.LibraryOutput(os.devnull).install()
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(parse_args(argv))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

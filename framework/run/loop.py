@@ -161,8 +161,11 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
             if stopped:
                 break
     finally:
-        if tracing:  # an error while tracing: end the trace
-            jax.profiler.stop_trace()
+        if tracing:  # an error while tracing: end the trace (the error is what counts)
+            try:
+                jax.profiler.stop_trace()
+            except Exception:  # e.g. no space left for the trace
+                pass
     return LoopResult(state, step, first_step_s, stopped)
 
 

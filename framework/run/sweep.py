@@ -54,12 +54,12 @@ def quote(value: str) -> str:
 
 
 def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
-            parallel: dict, env: dict | None = None) -> dict:
+            parallel: dict, env: dict | None = None, module: str = "framework.run") -> dict:
     """Runs one job in a child process; returns its summary (also in job_dir).
     parallel: the job's degrees as composed (recorded if the child writes nothing)."""
     job_dir = Path(job_dir)
     mine = ("logging.wandb.group=", "logging.wandb.name=")
-    cmd = [sys.executable, "-m", "framework.run",
+    cmd = [sys.executable, "-m", module,
            *[o for o in overrides if not o.startswith(mine)],
            f"hydra.run.dir={quote(str(job_dir))}",
            f"logging.wandb.group={quote(group)}", f"logging.wandb.name={quote(name)}"]
@@ -79,7 +79,10 @@ def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
     if busy or runlock.holder(job_dir) is not None:
         return summary  # the folder is another run's: its files stay as they are
     if summary_path.exists():
-        return json.loads(summary_path.read_text())
+        found = json.loads(summary_path.read_text())
+        if found.get("status") != "running":
+            return found
+        summary["run_name"] = found.get("run_name", name)  # it died without a word
     write_summary(job_dir, summary)
     return summary
 
@@ -90,6 +93,9 @@ def report_line(num: int, name: str, summary: dict) -> str:
         return f"[sweep job {num}] {name}: {status}: {summary.get('reason', '')}"
     loss, rate = summary.get("train/loss"), summary.get("perf/tokens_per_sec")
     parts = [f"[sweep job {num}] {name}: {status}"]
+    compiled = summary.get("memory/compiled_bytes_per_device")
+    if compiled is not None:  # a framework.compile job
+        parts.append(f"{compiled / 2**30:.2f} GiB per device (compiled)")
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
     if rate is not None:

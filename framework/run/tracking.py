@@ -54,16 +54,19 @@ class JsonlSink:
     strictly increase, none after `resumed_at`). If anything else would be dropped
     (unreadable or out-of-order lines in the middle), or a fresh start finds records
     of an earlier attempt, the old file is kept as `metrics.jsonl.<n>` first: nothing
-    is lost."""
+    is lost. The sink holds every line the file should have (`held`): a file deleted or
+    cut short under the running run is noticed at the next record, written anew from
+    them, and said on one line."""
 
     def __init__(self, run_dir: Path, resumed_at: int | None = None):
         path = Path(run_dir) / METRICS_FILE
-        self.path, self.kept_aside = path, None
+        self.path, self.kept_aside, self.held = path, None, []
         if resumed_at is not None and path.exists():
             lines = path.read_bytes().decode(errors="replace").split("\n")
             kept, odd = _records_up_to(lines, resumed_at)
             if odd:
                 self.kept_aside = _keep_aside(path)
+            self.held = [(line + "\n").encode() for line in kept]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)  # atomic: a kill here leaves the old or the new file
@@ -73,10 +76,27 @@ class JsonlSink:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
                           | (os.O_TRUNC if resumed_at is None else 0), 0o644)
 
+    def _rewrite_if_gone(self, step: int) -> None:
+        """Someone deleted or truncated the file under the run: write it anew."""
+        try:
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            found = None
+        mine, expected = os.fstat(self.fd), sum(map(len, self.held))
+        if found is not None and found.st_ino == mine.st_ino and found.st_size >= expected:
+            return
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        os.write(self.fd, b"".join(self.held))
+        print(f"warning: {self.path} was {'deleted' if found is None else 'cut short'} under "
+              f"the run before step {step}: written anew from the {len(self.held)} records "
+              f"the run holds", file=sys.stderr, flush=True)
+
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         line = (json.dumps(record) + "\n").encode()
         try:
+            self._rewrite_if_gone(step)
             written = os.write(self.fd, line)
         except OSError as err:
             raise StorageError(f"could not write {self.path}: {err.strerror} (errno "
@@ -84,6 +104,7 @@ class JsonlSink:
         if written != len(line):
             raise StorageError(f"could not write {self.path}: {written} of {len(line)} "
                                f"bytes written at step {step} (disk full?)")
+        self.held.append(line)
 
     def sync(self) -> None:
         try:
@@ -154,9 +175,32 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [r for line in path.read_text().splitlines() if (r := _parse(line)) is not None]
 
 
-def write_summary(run_dir: Path, summary: dict) -> Path:
+SUMMARY_RESERVE = 64 * 1024  # bytes the first summary of a run holds on disk
+
+
+def write_summary(run_dir: Path, summary: dict, reserve: int = 0) -> Path:
+    """summary.json, replaced whole or not at all: written to a temporary file that is
+    renamed over the old one, so a failed write leaves the previous summary intact.
+    `reserve`: pad the file to that many bytes (JSON allows trailing spaces): on a disk
+    that is full by the end of the run, the last summary is written over those bytes
+    in place, which needs no new space."""
     path = Path(run_dir) / SUMMARY_FILE
-    path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+    text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n"
+    text += " " * max(0, reserve - len(text))
+    tmp = path.with_name(f".{SUMMARY_FILE}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        size = path.stat().st_size if path.exists() else 0
+        if len(text) > size:
+            raise
+        with open(path, "r+") as f:  # the reserved bytes: no new blocks needed
+            f.write(text.ljust(size))
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -283,7 +327,11 @@ class Tracker:
         self.sinks = sinks
         self.write = write
         self.summary = {"status": "running", **summary}
-
+        if write:  # there is a valid summary.json from the start, with room for the last
+            try:
+                write_summary(self.run_dir, self.summary, reserve=SUMMARY_RESERVE)
+            except OSError:
+                pass  # a full disk already: the run's first write will say so
     def log(self, step: int, metrics: dict) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)

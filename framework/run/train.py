@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from framework.analysis import audit, flops, memory_check
-from framework.config import RunConfig, check_ranges, not_one_of
+from framework.config import RunConfig, check_ranges, clamp_warmup, not_one_of
 from framework.engine.build import build_engine
 from framework.engine.validate import check, validate
 from framework.errors import ConfigError, Diverged, StorageError
@@ -46,6 +47,21 @@ from framework.runtime.faults import StopRequests
 CHECKPOINT_DIR = "checkpoints"  # inside the run folder, unless checkpoint.dir is set
 
 
+def wandb_login_found() -> bool:
+    """Whether W&B has credentials: WANDB_API_KEY, or the ~/.netrc entry `wandb login`
+    writes for its host (WANDB_BASE_URL, default api.wandb.ai)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def check_run(cfg: RunConfig) -> None:
     """Everything that can be checked without devices (degrees against the device
     count come later, in `framework.engine.validate.validate`)."""
@@ -56,6 +72,10 @@ def check_run(cfg: RunConfig) -> None:
     errs += [e for e in (not_one_of("train.resume", cfg.train.resume),
                          not_one_of("logging.wandb.mode", cfg.logging.wandb.mode),
                          not_one_of("devices.platform", cfg.devices.platform)) if e]
+    if cfg.logging.wandb.mode == "online" and not wandb_login_found():
+        errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "
+                    "WANDB_API_KEY), or log offline (logging=wandb_offline) and `wandb sync` "
+                    "the run later")
     if cfg.eval.sample_prompt is not None and not cfg.eval.every:
         errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
     try:
@@ -80,6 +100,9 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict,
     model, train, hf_config = start.resolve_init_from(cfg.model, cfg.train, model_given)
     cfg = dataclasses.replace(cfg, model=model, train=train)
     check_run(cfg)
+    cfg, warning = clamp_warmup(cfg)
+    if warning and _process_index_before_start(distributed.plan(cfg.distributed)) in (0, None):
+        print(warning, file=sys.stderr, flush=True)
     tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
                                       cfg.train.init_from)
     codec = None
@@ -173,9 +196,11 @@ def _build(cfg: RunConfig, devset):
     kernel runs on their platform and the run is predicted to fit their memory."""
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
     attention.check_platform(cfg.model, devset.platform)
-    memory_check.check(cfg, parallel, devset)  # before anything is allocated or compiled
+    memory_check.check(cfg, parallel, devset)  # CPU: predicted, before anything is compiled
     mesh = make_mesh(parallel, devset.devices)
-    return build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
+    memory_check.check_compiled(cfg, engine, devset)  # GPU/TPU: compiled, nothing allocated
+    return engine
 
 
 def _checkpoint_folder(cfg: RunConfig, run_dir: Path) -> str:

@@ -47,6 +47,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from framework.runtime import distributed
+from framework.runtime.quiet import filtered_stderr
 from framework.errors import ConfigError
 from framework.config import DevicesConfig, DistributedConfig, ParallelConfig, not_one_of
 
@@ -169,6 +170,20 @@ def _check_platform(platform: str) -> None:
         raise ConfigError(problem)
 
 
+def accelerator_hardware() -> bool:
+    """Whether this machine shows a GPU or TPU device file (NVIDIA, AMD, TPU VM). Checked
+    so that `auto` on a machine without one never starts the installed plugins, which
+    would print their failures and, for libtpu, wait on a metadata server."""
+    dev = Path("/dev")
+    patterns = ("nvidia[0-9]*", "kfd", "accel[0-9]*", "vfio/[0-9]*")
+    return any(next(dev.glob(pattern), None) is not None for pattern in patterns)
+
+
+def resolve_platform(platform: str) -> str:
+    """devices.platform, with `auto` made `cpu` where no accelerator is present."""
+    return "cpu" if platform == "auto" and not accelerator_hardware() else platform
+
+
 def start(devices: DevicesConfig, parallel: ParallelConfig,
           multi: DistributedConfig | None = None) -> DeviceSet:
     """Configures JAX for `devices.platform`, joins the other processes of a multi-process
@@ -176,7 +191,8 @@ def start(devices: DevicesConfig, parallel: ParallelConfig,
     devices. Must be the first thing in the process that starts a JAX backend."""
     _check_platform(devices.platform)
     launch = distributed.plan(multi or DistributedConfig())
-    runtime_settings(devices.platform)
+    platform = resolve_platform(devices.platform)
+    runtime_settings(platform)
     import jax
 
     try:  # only the CPU backend reads this (harmless on GPU/TPU); raises once started
@@ -190,11 +206,12 @@ def start(devices: DevicesConfig, parallel: ParallelConfig,
     except RuntimeError as err:
         raise RuntimeError("devices.start() must run before anything starts a JAX "
                            "backend (the device count is fixed per process)") from err
-    if devices.platform != "auto":
-        jax.config.update("jax_platforms", devices.platform)
+    if platform != "auto":
+        jax.config.update("jax_platforms", platform)
     distributed.initialize(launch)
     try:
-        found = tuple(jax.devices())
+        with filtered_stderr():
+            found = tuple(jax.devices())
     except RuntimeError as err:
         raise ConfigError(f"devices.platform={devices.platform} is not available here "
                           f"({_missing_platform(devices.platform, err)}); use "
@@ -244,7 +261,7 @@ def planned_count(devices: DevicesConfig, parallel: ParallelConfig) -> int | Non
     in this process (None when it cannot be known). Used to name sweep jobs."""
     if parallel.data != -1:
         return parallel.n_devices
-    if devices.platform == "cpu":
+    if resolve_platform(devices.platform) == "cpu":
         return simulated_count(devices, parallel)
     found = _probe(devices.platform)
     if found is None:

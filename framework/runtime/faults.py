@@ -214,6 +214,9 @@ class LibraryOutput:
         self._unraisable, sys.unraisablehook = sys.unraisablehook, self._to_log
         self._handlers = [h for h in logging.getLogger().handlers
                           if type(h) is logging.StreamHandler]
+        # A log file on a full disk: drop the record instead of printing "--- Logging
+        # error ---" and a traceback to the terminal for every record that follows.
+        self._raise, logging.raiseExceptions = logging.raiseExceptions, False
         for handler in self._handlers:
             handler.addFilter(_for_terminal)
         return self
@@ -235,6 +238,7 @@ class LibraryOutput:
             sys.stderr = self._stderr
             self._stderr = None
             sys.unraisablehook = self._unraisable
+            logging.raiseExceptions = self._raise
         for handler in self._handlers:
             handler.removeFilter(_for_terminal)
 

@@ -39,7 +39,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from framework.errors import FolderBusy
+from framework.errors import ConfigError, FolderBusy
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 15.0  # how often the holder touches its lock
@@ -119,11 +119,11 @@ def _link_exclusive(path: Path, content: str) -> tuple[bool, float]:
     the file server's current time)."""
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}."
                          f"{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
     try:
+        with open(tmp, "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
         now = os.stat(tmp).st_mtime
         try:
             os.link(tmp, path)
@@ -137,7 +137,10 @@ def _link_exclusive(path: Path, content: str) -> tuple[bool, float]:
                 return False, now
             return _create_exclusive(path, content), now  # no hard links here
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 def _create_exclusive(path: Path, content: str) -> bool:
@@ -203,11 +206,17 @@ class RunLock:
 def acquire(folder: str | os.PathLike) -> RunLock:
     """Takes `folder`'s lock (creating the folder) or raises FolderBusy naming the holder."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     holder = me()
     for _ in range(5):
-        created, now = _link_exclusive(path, json.dumps(asdict(holder)))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            created, now = _link_exclusive(path, json.dumps(asdict(holder)))
+        except OSError as err:  # a full disk, a read-only folder, a file in the way
+            raise ConfigError(f"cannot write the run's lock file {path}: {err.strerror} "
+                              f"(errno {err.errno}): free space there, or choose a folder "
+                              f"that can be written (hydra.run.dir=..., checkpoint.dir=...)"
+                              ) from None
         if created:
             return RunLock(path, holder)
         try:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -204,7 +206,10 @@ def _data_file(step_dir: Path) -> Path:
 
 
 def _flip_a_byte(step_dir: Path) -> None:
-    path = _data_file(step_dir)
+    _flip(_data_file(step_dir))
+
+
+def _flip(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(path.stat().st_size // 2)
         byte = f.read(1)
@@ -421,3 +426,76 @@ def test_a_text_file_trains_and_evaluates_through_the_command_line(tmp_path, env
     assert records[-1]["train/loss"] < records[0]["train/loss"]  # a few words: it learns
     assert [r["step"] for r in records if np.isfinite(r.get("eval/loss", np.nan))] == [5, 10]
     assert "data/entropy_floor" not in records[-1]
+
+
+GREEDY = ("prompt_ids=1,2,3", "max_new_tokens=6", "temperature=0", "print_ids=true",
+          "platform=cpu")
+
+
+def _generate(env, cwd, *args):
+    return subprocess.run([sys.executable, "-m", "framework.generate", *args, *GREEDY],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_generate_and_export_never_read_a_damaged_checkpoint(full, tmp_path, env):
+    """Generation and export check the fingerprints as training's restore does: the
+    newest step bit-flipped, the one before truncated: both fall back to step 8 with a
+    line each and give what step 8 gives; naming a damaged step is one line, exit 2."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(full, run_dir)
+    # Every data file of the two newest steps (so the parameters' blocks are hit too):
+    # one byte flipped in each of step 10's, each of step 9's cut to half its size.
+    for path in (run_dir / "checkpoints" / "10").glob("state/**/d/*"):
+        _flip(path)
+    for path in (run_dir / "checkpoints" / "9").glob("state/**/d/*"):
+        os.truncate(path, path.stat().st_size // 2)
+    fallback = _generate(env, tmp_path, f"checkpoint={run_dir}")
+    assert fallback.returncode == 0, fallback.stderr[-2000:]
+    warnings = [ln for ln in fallback.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 2 and "using step 9" in warnings[0] and "using step 8" in warnings[
+        1], fallback.stderr[-3000:]
+    assert all(" is damaged: " in w for w in warnings), warnings
+    eight = ok(_generate(env, tmp_path, f"checkpoint={run_dir}", "step=8"))
+    assert fallback.stdout == eight.stdout and fallback.stdout.strip()
+    named = _generate(env, tmp_path, f"checkpoint={run_dir}", "step=10")
+    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1
+    assert "step 10" in named.stderr and "name another step" in named.stderr
+    exported = ok(cli.tool("export_hf", str(run_dir), str(tmp_path / "hf"), env=env))
+    assert "using step 8" in exported.stderr
+    ok(cli.tool("export_hf", str(run_dir), str(tmp_path / "hf8"), "--step", "8", env=env))
+    assert ((tmp_path / "hf" / "model.safetensors").read_bytes()
+            == (tmp_path / "hf8" / "model.safetensors").read_bytes())
+
+
+def test_the_whole_run_folder_on_a_full_disk_ends_in_one_line_and_resumes(full, tmp_path,
+                                                                          env):
+    """Everything of the run (metrics, logs, profile, summary, checkpoints) on one 5 MB
+    tmpfs: exit 4 with one line, a valid summary.json (`failed`), every metrics line
+    valid; a restart on the still-full disk is one line too; with space the same
+    command ends with the reference's losses. Needs a tmpfs (skipped where the kernel
+    refuses unprivileged mounts; the checkpoint-folder test above covers that case)."""
+    mnt = tmp_path / "mnt"
+    if not _can_mount_tmpfs(mnt):
+        pytest.skip("no unprivileged tmpfs here")
+    run_dir = mnt / "run"
+    run = " ".join(command(run_dir, *COMMON, "checkpoint.every=1", "checkpoint.keep=2"))
+    check = (f"{sys.executable} -c \"import json; s = json.load(open('{run_dir}/summary.json'));"
+             f" [json.loads(l) for l in open('{run_dir}/metrics.jsonl')]; print(s['status'])\"")
+    script = (f"mount -t tmpfs -o size=5m tmpfs {mnt} && {run} 2>{tmp_path / 'err1'}; "
+              f"echo first=$?; {check}; {run} 2>{tmp_path / 'err2'}; echo second=$?; "
+              f"mount -o remount,size=64m {mnt} && {run} 2>{tmp_path / 'err3'}; echo third=$?; "
+              f"cp {run_dir}/metrics.jsonl {tmp_path}/metrics.jsonl")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    errs = [(tmp_path / f"err{i}").read_text().strip().splitlines() for i in (1, 2, 3)]
+    # The restart on the still-full disk stops at its lock file (exit 2) or, when that
+    # still fits, at its first save (exit 4): one line either way.
+    assert "first=4" in proc.stdout and re.search("second=[24]\n", proc.stdout), (
+        proc.stdout, errs)
+    assert "\nfailed\n" in proc.stdout and "third=0" in proc.stdout, (proc.stdout, errs)
+    assert len(errs[0]) == 1 and errs[0][0].startswith("error: could not save the checkpoint")
+    assert len(errs[1]) == 1 and errs[1][0].startswith("error: "), errs[1]
+    assert errs[2] == []
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    got = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    assert_same(got, losses(full), range(1, STEPS + 1))

@@ -182,3 +182,17 @@ def test_cfg_job_prints_the_resolved_config(tmp_path, env):
     assert proc.returncode == 0, proc.stderr
     printed = OmegaConf.create(proc.stdout)
     assert printed.parallel.microbatches == 16 and printed.model.d_model == 256
+
+
+def test_a_warm_up_longer_than_a_short_trial_is_clamped_with_one_warning(tmp_path, env):
+    proc = cli.ok(cli.train(tmp_path / "run", "recipe=llama_tiny_debug", "train.steps=2",
+                            "optim.warmup_steps=50", "profile.steps=0", env=env))
+    assert proc.stderr.strip().splitlines() == [
+        "warning: optim.warmup_steps=50 is more than train.steps=2: the learning rate "
+        "warms up over all 2 steps (it reaches optim.lr at the last)"]
+    assert cli.summary(tmp_path / "run")["status"] == "completed"
+
+
+def test_generate_help_lists_its_settings(tmp_path, env):
+    proc = cli.ok(cli.framework("generate", "--help", cwd=tmp_path, env=env))
+    assert "checkpoint=None" in proc.stdout and "temperature=0.8" in proc.stdout

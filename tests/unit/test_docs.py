@@ -1,23 +1,13 @@
 """The documentation keeps up with the code: every configuration key is on the
 configuration page, and the README's test command is what CI runs."""
 
-import dataclasses
 import re
-import typing
 
-from framework.config import GenerateConfig, RunConfig
+from framework.config import GenerateConfig, RunConfig, setting_names
 from tests.helpers import REPO
 
 
-def keys(cls, prefix: str = "") -> list[str]:
-    """Every leaf setting of a config dataclass, as its dotted name."""
-    out = []
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        kind = hints[field.name]
-        name = prefix + field.name
-        out += keys(kind, name + ".") if dataclasses.is_dataclass(kind) else [name]
-    return out
+keys = setting_names
 
 
 def test_every_configuration_key_is_on_the_configuration_page():
@@ -32,6 +22,6 @@ def test_every_configuration_key_is_on_the_configuration_page():
 
 def test_the_readme_test_command_is_what_ci_runs():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
-    command = "pip install -e '.[test]' && python -m pytest -q"
+    command = "pip install -e '.[test,aot]' && python -m pytest -q"
     assert command in readme and command in ci
     assert "pip install -e . && python -m framework.run recipe=llama_small_3d" in readme

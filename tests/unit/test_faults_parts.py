@@ -205,7 +205,6 @@ BAD_NUMBERS = [
     ("optim.lr=nan", "optim.lr=nan must be a finite number >= 0"),
     ("optim.lr=inf", "optim.lr=inf must be a finite number"),
     ("optim.warmup_steps=-1", "optim.warmup_steps=-1 must be >= 0"),
-    ("optim.warmup_steps=7", "optim.warmup_steps=7 is more than train.steps=6"),
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be >= 0"),
     ("optim.grad_clip=-1", "optim.grad_clip=-1.0 must be >= 0"),
     ("optim.b1=1", "optim.b1=1.0 must be in [0, 1)"),
@@ -258,3 +257,102 @@ def test_every_impossible_number_is_one_line_and_exit_2(monkeypatch, tmp_path):
         assert lines[0] == f"error: {message}" or lines[0].startswith(f"error: {message}"), (
             setting, lines[0])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("+train.stpes=5",), "+train.stpes is not a setting (did you mean train.steps?)"),
+    (("+foo=1",), "+foo is not a setting"),
+    (("hydra.run.dir=",), "hydra.run.dir is empty: name the run's folder"),
+])
+def test_a_key_hydra_would_add_or_an_empty_folder_is_one_line(monkeypatch, tmp_path, args,
+                                                              message):
+    code, err = _cli_in_this_process(monkeypatch, tmp_path, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), err
+
+
+def test_clamp_warmup_says_it_in_one_line():
+    from framework.config import clamp_warmup
+    from tools.recipe import compose
+
+    cfg = compose(["recipe=llama_tiny_debug", "optim.warmup_steps=7"])
+    clamped, warning = clamp_warmup(cfg)
+    assert clamped.optim.warmup_steps == cfg.train.steps == 6
+    assert warning.startswith("warning: optim.warmup_steps=7 is more than train.steps=6")
+    assert "\n" not in warning and clamp_warmup(clamped) == (clamped, None)
+
+
+def test_metrics_deleted_or_cut_short_under_the_run_are_written_anew(tmp_path, capsys):
+    from framework.run.tracking import JsonlSink, read_metrics
+
+    sink = JsonlSink(tmp_path)
+    sink.log(1, {"train/loss": 2.0})
+    sink.log(2, {"train/loss": 1.5})
+    (tmp_path / "metrics.jsonl").unlink()
+    sink.log(3, {"train/loss": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("")
+    sink.log(4, {"train/loss": 0.5})
+    sink.finish({})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "was deleted under the run before step 3" in lines[0]
+    assert "was cut short under the run before step 4" in lines[1]
+
+
+def test_summary_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    import json
+
+    from framework.run import tracking
+
+    tracking.write_summary(tmp_path, {"status": "running", "step": 1})
+    monkeypatch.setattr(tracking.json, "dumps", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        tracking.write_summary(tmp_path, {"status": "failed"})
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_wandb_online_without_a_login_is_one_line_before_jax_starts(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    code, err = _cli_in_this_process(monkeypatch, tmp_path, "logging=wandb_online")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: logging.wandb.mode=online needs a W&B login")
+
+
+def test_config_json_with_a_non_integer_size_is_one_line():
+    from framework.errors import ConfigError
+    from framework.io.hf import llama as hf
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32.5,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    with pytest.raises(ConfigError, match=r"config.json: hidden_size=32.5 is not a whole "
+                                          r"number >= 1"):
+        hf.model_config(config)
+    with pytest.raises(ConfigError, match="rms_norm_eps='x' is not a number > 0"):
+        hf.model_config({**config, "hidden_size": 32, "rms_norm_eps": "x"})
+
+
+def test_imported_weights_with_nan_are_one_line_before_compiling(monkeypatch):
+    from framework.errors import ConfigError
+    import jax
+    import numpy as np
+
+    from framework.io.hf import llama as hf
+    from tests.helpers import FIXTURES
+
+    folder = FIXTURES / "hf" / "untied_gqa"
+    cfg = hf.model_config(hf.read_config(folder))
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                             hf.canonical_shapes(cfg))
+    read = hf.read_shards
+
+    def poisoned(*args):
+        blocks = read(*args)
+        return {d: np.full_like(b, np.nan) for d, b in blocks.items()}
+
+    monkeypatch.setattr(hf, "read_shards", poisoned)
+    with pytest.raises(ConfigError, match="hold NaN or Inf values"):
+        hf.load_params(folder, cfg, shardings)

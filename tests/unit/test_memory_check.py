@@ -140,4 +140,5 @@ def test_one_gpu_recipe_is_the_largest_batch_that_fits_80gb():
     assert need <= usable < memory_model.predict_memory(cfg.model, par, more, "gpu")["total"]
     gpu = DeviceSet(devices=(_FakeGPU(usable),), platform="gpu", simulated=False,
                     kind="NVIDIA H100 80GB HBM3")
-    assert memory_check.check(cfg, par, gpu)["predicted_bytes"] == need
+    # On a GPU the compiled program decides (check_compiled, tests/compiled/test_aot.py).
+    assert memory_check.check(cfg, par, gpu) is None

@@ -288,13 +288,31 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params):
         """Only the canonical parameters of `step` (not the optimizer state), with the
         shapes and shardings of `abstract_params` (ShapeDtypeStructs): for generation and
-        export, which need a third of what a full restore reads."""
+        export, which need a third of what a full restore reads. Checked against the
+        saved fingerprints like `restore`: raises DamagedCheckpoint if not as saved."""
         step = self.pick(step)
         item = {"params": to_nested(abstract_params)}
         args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
         path = epath.Path(self.directory) / str(step) / STATE
-        restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True))
+        try:
+            saved = self.metadata(step).get("fingerprints")
+            gone = integrity.missing(saved, integrity.array_keys(item))
+            if gone:
+                raise DamagedCheckpoint(self.directory, step, f"it holds no array {gone[0]} "
+                                                              f"({len(gone)} missing)")
+            restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+        except DamagedCheckpoint:
+            raise
+        except Exception as err:  # what Orbax/TensorStore say about unreadable files
+            DETAILS.info("restoring step %s of %s failed", step, self.directory, exc_info=err)
+            raise DamagedCheckpoint(self.directory, step, integrity.short_reason(err)) from None
+        prints = jax.jit(lambda r: integrity.fingerprints(r))(restored)
+        differ = integrity.mismatched(saved, prints)
+        if differ:
+            raise DamagedCheckpoint(self.directory, step,
+                                    f"{len(differ)} of {len(prints)} parameter arrays differ "
+                                    f"from what was saved ({', '.join(differ[:3])})")
         return from_nested(restored["params"], abstract_params)
 
     def pick(self, step: int | None) -> int:

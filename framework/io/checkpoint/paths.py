@@ -59,9 +59,14 @@ def locate(path: str) -> Located | None:
 
 
 def _run_checkpoints(run_dir: str) -> str:
+    """The run folder's own checkpoints/ (also in a copied or moved run folder), else the
+    checkpoint.dir its summary.json records."""
+    own = os.path.join(run_dir, RUN_CHECKPOINTS)
+    if os.path.isdir(own):
+        return own
     try:
         with open(os.path.join(run_dir, "summary.json")) as f:
             recorded = json.load(f).get("checkpoint_dir")
     except (OSError, ValueError, AttributeError):
         recorded = None
-    return recorded or os.path.join(run_dir, RUN_CHECKPOINTS)
+    return recorded or own

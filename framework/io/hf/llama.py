@@ -104,6 +104,22 @@ def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling]:
     return float(theta), rope
 
 
+def _whole(hf: dict, key: str, where: str, default=None) -> int:
+    """config.json's `key` as a whole number >= 1 (ConfigError naming it otherwise)."""
+    value = hf.get(key) if hf.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+            or value < 1:
+        raise ConfigError(f"{where}: {key}={value!r} is not a whole number >= 1")
+    return int(value)
+
+
+def _positive(hf: dict, key: str, where: str, default: float = 1e-6) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{where}: {key}={value!r} is not a number > 0")
+    return float(value)
+
+
 def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> ModelConfig:
     """The ModelConfig of a transformers Llama config.json (dtype: our compute dtype)."""
     arch = hf.get("architectures") or []
@@ -118,12 +134,13 @@ def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> 
     if missing:
         raise ConfigError(f"{where}: missing {', '.join(missing)}")
     theta, scaling = rope_settings(hf, where)
+    count = lambda key, default=None: _whole(hf, key, where, default)
     cfg = ModelConfig(
-        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-        n_layers=int(hf["num_hidden_layers"]), n_heads=int(hf["num_attention_heads"]),
-        n_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-        d_ff=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        vocab_size=count("vocab_size"), d_model=count("hidden_size"),
+        n_layers=count("num_hidden_layers"), n_heads=count("num_attention_heads"),
+        n_kv_heads=count("num_key_value_heads", count("num_attention_heads")),
+        d_ff=count("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=_positive(hf, "rms_norm_eps", where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype)
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != cfg.head_dim:
@@ -298,6 +315,9 @@ def load_params(folder: str | Path, cfg: ModelConfig, shardings, tensors: Tensor
     def place(path, shape, sharding):
         name = tuple(getattr(k, "key", k) for k in path)
         blocks = read_shards(readers[name], shape.shape, sharding, sharding.addressable_devices)
+        if not all(np.isfinite(block).all() for block in blocks.values()):
+            raise ConfigError(f"{folder}: the weights of {'/'.join(map(str, name))} hold NaN "
+                              f"or Inf values: use a folder with finite weights")
         arrays = [jax.device_put(block, device) for device, block in blocks.items()]
         return jax.make_array_from_single_device_arrays(shape.shape, sharding, arrays)
 

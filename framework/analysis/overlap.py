@@ -1,0 +1,62 @@
+"""Which collectives of a scheduled GPU program overlap computation.
+
+XLA's GPU compiler makes collectives asynchronous: a `<kind>-start` launches the
+transfer on a communication stream and a `<kind>-done` waits for it (reduce-scatter
+and all-to-all appear as `async-start`/`async-done` wrapping a computation that holds
+the collective). The program text lists every computation's instructions in schedule
+order, so a collective overlaps computation when compute (a fusion, a library call, a
+loop, ...) is scheduled between its start and its done. A pair with nothing between
+them, or one the compiler marked `"is_sync":true` (it runs it on the compute stream),
+does not; neither does a plain synchronous collective (`collective-permute` with no
+start/done), which is how CPU and TPU programs read here.
+
+`overlapped_names(program)` gives the collective instructions that overlap;
+`framework/analysis/audit.py` marks them, and `overlapped_fraction` weighs them by
+bytes per mesh axis.
+"""
+
+from __future__ import annotations
+
+import re
+
+COMPUTE = frozenset({"fusion", "custom-call", "dot", "convolution", "while", "conditional",
+                     "call", "reduce", "sort", "scatter", "gather", "reduce-window"})
+_OPERAND = re.compile(r"%?([\w.\-]+)")
+
+
+def _done_of(start: str, instrs: list, index: int) -> int | None:
+    for j in range(index + 1, len(instrs)):
+        if instrs[j].opcode.endswith("-done"):
+            args = instrs[j].line.split(instrs[j].opcode + "(", 1)[-1].split(")", 1)[0]
+            if start in _OPERAND.findall(args):
+                return j
+    return None
+
+
+def overlapped_names(program) -> set[str]:
+    """Names of the collective instructions that run asynchronously with compute
+    scheduled between start and done: the `-start` instruction's name, and for
+    `async-start` wrappers also the collectives inside the wrapped computation."""
+    found = set()
+    for instrs in program.computations.values():
+        for i, instr in enumerate(instrs):
+            if not instr.opcode.endswith("-start") or '"is_sync":true' in instr.line:
+                continue
+            j = _done_of(instr.name, instrs, i)
+            if j is None or not any(x.opcode in COMPUTE for x in instrs[i + 1:j]):
+                continue
+            found.add(instr.name)
+            for attr, callee in instr.callees:
+                if attr == "calls":
+                    found.update(x.name for x in program.computations.get(callee, ()))
+    return found
+
+
+def overlapped_fraction(found: list, mesh_shape: dict[str, int]) -> dict[str, float | None]:
+    """Per mesh axis: the share of its bytes per step sent by overlapping collectives
+    (None for an axis that sends nothing)."""
+    from framework.analysis.audit import bytes_per_axis
+
+    total = bytes_per_axis(found, mesh_shape)
+    hidden = bytes_per_axis([c for c in found if c.overlapped], mesh_shape)
+    return {a: (hidden[a] / total[a] if total[a] else None) for a in mesh_shape}

@@ -1,0 +1,72 @@
+"""The command line of ahead-of-time compilation:
+
+    python -m framework.compile recipe=llama_1b_8gpu target=gpu:h100x8 parallel.schedule=1f1b
+    python -m framework.compile -m recipe=llama_1b_8gpu target=gpu:h100x8 \\
+        parallel.schedule=gpipe,1f1b,zb_h1
+
+The configuration is composed exactly as `python -m framework.run` composes it
+(conf/compile.yaml: conf/config.yaml with `target` added), so every recipe and override
+applies. Writes `compile_report.json` (and `summary.json`) in the run folder, and what
+the compilers log themselves (XLA's warnings, libtpu's start-up) to `compile.log`. Exit
+status 2 with one line on stderr for bad input and for a program that does not fit the
+target's memory; `-m` runs one process per job, as training sweeps do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from framework.compile import report as report_lib
+from framework.compile.targets import parse
+from framework.config import CompileConfig
+from framework.errors import ConfigError
+from framework.run import cli as run_cli
+from framework.run.tracking import SUMMARY_FILE
+from framework.runtime.quiet import stderr_to
+
+COMPILER_LOG = "compile.log"
+
+
+@hydra.main(version_base=None, config_path=str(run_cli.CONF_DIR), config_name="compile")
+def _main(cfg: DictConfig) -> None:
+    hc = run_cli.task_started()
+    if hc.mode == RunMode.MULTIRUN:
+        run_cli.launch_job(cfg, hc, module="framework.compile")
+        return
+    from framework.compile.program import TooBig, compile_report
+
+    try:
+        run_cli.check_added_keys(list(hc.overrides.task), CompileConfig)
+    except ConfigError as err:
+        run_cli.user_error(err)
+    run_cfg: CompileConfig = OmegaConf.to_object(cfg)
+    run_dir = Path(hc.runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe = {"recipe": hc.runtime.choices.get("recipe")}
+    try:
+        with stderr_to(run_dir / COMPILER_LOG):  # the compilers' own chatter
+            report = {**recipe, **compile_report(run_cfg, parse(run_cfg.target))}
+    except TooBig as err:
+        report_lib.write_json(run_dir / report_lib.REPORT_FILE, {**recipe, **err.report})
+        report_lib.write_json(run_dir / SUMMARY_FILE, {"status": "does_not_fit",
+                                                      "reason": str(err), "exit_code": 2})
+        run_cli.user_error(err)
+    except ConfigError as err:
+        run_cli.user_error(err)
+    report_lib.write_json(run_dir / report_lib.REPORT_FILE, report)
+    report_lib.write_json(run_dir / SUMMARY_FILE, {"status": "compiled", **report})
+    print("\n".join(report_lib.lines(report)), flush=True)
+    print(f"report: {run_dir / report_lib.REPORT_FILE}", flush=True)
+
+
+def main() -> None:
+    run_cli.main(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""One configuration compiled for a target, and what the compiler says about it.
+
+The step is the run's own (`framework/engine/build.py`), lowered with abstract inputs
+(shapes and shardings, nothing allocated) on the target's compile-only devices
+(`targets.py`) and compiled by the target's compiler: XLA:TPU in libtpu, XLA:GPU in the
+CUDA plugin, or the local backend. From the compiled program:
+
+    memory    XLA's buffer assignment per device: arguments (the train state and the
+              batch), outputs, temporaries; total = arguments + outputs + temporaries
+              - aliased (the donated state is counted once), against the device's memory
+    comm      the communication audit of the target's program (bytes per device per step
+              by mesh axis, `framework/analysis/audit.py`), and on GPUs the share of those
+              bytes that overlaps computation (`framework/analysis/overlap.py`)
+
+and beside them what this project predicts without compiling: the memory model's bytes
+per device and the planner's step time (`framework/analysis/planner.py`), with the
+model FLOPs per device per step (PaLM appendix B, no rematerialisation).
+"""
+
+from __future__ import annotations
+
+import time
+
+from framework.analysis.memory_check import compiled_bytes, hbm_oom
+from framework.compile.targets import GIB, Target, compile_devices
+from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from framework.errors import ConfigError
+
+
+class TooBig(ConfigError):
+    """The program does not fit the target's device memory (exit status 2, one line);
+    `report`: what is known of it (`fits` false)."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def devices_for(cfg: RunConfig, target: Target) -> tuple[list, str, str]:
+    """(devices, platform, device kind) the program is compiled for. `local` starts this
+    process's backend as a run would; other targets need only JAX's CPU backend (never
+    the accelerator plugins', which would look for hardware)."""
+    import jax
+
+    from framework.runtime import devices
+
+    if target.platform == "local":
+        devset = devices.start(cfg.devices, cfg.parallel, cfg.distributed)
+        return list(devset.devices), devset.platform, devset.kind
+    jax.config.update("jax_platforms", "cpu")  # no effect once a backend is started
+    found = compile_devices(target)
+    return found, target.platform, str(found[0].device_kind)
+
+
+def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                platform: str, kind: str, n_devices: int) -> dict:
+    """The memory model's bytes and the planner's seconds, with model FLOPs per device."""
+    from framework.analysis import flops, memory_model, planner
+
+    memory = memory_model.predict_memory(model, parallel, train, platform)["total"]
+    out = {"memory/predicted_bytes_per_device": float(memory),
+           "flops/model_per_device_per_step": flops.flops_per_token(model, train.seq_len)
+           * train.global_batch_size * train.seq_len / n_devices}
+    peak = flops.peak_flops_per_device(kind, model.dtype)
+    if peak:
+        hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak)
+        out["time/predicted_step_s"] = planner.predict_time(model, parallel, train, hw)["total"]
+    return out
+
+
+def memory_fields(compiled) -> dict:
+    mem = compiled.memory_analysis()
+    fields = {"memory/argument_bytes_per_device": mem.argument_size_in_bytes,
+              "memory/output_bytes_per_device": mem.output_size_in_bytes,
+              "memory/temp_bytes_per_device": mem.temp_size_in_bytes,
+              "memory/alias_bytes_per_device": mem.alias_size_in_bytes}
+    fields["memory/compiled_bytes_per_device"] = compiled_bytes(compiled)
+    return {k: int(v) for k, v in fields.items()}
+
+
+def comm_fields(compiled, engine, platform: str) -> dict:
+    from framework.analysis import audit, overlap
+
+    mesh_shape = dict(engine.mesh.shape)
+    found = audit.engine_collectives(engine, compiled.as_text())
+    out = {f"comm/bytes_per_step/{a}": float(b)
+           for a, b in audit.bytes_per_axis(found, mesh_shape).items()}
+    if platform == "gpu":
+        for axis, share in overlap.overlapped_fraction(found, mesh_shape).items():
+            out[f"comm/overlapped_fraction/{axis}"] = share
+    return out
+
+
+def compile_report(cfg: RunConfig, target: Target) -> dict:
+    """Compiles the run's step for `target`; the report's fields (module docstring).
+    Raises ConfigError (bad settings) or TooBig (the compiled program does not fit)."""
+    from framework.engine.build import build_engine
+    from framework.engine.validate import validate
+    from framework.parallel.mesh import make_mesh, mesh_name
+
+    found, platform, kind = devices_for(cfg, target)
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
+    report = {"target": target.name, "device_kind": kind, "n_devices": len(found),
+              "mesh": mesh_name(parallel), "schedule": parallel.schedule,
+              **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found))}
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
+                          make_mesh(parallel, found))
+    state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
+    start = time.perf_counter()
+    try:
+        compiled = engine.step_fn.lower(state, tokens).compile()
+    except Exception as err:  # XLA's runtime error type differs between jaxlib versions
+        oom = hbm_oom(err)
+        if oom is None:
+            raise
+        report.update({"fits": False, "memory/temp_bytes_per_device": int(oom[0]),
+                       "memory/device_bytes": int(oom[1])})
+        raise TooBig(_too_big(cfg, parallel, target, *oom, report, "of temporaries "),
+                     report) from None
+    report["compile_time_s"] = time.perf_counter() - start
+    report.update(memory_fields(compiled))
+    report["memory/device_bytes"] = target.device_bytes
+    report.update(comm_fields(compiled, engine, platform))
+    total = report["memory/compiled_bytes_per_device"]
+    report["fits"] = target.device_bytes is None or total <= target.device_bytes
+    if not report["fits"]:
+        raise TooBig(_too_big(cfg, parallel, target, total, target.device_bytes, report),
+                     report)
+    return report
+
+
+def _too_big(cfg: RunConfig, parallel: ParallelConfig, target: Target, needed: float,
+             limit: float, report: dict, what: str = "") -> str:
+    from framework.analysis.memory_check import SHOWN, suggestions
+
+    fits = suggestions(cfg.model, parallel, cfg.train, report["n_devices"], limit,
+                       target.platform, report["device_kind"])
+    advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
+              "nothing on these devices is predicted to fit: use more devices or a smaller model")
+    return (f"{target.name}: the compiled step needs {_size(needed)} {what}per device (the "
+            f"compiler's figure), over the device's {_size(limit)}; {advice}")

@@ -1,0 +1,57 @@
+"""The compile report: printed as a short table and written to `compile_report.json` in
+the run folder (keys as in framework/compile/program.py), with `summary.json` for
+sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPORT_FILE = "compile_report.json"
+GIB = 1024**3
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Written whole or not at all (a temporary file renamed over the old one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _gib(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.2f} MiB"
+
+
+def _axes(report: dict, prefix: str) -> list[str]:
+    return sorted(k.rsplit("/", 1)[1] for k in report if k.startswith(prefix))
+
+
+def lines(report: dict) -> list[str]:
+    """The report as the command prints it."""
+    predicted, compiled = (report.get("memory/predicted_bytes_per_device"),
+                           report.get("memory/compiled_bytes_per_device"))
+    ratio = f" ({predicted / compiled:.2f}x the compiler)" if predicted and compiled else ""
+    out = [f"{report['target']}: {report['n_devices']} x {report['device_kind']}, "
+           f"{report['mesh']} ({report['schedule']}), compiled in "
+           f"{report['compile_time_s']:.1f} s",
+           f"memory per device (compiler): arguments {_gib(report['memory/argument_bytes_per_device'])}"
+           f", outputs {_gib(report['memory/output_bytes_per_device'])}, temporaries "
+           f"{_gib(report['memory/temp_bytes_per_device'])}, total {_gib(compiled)} of "
+           f"{_gib(report['memory/device_bytes'])}: {'fits' if report['fits'] else 'does not fit'}",
+           f"memory per device (memory model): {_gib(predicted)}{ratio}"]
+    comm = ", ".join(f"{a} {report[f'comm/bytes_per_step/{a}'] / 2**20:,.1f} MiB"
+                     for a in _axes(report, "comm/bytes_per_step/"))
+    out.append(f"bytes sent per device per step: {comm}")
+    shares = [(a, report[f"comm/overlapped_fraction/{a}"])
+              for a in _axes(report, "comm/overlapped_fraction/")]
+    if shares:
+        out.append("overlapped with compute: " + ", ".join(
+            f"{a} {'-' if s is None else f'{s:.0%}'}" for a, s in shares))
+    flops = report["flops/model_per_device_per_step"]
+    step = report.get("time/predicted_step_s")
+    out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"
+               + (f"; planner's step time {step:.3f} s" if step else ""))
+    return out

@@ -1,0 +1,75 @@
+"""The native libraries' start-up chatter, kept off the run's stderr.
+
+With the ahead-of-time extra installed (`pip install -e '.[aot]'`, docs/compile.md) JAX
+loads its CUDA plugin and libtpu on every start, also on a machine with neither. Their C++
+code logs to file descriptor 2 before anything can configure it (absl's "All log
+messages before absl::InitializeLog() is called ..." and cudart_stub's "Could not find
+cuda drivers on your machine"): four lines per process that would break this project's
+promise of one stderr line per error. `filtered_stderr` lets those lines go and passes
+every other line through, in order, when the block ends.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+
+NOISE = (
+    "All log messages before absl::InitializeLog() is called",
+    "Logging before InitGoogle() is written to STDERR",
+    "cudart_stub.cc",  # "Could not find cuda drivers on your machine"
+    "Unable to initialize backend 'tpu'",
+    "TPU_WORKER_HOSTNAMES",
+    "libtpu_init_utils.cc",
+    "=== Source Location Trace: ===",
+)
+
+
+@contextmanager
+def filtered_stderr(drop: tuple[str, ...] = NOISE):
+    """Within the block, native and Python writes to fd 2 go to a temporary file; at its
+    end the lines not containing any of `drop` are written to stderr."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(True)
+                    if not any(pattern in line for pattern in drop)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+@contextmanager
+def stderr_to(path):
+    """Within the block, everything written to fd 2 (the compilers' own logging: XLA's
+    rematerialisation warnings, libtpu's start-up) is appended to the file `path`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def import_jax() -> None:
+    """Imports JAX (which discovers its plugins) with their start-up chatter dropped."""
+    if "jax" not in sys.modules:
+        with filtered_stderr():
+            import jax  # noqa: F401

@@ -1,0 +1,108 @@
+"""Ahead-of-time compilation for TPU slices and GPU clusters on this CPU-only machine
+(framework/compile): the report's fields, the audit of the target's program against
+the CPU-compiled one, and what does not fit."""
+
+import importlib.util
+
+import pytest
+
+from framework.compile import program, targets
+from framework.parallel.pipeline.schedule import schedule_names
+from tests.helpers import compose_recipe
+
+HAVE_AOT = all(importlib.util.find_spec(m) for m in ("libtpu", "jax_plugins"))
+pytestmark = pytest.mark.skipif(not HAVE_AOT, reason="needs pip install -e '.[aot]'")
+
+TARGETS = ("gpu:h100x8", "tpu:v5p-16")  # 8 H100s on one host; 8 v5p chips
+BIG = ("model.d_model=8192", "model.d_ff=32768", "model.n_layers=24", "model.n_heads=64",
+       "model.n_kv_heads=8")  # 7.8B parameters on 4 (pipe x tensor) shards: > 95 GiB
+
+
+def report(target: str, *overrides: str) -> dict:
+    cfg = compose_recipe("llama_tiny_debug", f"target={target}", *overrides, config="compile")
+    return program.compile_report(cfg, targets.parse(cfg.target))
+
+
+_CPU = {}
+
+
+def cpu_bytes(schedule: str) -> dict:
+    """Bytes per axis of the same step compiled for this process's 8 CPU devices."""
+    if schedule not in _CPU:
+        _CPU[schedule] = report("local", f"parallel.schedule={schedule}")
+    return {k: v for k, v in _CPU[schedule].items() if k.startswith("comm/bytes_per_step/")}
+
+
+def every_schedule():
+    fast = {"1f1b"}  # the rest run in the full suite
+    return [pytest.param(s, marks=() if s in fast else pytest.mark.slow)
+            for s in schedule_names()]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("schedule", every_schedule())
+def test_the_target_compiles_and_sends_what_the_cpu_program_sends(target, schedule):
+    got = report(target, f"parallel.schedule={schedule}")
+    assert got["n_devices"] == 8 and got["fits"] is True
+    assert got["device_kind"] == {"gpu": "NVIDIA H100 80GB HBM3", "tpu": "TPU v5"}[target[:3]]
+    parts = [got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp")]
+    assert got["memory/compiled_bytes_per_device"] == sum(parts) - got[
+        "memory/alias_bytes_per_device"] > 0
+    assert got["memory/device_bytes"] == targets.parse(target).device_bytes
+    assert got["memory/predicted_bytes_per_device"] > 0 and got["compile_time_s"] > 0
+    assert got["flops/model_per_device_per_step"] > 0
+    # Same math, same collectives: the audit of the target's program matches the CPU
+    # one's up to the scalar metric reductions the compilers combine differently.
+    for key, value in cpu_bytes(schedule).items():
+        assert value > 0 and got[key] == pytest.approx(value, rel=1e-3), key
+    shares = [v for k, v in got.items() if k.startswith("comm/overlapped_fraction/")]
+    assert len(shares) == (3 if target.startswith("gpu") else 0)
+    assert all(0 <= s <= 1 for s in shares)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_program_that_does_not_fit_is_one_line_with_changes_that_fit(target):
+    with pytest.raises(program.TooBig) as err:
+        report(target, *BIG)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{target}: the compiled step needs ")
+    assert "(the compiler's figure), over the device's" in text
+    assert "predicted to fit: parallel." in text
+
+
+def test_gpu_programs_report_the_overlap_of_their_collectives():
+    got = report("gpu:h100x8", "parallel.schedule=gpipe")
+    # The data-parallel gradient reduction runs after the pipeline, asynchronously
+    # with the optimizer's and the other gradients' work.
+    assert got["comm/overlapped_fraction/data"] > 0
+
+
+@pytest.mark.parametrize("limit_gb, fits", [(0.001, False), (80, True)])
+def test_a_gpu_run_checks_the_compiled_program_before_allocating(limit_gb, fits):
+    """The run's memory check on GPUs and TPUs (framework/analysis/memory_check.py,
+    `check_compiled`): the step compiled from abstract inputs, its memory analysis
+    against the limit; here on 8 compile-only H100s, so nothing can be allocated."""
+    import dataclasses
+
+    from framework.analysis import memory_check
+    from framework.engine.build import build_engine
+    from framework.engine.validate import validate
+    from framework.errors import MemoryCheckError
+    from framework.parallel.mesh import make_mesh
+    from framework.runtime.devices import DeviceSet
+
+    cfg = compose_recipe("llama_tiny_debug", f"devices.memory_limit_gb={limit_gb}")
+    found = targets.compile_devices(targets.parse("gpu:h100x8"))
+    devset = DeviceSet(tuple(found), "gpu", False, found[0].device_kind, 0, 1)
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
+    assert memory_check.check(cfg, parallel, devset) is None  # no prediction on GPUs
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
+                          make_mesh(parallel, found))
+    if fits:
+        got = memory_check.check_compiled(cfg, engine, devset)
+        assert got["compiled_bytes"] == memory_check.compiled_bytes(engine.compiled) > 0
+        return
+    with pytest.raises(MemoryCheckError) as err:
+        memory_check.check_compiled(cfg, engine, devset)
+    assert "per device (the compiler's figure), over the limit of 1.0 MiB" in str(err.value)
+    assert dataclasses.asdict(cfg.devices)["memory_check"] is True

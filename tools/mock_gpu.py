@@ -1,0 +1,125 @@
+"""One device's share of a multi-GPU program, timed on one GPU: JAX's mock GPU topology.
+
+    python tools/mock_gpu.py recipe=llama_1b_8gpu --schedules gpipe,1f1b,zb_h1 --steps 5
+
+With `mock_num_processes` = (devices the recipe's mesh needs) / (GPUs here), JAX's GPU
+client pretends to be one process of a cluster of identical GPUs: `jax.devices()` lists
+them all, the program is compiled for the whole mesh and this GPU runs its own device's
+part, with every collective replaced by a no-op (XLA's mock NCCL). What it measures is
+each schedule's per-device computation, bubbles included, without any communication
+time: a lower bound of the step time on the real cluster. Needs an NVIDIA GPU of the
+target model. Per schedule it prints the compile time, the compiled memory per device
+(XLA's memory analysis on the real GPU) and the median step time, with model TFLOP/s
+per device and MFU against the GPU's peak (framework/analysis/flops.py).
+`--no-mock` runs the same on the devices a run would get (simulated CPU devices: for
+trying the tool itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.recipe import compose, user_error  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="recipe=<name> and key=value overrides")
+    parser.add_argument("--schedules", default="", help="comma-separated (default: the recipe's)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
+    parser.add_argument("--no-mock", action="store_true", help="the run's own devices")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    return parser
+
+
+def _inputs(engine, cfg):
+    """A fresh train state and a random batch, made on the devices (each process makes
+    its own shards; nothing crosses the host)."""
+    import jax
+
+    from framework.engine.state import new_state
+    from framework.model.llama import init_params
+    from framework.parallel.pipeline.layout import canonical_to_train
+
+    split = lambda p: canonical_to_train(p, engine.parallel.pipeline, engine.n_chunks)
+    make = lambda key: new_state(split(init_params(cfg.model, key)), engine.optimizer)
+    state = jax.jit(make, out_shardings=engine.state_shardings)(jax.random.key(0))
+    shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)
+    tokens = jax.jit(lambda k: jax.random.randint(k, shape, 0, cfg.model.vocab_size),
+                     out_shardings=engine.batch_sharding())(jax.random.key(1))
+    return state, tokens
+
+
+def measure(cfg, parallel, devset, steps: int) -> dict:
+    import jax
+
+    from framework.analysis import audit, flops
+    from framework.engine.build import build_engine
+    from framework.parallel.mesh import make_mesh, mesh_name
+
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
+                          make_mesh(parallel, devset.devices))
+    state, tokens = _inputs(engine, cfg)
+    stats = audit.step_stats(engine, state, tokens)
+    times = []
+    for i in range(steps + 2):  # two untimed steps first
+        start = time.perf_counter()
+        state, metrics = engine.step(state, tokens)
+        jax.block_until_ready((state, metrics))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    model_flops = (flops.flops_per_token(cfg.model, cfg.train.seq_len)
+                   * cfg.train.global_batch_size * cfg.train.seq_len / len(devset))
+    peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
+    return {"mesh": mesh_name(parallel), "schedule": parallel.schedule,
+            "compile_s": stats["perf/compile_time_s"],
+            "memory_gib": stats.get("memory/peak_bytes_per_device", 0) / 2**30,
+            "step_s": step, "steps": times, "tflops_per_device": model_flops / step / 1e12,
+            "mfu": model_flops / step / peak if peak else None}
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from framework.engine.validate import validate
+    from framework.errors import ConfigError
+    from framework.runtime import devices
+
+    import jax
+
+    try:
+        cfg = compose(args.overrides)
+        wanted = cfg.parallel.pipeline * cfg.parallel.data * cfg.parallel.tensor
+        if not args.no_mock:
+            local = 1  # GPUs here; the mesh's other devices are mocked
+            jax.config.update("mock_num_processes", max(1, wanted // local))
+        devset = devices.start(cfg.devices, cfg.parallel)
+        schedules = [s for s in args.schedules.split(",") if s] or [cfg.parallel.schedule]
+        layouts = [validate(cfg.model, dataclasses.replace(cfg.parallel, schedule=s),
+                            cfg.train, len(devset)) for s in schedules]
+    except ConfigError as err:
+        return user_error(err)
+    print(f"{len(devset)} x {devset.kind} ({jax.local_device_count()} here)", flush=True)
+    rows = []
+    for parallel in layouts:
+        row = measure(cfg, parallel, devset, args.steps)
+        rows.append(row)
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        print(f"{row['mesh']:<28} compile {row['compile_s']:6.1f} s  memory "
+              f"{row['memory_gib']:6.2f} GiB  step {row['step_s'] * 1e3:9.1f} ms  "
+              f"{row['tflops_per_device']:7.1f} TFLOP/s/device  MFU {mfu}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": devset.kind, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
