@@ -11,8 +11,9 @@ import rules, which tests/unit/test_architecture.py enforces):
     analysis/   what a program costs: audit, profile, memory and comm models, planner
     io/         data, tokenizers, checkpoints, Hugging Face weights
     run/        the command line: train, loop, hooks, tracking, sweeps, generation
+    compile/    the step compiled for a TPU slice or GPU cluster this machine is not
+
+Every command (framework.run, framework.compile, framework.generate, tools/) imports JAX
+first through `framework.runtime.quiet.import_jax`, after its signal handlers: the
+start-up lines of JAX's accelerator plugins stay off stderr.
 """
-
-from framework.runtime.quiet import import_jax
-
-import_jax()  # first, so no JAX plugin prints to stderr (framework/runtime/quiet.py)

@@ -24,6 +24,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
 from framework.errors import ConfigError
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,

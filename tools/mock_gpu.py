@@ -27,6 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
 from tools.recipe import compose, user_error  # noqa: E402
 
 

@@ -27,6 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
 TOLERANCE = 1e-4
 
 

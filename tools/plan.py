@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
 from tools.recipe import compose, split_settings, user_error  # noqa: E402
 
 SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,

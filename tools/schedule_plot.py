@@ -32,6 +32,10 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 from framework.parallel.pipeline.schedule import (BW, B, F, IDLE, KIND_NAMES, W, Schedule,
                                                   make_schedule, schedule_names)
 

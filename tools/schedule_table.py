@@ -26,6 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from framework.runtime.quiet import import_jax  # noqa: E402
+
+import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
 
 def gpipe_ticks(p: int, m: int, v: int):
     """GPipe's table (all forwards, then all backwards) for the tick executor."""

@@ -136,6 +136,9 @@ def compile_devices(target: Target) -> list:
     if target.platform == "tpu":
         _require(("libtpu",), "TPUs")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server here
+        # Compiling only: other processes may hold libtpu at the same time (its lock
+        # file otherwise refuses every process but the first).
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         with filtered_stderr():
             return list(topologies.get_topology_desc(topology_name=target.topology,
                                                      platform="tpu").devices)

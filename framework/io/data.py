@@ -204,8 +204,18 @@ def open_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
     top = max_token(tokens)
     if top >= vocab_size:
         raise ConfigError(f"data.path={cfg.path} holds token id {top} but model.vocab_size="
-                          f"{vocab_size}: set model.vocab_size >= {top + 1}")
+                          f"{vocab_size}: {_vocab_hint(path, cfg, top, vocab_size)}")
     return tokens
+
+
+def _vocab_hint(path: str, cfg: DataConfig, top: int, vocab_size: int) -> str:
+    """What to change: a uint16 file read as uint32 shows huge ids that fit as uint16."""
+    if cfg.token_dtype == "uint32" and top >= 2**16:
+        if max_token(np.memmap(path, dtype="uint16", mode="r")) < vocab_size:
+            return ("the file looks like uint16 ids read as uint32: set "
+                    "data.token_dtype=uint16 (tools/prepare_data.py writes uint16 for "
+                    "vocabularies up to 65536)")
+    return f"set model.vocab_size >= {top + 1}"
 
 
 def _check_sidecar(path: str, cfg: DataConfig) -> None:

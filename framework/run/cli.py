@@ -223,6 +223,7 @@ def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
 
 def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> None:
     """Multirun parent: this job runs in its own process (see framework/run/sweep.py)."""
+    faults.sweep_started()
     job_dir = Path(hc.runtime.output_dir)
     group = cfg.logging.wandb.group or Path(hc.sweep.dir).name
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -247,6 +248,11 @@ def one_line(err: BaseException) -> str:
     if isinstance(err, OmegaConfBaseException) and full_key:
         parts.append(f"key {full_key}")
     text = ": ".join(parts)
+    if "LexerNoViableAltException" in text:  # e.g. an unquoted path with non-ASCII letters
+        override = text.split("LexerNoViableAltException: ", 1)[-1]
+        key, _, value = override.partition("=")
+        text = (f"cannot read the override {override}: quote the value, as in "
+                f"\"{key}='{value}'\" (Hydra reads unquoted values in ASCII only)")
     if isinstance(err, MissingConfigException) and err.options:
         text += f" (available: {', '.join(sorted(err.options))})"
     return text

@@ -48,6 +48,7 @@ from framework.io.checkpoint.paths import absolute, locate
 from framework.io.hf import llama as hf
 from framework.io.hf.safetensors import Tensors
 from framework.model.llama import init_params
+from framework.parallel.mesh import mesh_name
 from framework.runtime import distributed
 
 Point = tuple[str, int]  # (checkpoint folder, step)
@@ -207,13 +208,14 @@ def _older_elsewhere(train: TrainConfig, err: DamagedCheckpoint):
         f"warning: {err} (left in place: not this run's folder); trying step {older[-1]}"]
 
 
-def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> None:
-    """ConfigError if the checkpoint at `point` holds another model's shape;
-    DamagedCheckpoint if its metadata cannot be read."""
+def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> dict:
+    """The checkpoint's metadata; ConfigError if the checkpoint at `point` holds another
+    model's shape; DamagedCheckpoint if its metadata cannot be read."""
     folder, step = point
     reader = ckpt if folder == ckpt.directory else Checkpointer(folder, read_only=True)
     try:
-        saved = reader.metadata(step).get("model", {})
+        meta = reader.metadata(step)
+        saved = meta.get("model", {})
     except Exception as err:
         raise DamagedCheckpoint(folder, step, f"its metadata: {short_reason(err)}") from None
     finally:
@@ -224,8 +226,22 @@ def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> No
               if k in saved and saved[k] != mine[k]]
     if differ:
         raise ConfigError(f"the checkpoint of step {step} in {folder} is of another model "
-                          f"({'; '.join(differ)}): use its model settings, another "
-                          f"output folder, or train.resume=never")
+                          f"({'; '.join(differ)}): use its model settings, or another "
+                          f"output folder (hydra.run.dir=...) to start this model afresh")
+    return meta
+
+
+def what_changed(meta: dict, engine: Engine, train: TrainConfig) -> str:
+    """What a resume changes, in words: the layout (resharded) and the length of the
+    learning-rate schedule (train.steps)."""
+    changes = []
+    here = mesh_name(engine.parallel)
+    if meta.get("layout") and meta["layout"] != here:
+        changes.append(f"saved on {meta['layout']}, resharded to {here}")
+    if meta.get("train_steps") and meta["train_steps"] != train.steps:
+        changes.append(f"train.steps was {meta['train_steps']}, now {train.steps}: the "
+                       f"learning-rate schedule spans {train.steps} steps from here on")
+    return f" ({'; '.join(changes)})" if changes else ""
 
 
 # --- The state -------------------------------------------------------------------------
@@ -273,9 +289,10 @@ def start_state(model: ModelConfig, train: TrainConfig, engine: Engine, ckpt: Ch
     say([n for n in notes if not n.startswith("warning:")])
     while point is not None:
         try:
-            check_same_model(model, ckpt, point)
+            meta = check_same_model(model, ckpt, point)
             state = restore(point, ckpt, engine)
-            say([f"resuming from the checkpoint of step {point[1]} in {point[0]}"])
+            say([f"resuming from the checkpoint of step {point[1]} in {point[0]}"
+                 f"{what_changed(meta, engine, train)}"])
             return state, point
         except DamagedCheckpoint as err:
             point, notes = fall_back(train, ckpt, err, primary)

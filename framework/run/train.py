@@ -166,6 +166,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
             "hf_config": model_io["hf_config"],
             "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
     engine = _build(cfg, devset)
+    meta["layout"] = mesh_name(engine.parallel)  # said when a resume reshards
     ckpt = Checkpointer(_checkpoint_folder(cfg, run_dir), keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     try:

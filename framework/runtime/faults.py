@@ -117,17 +117,26 @@ class _ProcessState:
     installed = False  # install_early_handlers() ran (the command line)
     running = False  # the run holds its folder: SIGTERM only sets `sigterm`
     sigterm = False
+    sweep = False  # this process launches a sweep's jobs (each in its own process)
 
 
 _PROCESS = _ProcessState()
 
 
 def _say_and_exit(message: str, status: int) -> None:
-    os.write(2, (message + "\n").encode())
+    from framework.runtime.quiet import terminal_fd
+
+    os.write(terminal_fd(), (message + "\n").encode())
     os._exit(status)  # nothing of the run exists yet: no cleanup to do
 
 
+SWEEP_STOPPED = ("the sweep stops: the job in progress ends on its own (its folder's "
+                 "summary.json says how), the jobs after it do not start")
+
+
 def _early_sigterm(signum, frame) -> None:
+    if _PROCESS.sweep:
+        _say_and_exit(f"stopped: SIGTERM: {SWEEP_STOPPED}", SIGTERM_BEFORE_START_EXIT)
     if not _PROCESS.running:
         _say_and_exit("stopped: SIGTERM before the run started, nothing to save",
                       SIGTERM_BEFORE_START_EXIT)
@@ -135,6 +144,8 @@ def _early_sigterm(signum, frame) -> None:
 
 
 def _early_sigint(signum, frame) -> None:
+    if _PROCESS.sweep:
+        _say_and_exit(f"error: interrupted: {SWEEP_STOPPED}", INTERRUPTED_EXIT)
     if not _PROCESS.running:
         _say_and_exit("error: interrupted before the run started, nothing to save",
                       INTERRUPTED_EXIT)
@@ -152,6 +163,11 @@ def install_early_handlers() -> None:
 def command_line() -> bool:
     """This process is `python -m framework.run` (the early handlers are installed)."""
     return _PROCESS.installed
+
+
+def sweep_started() -> None:
+    """This process launches a sweep's jobs: a signal stops the sweep, not a run."""
+    _PROCESS.sweep = True
 
 
 def run_started() -> None:

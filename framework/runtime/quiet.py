@@ -27,6 +27,14 @@ NOISE = (
 )
 
 
+_TERMINAL: list[int] = []  # the real stderr's descriptor while fd 2 is redirected here
+
+
+def terminal_fd() -> int:
+    """Where a message for the user goes now (a signal handler may run in a block)."""
+    return _TERMINAL[-1] if _TERMINAL else 2
+
+
 @contextmanager
 def filtered_stderr(drop: tuple[str, ...] = NOISE):
     """Within the block, native and Python writes to fd 2 go to a temporary file; at its
@@ -39,9 +47,11 @@ def filtered_stderr(drop: tuple[str, ...] = NOISE):
         return
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
+        _TERMINAL.append(saved)
         try:
             yield
         finally:
+            _TERMINAL.pop()
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
@@ -60,9 +70,11 @@ def stderr_to(path):
     saved = os.dup(2)
     with open(path, "ab") as log:
         os.dup2(log.fileno(), 2)
+        _TERMINAL.append(saved)
         try:
             yield
         finally:
+            _TERMINAL.pop()
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)

@@ -211,3 +211,20 @@ def test_prepare_data_with_a_local_tokenizer_or_a_clear_message_without_it(files
     inverse = {i: w for i, w in enumerate(words)}
     assert " ".join(inverse[int(i)] for i in ids[:-1]) == " ".join(TEXT.split())
     assert tokenizers.__version__
+
+
+def test_a_uint16_file_read_as_uint32_is_told_to_say_uint16(tmp_path):
+    import numpy as np
+    import pytest
+
+    from framework.config import DataConfig
+    from framework.errors import ConfigError
+    from framework.io.data import open_tokens
+
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 250, 4096).astype(np.uint16).tofile(path)
+    with pytest.raises(ConfigError, match="looks like uint16 ids read as uint32: set "
+                                          "data.token_dtype=uint16"):
+        open_tokens(DataConfig(kind="tokens", path=str(path), token_dtype="uint32"), 256)
+    assert open_tokens(DataConfig(kind="tokens", path=str(path), token_dtype="uint16"),
+                       256).max() < 250

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,8 @@ def test_every_impossible_number_is_one_line_and_exit_2(monkeypatch, tmp_path):
     (("+train.stpes=5",), "+train.stpes is not a setting (did you mean train.steps?)"),
     (("+foo=1",), "+foo is not a setting"),
     (("hydra.run.dir=",), "hydra.run.dir is empty: name the run's folder"),
+    (("data.path=/tmp/données.txt",), "cannot read the override data.path=/tmp/données.txt: "
+                                       "quote the value, as in \"data.path='/tmp/données.txt'\""),
 ])
 def test_a_key_hydra_would_add_or_an_empty_folder_is_one_line(monkeypatch, tmp_path, args,
                                                               message):
@@ -356,3 +359,15 @@ def test_imported_weights_with_nan_are_one_line_before_compiling(monkeypatch):
     monkeypatch.setattr(hf, "read_shards", poisoned)
     with pytest.raises(ConfigError, match="hold NaN or Inf values"):
         hf.load_params(folder, cfg, shardings)
+
+
+def test_ctrl_c_in_a_sweep_says_the_sweep_stops_not_that_nothing_started():
+    code = ("import os, signal, time; from framework.runtime import faults; "
+            "faults.install_early_handlers(); faults.sweep_started(); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 130
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted: the sweep stops: the job in progress ends on its own (its "
+        "folder's summary.json says how), the jobs after it do not start"]

@@ -265,3 +265,19 @@ def test_the_compile_cache_is_used_only_where_it_is_safe():
     assert devices.compile_cache_safe(devset("gpu", 8))
     assert devices.compile_cache_safe(devset("tpu", 4))
 
+
+
+def test_a_resume_says_when_it_reshards_and_when_the_schedule_length_changed():
+    from types import SimpleNamespace
+
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.run.start import what_changed
+
+    engine = SimpleNamespace(parallel=ParallelConfig(pipeline=1, data=8, tensor=1))
+    same = {"layout": "pp1-dp8-tp1-mb1", "train_steps": 10}
+    assert what_changed(same, engine, TrainConfig(steps=10)) == ""
+    said = what_changed({"layout": "pp2-dp2-tp2-mb2", "train_steps": 10}, engine,
+                        TrainConfig(steps=20))
+    assert said == (" (saved on pp2-dp2-tp2-mb2, resharded to pp1-dp8-tp1-mb1; train.steps "
+                    "was 10, now 20: the learning-rate schedule spans 20 steps from here on)")
+    assert what_changed({}, engine, TrainConfig(steps=20)) == ""  # older checkpoints
