@@ -104,8 +104,12 @@ def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
 
 
 def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                n_devices: int, limit: float, platform: str, kind: str = "") -> list[str]:
-    """Changes predicted to fit under `limit`, fastest first ('<overrides> (x GiB)')."""
+                n_devices: int, limit: float, platform: str, kind: str = "",
+                wanted: int = SHOWN) -> list[str]:
+    """Up to `wanted` changes predicted to fit under `limit`, fastest first
+    ('<overrides> (x GiB)'). The candidates are ranked by the step-time model first
+    (cheap) and only then asked for their memory (a trace of the layers each), in that
+    order, until `wanted` fit: the same answer as predicting every candidate's memory."""
     from framework.analysis import flops, memory_model, planner
     from framework.engine.validate import check
 
@@ -113,15 +117,18 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0)
     ranked = []
     for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):
-        if check(m, par, tr, n_devices):
-            continue
-        total = memory_model.predict_memory(m, par, tr, platform)["total"]
-        if total <= limit:
+        if not check(m, par, tr, n_devices):
             smaller_batch = tr.global_batch_size != train.global_batch_size
             speed = planner.predict_time(m, par, tr, hw)["total"] / tr.global_batch_size
-            change = _changes(model, parallel, train, (m, par, tr))
-            ranked.append(((smaller_batch, speed, i), f"{change} ({_size(total)})"))
-    return [text for _, text in sorted(ranked)]
+            ranked.append(((smaller_batch, speed, i), (m, par, tr)))
+    found = []
+    for _, (m, par, tr) in sorted(ranked, key=lambda r: r[0]):
+        total = memory_model.predict_memory(m, par, tr, platform)["total"]
+        if total <= limit:
+            found.append(f"{_changes(model, parallel, train, (m, par, tr))} ({_size(total)})")
+            if len(found) == wanted:
+                break
+    return found
 
 
 def _limit(cfg: RunConfig, devset) -> tuple[float | None, str]:
@@ -166,10 +173,11 @@ def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
 def hbm_oom(err: Exception) -> tuple[float, float] | None:
     """(bytes needed, bytes available) when the TPU compiler refused a program for lack
     of HBM: "... required for HLO temporaries (119.33G) exceeds available HBM (95.74G)"."""
-    m = re.search(r"\(([\d.]+)([GM])\) exceeds available HBM \(([\d.]+)([GM])\)", str(err))
+    m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)",
+                  str(err))
     if not m:
         return None
-    unit = lambda u: GIB if u == "G" else 2**20
+    unit = lambda u: 2 ** (10 * "KMGT".index(u) + 10)
     return float(m.group(1)) * unit(m.group(2)), float(m.group(3)) * unit(m.group(4))
 
 

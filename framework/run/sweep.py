@@ -43,7 +43,7 @@ def mesh_label(parallel) -> str:
 
 def job_name(mesh_name: str, task_overrides: list[str], swept_keys: set[str]) -> str:
     """The degrees, plus `key=value` for every other swept setting of this job."""
-    extra = [o for o in task_overrides
+    extra = [o.replace("\\", "") for o in task_overrides  # Hydra escapes ':' as '\:'
              if o.split("=", 1)[0].lstrip("+~") in swept_keys - DEGREE_KEYS]
     return mesh_name + ("_" + ",".join(extra) if extra else "")
 
@@ -95,7 +95,9 @@ def report_line(num: int, name: str, summary: dict) -> str:
     parts = [f"[sweep job {num}] {name}: {status}"]
     compiled = summary.get("memory/compiled_bytes_per_device")
     if compiled is not None:  # a framework.compile job
-        parts.append(f"{compiled / 2**30:.2f} GiB per device (compiled)")
+        size = (f"{compiled / 2**30:.2f} GiB" if compiled >= 2**30 / 10
+                else f"{compiled / 2**20:.1f} MiB")
+        parts.append(f"{size} per device (compiled)")
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
     if rate is not None:

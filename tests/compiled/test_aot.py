@@ -14,8 +14,12 @@ HAVE_AOT = all(importlib.util.find_spec(m) for m in ("libtpu", "jax_plugins"))
 pytestmark = pytest.mark.skipif(not HAVE_AOT, reason="needs pip install -e '.[aot]'")
 
 TARGETS = ("gpu:h100x8", "tpu:v5p-16")  # 8 H100s on one host; 8 v5p chips
-BIG = ("model.d_model=8192", "model.d_ff=32768", "model.n_layers=24", "model.n_heads=64",
-       "model.n_kv_heads=8")  # 7.8B parameters on 4 (pipe x tensor) shards: > 95 GiB
+# Programs over the target's memory, the fastest found to compile here: on TPUs dense
+# attention over 65,536 tokens (terabytes of scores: the compiler refuses at once), on
+# GPUs 8 layers of d_model 16,384 (17B parameters on 4 pipe x tensor shards, 150 GiB).
+BIG = {"tpu": ("train.seq_len=65536", "train.global_batch_size=16", "model.attention=dense"),
+       "gpu": ("model.d_model=16384", "model.d_ff=65536", "model.n_heads=128",
+               "model.n_kv_heads=8", "model.n_layers=8")}
 
 
 def report(target: str, *overrides: str) -> dict:
@@ -58,16 +62,6 @@ def test_the_target_compiles_and_sends_what_the_cpu_program_sends(target, schedu
     shares = [v for k, v in got.items() if k.startswith("comm/overlapped_fraction/")]
     assert len(shares) == (3 if target.startswith("gpu") else 0)
     assert all(0 <= s <= 1 for s in shares)
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_a_program_that_does_not_fit_is_one_line_with_changes_that_fit(target):
-    with pytest.raises(program.TooBig) as err:
-        report(target, *BIG)
-    text = str(err.value)
-    assert "\n" not in text and text.startswith(f"{target}: the compiled step needs ")
-    assert "(the compiler's figure), over the device's" in text
-    assert "predicted to fit: parallel." in text
 
 
 def test_gpu_programs_report_the_overlap_of_their_collectives():
