@@ -36,25 +36,36 @@ def terminal_fd() -> int:
 
 
 @contextmanager
+def _fd2_into(target):
+    """Within the block, file descriptor 2 writes into the open file `target`; the
+    terminal's descriptor is kept for signal handlers (`terminal_fd`)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(target.fileno(), 2)
+    _TERMINAL.append(saved)
+    try:
+        yield
+    finally:
+        _TERMINAL.pop()
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextmanager
 def filtered_stderr(drop: tuple[str, ...] = NOISE):
     """Within the block, native and Python writes to fd 2 go to a temporary file; at its
     end the lines not containing any of `drop` are written to stderr."""
     try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no usable fd 2: nothing to filter
+        os.fstat(2)
+    except OSError:  # no usable fd 2: nothing to filter
         yield
         return
     with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        _TERMINAL.append(saved)
         try:
-            yield
+            with _fd2_into(tmp):
+                yield
         finally:
-            _TERMINAL.pop()
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             tmp.seek(0)
             kept = [line for line in tmp.read().decode(errors="replace").splitlines(True)
                     if not any(pattern in line for pattern in drop)]
@@ -66,18 +77,8 @@ def filtered_stderr(drop: tuple[str, ...] = NOISE):
 def stderr_to(path):
     """Within the block, everything written to fd 2 (the compilers' own logging: XLA's
     rematerialisation warnings, libtpu's start-up) is appended to the file `path`."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-        _TERMINAL.append(saved)
-        try:
-            yield
-        finally:
-            _TERMINAL.pop()
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+    with open(path, "ab") as log, _fd2_into(log):
+        yield
 
 
 def import_jax() -> None:
