@@ -223,6 +223,9 @@ class DistributedConfig:
     coordinator_address: Optional[str] = None  # host:port of process 0
     num_processes: Optional[int] = None  # -1: detect (SLURM, Cloud TPU, Open MPI); 1: never
     process_id: Optional[int] = None
+    # Seconds without a heartbeat after which JAX's coordination service declares a
+    # process dead and ends the others (framework/runtime/peers.py; JAX's default).
+    heartbeat_timeout_s: int = 100
 
 
 @dataclass

@@ -159,8 +159,10 @@ def _main(cfg: DictConfig) -> None:
     run_cfg: RunConfig = OmegaConf.to_object(cfg)
     run_dir = Path(hc.runtime.output_dir)
     if faults.command_line():  # for the rest of this process (not in the tests' own)
+        log = run_dir / f"{hc.job.name}.log"
+        train.watch_peers(run_cfg, run_dir, log)  # a multi-process run's native stderr
         # Libraries' background noise (e.g. a failed save's tracebacks) to run.log only.
-        faults.LibraryOutput(run_dir / f"{hc.job.name}.log").install()
+        faults.LibraryOutput(log).install()
     try:
         train.run(run_cfg, run_dir, OmegaConf.to_container(cfg, resolve=True),
                   on_start=lambda: _save_hydra_files(cfg, run_dir),

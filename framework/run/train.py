@@ -30,6 +30,7 @@ from framework.engine.validate import check, validate
 from framework.errors import ConfigError, Diverged, StorageError
 from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
+from framework.io.checkpoint.paths import COMPLETE_MARKERS
 from framework.io.data import make_dataset
 from framework.model import attention
 from framework.model.llama import count_params
@@ -41,7 +42,7 @@ from framework.run.loop import Hook, LoopSettings, to_host, train_loop
 from framework.run.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, final_line,
                                     read_metrics)
 from framework.runtime import devices as devices_lib
-from framework.runtime import distributed, faults, runlock
+from framework.runtime import distributed, faults, peers, runlock
 from framework.runtime.faults import StopRequests
 
 CHECKPOINT_DIR = "checkpoints"  # inside the run folder, unless checkpoint.dir is set
@@ -156,6 +157,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     devset = devices_lib.start(cfg.devices, cfg.parallel, cfg.distributed)
     devices_lib.enable_compile_cache(devset)
     guard.settle(devset.process_index, devset.process_count)  # all follow process 0
+    peers.tell(process=devset.process_index, processes=devset.process_count)
     faults.run_started()  # a SIGTERM from now on asks the run to stop
     if on_start is not None:
         on_start()
@@ -183,6 +185,8 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
                                          stop, meta, model_io["codec"])
             except BaseException as err:  # record why, then let it propagate
                 _record_failure(tracker, ckpt, err, started)
+                if devset.process_count > 1:  # a vanished peer: JAX's verdict is coming
+                    peers.await_verdict(err, cfg.distributed.heartbeat_timeout_s + 15)
                 raise
     finally:
         ckpt.close()
@@ -202,6 +206,24 @@ def _build(cfg: RunConfig, devset):
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
     memory_check.check_compiled(cfg, engine, devset)  # GPU/TPU: compiled, nothing allocated
     return engine
+
+
+def watch_peers(cfg: RunConfig, run_dir: Path, log_path: Path) -> None:
+    """A multi-process run says in one line when a peer vanishes (framework/runtime/peers.py).
+    Called by the command line before the run starts JAX."""
+    try:
+        launch = distributed.plan(cfg.distributed)
+    except ConfigError:
+        return  # run() says so
+    if launch is None:
+        return
+    folder = str(cfg.checkpoint.dir or run_dir / CHECKPOINT_DIR)
+    peers.watch({"run_dir": str(Path(run_dir).absolute()), "log": str(log_path),
+                 "checkpoints": str(Path(folder).expanduser().absolute()),
+                 "markers": list(COMPLETE_MARKERS),
+                 "process": _process_index_before_start(launch),
+                 "processes": distributed.expected_processes(launch),
+                 "heartbeat_timeout_s": cfg.distributed.heartbeat_timeout_s})
 
 
 def _checkpoint_folder(cfg: RunConfig, run_dir: Path) -> str:

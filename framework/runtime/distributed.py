@@ -47,6 +47,7 @@ class Plan:
     num_processes: int | None
     process_id: int | None
     source: str  # "config", "slurm" or "detect"
+    heartbeat_timeout_s: int = 100
 
 
 def _slurm_tasks(environ: Mapping[str, str]) -> int | None:
@@ -63,15 +64,19 @@ def plan(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Pla
     """None for a single-process run, else how to initialize (see the module docstring).
     Raises ConfigError for inconsistent settings."""
     n, pid, address = cfg.num_processes, cfg.process_id, cfg.coordinator_address
+    if cfg.heartbeat_timeout_s < 1:
+        raise ConfigError(f"distributed.heartbeat_timeout_s={cfg.heartbeat_timeout_s} must "
+                          f"be >= 1 (seconds; JAX's default is 100)")
     if n is None:
         if address is not None or pid is not None:
             raise ConfigError("distributed.coordinator_address/process_id are set but "
                               "distributed.num_processes is not: set it to the number of "
                               "processes (or -1 to detect it from the cluster)")
         tasks = _slurm_tasks(environ)
-        return Plan(None, None, None, "slurm") if tasks and tasks > 1 else None
+        return (Plan(None, None, None, "slurm", cfg.heartbeat_timeout_s)
+                if tasks and tasks > 1 else None)
     if n == AUTO:
-        return Plan(address, None, pid, "detect")
+        return Plan(address, None, pid, "detect", cfg.heartbeat_timeout_s)
     if n < 1:
         raise ConfigError(f"distributed.num_processes={n} must be >= 1, or -1 to detect it "
                           f"from the cluster (SLURM, Cloud TPU, Open MPI)")
@@ -93,7 +98,7 @@ def plan(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Pla
     if ":" not in address:
         raise ConfigError(f"distributed.coordinator_address={address} must be host:port "
                           f"(e.g. 10.0.0.1:1234, reachable from every process)")
-    return Plan(address, n, pid, "config")
+    return Plan(address, n, pid, "config", cfg.heartbeat_timeout_s)
 
 
 def expected_processes(p: Plan | None, environ: Mapping[str, str] = os.environ) -> int | None:
@@ -115,7 +120,8 @@ def initialize(p: Plan | None) -> None:
 
     try:
         jax.distributed.initialize(coordinator_address=p.coordinator_address,
-                                   num_processes=p.num_processes, process_id=p.process_id)
+                                   num_processes=p.num_processes, process_id=p.process_id,
+                                   heartbeat_timeout_seconds=p.heartbeat_timeout_s)
     except (RuntimeError, ValueError, TypeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         who = (f"process {p.process_id} of {p.num_processes} via {p.coordinator_address}"

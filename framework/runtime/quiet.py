@@ -32,7 +32,7 @@ _TERMINAL: list[int] = []  # the real stderr's descriptor while fd 2 is redirect
 
 def terminal_fd() -> int:
     """Where a message for the user goes now (a signal handler may run in a block)."""
-    return _TERMINAL[-1] if _TERMINAL else 2
+    return _TERMINAL[0] if _TERMINAL else 2
 
 
 @contextmanager
@@ -79,6 +79,18 @@ def stderr_to(path):
     rematerialisation warnings, libtpu's start-up) is appended to the file `path`."""
     with open(path, "ab") as log, _fd2_into(log):
         yield
+
+
+def native_stderr_into(fd: int) -> None:
+    """For the rest of the process, file descriptor 2 (what native code writes) goes to
+    `fd`, while Python's sys.stderr and signal handlers keep writing to the terminal
+    (framework/runtime/peers.py: a multi-process run's watcher reads the native side)."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(fd, 2)
+    _TERMINAL.insert(0, terminal)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
+                           errors="backslashreplace", closefd=False)
 
 
 def import_jax() -> None:

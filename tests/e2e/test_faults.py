@@ -390,27 +390,61 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0_here_on_a_token_file(tmp_p
     assert all(np.isfinite(r["train/loss"]) for r in read_metrics(run_dir))
 
 
-def test_two_processes_of_four_cpu_devices_train_like_one_of_eight(full, tmp_path, env):
-    run_dir = tmp_path / "run"
-    port = cli.free_port()
-    procs = [subprocess.Popen(
-        command(run_dir, *COMMON, "devices.platform=cpu",
+def _two_processes(run_dir: Path, port: int, env: dict) -> list[subprocess.Popen]:
+    return [subprocess.Popen(
+        command(run_dir, *COMMON, *EVERY_STEP, "devices.platform=cpu",
                 "devices.local_device_count=4", "distributed.num_processes=2",
                 f"distributed.coordinator_address=127.0.0.1:{port}",
-                f"distributed.process_id={i}"),
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+                f"distributed.process_id={i}", f"distributed.heartbeat_timeout_s={HEARTBEAT}"),
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for i in range(2)]
+
+
+HEARTBEAT = 5  # distributed.heartbeat_timeout_s of the two-process runs
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_two_processes_survive_a_dead_peer_and_train_like_one_of_eight(victim, full,
+                                                                       tmp_path, env):
+    """2 processes x 4 CPU devices form the 8-device mesh. One is SIGKILLed at a random
+    step: the other ends within the heartbeat timeout (plus start-up slack) with one
+    line naming it, summary.json says failed; restarting both finishes with the losses
+    of one process with 8 devices."""
+    run_dir = tmp_path / "run"
+    at = int(np.random.default_rng().integers(2, STEPS - 1))
+    procs = _two_processes(run_dir, cli.free_port(), env)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and at in [
+            r["step"] for r in read_metrics(run_dir)], procs[0])
+        procs[victim].kill()
+        killed = time.monotonic()
+        out, err = procs[1 - victim].communicate(timeout=HEARTBEAT + 60)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+            p.communicate()
+    assert procs[1 - victim].returncode != 0 and took < HEARTBEAT + 30, (took, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: process {victim} of 2 vanished after step "), err[-3000:]
+    assert "restart every process" in lines[0] and "newest complete checkpoint" in lines[0]
+    info = summary(run_dir)
+    assert info["status"] == "failed" and f"process {victim} of 2" in info["reason"]
+    assert [r["step"] for r in read_metrics(run_dir)][:at] == list(range(1, at + 1))
+
+    again = _two_processes(run_dir, cli.free_port(), env)
+    outs = [p.communicate(timeout=600) for p in again]
+    for p, (out, err) in zip(again, outs):
         assert p.returncode == 0, err[-3000:]
     assert "mesh pipe=2 data=2 tensor=2 on 8 cpu devices" in outs[0][0]
     assert "completed:" in outs[0][0] and "completed:" not in outs[1][0]  # process 0 reports
     info = summary(run_dir)
-    assert info["n_processes"] == 2 and info["n_devices"] == 8
+    assert info["n_processes"] == 2 and info["n_devices"] == 8 and info["resumed_from_step"]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
     assert_same(losses(run_dir), losses(full), range(1, STEPS + 1))
     assert_same(losses(run_dir, "eval/loss"), losses(full, "eval/loss"), (5, 10))
-    assert complete_steps(run_dir) == [STEPS]  # both processes wrote their shards
+    assert complete_steps(run_dir)[-1] == STEPS  # both processes wrote their shards
 
 
 def load_prepare_data():

@@ -137,6 +137,9 @@ def test_distributed_plan_from_settings_and_slurm():
     with pytest.raises(ConfigError, match="distributed.coordinator_address and "
                                           "distributed.process_id"):
         plan(DistributedConfig(num_processes=2), {})
+    with pytest.raises(ConfigError, match=r"distributed.heartbeat_timeout_s=0 must be >= 1"):
+        plan(DistributedConfig(num_processes=2, heartbeat_timeout_s=0), {})
+    assert plan(DistributedConfig("h:1", 2, 0, heartbeat_timeout_s=7), {}).heartbeat_timeout_s == 7
     with pytest.raises(ConfigError, match=r"process_id=2 must be in 0\.\.1"):
         plan(DistributedConfig("127.0.0.1:1234", 2, 2), {})
     with pytest.raises(ConfigError, match="host:port"):
