@@ -197,13 +197,16 @@ def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> 
     return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
-def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool, rules) -> int:
+def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool, rules,
+               hidden: int) -> int:
     """One stash slot of the tick executor: a chunk's VJP residuals for one microbatch;
     with a split backward the input-gradient VJP's residuals, later overwritten by the
     weight ops' output gradients (the slot holds the larger), next to the weight ops'
-    inputs."""
-    if not split:
-        return residuals(model, seq, tp, sp, remat, rules=rules).chunk(layers, rows)
+    inputs. Split under remat (framework/parallel/pipeline/ticks.py, recompute): the
+    residuals, and the incoming gradient (`hidden` bytes) from B to W."""
+    if not split or remat != "none":
+        full = residuals(model, seq, tp, sp, remat, rules=rules).chunk(layers, rows)
+        return full + (hidden if split else 0)
     part = lambda name: residuals(model, seq, tp, sp, remat, name, rules).chunk(layers, rows)
     return max(part("input"), part("douts")) + part("saved")
 
@@ -245,7 +248,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
             grads += stage_weights  # for the stage's weights
     else:  # tick executor: the table's stash and receive slots (+ the spare write slot)
         slot = _stash_slot(model, train.seq_len, tp, sp, parallel.remat, layers, mb_rows,
-                           sched.split_backward, rules)
+                           sched.split_backward, rules, hidden)
         n = plan(sched).n_slots
         # + the slot contents a cell's branch returns for the write after it
         kept = (n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden

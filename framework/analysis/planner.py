@@ -57,16 +57,20 @@ class Hardware:
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
 
-def _split_flops_per_token(model: ModelConfig, seq: int, remat: str) -> tuple[float, float]:
+def _split_flops_per_token(model: ModelConfig, seq: int, remat: str,
+                           split: bool = False) -> tuple[float, float]:
     """(training FLOPs per token of the layers, with what remat recomputes; of the LM
     head), from `flops.flops_per_token` (PaLM appendix B). Remat recomputes the layers'
     forward (a third of their 6N + 12LHQT) for `full`; for `save_dots` the attention
-    score and value matmuls (batched dots, not saved: 4LHQT)."""
+    score and value matmuls (batched dots, not saved: 4LHQT). A split backward under
+    remat (`split`; framework/parallel/pipeline/ticks.py) runs the recomputation and the
+    input gradient (a third) twice, in B and in W: 12N instead of 8N for `full`."""
     head = 6 * model.d_model * model.vocab_size
-    layers = flops.flops_per_token(model, seq) - head
+    base = flops.flops_per_token(model, seq) - head
     attention = 4 * model.n_layers * model.n_heads * model.head_dim * seq
-    layers += {"none": 0.0, "full": layers / 3, "save_dots": float(attention)}[remat]
-    return layers, head
+    recomputed = {"none": 0.0, "full": base / 3, "save_dots": float(attention)}[remat]
+    twice = recomputed + base / 3 if split and remat != "none" else 0.0
+    return base + recomputed + twice, head
 
 
 _COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree set
@@ -89,7 +93,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     sched = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
                           parallel.virtual_stages)
     tokens = train.global_batch_size * train.seq_len
-    layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat)
+    layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
+                                          sched.split_backward)
     out = {"compute": layers * tokens / n / hw.peak_flops / (1 - sched.bubble_fraction)
            + head * tokens / (dp * tp) / hw.peak_flops}
     for axis, nbytes in _comm_bytes(model, parallel, train).items():

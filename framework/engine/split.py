@@ -59,4 +59,6 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
             return jax.vmap(one)(layers, saved)
         return jax.vjp(products, layers)[1](douts)[0]
 
-    return SplitBackward(forward, weight_grads)
+    # Under remat the stash holds only layer inputs: B and W recompute from it rather
+    # than keep every weight op's input and output gradient (SplitBackward.recompute).
+    return SplitBackward(forward, weight_grads, recompute=remat != "none")

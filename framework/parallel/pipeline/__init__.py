@@ -28,10 +28,18 @@ class SplitBackward:
     """The backward of a layer chunk in two halves (zero-bubble schedules, Qi et al. 2024):
     `forward(w, x) -> (y, vjp, saved)`, where `vjp(dy) -> (dx, dout)` is the B half
     (a `jax.vjp` function of the input and of the weight matmuls' outputs) and `saved`
-    the matmul inputs; `weight_grads(w, saved, dout) -> dw` is the W half."""
+    the matmul inputs; `weight_grads(w, saved, dout) -> dw` is the W half.
+
+    recompute (under rematerialisation): B and W each pull the incoming gradient through
+    the chunk's full VJP, rebuilt from the residuals F stashed (the layer inputs), B
+    keeping dx and W the weight gradients; between them only that incoming gradient is
+    kept. The matmul inputs and output gradients per layer that the halves above hold
+    would be several times the rematerialised stash (`forward` and `weight_grads` are
+    then unused)."""
 
     forward: Callable
     weight_grads: Callable
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,12 @@ table keeps in flight hold memory. Each tick every rank runs the branch its cell
             residuals in the stash slot, next to the matmul inputs F saved.
   W(i, c)   the weight gradients from that slot: one matmul per weight.
 
+Under rematerialisation (`SplitBackward.recompute`) the stash is 1F1B's (the layer
+inputs): B pulls dy through the chunk's full VJP for dx, keeps dy (one message's size),
+and W pulls it through again for the weight gradients. Memory: 1F1B's plus one message
+per microbatch in flight; compute: the chunk's recomputed forward and input gradient
+run twice (B and W) instead of once.
+
 After the branch come the stash writes and the sends the buffer plan names for this
 tick (`framework/parallel/pipeline/buffers.py`). A stash slot is one flat buffer per
 dtype, so that B's output gradients can take the residuals' place (`Packing`): with a
@@ -126,7 +132,8 @@ class Carry(NamedTuple):
 
     recv: dict  # {"act", "grad"}: [n + 1, mb, seq, d] messages waiting to be read
     stash: dict  # {dtype|axes: [n + 1, elements]}: each in-flight microbatch's slot
-    saved: list  # per weight op: [n + 1, mb, seq, in] its inputs (split backward only)
+    saved: list  # per weight op: [n + 1, mb, seq, in] its inputs (split backward only;
+    #              recompute: one [n + 1, mb, seq, d], the incoming gradient, B to W)
     grads: dict  # like the params: {'embed', 'head', 'chunks' [v, Lc, ...]}
     loss: jax.Array  # f32 []: this rank's loss share so far
 
@@ -150,7 +157,7 @@ class CellOut(NamedTuple):
     grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)
     residuals: list  # F: the VJP's residuals, for the stash slot
     douts: list  # B: the weight ops' output gradients, for the stash slot
-    saved: list  # F (split backward): the weight ops' inputs
+    saved: list  # F (split backward): the weight ops' inputs; B (recompute): [dy]
 
 
 class Types(NamedTuple):
@@ -168,10 +175,12 @@ class Types(NamedTuple):
     packing: Packing  # the stash row holding either residuals or douts
 
 
-def trace_types(fns: StageFns, params, inputs, split: bool) -> Types:
+def trace_types(fns: StageFns, params, inputs, split: bool, recompute: bool) -> Types:
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     x = fns.embed(params["embed"], inputs[0])
-    if split:
+    if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
+        vjp_fn, saved, douts_tree = jax.vjp(fns.layers, w0, x)[1], [x], []
+    elif split:
         _, vjp_fn, saved = fns.split.forward(w0, x)
         douts_tree = vjp_fn(x)[1]
     else:
@@ -197,6 +206,7 @@ class Cells:
     types: Types
     manual: tuple  # mesh axes every carried value varies over
     split: bool  # the backward is split into B and W cells
+    recompute: bool = False  # ... each pulling dy through the full VJP (SplitBackward)
 
     def zeros(self, like, n=None):
         """Zeros like `like` (n slots of it), varying at least over `manual`."""
@@ -232,11 +242,11 @@ class Cells:
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
         w = self.weights(cell.chunk)
-        if self.split:
+        if self.split and not self.recompute:
             y, vjp_fn, kept = fns.split.forward(w, x)
             kept = jax.tree.leaves(kept)
-        else:
-            (y, vjp_fn), kept = jax.vjp(fns.layers, w, x), []
+        else:  # (recompute: B writes the saved buffer, F leaves zeros)
+            (y, vjp_fn), kept = jax.vjp(fns.layers, w, x), None
 
         def head():  # last stage: this microbatch's loss and dL/dy for its backward
             value, (g_head, g_embed, dy) = jax.value_and_grad(
@@ -255,8 +265,10 @@ class Cells:
         t, w = self.types, self.weights(cell.chunk)
         vjp_fn = join_vjp(t.packing.read(stash, cell.slot, t.residuals), t.vjp_def,
                           t.param_slot, w)
-        douts = None
-        if self.split:  # B: the gradients of the input and of the matmul outputs
+        douts = kept = None
+        if self.recompute:  # B: dx only (XLA drops the weight half); dy kept for W
+            dx, kept = vjp_fn(cell.dy)[1], [cell.dy]
+        elif self.split:  # B: the gradients of the input and of the matmul outputs
             dx, douts = vjp_fn(cell.dy)
             douts = jax.tree.leaves(douts)
         else:  # BW: the gradients of the input and of the weights
@@ -267,10 +279,15 @@ class Cells:
             lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](dx)[0],
                           lambda: jax.tree.map(jnp.zeros_like, embed))
         return dict(grads, embed=_add(grads["embed"], g_embed)), loss, self.out(
-            grad=dx, douts=douts)
+            grad=dx, douts=douts, saved=kept)
 
     def weight(self, grads, loss, cell: CellIn, stash, saved):
         t = self.types
+        if self.recompute:  # the full VJP again, for the weights only (dx is dropped)
+            vjp_fn = join_vjp(t.packing.read(stash, cell.slot, t.residuals), t.vjp_def,
+                              t.param_slot, self.weights(cell.chunk))
+            g_w = vjp_fn(saved[0][cell.slot])[0]
+            return self.add_chunk(grads, cell.chunk, g_w), loss, self.out()
         kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in saved])
         douts = jax.tree.unflatten(t.dout_def, t.packing.read(stash, cell.slot, t.douts))
         g_w = self.fns.split.weight_grads(self.weights(cell.chunk), kept, douts)
@@ -325,9 +342,10 @@ def _tick(cells: Cells, buffers: Buffers, rank):
             grads, loss, out = jax.lax.switch(kind, branches, carry.grads, carry.loss, cell,
                                               carry.stash, carry.saved)
         stash = packing.store(carry.stash, out.residuals, k_stash, kind == F)
-        if cells.split:
+        if cells.split and not cells.recompute:
             stash = packing.store(stash, out.douts, k_stash, kind == B)
-        saved = [store(buf, e, k_stash, kind == F) for buf, e in zip(carry.saved, out.saved)]
+        written = kind == (B if cells.recompute else F)  # the saved buffers' writer
+        saved = [store(buf, e, k_stash, written) for buf, e in zip(carry.saved, out.saved)]
         recv = dict(carry.recv)
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
             got = send(ch, pattern, out.act if ch.buffer == ACT else out.grad)
@@ -346,8 +364,9 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
         raise ValueError(f"schedule {schedule.name} splits the backward: StageFns.split is needed")
     buffers = plan(schedule)
     manual = tuple(sorted(jax.typeof(inputs).manual_axis_type.varying | {PIPE}))
-    cells = Cells(fns, params, inputs, targets, trace_types(fns, params, inputs, split),
-                  manual, split)
+    recompute = split and fns.split.recompute
+    cells = Cells(fns, params, inputs, targets,
+                  trace_types(fns, params, inputs, split, recompute), manual, split, recompute)
     n, t = buffers.n_slots, cells.types
     init = Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
                  stash=t.packing.zeros(n["stash"]),
