@@ -31,6 +31,7 @@ decision (`framework/run/train.py` broadcasts it with `distributed.agree`).
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -203,6 +204,17 @@ class RunLock:
                 pass
 
 
+def _remedy(folder: Path, err: OSError) -> str:
+    """What to do about a folder whose lock cannot be written."""
+    in_the_way = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                      None)
+    if in_the_way is not None:
+        return f"{in_the_way} is a file, not a folder: choose a folder"
+    if err.errno == errno.ENOSPC or err.errno == errno.EDQUOT:
+        return "free space there, or choose a folder on another disk"
+    return "choose a folder this user can create and write"
+
+
 def acquire(folder: str | os.PathLike) -> RunLock:
     """Takes `folder`'s lock (creating the folder) or raises FolderBusy naming the holder."""
     folder = Path(folder)
@@ -214,9 +226,8 @@ def acquire(folder: str | os.PathLike) -> RunLock:
             created, now = _link_exclusive(path, json.dumps(asdict(holder)))
         except OSError as err:  # a full disk, a read-only folder, a file in the way
             raise ConfigError(f"cannot write the run's lock file {path}: {err.strerror} "
-                              f"(errno {err.errno}): free space there, or choose a folder "
-                              f"that can be written (hydra.run.dir=..., checkpoint.dir=...)"
-                              ) from None
+                              f"(errno {err.errno}): {_remedy(folder, err)} "
+                              f"(hydra.run.dir=..., checkpoint.dir=...)") from None
         if created:
             return RunLock(path, holder)
         try:

@@ -371,3 +371,10 @@ def test_ctrl_c_in_a_sweep_says_the_sweep_stops_not_that_nothing_started():
     assert proc.stderr.strip().splitlines() == [
         "error: interrupted: the sweep stops: the job in progress ends on its own (its "
         "folder's summary.json says how), the jobs after it do not start"]
+
+
+def test_a_lock_folder_that_is_a_file_is_named_in_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for folder in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(errors.ConfigError, match=f"{tmp_path / 'afile'} is a file, not a folder"):
+            runlock.acquire(folder)
