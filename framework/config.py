@@ -104,7 +104,7 @@ class ParallelConfig:
     data: int = 1  # -1: all devices left after pipeline x tensor
     tensor: int = 1
     microbatches: int = 1
-    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1 | zb_v
     virtual_stages: int = 1  # layer chunks per pipeline rank (circular, interleaved_1f1b)
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`

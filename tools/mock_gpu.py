@@ -53,7 +53,8 @@ def _inputs(engine, cfg):
     from framework.model.llama import init_params
     from framework.parallel.pipeline.layout import canonical_to_train
 
-    split = lambda p: canonical_to_train(p, engine.parallel.pipeline, engine.n_chunks)
+    split = lambda p: canonical_to_train(p, engine.parallel.pipeline, engine.n_chunks,
+                                         engine.layout.v_shape)
     make = lambda key: new_state(split(init_params(cfg.model, key)), engine.optimizer)
     state = jax.jit(make, out_shardings=engine.state_shardings)(jax.random.key(0))
     shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)

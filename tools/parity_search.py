@@ -51,7 +51,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         heads = kv * pick([1, 2])
         model = ModelConfig(
             vocab_size=32 * pick([2, 4]), d_model=heads * pick([8, 16]),
-            n_layers=p * v * pick([1, 2]), n_heads=heads, n_kv_heads=kv,
+            n_layers=p * schedules.chunks_per_rank(name, v) * pick([1, 2]), n_heads=heads,
+            n_kv_heads=kv,
             d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
             dtype="float32")
         par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,

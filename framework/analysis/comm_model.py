@@ -17,7 +17,8 @@ hidden states of one data replica's batch (in the compute dtype):
           gradients per step.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
-          parallelism; v chunks per rank for circular and interleaved_1f1b). Plus one all-reduce
+          parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
+          boundaries between ranks for zb_v, whose turn stays on the last rank). Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32); ZeRO-1's
@@ -34,7 +35,8 @@ import numpy as np
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.schedule import chunks_per_rank
+from framework.parallel.pipeline.schedule import (INTERLEAVED, V_SHAPE, chunks_per_rank,
+                                                  stage_map, v_shaped)
 
 FP32 = 4
 
@@ -63,6 +65,14 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig) -> dict[str
     return counts
 
 
+def _rank_crossings(parallel: ParallelConfig, v: int) -> int:
+    """Stage boundaries g -> g+1 whose two stages are on different ranks: p*v - 1 for
+    Megatron's interleaving, 2p - 2 for a V (ZB-V: the turn is on the last rank)."""
+    placement = V_SHAPE if v_shaped(parallel.schedule) else INTERLEAVED
+    rank = {int(g): r for (r, _), g in np.ndenumerate(stage_map(placement, parallel.pipeline, v))}
+    return sum(rank[g] != rank[g + 1] for g in range(parallel.pipeline * v - 1))
+
+
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
@@ -82,7 +92,7 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
         tensor += _ring_all_reduce(tp) * norms * FP32
 
     boundary = hidden / (tp if parallel.sequence_parallel else 1)
-    pipe = 2 * (p * v - 1) / p * boundary
+    pipe = 2 * _rank_crossings(parallel, v) / p * boundary
     shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
     pipe += _ring_all_reduce(p) * shared * FP32
 

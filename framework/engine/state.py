@@ -33,6 +33,7 @@ from framework.model.llama import init_params, param_logical_axes
 from framework.parallel import data as data_parallel
 from framework.parallel import rules
 from framework.parallel.pipeline import layout
+from framework.parallel.pipeline import schedule as schedule_lib
 
 
 def train_state(params, opt_state, step) -> dict:
@@ -72,11 +73,11 @@ def _map_params(tree, params_def, fn: Callable):
     return jax.tree.map(lambda x: fn(x) if is_params(x) else x, tree, is_leaf=is_params)
 
 
-def to_canonical(state):
+def to_canonical(state, v_shape: bool = False):
     """Train-layout state -> canonical state (parameters and moments: stages -> layers)."""
     train_def = jax.tree.structure(state["params"])
-    return train_state(layout.train_to_canonical(state["params"]),
-                       _map_params(state["opt_state"], train_def, layout.train_to_canonical),
+    merge = lambda p: layout.train_to_canonical(p, v_shape)
+    return train_state(merge(state["params"]), _map_params(state["opt_state"], train_def, merge),
                        state["step"])
 
 
@@ -118,7 +119,14 @@ class StateLayout:
     param_specs: dict  # PartitionSpecs of the train-layout parameters
     zero1_dims: dict | None  # ZeRO-1's dimension per leaf (None: no ZeRO-1)
 
-    to_canonical = staticmethod(to_canonical)  # train-layout state -> canonical state
+    @property
+    def v_shape(self) -> bool:
+        """The schedule places its stages in a V (ZB-V): so does the layer layout."""
+        return schedule_lib.v_shaped(self.parallel.schedule)
+
+    def to_canonical(self, state):
+        """Train-layout state -> canonical state."""
+        return to_canonical(state, self.v_shape)
 
     @property
     def abstract_params(self):
@@ -155,7 +163,8 @@ class StateLayout:
 
     def to_train(self, canonical):
         """Inverse of `to_canonical` for this layout's (pipeline, chunks)."""
-        split = lambda p: layout.canonical_to_train(p, self.parallel.pipeline, self.n_chunks)
+        split = lambda p: layout.canonical_to_train(p, self.parallel.pipeline, self.n_chunks,
+                                                    self.v_shape)
         canonical_def = jax.tree.structure(canonical["params"])
         return train_state(split(canonical["params"]),
                            _map_params(canonical["opt_state"], canonical_def, split),
@@ -165,12 +174,13 @@ class StateLayout:
         """Canonical params on the host -> train layout, placed on the mesh (each
         process places its own shards)."""
         params = layout.canonical_to_train(canonical_params, self.parallel.pipeline,
-                                           self.n_chunks)
+                                           self.n_chunks, self.v_shape)
         return jax.device_put(params, self.shardings["params"])
 
     def from_canonical(self, canonical_params):
         """Canonical params already on the mesh -> train layout (one jitted relayout)."""
-        relayout = lambda c: layout.canonical_to_train(c, self.parallel.pipeline, self.n_chunks)
+        relayout = lambda c: layout.canonical_to_train(c, self.parallel.pipeline, self.n_chunks,
+                                                       self.v_shape)
         return jax.jit(relayout, out_shardings=self.shardings["params"])(canonical_params)
 
     def init(self, params) -> dict:

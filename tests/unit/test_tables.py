@@ -25,7 +25,7 @@ def test_every_registered_table_passes_its_check():
                 buffers_lib.plan(s)  # raises if a slot is overwritten while live
                 kinds = (F, BW) if not s.split_backward else (F, B, W)
                 for k in kinds:  # each microbatch passes each stage once per kind
-                    assert ((s.kind == k).sum(axis=0) == m * v).all(), (name, p, m, v, k)
+                    assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (name, p, m, v, k)
 
 
 def test_zero_bubble_and_interleaving_shrink_the_bubble_as_the_papers_predict():
@@ -44,6 +44,35 @@ def test_zero_bubble_and_interleaving_shrink_the_bubble_as_the_papers_predict():
     # Interleaved with one chunk is 1F1B, cell for cell.
     a, b = make_schedule("interleaved_1f1b", 4, 8, 1), make_schedule("1f1b", 4, 8)
     assert (a.kind == b.kind).all() and (a.microbatch == b.microbatch).all()
+
+
+def test_zb_v_halves_zb_h1s_bubble_in_1f1b_memory():
+    """ZB-V (two chunks per rank in V order): the ramp's p-1 idle ticks over 6m + p - 1,
+    below ZB-H1's at every size, with at most 2p chunk-microbatches (p stages' worth)
+    in flight per rank; the turn at the bottom of the V stays on the last rank."""
+    for p, m in [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32), (3, 6)]:
+        zv, zh = make_schedule("zb_v", p, m), make_schedule("zb_h1", p, m)
+        assert zv.bubble_fraction < zh.bubble_fraction
+        assert zv.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert zv.max_in_flight().max() <= 2 * p
+        assert [list(row) for row in zv.stage_of] == [[r, 2 * p - 1 - r] for r in range(p)]
+        plan = buffers_lib.plan(zv)
+        turn = [pair for c in plan.channels if c.buffer == "act" and c.shift == 0
+                for k in c.pairs for pair in k]
+        assert turn == [(p - 1, p - 1)]  # stage p-1 -> p: no send
+
+
+def test_the_v_layout_puts_each_layer_chunk_where_its_stage_runs():
+    from framework.parallel.pipeline import layout
+    p, lc = 4, 2
+    layers = np.arange(2 * p * lc)  # layer k holds k
+    stages = layout.to_stages(layers, p, 2, v_shape=True)  # [rank, chunk, layer]
+    placement = make_schedule("zb_v", p, 8).stage_of
+    for r in range(p):
+        for c in range(2):
+            g = placement[r, c]
+            assert list(stages[r, c]) == list(range(g * lc, (g + 1) * lc))
+    assert (layout.to_layers(stages, v_shape=True) == layers).all()
 
 
 def test_memory_in_flight_is_bounded_like_1f1b():

@@ -49,6 +49,17 @@ KIND_NAMES = ("idle", "F", "B", "W", "BW")
 # Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W.
 UNIT_COST = np.array([0, 1, 1, 1, 2])
 AUTODIFF, TICKS = "autodiff", "ticks"  # who runs the backward: JAX autodiff, or the table
+INTERLEAVED, V_SHAPE = "interleaved", "v"  # where global stages live (see Schedule)
+
+
+def stage_map(placement: str, p: int, v: int) -> np.ndarray:
+    """[ranks, chunks] -> global stage. INTERLEAVED (Megatron-LM): stage c*p + r on rank
+    r as its chunk c. V_SHAPE (v = 2, Qi et al. 2024's ZB-V): rank r holds stages r and
+    2p-1-r, so a microbatch goes down the ranks and back up, and rank 0 holds both the
+    first and the last stage."""
+    if placement == V_SHAPE:
+        return np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1)
+    return np.arange(v)[None, :] * p + np.arange(p)[:, None]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +73,7 @@ class Schedule:
     chunk: np.ndarray  # [ticks, ranks] chunk index on that rank (0 where idle)
     formula_bubble: float  # the closed form from the paper the schedule comes from
     executor: str = TICKS  # AUTODIFF: the executor runs the F rows, autodiff the rest
+    placement: str = INTERLEAVED  # or V_SHAPE (`stage_map`)
 
     @property
     def n_ticks(self) -> int:
@@ -73,9 +85,8 @@ class Schedule:
 
     @cached_property
     def stage_of(self) -> np.ndarray:
-        """[ranks, chunks] -> global stage (Megatron's interleaved assignment)."""
-        p, v = self.n_stages, self.n_chunks
-        return np.arange(v)[None, :] * p + np.arange(p)[:, None]
+        """[ranks, chunks] -> global stage (`stage_map`)."""
+        return stage_map(self.placement, self.n_stages, self.n_chunks)
 
     @cached_property
     def rank_chunk_of(self) -> dict[int, tuple[int, int]]:
@@ -107,7 +118,7 @@ class Schedule:
         t = int((self.kind == F).any(axis=1).nonzero()[0].max()) + 1
         return Schedule(self.name, self.n_stages, self.n_microbatches, self.n_chunks,
                         self.kind[:t], self.microbatch[:t], self.chunk[:t],
-                        self.formula_bubble, self.executor)
+                        self.formula_bubble, self.executor, self.placement)
 
     def max_in_flight(self) -> np.ndarray:
         """Per rank: the most microbatch-chunks whose forward ran but whose weight
@@ -124,16 +135,19 @@ class Generator:
     build: Callable[[int, int, int], Schedule]
     uses_virtual_stages: bool  # reads parallel.virtual_stages (else it must be 1)
     check: Callable[[int, int, int], list[str]]  # (p, m, v) -> one-line problems
+    chunks: int = 0  # a fixed number of chunks per rank (0: virtual_stages, or 1)
+    placement: str = INTERLEAVED
 
 
 GENERATORS: dict[str, Generator] = {}
 
 
 def register(name: str, uses_virtual_stages: bool = False,
-             check: Callable[[int, int, int], list[str]] = lambda p, m, v: []):
+             check: Callable[[int, int, int], list[str]] = lambda p, m, v: [],
+             chunks: int = 0, placement: str = INTERLEAVED):
     """Decorator: `build(p, m, v) -> Schedule` becomes `parallel.schedule=<name>`."""
     def wrap(build):
-        GENERATORS[name] = Generator(build, uses_virtual_stages, check)
+        GENERATORS[name] = Generator(build, uses_virtual_stages, check, chunks, placement)
         return build
     return wrap
 
@@ -159,7 +173,14 @@ def uses_virtual_stages(name: str) -> bool:
 
 
 def chunks_per_rank(name: str, virtual_stages: int) -> int:
+    if name in GENERATORS and GENERATORS[name].chunks:
+        return GENERATORS[name].chunks
     return virtual_stages if uses_virtual_stages(name) else 1
+
+
+def v_shaped(name: str) -> bool:
+    """The schedule places its stages in a V (`stage_map`): the parameter layout follows."""
+    return name in GENERATORS and GENERATORS[name].placement == V_SHAPE
 
 
 def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -184,11 +205,12 @@ Cell = tuple[int, int, int]  # (kind, microbatch, chunk)
 
 
 def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
-             formula: float) -> Schedule:
+             formula: float, placement: str = INTERLEAVED) -> Schedule:
     """Runs each rank's program in lockstep ticks: a cell starts at the first tick after
     its dependencies finished (F(i, g) after F(i, g-1); B or BW(i, g) after F(i, g) and
     the backward of (i, g+1); W(i, g) after B(i, g)). Raises if the programs deadlock."""
-    stage = lambda r, c: c * p + r  # Megatron's interleaved assignment (see Schedule)
+    stages = stage_map(placement, p, v)
+    stage = lambda r, c: int(stages[r, c])
     S = p * v
     done: dict[tuple[str, int, int], int] = {}  # (F|B, microbatch, global stage) -> tick
     pc = [0] * p
@@ -218,7 +240,8 @@ def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
                 pc[r] += 1
         rows.append(row)
     grid = np.array([[cell or (IDLE, 0, 0) for cell in row] for row in rows], np.int32)
-    return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula)
+    return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula,
+                    placement=placement)
 
 
 # --- The schedules -------------------------------------------------------------------
@@ -327,3 +350,62 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
         prog += [(W, i, 0) for i in range(nw, m)]
         programs.append(prog)
     return simulate("zb_h1", p, m, 1, programs, (p - 1) / (3 * m + p - 1))
+
+
+def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int) -> list[list[Cell]]:
+    """Per-rank programs from lockstep list scheduling: every tick each rank runs the
+    first of its ready cells by priority: a B (the oldest microbatch, the later stage
+    first: the backward is the critical path), else an F while fewer than `limit`
+    chunk-microbatches are in flight on the rank (the later stage first), else the
+    oldest W. Dependencies as in `simulate`, which then builds the table from them."""
+    stages = stage_map(placement, p, v)
+    S = p * v
+    done: dict[tuple[str, int, int], int] = {}
+    todo = [{(kind, i, c) for kind in (F, B, W) for i in range(m) for c in range(v)}
+            for _ in range(p)]
+    programs: list[list[Cell]] = [[] for _ in range(p)]
+    in_flight = [0] * p
+    t = 0
+    while any(todo):
+        picked = []
+        for r in range(p):
+            ready = [cell for cell in todo[r] if _ready(cell, stages[r], S, done, t)]
+            b = [c for c in ready if c[0] == B]
+            f = [c for c in ready if c[0] == F] if in_flight[r] < limit else []
+            w = [c for c in ready if c[0] == W]
+            order = (sorted(b, key=lambda c: (c[1], -stages[r][c[2]])) +
+                     sorted(f, key=lambda c: (-stages[r][c[2]], c[1])) +
+                     sorted(w, key=lambda c: done["B", c[1], stages[r][c[2]]]))
+            picked.append(order[0] if order else None)
+        if not any(picked):
+            raise RuntimeError(f"greedy schedule deadlocks at tick {t} (p={p}, m={m})")
+        for r, cell in enumerate(picked):
+            if cell is not None:
+                kind, i, c = cell
+                todo[r].discard(cell)
+                programs[r].append(cell)
+                done["FBW"[kind - 1], i, int(stages[r][c])] = t
+                in_flight[r] += 1 if kind == F else -1 if kind == W else 0
+        t += 1
+    return programs
+
+
+def _ready(cell: Cell, stages, S: int, done: dict, t: int) -> bool:
+    kind, i, c = cell
+    g = int(stages[c])
+    deps = {F: [("F", i, g - 1)] if g > 0 else [],
+            B: [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else []),
+            W: [("B", i, g)]}[kind]
+    return all(done.get(d, t) < t for d in deps)
+
+
+@register("zb_v", chunks=2, placement=V_SHAPE)
+def zb_v(p: int, m: int, v: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; and
+    "Pipeline Parallelism with Controllable Memory"): two chunks per rank in V order
+    (`stage_map`), B and W split, at most 2p chunk-microbatches in flight per rank (p
+    stages' worth: 1F1B's peak). With unit-cost F = B = W the paper's steady state has
+    no bubble; what remains in lockstep ticks is the ramp: p - 1 idle ticks of 6m + p - 1,
+    (p-1)/(6m+p-1), half ZB-H1's (the same idle ticks over twice as many)."""
+    return simulate("zb_v", p, m, 2, _greedy_programs(p, m, 2, V_SHAPE, 2 * p),
+                    (p - 1) / (6 * m + p - 1), placement=V_SHAPE)
