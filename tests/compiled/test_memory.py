@@ -45,7 +45,7 @@ LAYOUTS = [  # the first two in the fast tier
     dict(),
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
     pytest.param(dict(pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), marks=SLOW),
-    pytest.param(dict(pipeline=4, microbatches=8, schedule="1f1b"), marks=SLOW),
+    pytest.param(dict(pipeline=4, microbatches=8, schedule="zb_v"), marks=SLOW),
     pytest.param(dict(tensor=4, sequence_parallel=True), marks=SLOW),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1",
                       remat="full"), marks=SLOW),
