@@ -4,5 +4,6 @@
                   settings that must precede the backend
   distributed.py  several processes in one mesh (jax.distributed, SLURM)
   faults.py       signals from the first instant, stop requests, library output
+  peers.py        a vanished process of a multi-process run, said in one line
   runlock.py      one run per folder, also on shared filesystems
 """

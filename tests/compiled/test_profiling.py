@@ -37,9 +37,9 @@ def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path) -> f
 def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     """No absolute timings: 4 simulated devices share 2 cores here, so every device also
     waits while the others run (docs/parallelism.md, "A bubble measured in time")."""
-    few, many = timed_bubble("gpipe", 4, 2, tmp_path), timed_bubble("gpipe", 4, 16, tmp_path)
-    assert few > many  # (p-1)/(m+p-1): 60% at m = 2, 16% at m = 16
-    gpipe, zb = timed_bubble("gpipe", 4, 4, tmp_path), timed_bubble("zb_h1", 4, 4, tmp_path)
+    few, gpipe = timed_bubble("gpipe", 4, 2, tmp_path), timed_bubble("gpipe", 4, 4, tmp_path)
+    assert few > gpipe  # (p-1)/(m+p-1): 60% at m = 2, 43% at m = 4
+    zb = timed_bubble("zb_h1", 4, 4, tmp_path)
     assert zb < gpipe  # tables: 20% against 43%
 
 

@@ -392,7 +392,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0_here_on_a_token_file(tmp_p
 
 def _two_processes(run_dir: Path, port: int, env: dict) -> list[subprocess.Popen]:
     return [subprocess.Popen(
-        command(run_dir, *COMMON, *EVERY_STEP, "devices.platform=cpu",
+        command(run_dir, *COMMON, "checkpoint.every=2", "devices.platform=cpu",
                 "devices.local_device_count=4", "distributed.num_processes=2",
                 f"distributed.coordinator_address=127.0.0.1:{port}",
                 f"distributed.process_id={i}", f"distributed.heartbeat_timeout_s={HEARTBEAT}"),
