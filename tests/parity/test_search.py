@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import load_tool
 
 SEED = int(os.environ.get("PARITY_SEARCH_SEED", "20261123"))
-CASES = int(os.environ.get("PARITY_SEARCH_CASES", "6"))
+CASES = int(os.environ.get("PARITY_SEARCH_CASES", "4"))
 
 
 @pytest.mark.slow
