@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 # The valid values of every setting that has a fixed set of them.
@@ -112,9 +112,15 @@ class ParallelConfig:
     # The logical axes split over `tensor` (a subset of TENSOR_SPLITTABLE; the others
     # are replicated): the tensor-parallel plan, framework/parallel/rules.py.
     tensor_split: tuple[str, ...] = TENSOR_SPLITTABLE
+    # Layers per pipeline stage (global stages: pipeline x chunks per rank, in the order
+    # a microbatch visits them), e.g. [7, 9, 9, 7]; `auto` balances them with the
+    # embedding's and the head's cost counted; null: model.n_layers split evenly.
+    stage_layers: Any = None
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list
+        if self.stage_layers is not None and not isinstance(self.stage_layers, str):
+            self.stage_layers = tuple(self.stage_layers)  # hashable
 
     @property
     def n_devices(self) -> int:

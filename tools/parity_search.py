@@ -4,8 +4,8 @@
     python tools/parity_search.py --cases 20 --seed 7 --devices 8
 
 Draws random valid configurations (schedule from the registry, pipeline, data, tensor,
-microbatches, virtual stages, sequence parallelism, ZeRO-1, remat, tied embeddings,
-small model shapes), runs each one's loss and gradients twice on the same inputs, and
+microbatches, virtual stages, uneven stages (a third of them), sequence parallelism,
+ZeRO-1, remat, tied embeddings, small model shapes), runs each one's loss and gradients twice on the same inputs, and
 compares the loss and every gradient leaf of both runs with the single-device reference
 (framework/model/reference.py): relative error at most 1e-4. A failing configuration
 is printed as one line of `python -m framework.run` settings, e.g.
@@ -49,16 +49,22 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         m = pick([1, 2, 4, 8])
         kv = pick([k for k in (1, 2, 4) if k % t == 0] or [t])
         heads = kv * pick([1, 2])
+        stages = p * schedules.chunks_per_rank(name, v)
+        uneven = stages > 1 and rng.integers(3) == 0  # random layers per stage, each >= 1
+        n_layers = int(rng.integers(stages, 2 * stages + 2)) if uneven else stages * pick([1, 2])
+        stage_layers = tuple(int(n) + 1 for n in rng.multinomial(
+            n_layers - stages, [1 / stages] * stages)) if uneven else None
         model = ModelConfig(
             vocab_size=32 * pick([2, 4]), d_model=heads * pick([8, 16]),
-            n_layers=p * schedules.chunks_per_rank(name, v) * pick([1, 2]), n_heads=heads,
+            n_layers=n_layers, n_heads=heads,
             n_kv_heads=kv,
             d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
             dtype="float32")
         par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,
                              virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
                              zero1=bool(rng.integers(2)) and d > 1,
-                             sequence_parallel=bool(rng.integers(2)) and t > 1)
+                             sequence_parallel=bool(rng.integers(2)) and t > 1,
+                             stage_layers=stage_layers)
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
@@ -76,6 +82,8 @@ def overrides(model, par, train) -> str:
                           "steps", "tensor_split"):
                 continue
             value = str(value).lower() if isinstance(value, bool) else value
+            if isinstance(value, tuple):  # Hydra's list syntax
+                value = "[" + ",".join(map(str, value)) + "]"
             out.append(f"{group}.{f.name}={value}")
     return " ".join(out)
 

@@ -9,7 +9,7 @@ hidden states of one data replica's batch (in the compute dtype):
 
   tensor  Megatron-LM: two reductions of the hidden states per layer in the forward and
           two in the backward (attention and MLP, f and g), for the L/p layers of a
-          stage:  4 * (L/p) * 2(tp-1)/tp * A. With sequence parallelism each all-reduce
+          stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A. With sequence parallelism each all-reduce
           is an all-gather + reduce-scatter pair: the same bytes. Plus the vocabulary-
           parallel embedding (one reduction forward) and LM head (one backward), each
           on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
@@ -21,8 +21,9 @@ hidden states of one data replica's batch (in the compute dtype):
           boundaries between ranks for zb_v, whose turn stays on the last rank). Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
-  data    One all-reduce of this device's gradient shard per step (float32); ZeRO-1's
-          reduce-scatter + all-gather moves the same bytes.
+  data    One all-reduce of this device's gradient shard per step (float32, uneven
+          stages' padding layers included); ZeRO-1's reduce-scatter + all-gather moves
+          the same bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline.schedule import (INTERLEAVED, V_SHAPE, chunks_per_rank,
@@ -45,9 +47,11 @@ def _ring_all_reduce(n: int) -> float:
     return 2 * (n - 1) / n
 
 
-def local_param_counts(model: ModelConfig, parallel: ParallelConfig) -> dict[str, int]:
+def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
+                       rank_layers: int | None = None) -> dict[str, int]:
     """Parameters held by one device, by top-level group (embed, layers, head), before
-    any ZeRO-1 sharding: layers split over `pipe`, the rules' dims split over `tensor`."""
+    any ZeRO-1 sharding: layers split over `pipe` (or `rank_layers` per rank, uneven
+    stages' padding included), the rules' dims split over `tensor`."""
     tensor_dims = set(parallel.tensor_split)
     shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     axes = param_logical_axes(model)
@@ -59,7 +63,8 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig) -> dict[str
             size = math.prod(shape.shape)
             size //= parallel.tensor ** sum(n in tensor_dims for n in names)
             if group == "layers":
-                size //= parallel.pipeline
+                size = (size // model.n_layers * rank_layers if rank_layers
+                        else size // parallel.pipeline)
             total += size
         counts[group] = total
     return counts
@@ -81,8 +86,11 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp
     hidden = rows * train.seq_len * model.d_model * act_bytes  # A
-    layers = model.n_layers // p
-    counts = local_param_counts(model, parallel)
+    # The busiest rank's layers (uneven stages: `parallel.stage_layers`).
+    counts = stage_layer_counts(model, parallel, train.seq_len)
+    on_rank = stage_map(V_SHAPE if v_shaped(parallel.schedule) else INTERLEAVED, p, v)
+    layers = max(sum(counts[g] for g in row) for row in on_rank)
+    counts = local_param_counts(model, parallel, max(counts) * v)
 
     tensor = 4 * layers * _ring_all_reduce(tp) * hidden
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd

@@ -75,6 +75,8 @@ def _changes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
             if getattr(old, f.name) != getattr(cand, f.name):
                 value = getattr(cand, f.name)
                 value = str(value).lower() if isinstance(value, bool) else value
+                if isinstance(value, tuple):  # Hydra's list syntax
+                    value = "[" + ",".join(map(str, value)) + "]"
                 out.append(f"{group}.{f.name}={value}")
     return " ".join(out)
 

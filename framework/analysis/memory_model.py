@@ -60,6 +60,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
+from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
 from framework.model.llama import Block, apply_layers
 from framework.parallel.mesh import DATA, PIPE, TENSOR
@@ -155,7 +156,7 @@ def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
     """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
     sharding over `data`, the layers alone), from the engine's own layout and rules
     (`framework/engine/state.py`)."""
-    shapes = abstract_train_params(model, parallel.pipeline, n_chunks)
+    shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
     degrees = {PIPE: parallel.pipeline, DATA: parallel.data, TENSOR: parallel.tensor, None: 1}
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
@@ -217,6 +218,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
     (default: JAX's default backend)."""
     model = attention_traced(model, train.seq_len, platform)
+    parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
     sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
     v = sched.n_chunks
@@ -229,7 +231,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
     logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
     res = residuals(model, train.seq_len, tp, sp, parallel.remat, rules=rules)
-    layers = model.n_layers // (p * v)  # per chunk
+    layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none", rules=rules).chunk(1, mb_rows)
     layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)

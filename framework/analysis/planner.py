@@ -6,11 +6,14 @@ device or compiles anything: `tools/plan.py` is the command line.
 Step time (seconds), no overlap of computation and communication assumed:
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
-             that remat recomputes, at the given peak FLOP/s: the layers split over all
-             devices and stretched by the schedule table's bubble (lockstep ticks with
+             that remat recomputes, at the given peak FLOP/s, split over data x tensor:
+             every tick lasts as long as the slowest global stage's layers, v of them per
+             rank, stretched by the schedule table's bubble (lockstep ticks with
              unit-cost cells, `Schedule.bubble_fraction`; GPipe: (p-1)/(m+p-1), Huang et
-             al. 2019), t = flops / (N * peak) / (1 - bubble); the LM head on
-             the last pipeline rank, split over data x tensor only.
+             al. 2019), t = v * max stage flops / (data * tensor * peak) / (1 - bubble);
+             plus the LM head on the last stage, less the slack its fewer layers leave
+             (uneven stages, `parallel.stage_layers`; even stages: all of it). Even
+             stages: t = layer flops / (N * peak) / (1 - bubble) + head / (dp * tp * peak).
   comm       bytes per device per step on each mesh axis (`framework/analysis/comm_model.py`)
              over that axis's bandwidth; `tensor` is innermost on the mesh, so an axis
              uses the in-node link (NVLink) while the devices it spans fit in one node.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from framework.analysis import comm_model, flops
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.validate import check
+from framework.engine.validate import check, stage_layer_counts
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline.schedule import (chunks_per_rank, make_schedule,
@@ -95,8 +98,14 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     tokens = train.global_batch_size * train.seq_len
     layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
                                           sched.split_backward)
-    out = {"compute": layers * tokens / n / hw.peak_flops / (1 - sched.bubble_fraction)
-           + head * tokens / (dp * tp) / hw.peak_flops}
+    # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
+    # head adds what the slack of its fewer layers (uneven stages) does not absorb.
+    cost = [n * layers / model.n_layers
+            for n in stage_layer_counts(model, parallel, train.seq_len)]
+    head_beyond = max(0.0, cost[-1] + head - max(cost))
+    per_flop = tokens / (dp * tp) / hw.peak_flops
+    out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
+           + head_beyond * per_flop}
     for axis, nbytes in _comm_bytes(model, parallel, train).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
     out["total"] = sum(out.values())
@@ -123,13 +132,25 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return [2**k for k in range(max(hi, 1).bit_length()) if lo <= 2**k <= hi]
 
 
+def _stage_layers(model: ModelConfig, base: ParallelConfig, n_stages: int):
+    """`base`'s stage_layers where they fit n_stages global stages; else even where the
+    layers divide, `auto` where they do not."""
+    given = base.stage_layers
+    if isinstance(given, tuple) and len(given) == n_stages:
+        return given
+    if given is None and model.n_layers % n_stages == 0:
+        return None
+    return "auto"
+
+
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       base: ParallelConfig, schedules=None,
                       virtual_stages=(2, 4)) -> list[ParallelConfig]:
     """Every valid (pipeline, data, tensor, microbatches, schedule, zero1) on n_devices
     (`framework.engine.validate.check` decides validity); remat and sequence parallelism come
     from `base`; schedules: every registered one by default, those with virtual stages
-    at each of `virtual_stages`. Without a pipeline: one microbatch (GPipe at p = 1
+    at each of `virtual_stages`; uneven stages (`auto`) where the layers do not divide
+    the pipeline's stages. Without a pipeline: one microbatch (GPipe at p = 1
     keeps every microbatch's activations anyway). With one: powers of two from p (fewer
     leave most of the pipeline idle) up to one row per microbatch."""
     schedules = schedule_names() if schedules is None else schedules
@@ -144,10 +165,12 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                 (s, m, v) for s in schedules for m in micro
                 for v in (virtual_stages if uses_virtual_stages(s) else (1,))]
             for schedule, m, v in options:
+                stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
                 for zero1 in ((False, True) if dp > 1 else (False,)):
                     par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp,
                                               microbatches=m, schedule=schedule,
-                                              virtual_stages=v, zero1=zero1)
+                                              virtual_stages=v, zero1=zero1,
+                                              stage_layers=stage_layers)
                     if not check(model, par, train, n_devices):
                         out.append(par)
     return out

@@ -64,7 +64,7 @@ class Engine:
         return self.layout.place(canonical)
 
     def canonical_params(self, params):
-        return layout.train_to_canonical(params, self.layout.v_shape)
+        return layout.train_to_canonical(params, self.layout.v_shape, self.layout.stage_layers)
 
     def init_state(self, canonical):
         """Train state {params, opt_state, step} from canonical params, on the mesh."""

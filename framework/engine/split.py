@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.model.llama import (GIVEN, NO_TP, PRODUCTS, REMAT_POLICIES, SAVED, TAPS,
-                                   Block)
+                                   Block, scan_layers)
 from framework.config import ModelConfig
 from framework.parallel.pipeline import SplitBackward
 from framework.parallel.tensor import TensorParallel
@@ -28,7 +28,7 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
     and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
 
-    forward(layers, x) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B (the VJP w.r.t.
+    forward(layers, x, n_real=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B (the VJP w.r.t.
     the input and the zero taps on every weight op's output; the weights are constants
     to it, so no weight gradient is computed); saved: the weight ops' inputs [L, ...].
     weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
@@ -45,10 +45,10 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
-    def forward(layers, x):
+    def forward(layers, x, n_real=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
         taps = jax.vmap(lambda p: block({"params": p}, x, [TAPS])[1][TAPS])(layers)
-        run = lambda x, taps: jax.lax.scan(layer, x, (layers, taps))
+        run = lambda x, taps: scan_layers(layer, x, (layers, taps), n_real, has_aux=True)
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):

@@ -19,6 +19,7 @@ holds, except for interleaved (circular) chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Callable
@@ -47,11 +48,13 @@ def new_state(params, optimizer: optax.GradientTransformation) -> dict:
 
 
 @lru_cache(maxsize=None)
-def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int):
+def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int,
+                          stage_layers: tuple | None = None):
     """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves); allocates nothing
     (traced once per model and layout)."""
     return jax.eval_shape(lambda: layout.canonical_to_train(
-        init_params(model, jax.random.key(0)), n_stages, n_chunks))
+        init_params(model, jax.random.key(0)), n_stages, n_chunks,
+        stage_layers=stage_layers))
 
 
 def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
@@ -61,7 +64,7 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
     specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split))
     if not (parallel.zero1 and parallel.data > 1):
         return specs, None
-    shapes = abstract_train_params(model, parallel.pipeline, n_chunks)
+    shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
     dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
     return data_parallel.add_data_axis(specs, dims), dims
 
@@ -73,10 +76,10 @@ def _map_params(tree, params_def, fn: Callable):
     return jax.tree.map(lambda x: fn(x) if is_params(x) else x, tree, is_leaf=is_params)
 
 
-def to_canonical(state, v_shape: bool = False):
+def to_canonical(state, v_shape: bool = False, stage_layers: tuple | None = None):
     """Train-layout state -> canonical state (parameters and moments: stages -> layers)."""
     train_def = jax.tree.structure(state["params"])
-    merge = lambda p: layout.train_to_canonical(p, v_shape)
+    merge = lambda p: layout.train_to_canonical(p, v_shape, stage_layers)
     return train_state(merge(state["params"]), _map_params(state["opt_state"], train_def, merge),
                        state["step"])
 
@@ -124,14 +127,22 @@ class StateLayout:
         """The schedule places its stages in a V (ZB-V): so does the layer layout."""
         return schedule_lib.v_shaped(self.parallel.schedule)
 
+    @property
+    def stage_layers(self) -> tuple | None:
+        """Real layers per global stage (uneven stages), None when even."""
+        if isinstance(self.parallel.stage_layers, str):
+            raise ValueError("parallel.stage_layers=auto is resolved by engine.validate")
+        return self.parallel.stage_layers
+
     def to_canonical(self, state):
         """Train-layout state -> canonical state."""
-        return to_canonical(state, self.v_shape)
+        return to_canonical(state, self.v_shape, self.stage_layers)
 
     @property
     def abstract_params(self):
         """Train-layout parameter shapes (ShapeDtypeStruct leaves, no shardings)."""
-        return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks)
+        return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks,
+                                     self.stage_layers)
 
     @cached_property
     def shardings(self) -> dict:
@@ -149,11 +160,18 @@ class StateLayout:
         """NamedShardings of the canonical state (same tree as `to_canonical`'s output)."""
         mesh, train = self.mesh, self.shardings
 
+        def spec(stage_spec, shape):
+            out = _layers_spec(stage_spec, shape, dict(mesh.shape))
+            lead = out[0] if out and out[0] is not None else ()
+            lead = (lead,) if isinstance(lead, str) else lead
+            if self.stage_layers is not None and (  # padded stages: does L split evenly?
+                    self.model.n_layers % math.prod(mesh.shape[a] for a in lead)):
+                out = P(None, *out[1:])
+            return out
+
         def params(shardings):
-            layers = jax.tree.map(
-                lambda sh, s: NamedSharding(mesh, _layers_spec(sh.spec, s.shape,
-                                                               dict(mesh.shape))),
-                shardings["stages"], self.abstract_params["stages"])
+            layers = jax.tree.map(lambda sh, s: NamedSharding(mesh, spec(sh.spec, s.shape)),
+                                  shardings["stages"], self.abstract_params["stages"])
             return {**{k: v for k, v in shardings.items() if k != "stages"}, "layers": layers}
 
         train_def = jax.tree.structure(train["params"])
@@ -164,7 +182,7 @@ class StateLayout:
     def to_train(self, canonical):
         """Inverse of `to_canonical` for this layout's (pipeline, chunks)."""
         split = lambda p: layout.canonical_to_train(p, self.parallel.pipeline, self.n_chunks,
-                                                    self.v_shape)
+                                                    self.v_shape, self.stage_layers)
         canonical_def = jax.tree.structure(canonical["params"])
         return train_state(split(canonical["params"]),
                            _map_params(canonical["opt_state"], canonical_def, split),
@@ -174,13 +192,13 @@ class StateLayout:
         """Canonical params on the host -> train layout, placed on the mesh (each
         process places its own shards)."""
         params = layout.canonical_to_train(canonical_params, self.parallel.pipeline,
-                                           self.n_chunks, self.v_shape)
+                                           self.n_chunks, self.v_shape, self.stage_layers)
         return jax.device_put(params, self.shardings["params"])
 
     def from_canonical(self, canonical_params):
         """Canonical params already on the mesh -> train layout (one jitted relayout)."""
         relayout = lambda c: layout.canonical_to_train(c, self.parallel.pipeline, self.n_chunks,
-                                                       self.v_shape)
+                                                       self.v_shape, self.stage_layers)
         return jax.jit(relayout, out_shardings=self.shardings["params"])(canonical_params)
 
     def init(self, params) -> dict:
@@ -197,7 +215,7 @@ class StateLayout:
     def abstract_canonical(self) -> dict:
         """The canonical state (what a checkpoint holds) as ShapeDtypeStructs with the
         canonical shardings."""
-        canonical = jax.eval_shape(lambda p: to_canonical(new_state(p, self.optimizer)),
+        canonical = jax.eval_shape(lambda p: self.to_canonical(new_state(p, self.optimizer)),
                                    self.abstract_params)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             canonical, self.canonical_shardings)

@@ -54,7 +54,8 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
         embed=lambda e, ids: Embed(model, tp).apply({"params": e}, ids),
         layers=partial(apply_layers, model, remat=parallel.remat, tp=tp),
         head_loss=head_loss,
-        split=split_layers(model, remat=parallel.remat, tp=tp) if split else None)
+        split=split_layers(model, remat=parallel.remat, tp=tp) if split else None,
+        stage_layers=parallel.stage_layers)
 
 
 def device_params(params, zero1_dims, vary_over):

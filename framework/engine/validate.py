@@ -5,13 +5,14 @@ naming the setting and a valid alternative; `validate` raises them as one
 
 The rules: degrees >= 1 whose product is the device count; the schedule's own rules
 (`framework/parallel/pipeline/schedule.py`); layers divisible into the pipeline's
-chunks; the global batch into data replicas x microbatches; every dimension the
+chunks (or `parallel.stage_layers` as layers per stage); the global batch into data replicas x microbatches; every dimension the
 tensor-parallel plan splits divisible by `parallel.tensor`; whole grouped-query
 heads; an even head dim for RoPE; the attention kernel's constraints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
@@ -20,6 +21,7 @@ from framework.errors import ConfigError
 from framework.model import attention
 from framework.model.llama import check_model
 from framework.parallel.mesh import resolve_data_degree
+from framework.parallel.pipeline import layout
 from framework.parallel.pipeline import schedule as schedules
 
 # Model dimensions of each logical axis the tensor-parallel plan can split.
@@ -61,14 +63,71 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     return errs
 
 
-def _check_divisibility(model: ModelConfig, p: ParallelConfig, train: TrainConfig) -> list[str]:
-    errs = []
+def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
+    """Layers per global stage: even (stage_layers null), explicit, or auto."""
     n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
-    if model.n_layers % n_chunks:
-        what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*virtual_stages"
-        ok = [d for d in _divisors(model.n_layers) if d <= 64]
-        errs.append(f"model.n_layers={model.n_layers} is not divisible by {what}={n_chunks}: "
-                    f"use a divisor of {model.n_layers} ({', '.join(map(str, ok))})")
+    what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*chunks per rank"
+    given, L = p.stage_layers, model.n_layers
+    if given is None:
+        if L % n_chunks == 0:
+            return []
+        ok = [d for d in _divisors(L) if d <= 64]
+        return [f"model.n_layers={L} is not divisible by {what}={n_chunks}: use a divisor of "
+                f"{L} ({', '.join(map(str, ok))}) or parallel.stage_layers=auto (uneven stages)"]
+    if isinstance(given, str) and given != "auto":
+        return [f"parallel.stage_layers={given!r} is not auto, null or a list of {n_chunks} "
+                f"layer counts (one per stage)"]
+    if given == "auto":
+        return [] if L >= n_chunks else [
+            f"parallel.stage_layers=auto needs model.n_layers={L} >= {what}={n_chunks} "
+            f"(one layer per stage at least)"]
+    shown = "[" + ",".join(map(str, given)) + "]"
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+        return [f"parallel.stage_layers={shown} must be whole numbers of layers"]
+    if len(given) != n_chunks:
+        return [f"parallel.stage_layers={shown} has {len(given)} stages but {what}={n_chunks}: "
+                f"give {n_chunks} layer counts, or auto"]
+    if min(given) < 1:
+        return [f"parallel.stage_layers={shown}: every stage needs at least 1 layer"]
+    if sum(given) != L:
+        return [f"parallel.stage_layers={shown} adds up to {sum(given)} layers but "
+                f"model.n_layers={L}"]
+    return []
+
+
+def resolve_stage_layers(model: ModelConfig, p: ParallelConfig, seq_len: int) -> ParallelConfig:
+    """A copy with `stage_layers` as the layers per global stage (auto: balanced by
+    `layout.balance` on FLOPs per token), or None when they are all equal."""
+    if p.stage_layers is None:
+        return p
+    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
+    counts = tuple(p.stage_layers)
+    if p.stage_layers == "auto":
+        layer, embed, head = stage_flops_per_token(model, seq_len)
+        counts = layout.balance(model.n_layers, n_chunks, layer, embed, head)
+    return dataclasses.replace(p, stage_layers=None if len(set(counts)) == 1 else counts)
+
+
+def stage_layer_counts(model: ModelConfig, p: ParallelConfig, seq_len: int) -> tuple[int, ...]:
+    """Real layers of every global stage (even, explicit or auto), for the analyses."""
+    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
+    counts = resolve_stage_layers(model, p, seq_len).stage_layers
+    return counts or (model.n_layers // n_chunks,) * n_chunks
+
+
+def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """Training FLOPs per token (forward + backward, 3x the forward's matmuls) of one
+    layer, of the embedding (a lookup: none) and of the head (the vocabulary projection;
+    the norm and cross-entropy are elementwise). Attention: causal, so half of the
+    2 x 2 x seq x d of QK^T and AV (Kaplan et al. 2020 count the same terms)."""
+    d, hd = model.d_model, model.head_dim
+    weights = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.d_ff
+    layer = 3 * (2 * weights + 2 * seq_len * d)
+    return float(layer), 0.0, float(3 * 2 * d * model.vocab_size)
+
+
+def _check_divisibility(model: ModelConfig, p: ParallelConfig, train: TrainConfig) -> list[str]:
+    errs = _check_stage_layers(model, p)
     if p.data != -1 and train.global_batch_size % (p.data * p.microbatches):
         step = p.data * p.microbatches
         good = max(step, (train.global_batch_size // step) * step)
@@ -93,6 +152,7 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     errs = check(model, parallel, train, n_devices)
     if errs:
         raise ConfigError("; ".join(errs))
+    parallel = resolve_stage_layers(model, parallel, train.seq_len)
     if n_devices is not None:
         parallel = resolve_data_degree(parallel, n_devices)
         errs = check(model, parallel, train, n_devices)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.model.attention import attend
+from framework.model.padding import skip_unless
 from framework.config import ModelConfig, RopeScaling, not_one_of
 from framework.parallel.tensor import TensorParallel
 
@@ -351,17 +352,34 @@ REMAT_POLICIES = {
 }
 
 
-def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP):
+def scan_layers(layer, x, layers, n_real=None, has_aux: bool = False):
+    """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0;
+    with `n_real` (traced int) the layers from index n_real on are padding
+    (framework/model/padding.py): they pass x through."""
+    if n_real is None:
+        return jax.lax.scan(layer if has_aux else lambda h, p: (layer(h, p), None), x, layers)
+
+    def step(h, scanned):
+        params, i = scanned
+        out = skip_unless(i < n_real, lambda p, h: layer(h, p), params, h, has_aux)
+        return out if has_aux else (out, None)
+
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return jax.lax.scan(step, x, (layers, jnp.arange(n)))
+
+
+def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
+                 n_real=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
-    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]."""
+    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
+    many of the n are real (uneven pipeline stages pad the rest), None: all."""
 
     def layer(x, layer_params):
         return Block(cfg, tp).apply({"params": layer_params}, x)
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-    x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, layers)
-    return x
+    return scan_layers(layer, x, layers, n_real)[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,

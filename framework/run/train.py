@@ -278,11 +278,16 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('h') else 's'}"
 
 
+def _layers_per_stage(counts) -> str:
+    return "" if counts is None else f" (layers {'/'.join(map(str, counts))})"
+
+
 def start_line(simulated: bool, cfg: RunConfig, engine) -> str:
     sched, p = engine.schedule, cfg.model
     return (f"{describe(engine.mesh, simulated)} | {count_params(p) / 1e6:.2f}M params "
             f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}) | schedule "
-            f"{sched.name}: {_plural(sched.n_stages, 'stage')} x "
+            f"{sched.name}: {_plural(sched.n_stages, 'stage')}"
+            f"{_layers_per_stage(engine.layout.stage_layers)} x "
             f"{_plural(sched.n_microbatches, 'microbatch')}, "
             f"bubble {sched.formula_bubble:.1%} | batch {cfg.train.global_batch_size} x "
             f"{cfg.train.seq_len} tokens, {cfg.train.steps} steps")

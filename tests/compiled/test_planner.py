@@ -91,3 +91,16 @@ def test_plan_command_line(capsys):
     assert "the recipe's own layout (pp2-dp2-tp2-mb2)" in out
     assert plan.main(["recipe=llama_tiny_debug", "devices=8"]) == 2
     assert "device_memory_gb" in capsys.readouterr().err
+
+
+def test_uneven_stages_are_planned_and_the_head_stage_gets_fewer_layers():
+    """30 layers on 4 stages: the enumeration plans them with `auto`, whose balance
+    (the LM head's FLOPs counted) is faster than an explicit symmetric split."""
+    model = dataclasses.replace(MODEL, n_layers=30, vocab_size=4096)
+    found = planner.enumerate_layouts(model, TRAIN, 8, ParallelConfig(), schedules=["1f1b"])
+    assert {p.stage_layers for p in found if p.pipeline == 4} == {"auto"}
+    assert {p.stage_layers for p in found if p.pipeline == 2} == {None}  # 15 + 15
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    t = lambda counts: planner.predict_time(model, ParallelConfig(
+        pipeline=4, microbatches=8, schedule="1f1b", stage_layers=counts), TRAIN, hw)
+    assert t("auto")["compute"] < t((7, 8, 8, 7))["compute"] < t((9, 7, 7, 7))["compute"]

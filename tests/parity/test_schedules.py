@@ -7,13 +7,15 @@ registered schedule is tested without editing this file.
     pytest tests/parity -k "pp4-mb8"        # one layout, every schedule
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from framework.parallel.pipeline import schedule as schedules
 from framework.parallel.pipeline.schedule import BW, F
-from tests.helpers import (engine, engine_losses, max_rel_err, params, reference_grads,
-                           reference_losses, tokens, worst)
+from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
+                           reference_grads, reference_losses, tokens, worst)
 
 # (pipeline, microbatches, data, tensor, extra settings): every schedule runs each one
 # whose degrees its rules accept; the extras combine the schedule once with ZeRO-1,
@@ -81,3 +83,39 @@ def test_a_new_schedule_is_one_registered_generator(ref):
         assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4
     finally:
         del schedules.GENERATORS["test_gpipe_ticks"]
+
+
+# Uneven stages (`parallel.stage_layers`): the split backward with and without remat
+# (ZB-H1; ZB-V's V), and the autodiff executor on four stages, combined with data,
+# tensor, sequence parallelism and ZeRO-1 (the parity search draws more).
+UNEVEN = [
+    ("zb_h1", 2, 4, 2, 2, 1, (3, 5), {"zero1": True, "sequence_parallel": True}),
+    ("zb_v", 2, 4, 2, 2, 1, (1, 2, 3, 2), {"zero1": True, "sequence_parallel": True,
+                                           "remat": "full"}),
+    ("gpipe", 4, 4, 1, 2, 1, (1, 3, 3, 1), {"sequence_parallel": True}),
+]
+
+
+@pytest.mark.parametrize("name,pp,mb,dp,tp,v,counts,kw", [
+    pytest.param(*case, id=f"{case[0]}-{'-'.join(map(str, case[6]))}",
+                 marks=[pytest.mark.slow] if i else []) for i, case in enumerate(UNEVEN)])
+def test_uneven_stages_match_the_reference(name, pp, mb, dp, tp, v, counts, kw, ref):
+    eng = engine(pp, dp, tp, mb, schedule=name, virtual_stages=v, stage_layers=counts, **kw)
+    assert eng.layout.stage_layers == counts
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
+    assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4
+
+
+@pytest.mark.slow
+def test_thirty_layers_train_on_four_stages_like_the_reference():
+    """A layer count the pipeline does not divide, `auto`: three AdamW steps (the
+    padding's zero gradients and weight decay leave it zero) like one device."""
+    model = dataclasses.replace(MODEL, n_layers=30, d_model=32, n_heads=4, n_kv_heads=2,
+                                d_ff=64)
+    ref_losses, ref_params = reference_losses(3, model)
+    eng = engine(4, 2, 1, 4, model=model, schedule="1f1b", stage_layers="auto")
+    assert eng.layout.stage_layers == (8, 8, 7, 7)
+    losses, got = engine_losses(eng, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert worst(max_rel_err(got, ref_params)) <= 1e-4

@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import load_tool
 
-SEED = int(os.environ.get("PARITY_SEARCH_SEED", "20261123"))
-CASES = int(os.environ.get("PARITY_SEARCH_CASES", "4"))
+SEED = int(os.environ.get("PARITY_SEARCH_SEED", "20261127"))
+CASES = int(os.environ.get("PARITY_SEARCH_CASES", "3"))
 
 
 @pytest.mark.slow

@@ -20,7 +20,10 @@ communication audit), and get the model as `StageFns`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
+
+import jax.numpy as jnp
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,25 @@ class StageFns:
     """What an executor needs from the model, on one device (tensor-parallel inside)."""
 
     embed: Callable  # (embed params, ids [mb, seq]) -> x [mb, seq (/tensor with SP), d]
-    layers: Callable  # (chunk params [Lc, ...], x) -> y, like x
+    layers: Callable  # (chunk params [Lc, ...], x, n_real=None) -> y, like x
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share
     split: Optional[SplitBackward] = None  # needed by tables with B and W cells
+    # Uneven stages (`parallel.stage_layers`): real layers per global stage; each chunk
+    # holds max(stage_layers), the rest padding (`layout.py`). None: all chunks full.
+    stage_layers: Optional[tuple] = None
+
+    def real(self, stage):
+        """The real layers of global stage `stage`'s chunk (traced), None when even."""
+        return None if self.stage_layers is None else jnp.asarray(
+            self.stage_layers, jnp.int32)[stage]
+
+    def chunk(self, stage) -> Callable:
+        """(chunk params, x) -> y of the chunk of global stage `stage` (traced int)."""
+        return partial(self.layers, n_real=self.real(stage))
+
+    def split_forward(self, stage) -> Callable:
+        """`split.forward` of the chunk of global stage `stage`."""
+        return partial(self.split.forward, n_real=self.real(stage))
 
 
 def executor(schedule):

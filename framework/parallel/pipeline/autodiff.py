@@ -11,6 +11,8 @@ Idle cells skip the layers and their tensor-parallel collectives (`stage_or_skip
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -49,6 +51,7 @@ def forward(schedule: Schedule, fns: StageFns, params, inputs, targets, n_tokens
         jax.typeof(x_like).manual_axis_type.varying))
     stage = rows.global_stage
     xs = {"kind": rows.kind, "mb": rows.microbatch, "chunk": rows.chunk, "read": buffers.read,
+          "stage": stage,
           "first": stage == 0, "last": stage == S - 1,
           "arrive": [ch.arrive for ch in buffers.channels],
           "pattern": [ch.pattern for ch in buffers.channels]}
@@ -62,7 +65,9 @@ def forward(schedule: Schedule, fns: StageFns, params, inputs, targets, n_tokens
         # v = 1: a static index keeps the weights loop-invariant (not saved per tick).
         weights = jax.tree.map(lambda a: a[0] if v == 1 else a[c], params["chunks"])
         with jax.named_scope(CELL):
-            y = stage_or_skip(fns.layers, weights, x, busy) if S > 1 else fns.layers(weights, x)
+            n_real = fns.real(row["stage"][rank])  # uneven stages, else None
+            y = (stage_or_skip(fns.layers, weights, x, busy, n_real) if S > 1
+                 else fns.layers(weights, x, n_real=n_real))
         done = busy & row["last"][rank]
         outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
@@ -113,8 +118,9 @@ def join_vjp(acts, treedef, param_slot, params):
                                         for s in param_slot])
 
 
-def stage_or_skip(layers, weights, x, busy):
-    """layers(weights, x) on a busy tick, x unchanged on a bubble tick, forward and
+def stage_or_skip(layers, weights, x, busy, n_real=None):
+    """layers(weights, x, n_real=n_real) on a busy tick, x unchanged on a bubble tick
+    (`n_real`: uneven stages' real layers, an argument, not closed over), forward and
     backward: idle ranks skip the layers and their tensor-parallel collectives (all
     devices of a `tensor` group share the rank, so they take the same branch).
 
@@ -122,24 +128,25 @@ def stage_or_skip(layers, weights, x, busy):
     as a per-tick residual of the tick loop. Here the backward gets the weights as the
     forward's own input, which the loop's autodiff keeps once (loop-invariant), and
     only the activations are saved per tick."""
-    _, probe = jax.vjp(layers, weights, x)  # the residuals' types (dead code)
+    _, probe = jax.vjp(partial(layers, n_real=n_real), weights, x)  # types (dead code)
     acts_like, treedef, slots = split_vjp(probe, weights)
 
-    def fwd(weights, x, busy):  # -> (y, what the backward needs)
+    def fwd(weights, x, busy, n_real):  # -> (y, what the backward needs)
         def work():
-            y, vjp_fn = jax.vjp(layers, weights, x)
+            y, vjp_fn = jax.vjp(partial(layers, n_real=n_real), weights, x)
             return y, split_vjp(vjp_fn, weights)[0]
         skip = lambda: (x, [zeros_typed_like(a) for a in acts_like])
         y, acts = only_on(STAGE, busy, work, skip)
-        return y, (weights, acts, busy)
+        return y, (weights, acts, busy, n_real)
 
     def bwd(saved, dy):
-        weights, acts, busy = saved
+        weights, acts, busy, _ = saved
         work = lambda: join_vjp(acts, treedef, slots, weights)(dy)
         skip = lambda: (jax.tree.map(zeros_typed_like, weights), dy)
         g_weights, dx = only_on(STAGE, busy, work, skip)
-        return g_weights, dx, None
+        return g_weights, dx, None, None
 
-    run = jax.custom_vjp(lambda w, x, b: only_on(STAGE, b, lambda: layers(w, x), lambda: x))
+    run = jax.custom_vjp(lambda w, x, b, n: only_on(
+        STAGE, b, lambda: layers(w, x, n_real=n), lambda: x))
     run.defvjp(fwd, bwd)
-    return run(weights, x, busy)
+    return run(weights, x, busy, n_real)

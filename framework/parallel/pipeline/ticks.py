@@ -146,6 +146,7 @@ class CellIn(NamedTuple):
     slot: jax.Array  # int: the microbatch's stash slot
     mb: jax.Array  # int: the microbatch
     chunk: jax.Array  # int: this rank's layer chunk
+    stage: jax.Array  # int: its global stage (uneven stages: how many layers are real)
     first: jax.Array  # bool: global stage 0 (embeds its input)
     last: jax.Array  # bool: the last global stage (head + loss)
 
@@ -175,16 +176,17 @@ class Types(NamedTuple):
     packing: Packing  # the stash row holding either residuals or douts
 
 
-def trace_types(fns: StageFns, params, inputs, split: bool, recompute: bool) -> Types:
+def trace_types(fns: StageFns, params, inputs, split: bool, recompute: bool, stage) -> Types:
+    """`stage`: any global stage typed like the table's (varying over `pipe`)."""
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     x = fns.embed(params["embed"], inputs[0])
     if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
-        vjp_fn, saved, douts_tree = jax.vjp(fns.layers, w0, x)[1], [x], []
+        vjp_fn, saved, douts_tree = jax.vjp(fns.chunk(stage), w0, x)[1], [x], []
     elif split:
-        _, vjp_fn, saved = fns.split.forward(w0, x)
+        _, vjp_fn, saved = fns.split_forward(stage)(w0, x)
         douts_tree = vjp_fn(x)[1]
     else:
-        vjp_fn, saved, douts_tree = jax.vjp(fns.layers, w0, x)[1], [], []
+        vjp_fn, saved, douts_tree = jax.vjp(fns.chunk(stage), w0, x)[1], [], []
     residuals, vjp_def, param_slot = split_vjp(vjp_fn, w0)
     douts = jax.tree.leaves(douts_tree)
     return Types(x, residuals, vjp_def, param_slot, jax.tree.leaves(saved),
@@ -243,10 +245,10 @@ class Cells:
                     lambda: cell.x)
         w = self.weights(cell.chunk)
         if self.split and not self.recompute:
-            y, vjp_fn, kept = fns.split.forward(w, x)
+            y, vjp_fn, kept = fns.split_forward(cell.stage)(w, x)
             kept = jax.tree.leaves(kept)
         else:  # (recompute: B writes the saved buffer, F leaves zeros)
-            (y, vjp_fn), kept = jax.vjp(fns.layers, w, x), None
+            (y, vjp_fn), kept = jax.vjp(fns.chunk(cell.stage), w, x), None
 
         def head():  # last stage: this microbatch's loss and dL/dy for its backward
             value, (g_head, g_embed, dy) = jax.value_and_grad(
@@ -320,7 +322,7 @@ def _table(schedule: Schedule, buffers: Buffers) -> dict:
     stage = schedule.global_stage
     return jax.tree.map(jnp.asarray, {
         "kind": schedule.kind, "mb": schedule.microbatch, "chunk": schedule.chunk,
-        "stash": buffers.stash, "read": buffers.read,
+        "stage": stage, "stash": buffers.stash, "read": buffers.read,
         "first": stage == 0, "last": stage == schedule.n_global_stages - 1,
         "arrive": [ch.arrive for ch in buffers.channels],
         "pattern": [ch.pattern for ch in buffers.channels]})
@@ -337,7 +339,7 @@ def _tick(cells: Cells, buffers: Buffers, rank):
         msg = lambda buf: carry.recv[buf][k_read] if buf in carry.recv else cells.zeros(
             cells.types.x)
         cell = CellIn(msg(ACT), msg(GRAD), k_stash, row["mb"][rank], row["chunk"][rank],
-                      row["first"][rank], row["last"][rank])
+                      row["stage"][rank], row["first"][rank], row["last"][rank])
         with jax.named_scope(CELL):
             grads, loss, out = jax.lax.switch(kind, branches, carry.grads, carry.loss, cell,
                                               carry.stash, carry.saved)
@@ -365,15 +367,17 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
     buffers = plan(schedule)
     manual = tuple(sorted(jax.typeof(inputs).manual_axis_type.varying | {PIPE}))
     recompute = split and fns.split.recompute
+    rank = jax.lax.axis_index(PIPE)
     cells = Cells(fns, params, inputs, targets,
-                  trace_types(fns, params, inputs, split, recompute), manual, split, recompute)
+                  trace_types(fns, params, inputs, split, recompute, rank), manual, split,
+                  recompute)
     n, t = buffers.n_slots, cells.types
     init = Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
                  stash=t.packing.zeros(n["stash"]),
                  saved=[cells.zeros(a, n["stash"]) for a in t.saved],
                  grads=jax.tree.map(cells.zeros, params),
                  loss=cells.zeros(jnp.zeros((), jnp.float32)))
-    tick = _tick(cells, buffers, jax.lax.axis_index(PIPE))
+    tick = _tick(cells, buffers, rank)
     with jax.named_scope(LOOP):
         final, _ = jax.lax.scan(tick, init, _table(schedule, buffers))
     return final.loss, final.grads
