@@ -22,15 +22,18 @@ from framework.parallel.pipeline import SplitBackward
 from framework.parallel.tensor import TensorParallel
 
 
-def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP):
+def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP,
+                 skip=None):
     """The backward of a stack of layers in two halves, for zero-bubble pipeline
     schedules (Qi et al. 2024): B, the gradient w.r.t. the input, and W, the gradient
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
     and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
 
-    forward(layers, x, n_real=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B (the VJP w.r.t.
-    the input and the zero taps on every weight op's output; the weights are constants
-    to it, so no weight gradient is computed); saved: the weight ops' inputs [L, ...].
+    forward(layers, x, n_real=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B
+    (the VJP w.r.t. the input and the zero taps on every weight op's output; the weights
+    are constants to it, so no weight gradient is computed); saved: the weight ops'
+    inputs [L, ...]. With `n_real` the layers after the first n_real are padding (uneven
+    stages), passed over by `skip` (`framework/model/llama.py`, `scan_layers`).
     weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
     applied to their saved inputs (everything else in the layer is dead code), pulled
     back through their output gradients."""
@@ -48,7 +51,7 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     def forward(layers, x, n_real=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
         taps = jax.vmap(lambda p: block({"params": p}, x, [TAPS])[1][TAPS])(layers)
-        run = lambda x, taps: scan_layers(layer, x, (layers, taps), n_real, has_aux=True)
+        run = lambda x, taps: scan_layers(layer, x, (layers, taps), n_real, skip, has_aux=True)
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):

@@ -31,7 +31,7 @@ from framework.model.llama import Embed, Head, apply_layers, cross_entropy_sum
 from framework.parallel import data as data_parallel
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline import StageFns, executor
-from framework.parallel.pipeline.autodiff import forward as forward_loss
+from framework.parallel.pipeline.autodiff import forward as forward_loss, skip_unless
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.schedule import AUTODIFF, Schedule, circular
 from framework.parallel.rules import param_rules
@@ -52,9 +52,10 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
 
     return StageFns(
         embed=lambda e, ids: Embed(model, tp).apply({"params": e}, ids),
-        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp),
+        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp, skip=skip_unless),
         head_loss=head_loss,
-        split=split_layers(model, remat=parallel.remat, tp=tp) if split else None,
+        split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless)
+        if split else None,
         stage_layers=parallel.stage_layers)
 
 

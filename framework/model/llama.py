@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.model.attention import attend
-from framework.model.padding import skip_unless
 from framework.config import ModelConfig, RopeScaling, not_one_of
 from framework.parallel.tensor import TensorParallel
 
@@ -352,16 +351,18 @@ REMAT_POLICIES = {
 }
 
 
-def scan_layers(layer, x, layers, n_real=None, has_aux: bool = False):
-    """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0;
-    with `n_real` (traced int) the layers from index n_real on are padding
-    (framework/model/padding.py): they pass x through."""
+def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False):
+    """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0.
+    With `n_real` (traced int) the layers from index n_real on are padding (uneven
+    pipeline stages): `skip(real, fn, params, x, has_aux=...)`, which the pipeline
+    hands over (`framework/parallel/pipeline/autodiff.py`, `skip_unless`), runs a layer
+    where it is real and passes x through where not, forward and backward."""
     if n_real is None:
         return jax.lax.scan(layer if has_aux else lambda h, p: (layer(h, p), None), x, layers)
 
     def step(h, scanned):
         params, i = scanned
-        out = skip_unless(i < n_real, lambda p, h: layer(h, p), params, h, has_aux)
+        out = skip(i < n_real, lambda p, h: layer(h, p), params, h, has_aux=has_aux)
         return out if has_aux else (out, None)
 
     n = jax.tree.leaves(layers)[0].shape[0]
@@ -369,17 +370,18 @@ def scan_layers(layer, x, layers, n_real=None, has_aux: bool = False):
 
 
 def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
-                 n_real=None):
+                 n_real=None, skip=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
-    many of the n are real (uneven pipeline stages pad the rest), None: all."""
+    many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
+    all."""
 
     def layer(x, layer_params):
         return Block(cfg, tp).apply({"params": layer_params}, x)
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-    return scan_layers(layer, x, layers, n_real)[0]
+    return scan_layers(layer, x, layers, n_real, skip)[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,

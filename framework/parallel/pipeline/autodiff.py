@@ -118,35 +118,57 @@ def join_vjp(acts, treedef, param_slot, params):
                                         for s in param_slot])
 
 
-def stage_or_skip(layers, weights, x, busy, n_real=None):
-    """layers(weights, x, n_real=n_real) on a busy tick, x unchanged on a bubble tick
-    (`n_real`: uneven stages' real layers, an argument, not closed over), forward and
-    backward: idle ranks skip the layers and their tensor-parallel collectives (all
-    devices of a `tensor` group share the rank, so they take the same branch).
+def _cond(scope, pred, work, skip):
+    return only_on(scope, pred, work, skip) if scope else jax.lax.cond(pred, work, skip)
+
+
+def skip_unless(real, fn, weights, x, *extra, has_aux: bool = False, scope=None):
+    """fn(weights, x, *extra) -> y (or (y, aux)) where `real` (a traced bool); where
+    not, x itself (and zeros like aux), forward and backward: zero weight gradients,
+    dx = dy. What is skipped skips its tensor-parallel collectives too (all devices of
+    a `tensor` group share the pipeline rank, so they take the same branch).
 
     A plain `lax.cond` would do, except that its autodiff saves the weights it reads
-    as a per-tick residual of the tick loop. Here the backward gets the weights as the
-    forward's own input, which the loop's autodiff keeps once (loop-invariant), and
-    only the activations are saved per tick."""
-    _, probe = jax.vjp(partial(layers, n_real=n_real), weights, x)  # types (dead code)
-    acts_like, treedef, slots = split_vjp(probe, weights)
+    as a per-iteration residual of the loop around it (the tick loop, a layer scan).
+    Here the backward gets the weights as the forward's own input, which the loop's
+    autodiff does not copy, and only the activations are saved. `extra` (uneven
+    stages' layer count) are arguments: a custom VJP may not close over traced values.
+    `scope`: the named scope of the work (the communication audit weighs it)."""
+    missing = set(jax.typeof(x).manual_axis_type.varying) - set(
+        jax.typeof(real).manual_axis_type.varying)
+    if missing:  # a residual: typed like the activations beside it (the tick stash)
+        real = jax.lax.pcast(real, tuple(sorted(missing)), to="varying")
+    bound = lambda extra: lambda w, x: fn(w, x, *extra)
+    probe = jax.vjp(bound(extra), weights, x, has_aux=has_aux)  # types only (dead code)
+    acts_like, treedef, slots = split_vjp(probe[1], weights)
+    aux_like = probe[2] if has_aux else None
+    skipped = lambda x: (x, jax.tree.map(zeros_typed_like, aux_like)) if has_aux else x
 
-    def fwd(weights, x, busy, n_real):  # -> (y, what the backward needs)
+    def fwd(weights, x, real, extra):  # -> (output, what the backward needs)
         def work():
-            y, vjp_fn = jax.vjp(partial(layers, n_real=n_real), weights, x)
-            return y, split_vjp(vjp_fn, weights)[0]
-        skip = lambda: (x, [zeros_typed_like(a) for a in acts_like])
-        y, acts = only_on(STAGE, busy, work, skip)
-        return y, (weights, acts, busy, n_real)
+            out = jax.vjp(bound(extra), weights, x, has_aux=has_aux)
+            return out[0], split_vjp(out[1], weights)[0], out[2] if has_aux else None
+        skip = lambda: (x, [zeros_typed_like(a) for a in acts_like],
+                        jax.tree.map(zeros_typed_like, aux_like))
+        y, acts, aux = _cond(scope, real, work, skip)
+        return (y, aux) if has_aux else y, (weights, acts, real)
 
-    def bwd(saved, dy):
-        weights, acts, busy, _ = saved
+    def bwd(saved, d_out):
+        weights, acts, real = saved
+        dy = d_out[0] if has_aux else d_out
         work = lambda: join_vjp(acts, treedef, slots, weights)(dy)
         skip = lambda: (jax.tree.map(zeros_typed_like, weights), dy)
-        g_weights, dx = only_on(STAGE, busy, work, skip)
-        return g_weights, dx, None, None
+        return (*_cond(scope, real, work, skip), None, None)
 
-    run = jax.custom_vjp(lambda w, x, b, n: only_on(
-        STAGE, b, lambda: layers(w, x, n_real=n), lambda: x))
+    run = jax.custom_vjp(lambda w, x, r, e: _cond(scope, r, lambda: bound(e)(w, x),
+                                                  lambda: skipped(x)))
     run.defvjp(fwd, bwd)
-    return run(weights, x, busy, n_real)
+    return run(weights, x, real, extra)
+
+
+def stage_or_skip(layers, weights, x, busy, n_real=None):
+    """layers(weights, x, n_real=n_real) on a busy tick, x unchanged on a bubble tick,
+    forward and backward (`skip_unless`): idle ranks skip the layers and their
+    tensor-parallel collectives; only the activations are saved per tick."""
+    return skip_unless(busy, lambda w, x, n: layers(w, x, n_real=n), weights, x, n_real,
+                       scope=STAGE)

@@ -7,7 +7,7 @@ interleaved assignment, Narayanan et al. 2021). A V-shaped schedule (`v_shape`, 
 rank s holds stages s and 2p-1-s, `schedule.stage_map`) keeps chunk 0 so and holds the
 chunks of its second half in reverse rank order. Uneven stages (`stage_layers`, the
 real layers of each global stage) pad every chunk to the longest with zero layers,
-which the model skips (`framework/model/padding.py`). Axis 0 of the stage layout is sharded
+which the model's layer scan skips (`autodiff.skip_unless`). Axis 0 of the stage layout is sharded
 over `pipe`; checkpoints always use the canonical layout, so they are mesh-independent.
 """
 
