@@ -108,6 +108,10 @@ class ParallelConfig:
     virtual_stages: int = 1  # layer chunks per pipeline rank (circular, interleaved_1f1b)
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
+    # Tick schedules (1f1b, interleaved_1f1b, zb_h1, zb_v): stage-to-stage sends run
+    # beside the next tick's compute; balanced 1F1B ticks, more microbatches in flight
+    # (docs/parallelism.md, "Sends that overlap compute"). GPipe/circular: synchronous.
+    overlap_sends: bool = True
     sequence_parallel: bool = False  # shard norms/residuals along seq over `tensor`
     # The logical axes split over `tensor` (a subset of TENSOR_SPLITTABLE; the others
     # are replicated): the tensor-parallel plan, framework/parallel/rules.py.

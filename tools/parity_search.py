@@ -4,8 +4,9 @@
     python tools/parity_search.py --cases 20 --seed 7 --devices 8
 
 Draws random valid configurations (schedule from the registry, pipeline, data, tensor,
-microbatches, virtual stages, uneven stages (a third of them), sequence parallelism,
-ZeRO-1, remat, tied embeddings, small model shapes), runs each one's loss and gradients twice on the same inputs, and
+microbatches, virtual stages, uneven stages (a third of them), overlapped or
+synchronous sends, sequence parallelism, ZeRO-1, remat, tied embeddings, small model
+shapes), runs each one's loss and gradients twice on the same inputs, and
 compares the loss and every gradient leaf of both runs with the single-device reference
 (framework/model/reference.py): relative error at most 1e-4. A failing configuration
 is printed as one line of `python -m framework.run` settings, e.g.
@@ -64,7 +65,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
                              zero1=bool(rng.integers(2)) and d > 1,
                              sequence_parallel=bool(rng.integers(2)) and t > 1,
-                             stage_layers=stage_layers)
+                             stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):

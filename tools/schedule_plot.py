@@ -4,6 +4,7 @@ actually did beside it.
     python tools/schedule_plot.py --schedule zb_h1 --pipeline 4 --microbatches 8 -o zb_h1.png
     python tools/schedule_plot.py --schedule interleaved_1f1b --pipeline 4 --microbatches 8 \\
         --virtual-stages 2 -o interleaved.png
+    python tools/schedule_plot.py --schedule 1f1b --pipeline 4 --microbatches 8 --sync -o sync.png
     python tools/schedule_plot.py --trace outputs/<date>/<time> -o timeline.png
 
 Table: ranks are rows, ticks are columns; F cells blue, B orange, W green, fused BW
@@ -62,7 +63,11 @@ def _draw_table(ax, schedule: Schedule) -> int:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(ranks, 0)
     ax.set_yticks([r + 0.5 for r in range(ranks)], [f"rank {r}" for r in range(ranks)])
-    ax.set_xlabel("tick")
+    ax.set_xlabel("tick" + (" (pairs: forward, backward; sends overlap the next tick)"
+                            if schedule.overlap else ""))
+    if schedule.overlap:  # a faint line between the pairs of ticks
+        for t in range(0, ticks + 1, 2):
+            ax.axvline(t, color="0.85", linewidth=0.6, zorder=0)
     chunks = f", v={schedule.n_chunks}" if schedule.n_chunks > 1 else ""
     ax.set_title(f"{schedule.name}: p={ranks}, m={schedule.n_microbatches}{chunks}, table "
                  f"bubble {schedule.bubble_fraction:.1%} (unit costs; {idle} idle of "
@@ -92,7 +97,7 @@ def draw_trace(run_dir: str, path: str) -> dict:
     timeline = json.loads((Path(run_dir) / "profile" / "timeline.json").read_text())
     sched = timeline["schedule"]
     schedule = make_schedule(sched["name"], sched["pipeline"], sched["microbatches"],
-                             sched["virtual_stages"])
+                             sched["virtual_stages"], sched.get("overlap_sends", True))
     ranks = schedule.n_stages
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.3 * schedule.n_ticks + 1.5),
                                                      ranks + 3.2))
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline", type=int)
     parser.add_argument("--microbatches", type=int)
     parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--sync", action="store_true",
+                        help="synchronous sends (parallel.overlap_sends=false)")
     parser.add_argument("--trace", help="a run folder whose profile to draw")
     parser.add_argument("-o", "--output", default="schedule.png")
     args = parser.parse_args(argv)
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
     if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
         parser.error("; ".join(problems) or "--pipeline, --microbatches and "
                      "--virtual-stages must be >= 1")
-    schedule = make_schedule(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
+    schedule = make_schedule(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
+                             overlap=not args.sync)
     idle = draw(schedule, args.output)
     print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} ranks, "
           f"{idle} idle cells, table bubble {schedule.bubble_fraction:.4f}")

@@ -31,13 +31,13 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 
-def gpipe_ticks(p: int, m: int, v: int):
+def gpipe_ticks(p: int, m: int, v: int, overlap: bool = False):
     """GPipe's table (all forwards, then all backwards) for the tick executor."""
     from framework.parallel.pipeline import schedule as s
 
     programs = [[(s.F, i, 0) for i in range(m)] + [(s.BW, i, 0) for i in range(m)]
                 for _ in range(p)]
-    return s.simulate("gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1))
+    return s.simulate("gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1), overlap=overlap)
 
 
 def _parser() -> argparse.ArgumentParser:

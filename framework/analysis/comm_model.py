@@ -18,7 +18,10 @@ hidden states of one data replica's batch (in the compute dtype):
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
           parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
-          boundaries between ranks for zb_v, whose turn stays on the last rank). Plus one all-reduce
+          boundaries between ranks for zb_v, whose turn stays on the last rank). With
+          overlapped sends (`parallel.overlap_sends`) every pair of a channel sends in
+          every tick of its phases, zeros where it has no message: the table's count
+          (`Buffers.sends_per_step`) of A/m each, over p. Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32, uneven
@@ -37,8 +40,9 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.pipeline.buffers import plan
 from framework.parallel.pipeline.schedule import (INTERLEAVED, V_SHAPE, chunks_per_rank,
-                                                  stage_map, v_shaped)
+                                                  make_schedule, stage_map, v_shaped)
 
 FP32 = 4
 
@@ -78,6 +82,19 @@ def _rank_crossings(parallel: ParallelConfig, v: int) -> int:
     return sum(rank[g] != rank[g + 1] for g in range(parallel.pipeline * v - 1))
 
 
+def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
+    """Bytes per device per step of the pipeline's stage-to-stage sends (`pipe`, above)."""
+    p, v = parallel.pipeline, chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    boundary = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
+                * np.dtype(model.dtype).itemsize
+                / (parallel.tensor if parallel.sequence_parallel else 1))
+    sched = make_schedule(parallel.schedule, p, parallel.microbatches,
+                          parallel.virtual_stages, parallel.overlap_sends)
+    if sched.overlap:
+        return plan(sched).sends_per_step() / p * boundary / parallel.microbatches
+    return 2 * _rank_crossings(parallel, v) / p * boundary
+
+
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
@@ -99,8 +116,7 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
         norms = (2 * layers + 1) * model.d_model
         tensor += _ring_all_reduce(tp) * norms * FP32
 
-    boundary = hidden / (tp if parallel.sequence_parallel else 1)
-    pipe = 2 * _rank_crossings(parallel, v) / p * boundary
+    pipe = stage_sends(model, parallel, train)
     shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
     pipe += _ring_all_reduce(p) * shared * FP32
 

@@ -84,15 +84,17 @@ def _changes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
 def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                 n_devices: int):
     """Layouts of these devices (the planner's enumeration, with the run's remat and
-    with full remat), blockwise attention, then halved batches (changing what is trained,
-    so they come last)."""
+    with full remat; the run's layout with synchronous sends, which keep fewer
+    microbatches in flight), blockwise attention, then halved batches (changing what is
+    trained, so they come last)."""
     from framework.analysis import planner
 
     layouts = []
     for remat in dict.fromkeys([parallel.remat, "full"]):
         base = dataclasses.replace(parallel, remat=remat)
         layouts += planner.enumerate_layouts(model, train, n_devices, base)
-        layouts.append(base)
+        layouts += [base] + ([dataclasses.replace(base, overlap_sends=False)]
+                             if base.overlap_sends else [])
     models = [model] + ([dataclasses.replace(model, attention="blockwise")]
                         if model.attention == "dense" else [])
     unique = [par for i, par in enumerate(layouts) if par not in layouts[:i]]

@@ -220,7 +220,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     model = attention_traced(model, train.seq_len, platform)
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
-    sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages)
+    sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages,
+                          parallel.overlap_sends)
     v = sched.n_chunks
     full, stored, stage_weights = _param_bytes(model, parallel, v)
     rules = param_rules(parallel.tensor_split)
@@ -251,9 +252,13 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     else:  # tick executor: the table's stash and receive slots (+ the spare write slot)
         slot = _stash_slot(model, train.seq_len, tp, sp, parallel.remat, layers, mb_rows,
                            sched.split_backward, rules, hidden)
-        n = plan(sched).n_slots
-        # + the slot contents a cell's branch returns for the write after it
-        kept = (n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden
+        buffers = plan(sched)
+        n = buffers.n_slots
+        # + the slot contents a cell's branch returns for the write after it; overlapped
+        # sends: per buffer the last tick's message and the one arriving beside the cell
+        travelling = {ch.buffer for ch in buffers.channels if ch.overlap}
+        kept = ((n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden
+                + 2 * len(travelling) * hidden)
         head = LOGIT_COPIES["1f1b"] * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
         grads += full  # the tick loop's gradient accumulators

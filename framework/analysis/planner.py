@@ -3,7 +3,9 @@ spending cluster hours: every valid layout for a device count, its per-device me
 (`framework/analysis/memory_model.py`) and step time (below), ranked. Nothing here needs a
 device or compiles anything: `tools/plan.py` is the command line.
 
-Step time (seconds), no overlap of computation and communication assumed:
+Step time (seconds), no overlap of computation and communication assumed, except for
+the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`): those
+are hidden behind the compute, up to its length.
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s, split over data x tensor:
@@ -94,7 +96,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
     dp, tp, n = parallel.data, parallel.tensor, parallel.n_devices
     sched = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                          parallel.virtual_stages)
+                          parallel.virtual_stages, parallel.overlap_sends)
     tokens = train.global_batch_size * train.seq_len
     layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
                                           sched.split_backward)
@@ -108,6 +110,9 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
            + head_beyond * per_flop}
     for axis, nbytes in _comm_bytes(model, parallel, train).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
+    if sched.overlap:  # the stage-to-stage sends run beside the cells, hidden up to them
+        sends = comm_model.stage_sends(model, parallel, train) / hw.bandwidth(PIPE, parallel)
+        out["comm_pipe"] -= min(sends, out["compute"])
     out["total"] = sum(out.values())
     out["bubble"] = sched.bubble_fraction
     ideal = flops.flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops

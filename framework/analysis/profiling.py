@@ -247,7 +247,8 @@ class Profiler:
         par = engine.parallel
         record = {"schedule": {"name": par.schedule, "pipeline": par.pipeline,
                                "microbatches": par.microbatches,
-                               "virtual_stages": par.virtual_stages},
+                               "virtual_stages": par.virtual_stages,
+                               "overlap_sends": par.overlap_sends},
                   "platform": mesh.devices.flat[0].platform,
                   "bubble_table": engine.schedule.bubble_fraction,
                   "bubble_formula": engine.schedule.formula_bubble, **result}

@@ -124,7 +124,7 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
                  total_steps: int, mesh) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh."""
     schedule = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                             parallel.virtual_stages)
+                             parallel.virtual_stages, parallel.overlap_sends)
     specs, dims = param_specs(model, parallel, schedule.n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
                         schedule.n_chunks, specs, dims)

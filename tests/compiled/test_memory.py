@@ -77,11 +77,12 @@ def temp_bytes(sched, m, v=1):
 
 @pytest.mark.slow
 def test_tick_schedules_memory_does_not_grow_with_microbatches():
-    got = {("zb_h1", m): temp_bytes("zb_h1", m) for m in (4, 16)}
+    # Overlapped sends: ZB-H1 keeps up to 2p = 8 microbatches in flight, reached at m = 8.
+    got = {("zb_h1", m): temp_bytes("zb_h1", m) for m in (8, 16)}
     got.update({(s, 16): temp_bytes(s, 16, 2 if s == "interleaved_1f1b" else 1)
                 for s in ("gpipe", "1f1b", "interleaved_1f1b")})
     print("temp bytes (pipeline 4):", got)
-    assert got["zb_h1", 16] <= 1.25 * got["zb_h1", 4]  # bounded like 1F1B's
+    assert got["zb_h1", 16] <= 1.25 * got["zb_h1", 8]  # bounded like 1F1B's
     for s in ("1f1b", "interleaved_1f1b", "zb_h1"):
         assert got[s, 16] < got["gpipe", 16], s  # GPipe keeps all 16 microbatches
     assert got["zb_h1", 16] <= 1.1 * got["1f1b", 16]  # ZB-H1: 1F1B's activation memory

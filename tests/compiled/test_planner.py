@@ -19,9 +19,13 @@ TRAIN = TrainConfig(seq_len=64, global_batch_size=16)
 
 def test_memory_terms_follow_the_schedule_zero1_and_remat():
     mem = lambda **kw: memory_model.predict_memory(MODEL, ParallelConfig(**kw), TRAIN)
-    gpipe, f1b = mem(pipeline=2, microbatches=8), mem(pipeline=2, microbatches=8, schedule="1f1b")
-    # GPipe keeps all m + p - 1 ticks, 1F1B at most p microbatches (doubled, see module).
-    assert f1b["activations"] < gpipe["activations"] / 2
+    gpipe = mem(pipeline=2, microbatches=8)
+    f1b, sync = (mem(pipeline=2, microbatches=8, schedule="1f1b", overlap_sends=o)
+                 for o in (True, False))
+    # GPipe keeps all m + p - 1 ticks, 1F1B at most p microbatches (doubled, see module),
+    # 2p - 1 with overlapped sends.
+    assert sync["activations"] < gpipe["activations"] / 2
+    assert sync["activations"] < f1b["activations"] < gpipe["activations"]
     plain, zero1 = mem(data=4), mem(data=4, zero1=True)
     assert zero1["params"] + zero1["optimizer"] == pytest.approx(
         (plain["params"] + plain["optimizer"]) / 4, rel=0.02)
@@ -69,10 +73,12 @@ def test_time_model_bubble_and_bandwidth():
     t = lambda hw=hw, **kw: planner.predict_time(MODEL, ParallelConfig(**kw), TRAIN, hw)
     assert t(pipeline=4, microbatches=16)["compute"] < t(pipeline=4, microbatches=4)["compute"]
     assert t(pipeline=4, microbatches=4)["bubble"] == pytest.approx(3 / 7)
-    # Lockstep ticks: ZB-H1 idles least, 1F1B's mixed F/BW ticks most (schedule tables).
-    zb, f1b, gp = (t(pipeline=4, microbatches=8, schedule=s)["compute"]
-                   for s in ("zb_h1", "1f1b", "gpipe"))
-    assert zb < gp < f1b
+    # Lockstep ticks: ZB-H1 idles least; 1F1B as GPipe with overlapped sends (balanced
+    # ticks, the closed form), more with synchronous ones (mixed F/BW ticks).
+    zb, f1b, gp, sync = (t(pipeline=4, microbatches=8, schedule=s, overlap_sends=o)["compute"]
+                         for s, o in (("zb_h1", True), ("1f1b", True), ("gpipe", True),
+                                      ("1f1b", False)))
+    assert zb < gp < sync and f1b == pytest.approx(gp)
     single = t()
     assert single["comm_tensor"] == single["comm_pipe"] == single["comm_data"] == 0
     slow = dataclasses.replace(hw, axis_bandwidth=(("tensor", 1e9),))

@@ -13,9 +13,10 @@ from tests.helpers import MODEL, TRAIN, engine, params, tokens
 BIG = dataclasses.replace(MODEL, d_model=256, d_ff=512, n_layers=4)
 
 
-def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path) -> float:
+def timed_bubble(schedule: str, pipeline: int, microbatches: int, tmp_path, **kw) -> float:
     train = dataclasses.replace(TRAIN, global_batch_size=2 * microbatches, seq_len=64)
-    eng = engine(pipeline, 1, 1, microbatches, model=BIG, train=train, schedule=schedule)
+    eng = engine(pipeline, 1, 1, microbatches, model=BIG, train=train, schedule=schedule,
+                 **kw)
     box = {"state": eng.init_state(params(BIG))}
     batch = eng.shard_batch(tokens(0, train, BIG))
     eng.compile(box["state"], batch)
@@ -39,7 +40,8 @@ def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     waits while the others run (docs/parallelism.md, "A bubble measured in time")."""
     few, gpipe = timed_bubble("gpipe", 4, 2, tmp_path), timed_bubble("gpipe", 4, 4, tmp_path)
     assert few > gpipe  # (p-1)/(m+p-1): 60% at m = 2, 43% at m = 4
-    zb = timed_bubble("zb_h1", 4, 4, tmp_path)
+    # Synchronous sends: on a CPU the overlapped ones only add ticks (nothing runs beside).
+    zb = timed_bubble("zb_h1", 4, 4, tmp_path, overlap_sends=False)
     assert zb < gpipe  # tables: 20% against 43%
 
 

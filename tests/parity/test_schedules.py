@@ -73,9 +73,10 @@ def test_a_new_schedule_is_one_registered_generator(ref):
     """GPipe's order run by the tick executor (backward included) instead of autodiff:
     registered here, nowhere else, and it trains like the reference."""
     @schedules.register("test_gpipe_ticks")
-    def gpipe_ticks(p, m, v):
+    def gpipe_ticks(p, m, v, overlap):
         programs = [[(F, i, 0) for i in range(m)] + [(BW, i, 0) for i in range(m)] for _ in range(p)]
-        return schedules.simulate("test_gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1))
+        return schedules.simulate("test_gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1),
+                                  overlap=overlap)
     try:
         eng = engine(2, 2, 2, 4, schedule="test_gpipe_ticks")
         assert eng.schedule.executor == "ticks"

@@ -17,49 +17,98 @@ from framework.parallel.pipeline.schedule import BW, B, F, IDLE, W, make_schedul
 
 def test_every_registered_table_passes_its_check():
     for name in schedules.schedule_names():
-        for p, m in [(1, 1), (1, 3), (2, 2), (2, 4), (4, 4), (4, 8), (3, 6)]:
+        for p, m in [(1, 1), (1, 3), (2, 2), (2, 4), (4, 4), (4, 8), (3, 6), (4, 2)]:
             for v in (1, 2) if schedules.uses_virtual_stages(name) else (1,):
                 if schedules.check(name, p, m, v):
                     continue
-                s = make_schedule(name, p, m, v)
-                buffers_lib.plan(s)  # raises if a slot is overwritten while live
-                kinds = (F, BW) if not s.split_backward else (F, B, W)
-                for k in kinds:  # each microbatch passes each stage once per kind
-                    assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (name, p, m, v, k)
+                for overlap in (True, False):
+                    s = make_schedule(name, p, m, v, overlap)
+                    buffers_lib.plan(s)  # raises if a slot is overwritten while live
+                    kinds = (F, BW) if not s.split_backward else (F, B, W)
+                    for k in kinds:  # each microbatch passes each stage once per kind
+                        assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (
+                            name, p, m, v, overlap, k)
 
 
-def test_zero_bubble_and_interleaving_shrink_the_bubble_as_the_papers_predict():
+def _bubbles(name, v=1, overlap=True):
+    return {(p, m): make_schedule(name, p, m, v, overlap).bubble_fraction
+            for p in (2, 4, 8) for m in (8, 16, 32)}
+
+
+def test_overlapped_1f1b_ticks_are_balanced_to_the_closed_form():
+    """With sends overlapping compute every pair of ticks holds one F and one BW on
+    every rank in the steady state: the lockstep table's bubble is the closed form
+    (p-1)/(v m + p - 1) (Narayanan et al. 2021) at every size. Synchronous sends put
+    a rank's F beside its neighbour's BW, which is why 1F1B's table idled more."""
+    for name, v in [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]:
+        for (p, m), bubble in _bubbles(name, v).items():
+            formula = (p - 1) / (v * m + p - 1)
+            assert abs(bubble - formula) <= 0.01, (name, v, p, m, bubble, formula)
+    synchronous = make_schedule("1f1b", 4, 8, overlap=False).bubble_fraction
+    assert synchronous == pytest.approx(0.4)  # against 3/11 = 27.3%
+
+
+def test_overlapped_sends_arrive_a_tick_later_in_forward_and_backward_ticks():
+    """F runs in forward (even) ticks, B and BW in backward (odd) ticks, a message to
+    another rank is read two ticks after the tick that made it at the earliest (it
+    travels during the next tick), and the check refuses a table that reads it sooner."""
+    for name in schedules.schedule_names():
+        v = 2 if schedules.uses_virtual_stages(name) else 1
+        s = make_schedule(name, 4, 8, v)
+        if s.executor != "ticks":
+            assert not s.overlap  # GPipe and circular: synchronous sends
+            continue
+        ticks = np.arange(s.n_ticks)[:, None]
+        assert s.overlap and s.n_ticks % 2 == 0
+        assert not ((s.kind == F) & (ticks % 2 == 1)).any()
+        assert not (np.isin(s.kind, (B, BW)) & (ticks % 2 == 0)).any()
+        for msg in buffers_lib.plan(s).messages:
+            assert msg.used - msg.sent >= (2 if msg.src != msg.dst else 1), (name, msg)
+    early = dataclasses.replace(make_schedule("1f1b", 4, 8, overlap=False), overlap=True)
+    with pytest.raises(ValueError, match="arrives at the end of tick"):
+        buffers_lib.plan(early)
+
+
+def test_zero_bubble_schedules_as_the_papers_predict():
+    """Synchronous sends: ZB-H1 idles (p-1)(F+B-W) against 1F1B's (p-1)(F+B+W) (Qi et
+    al. 2024, unit costs), ZB-V the same idle ticks over twice as many, and interleaving
+    shrinks 1F1B's. Overlapped sends (a hop costs a pair of ticks): ZB-H1 still below
+    1F1B, ZB-V at most ZB-H1's, and ZB-H1 on the closed form at p 2."""
     for p, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
-        f1b, zb = make_schedule("1f1b", p, m), make_schedule("zb_h1", p, m)
-        # Qi et al. 2024, unit costs: 1F1B idles (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W).
+        f1b, zb = (make_schedule(n, p, m, overlap=False) for n in ("1f1b", "zb_h1"))
         assert zb.bubble_fraction < f1b.bubble_fraction
         assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
         assert zb.n_ticks == 3 * m + p - 1
-        bubbles = [make_schedule("interleaved_1f1b", p, m, v).bubble_fraction for v in (1, 2, 4)]
-        assert bubbles[0] > bubbles[1] > bubbles[2]
-        # In ticks, Megatron-LM's (p-1)/(v m) of the ideal time (Narayanan et al. 2021).
         for v in (1, 2, 4):
-            s = make_schedule("interleaved_1f1b", p, m, v)
+            s = make_schedule("interleaved_1f1b", p, m, v, overlap=False)
             assert s.n_ticks == 2 * v * m + 2 * (p - 1)
-    # Interleaved with one chunk is 1F1B, cell for cell.
-    a, b = make_schedule("interleaved_1f1b", 4, 8, 1), make_schedule("1f1b", 4, 8)
-    assert (a.kind == b.kind).all() and (a.microbatch == b.microbatch).all()
+    for name in ("1f1b", "interleaved_1f1b"):  # interleaved with one chunk is 1F1B
+        for overlap in (True, False):
+            a = make_schedule("interleaved_1f1b", 4, 8, 1, overlap)
+            b = make_schedule("1f1b", 4, 8, overlap=overlap)
+            assert (a.kind == b.kind).all() and (a.microbatch == b.microbatch).all()
+    for overlap in (True, False):
+        f1b, h1, zv = (_bubbles(n, overlap=overlap) for n in ("1f1b", "zb_h1", "zb_v"))
+        for key in f1b:
+            assert zv[key] <= h1[key] < f1b[key], (overlap, key)
+            if not overlap:
+                p, m = key
+                assert zv[key] < h1[key]
+                assert zv[key] == pytest.approx((p - 1) / (6 * m + p - 1))
+    for m in (8, 16, 32):
+        assert _bubbles("zb_h1")[2, m] == pytest.approx(1 / (3 * m + 1))
 
 
-def test_zb_v_halves_zb_h1s_bubble_in_1f1b_memory():
-    """ZB-V (two chunks per rank in V order): the ramp's p-1 idle ticks over 6m + p - 1,
-    below ZB-H1's at every size, with at most 2p chunk-microbatches (p stages' worth)
-    in flight per rank; the turn at the bottom of the V stays on the last rank."""
-    for p, m in [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32), (3, 6)]:
-        zv, zh = make_schedule("zb_v", p, m), make_schedule("zb_h1", p, m)
-        assert zv.bubble_fraction < zh.bubble_fraction
-        assert zv.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
-        assert zv.max_in_flight().max() <= 2 * p
-        assert [list(row) for row in zv.stage_of] == [[r, 2 * p - 1 - r] for r in range(p)]
-        plan = buffers_lib.plan(zv)
-        turn = [pair for c in plan.channels if c.buffer == "act" and c.shift == 0
-                for k in c.pairs for pair in k]
-        assert turn == [(p - 1, p - 1)]  # stage p-1 -> p: no send
+def test_zb_v_places_its_stages_in_a_v():
+    """Rank r holds stages r and 2p-1-r; the turn at the bottom of the V stays on the
+    last rank (no send)."""
+    for p, m in [(2, 8), (4, 8), (8, 16), (3, 6)]:
+        for overlap in (True, False):
+            zv = make_schedule("zb_v", p, m, overlap=overlap)
+            assert [list(row) for row in zv.stage_of] == [[r, 2 * p - 1 - r] for r in range(p)]
+            turn = [pair for c in buffers_lib.plan(zv).channels
+                    if c.buffer == "act" and c.shift == 0 for k in c.pairs for pair in k]
+            assert turn == [(p - 1, p - 1)]
 
 
 def test_the_v_layout_puts_each_layer_chunk_where_its_stage_runs():
@@ -76,17 +125,24 @@ def test_the_v_layout_puts_each_layer_chunk_where_its_stage_runs():
 
 
 def test_memory_in_flight_is_bounded_like_1f1b():
+    """Synchronous: 1F1B's p-r microbatches on rank r, ZB-H1's p on each, ZB-V's 2p
+    chunk-microbatches (p stages' worth). Overlapped: a round trip takes 2(p-1-r) pairs
+    of ticks, so rank r holds 2(p-1-r)+1 (Megatron-LM's warm-up with overlapped sends),
+    ZB-H1 2p, ZB-V 4p chunks."""
     for p, m in [(2, 8), (4, 16), (8, 16)]:
-        assert list(make_schedule("1f1b", p, m).max_in_flight()) == [p - r for r in range(p)]
-        assert list(make_schedule("zb_h1", p, m).max_in_flight()) == [p] * p  # ZB-H1: p each
+        one = lambda name, overlap, v=1: make_schedule(name, p, m, v, overlap).max_in_flight()
+        assert list(one("1f1b", False)) == [p - r for r in range(p)]
+        assert list(one("1f1b", True)) == [2 * (p - 1 - r) + 1 for r in range(p)]
+        assert list(one("zb_h1", False)) == [p] * p
+        assert one("zb_h1", True).max() <= 2 * p
+        assert one("zb_v", False).max() <= 2 * p and one("zb_v", True).max() <= 4 * p
         # p*v chunk activations = p stages' worth, as 1F1B's first rank.
-        assert make_schedule("interleaved_1f1b", p, m, 2).max_in_flight().max() == 2 * p
-        plan = buffers_lib.plan(make_schedule("zb_h1", p, m))
-        assert plan.n_slots["stash"] == p
+        assert one("interleaved_1f1b", False, 2).max() == 2 * p
+        assert buffers_lib.plan(make_schedule("zb_h1", p, m, overlap=False)).n_slots["stash"] == p
 
 
 def test_buffer_check_catches_an_overwritten_slot():
-    s = make_schedule("1f1b", 4, 8)
+    s = make_schedule("1f1b", 4, 8, overlap=False)
     plan = buffers_lib.plan(s)
     bad_stash = np.where(plan.stash >= 0, 0, -1)  # every microbatch in slot 0
     with pytest.raises(ValueError, match="overwrites stash slot"):

@@ -20,6 +20,12 @@ Sends. A message from rank s to rank d travels on channel (buffer, (d - s) mod p
 tick, the ranks sending on one channel form a permutation (each rank sends at most one
 message per buffer per tick), so one `ppermute` with exactly those pairs moves them, and
 idle ranks send nothing. Shift 0 is a rank's message to itself (no communication).
+Overlapped sends (`Schedule.overlap`): a message to another rank travels during the
+tick after the one that made it and is stored at that tick's end. Its channel sends
+unconditionally, with every pair it ever uses (a `ppermute` inside a branch could not
+overlap the cell's compute), in the ticks of the pair (forward or backward, `phases`)
+in which it carries messages; senders without a message send zeros, which cost bytes
+but no time while they overlap a cell.
 `check` re-verifies all of this by replaying the table tick by tick.
 """
 
@@ -41,8 +47,9 @@ class Message:
     microbatch: int
     src: int  # ranks
     dst: int
-    sent: int  # tick at whose end it is stored
+    sent: int  # tick whose cell makes it
     used: int  # tick that reads it
+    stored: int  # tick at whose end it is stored: `sent`, or one later if it overlaps
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +59,10 @@ class Channel:
     arrive: np.ndarray  # [ticks, ranks] slot the rank stores into after the tick (-1: none)
     pattern: np.ndarray  # [ticks] index into `pairs`; 0 = nobody sends
     pairs: tuple  # pairs[k]: ((src, dst), ...) of pattern k; pairs[0] == ()
+    # Overlapped: pairs == ((), every pair), sent at the start of each tick of `phases`
+    # (0: forward, 1: backward tick of a pair) the previous tick's messages.
+    overlap: bool = False
+    phases: tuple = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +74,15 @@ class Buffers:
     #                   B, BW: its dy's `grad` slot
     channels: tuple  # Channel, ...
     messages: tuple  # Message, ... (for checks and accounting)
+
+    def sends_per_step(self) -> int:
+        """Messages put on the wire between ranks per step, all ranks together: the
+        table's, and with overlapped sends every pair of every tick of its phases (the
+        zeros of senders without a message included)."""
+        if any(ch.overlap for ch in self.channels):  # (then every one between ranks is)
+            return sum(len(ch.pairs[1]) * int((ch.pattern == 1).sum())
+                       for ch in self.channels if ch.overlap)
+        return sum(m.src != m.dst for m in self.messages)
 
 
 def _cells(s: Schedule) -> dict:
@@ -86,17 +106,20 @@ def messages(s: Schedule) -> list[Message]:
     at = _cells(rows)
     S = s.n_global_stages
     out = []
+
+    def message(buffer, i, r, t, to):
+        t2, r2 = at[to]
+        out.append(Message(buffer, i, r, r2, t, t2, t + int(s.overlap and r2 != r)))
+
     for (letter, i, g), (t, r) in sorted(at.items(), key=lambda kv: kv[1]):
         if letter == "F" and g < S - 1:
-            t2, r2 = at["F", i, g + 1]
-            out.append(Message(ACT, i, r, r2, t, t2))
+            message(ACT, i, r, t, ("F", i, g + 1))
         if s.executor == AUTODIFF:
             continue
         if letter == "F" and g == S - 1:
-            out.append(Message(GRAD, i, r, r, t, at["B", i, g][0]))
+            message(GRAD, i, r, t, ("B", i, g))
         if letter == "B" and g > 0:
-            t2, r2 = at["B", i, g - 1]
-            out.append(Message(GRAD, i, r, r2, t, t2))
+            message(GRAD, i, r, t, ("B", i, g - 1))
     return out
 
 
@@ -130,7 +153,7 @@ def _plan(s: Schedule) -> Buffers:
     for buf in (ACT, GRAD):
         n_slots[buf] = 0
         for r in range(p):
-            mine = [(m.sent, m.used, m) for m in msgs if m.buffer == buf and m.dst == r]
+            mine = [(m.stored, m.used, m) for m in msgs if m.buffer == buf and m.dst == r]
             slots, n = _colour(mine)
             slot_of.update(slots)
             n_slots[buf] = max(n_slots[buf], n)
@@ -153,22 +176,35 @@ def _plan(s: Schedule) -> Buffers:
     for buf in (ACT, GRAD):
         for shift in range(p):
             mine = [m for m in msgs if m.buffer == buf and (m.dst - m.src) % p == shift]
-            if not mine:
-                continue
-            arrive = np.full((T, p), -1, np.int32)
-            senders: dict[int, set] = {}
-            for m in mine:
-                arrive[m.sent, m.dst] = slot_of[m]
-                senders.setdefault(m.sent, set()).add(m.src)
-            patterns = [()]
-            pattern = np.zeros(T, np.int32)
-            for t, srcs in sorted(senders.items()):
-                pairs = tuple((src, (src + shift) % p) for src in sorted(srcs))
-                if pairs not in patterns:
-                    patterns.append(pairs)
-                pattern[t] = patterns.index(pairs)
-            channels.append(Channel(buf, shift, arrive, pattern, tuple(patterns)))
+            if mine:
+                channels.append(_channel(buf, shift, mine, slot_of, T, p,
+                                         s.overlap and shift != 0))
     return Buffers(n_slots, stash, read, tuple(channels), tuple(msgs))
+
+
+def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
+             overlap: bool) -> Channel:
+    """The channel (buf, shift) carrying the messages `mine`: where each arrives, and
+    which ranks send in each tick (a pattern; overlapped: every pair, every tick of its
+    phases)."""
+    arrive = np.full((T, p), -1, np.int32)
+    senders: dict[int, set] = {}
+    for m in mine:
+        arrive[m.stored, m.dst] = slot_of[m]
+        senders.setdefault(m.stored, set()).add(m.src)
+    if overlap:
+        phases = tuple(sorted({t % 2 for t in senders}))
+        every = tuple(sorted((src, (src + shift) % p) for src in {m.src for m in mine}))
+        pattern = np.isin(np.arange(T) % 2, phases).astype(np.int32)
+        return Channel(buf, shift, arrive, pattern, ((), every), True, phases)
+    patterns = [()]
+    pattern = np.zeros(T, np.int32)
+    for t, srcs in sorted(senders.items()):
+        pairs = tuple((src, (src + shift) % p) for src in sorted(srcs))
+        if pairs not in patterns:
+            patterns.append(pairs)
+        pattern[t] = patterns.index(pairs)
+    return Channel(buf, shift, arrive, pattern, tuple(patterns))
 
 
 def plan(s: Schedule) -> Buffers:
@@ -209,7 +245,10 @@ def check(s: Schedule, buffers: Buffers) -> None:
     events = []  # (tick, order, action, key, content): reads (0) before stores (1)
     for msg in buffers.messages:
         k = buffers.read[msg.used, msg.dst]
-        events += [(msg.sent, 1, "store", (msg.buffer, msg.dst, k), msg),
+        if msg.used <= msg.stored:
+            raise ValueError(f"schedule {s.name}: tick {msg.used} reads a {msg.buffer} "
+                             f"message that arrives at the end of tick {msg.stored}")
+        events += [(msg.stored, 1, "store", (msg.buffer, msg.dst, k), msg),
                    (msg.used, 0, "read", (msg.buffer, msg.dst, k), msg)]
     for (letter, i, g), (t, r) in at.items():
         if letter == "F" and buffers.stash[t, r] >= 0:

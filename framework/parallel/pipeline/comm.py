@@ -65,9 +65,17 @@ def send(channel: Channel, pattern, value):
     return jax.lax.switch(pattern, branches, value)
 
 
+def send_overlapped(channel: Channel, value):
+    """What this rank receives on an overlapped `channel` (every pair it ever uses sends,
+    unconditionally, so that the transfer can run beside the cell's compute)."""
+    with jax.named_scope(send_scope(channel, 1)):
+        return jax.lax.ppermute(value, PIPE, list(channel.pairs[1]))
+
+
 def send_weights(channels, n_ticks: int) -> dict[str, float]:
-    """Audit weights: per pattern scope, the share of the loop's ticks that run it."""
-    return {send_scope(ch, k): float(np.mean(ch.pattern == k))
+    """Audit weights: per pattern scope, the share of the loop's ticks that run it
+    (overlapped: once in every step of the loop that it is in, unconditionally)."""
+    return {send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))
             for ch in channels for k in range(1, len(ch.pairs))}
 
 

@@ -33,7 +33,21 @@ Schedules (register a new one with `@register`; nothing else needs to change):
 
 All tick-loop schedules come from one simulator (`simulate`): each rank runs its program
 (an ordered list of cells) in lockstep ticks, a cell starting at the first tick after
-everything it depends on has finished (a message sent at tick t is usable at t+1).
+everything it depends on has finished.
+
+Sends that overlap compute (`overlap`, `parallel.overlap_sends`, the default). A
+synchronous send sits between two ticks: a message sent at tick t is usable at t+1, and
+no compute runs while it travels. An overlapped send travels during the sender's next
+tick (`framework/parallel/pipeline/ticks.py`), so a message to another rank is usable at
+t+2 (to itself still at t+1). Ticks then come in pairs, a forward tick (F, or W) and a
+backward tick (B or BW, or W): the activations travel during the backward tick and the
+gradients during the next forward tick, and each hop costs one pair. 1F1B then runs
+one F and one BW in every pair of its steady state on every rank: its lockstep ticks are
+balanced (F + BW each), so its table bubble is the closed form (synchronous: 40.0%
+against 27.3% at p 4, m 8, as a rank's F tick is its neighbour's BW tick). What it
+costs: a microbatch's round trip from rank r to the last rank and back takes 2(p-1-r)
+pairs instead of ticks, so rank r keeps 2(p-1-r)+1 microbatches in flight (Megatron-LM's
+warm-up with overlapped sends) instead of p-r: up to 2p-1 stashes instead of p.
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ class Schedule:
     formula_bubble: float  # the closed form from the paper the schedule comes from
     executor: str = TICKS  # AUTODIFF: the executor runs the F rows, autodiff the rest
     placement: str = INTERLEAVED  # or V_SHAPE (`stage_map`)
+    overlap: bool = False  # sends overlap the next tick (ticks in forward/backward pairs)
 
     @property
     def n_ticks(self) -> int:
@@ -132,7 +147,7 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Generator:
-    build: Callable[[int, int, int], Schedule]
+    build: Callable[..., Schedule]  # (p, m, v, overlap) -> Schedule
     uses_virtual_stages: bool  # reads parallel.virtual_stages (else it must be 1)
     check: Callable[[int, int, int], list[str]]  # (p, m, v) -> one-line problems
     chunks: int = 0  # a fixed number of chunks per rank (0: virtual_stages, or 1)
@@ -145,7 +160,9 @@ GENERATORS: dict[str, Generator] = {}
 def register(name: str, uses_virtual_stages: bool = False,
              check: Callable[[int, int, int], list[str]] = lambda p, m, v: [],
              chunks: int = 0, placement: str = INTERLEAVED):
-    """Decorator: `build(p, m, v) -> Schedule` becomes `parallel.schedule=<name>`."""
+    """Decorator: `build(p, m, v, overlap) -> Schedule` becomes `parallel.schedule=<name>`
+    (`overlap`: `parallel.overlap_sends`, for `simulate`; a table with the default
+    overlap=False runs with synchronous sends)."""
     def wrap(build):
         GENERATORS[name] = Generator(build, uses_virtual_stages, check, chunks, placement)
         return build
@@ -183,20 +200,24 @@ def v_shaped(name: str) -> bool:
     return name in GENERATORS and GENERATORS[name].placement == V_SHAPE
 
 
-def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1,
+                  overlap: bool = True) -> Schedule:
+    """The table of `parallel.schedule`; `overlap`: `parallel.overlap_sends` (tick
+    schedules; GPipe and circular send synchronously either way)."""
     problems = check(name, pipeline, microbatches, virtual_stages)
     if problems:
         raise ValueError("; ".join(problems))
-    return _build(name, pipeline, microbatches, chunks_per_rank(name, virtual_stages))
+    return _build(name, pipeline, microbatches, chunks_per_rank(name, virtual_stages),
+                  bool(overlap))
 
 
 _CACHE: dict = {}
 
 
-def _build(name, p, m, v) -> Schedule:
-    if (name, p, m, v) not in _CACHE:
-        _CACHE[name, p, m, v] = GENERATORS[name].build(p, m, v)
-    return _CACHE[name, p, m, v]
+def _build(name, p, m, v, overlap) -> Schedule:
+    if (name, p, m, v, overlap) not in _CACHE:
+        _CACHE[name, p, m, v, overlap] = GENERATORS[name].build(p, m, v, overlap=overlap)
+    return _CACHE[name, p, m, v, overlap]
 
 
 # --- The lockstep simulator behind every tick-loop schedule --------------------------
@@ -204,44 +225,74 @@ def _build(name, p, m, v) -> Schedule:
 Cell = tuple[int, int, int]  # (kind, microbatch, chunk)
 
 
+def _needs(kind: int, i: int, g: int, S: int) -> list[tuple[str, int, int]]:
+    """What cell (kind, microbatch i, global stage g) waits for: F(i, g) for F(i, g-1);
+    B or BW(i, g) for F(i, g) and the backward of (i, g+1); W(i, g) for B(i, g)."""
+    if kind == F:
+        return [("F", i, g - 1)] if g > 0 else []
+    if kind in (B, BW):
+        return [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else [])
+    return [("B", i, g)]
+
+
+@dataclass(frozen=True)
+class Clock:
+    """When a cell may run in a lockstep table: after what it needs, one tick after
+    a message to itself, two after one from another rank when sends overlap (then F
+    runs only in forward ticks, even, and B or BW only in backward ticks, odd)."""
+
+    stages: np.ndarray  # [ranks, chunks] -> global stage
+    overlap: bool
+
+    @cached_property
+    def owner(self) -> dict[int, int]:
+        return {int(g): r for (r, _), g in np.ndenumerate(self.stages)}
+
+    def ready(self, cell: Cell, r: int, t: int, done: dict) -> bool:
+        kind, i, c = cell
+        if self.overlap and kind != W and (kind == F) != (t % 2 == 0):
+            return False
+        for need in _needs(kind, i, int(self.stages[r, c]), self.stages.size):
+            lag = 2 if self.overlap and self.owner[need[2]] != r else 1
+            if done.get(need, t) + lag > t:
+                return False
+        return True
+
+    def letter(self, cell: Cell, r: int) -> tuple[str, int, int]:
+        """The key `done` records a finished cell under (BW counts as B)."""
+        kind, i, c = cell
+        return ("F" if kind == F else "B" if kind in (B, BW) else "W", i,
+                int(self.stages[r, c]))
+
+
 def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
-             formula: float, placement: str = INTERLEAVED) -> Schedule:
-    """Runs each rank's program in lockstep ticks: a cell starts at the first tick after
-    its dependencies finished (F(i, g) after F(i, g-1); B or BW(i, g) after F(i, g) and
-    the backward of (i, g+1); W(i, g) after B(i, g)). Raises if the programs deadlock."""
-    stages = stage_map(placement, p, v)
-    stage = lambda r, c: int(stages[r, c])
-    S = p * v
-    done: dict[tuple[str, int, int], int] = {}  # (F|B, microbatch, global stage) -> tick
+             formula: float, placement: str = INTERLEAVED, overlap: bool = False) -> Schedule:
+    """Runs each rank's program in lockstep ticks, each cell at the first tick its
+    `Clock` allows. Raises if the programs deadlock."""
+    clock = Clock(stage_map(placement, p, v), overlap)
+    done: dict[tuple[str, int, int], int] = {}
     pc = [0] * p
-    rows = []
+    rows: list[list] = []
     while any(pc[r] < len(programs[r]) for r in range(p)):
         t = len(rows)
-        row = [None] * p
-        for r in range(p):
-            if pc[r] == len(programs[r]):
-                continue
-            kind, i, c = programs[r][pc[r]]
-            g = stage(r, c)
-            if kind == F:
-                deps = [("F", i, g - 1)] if g > 0 else []
-            elif kind in (B, BW):
-                deps = [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else [])
-            else:  # W
-                deps = [("B", i, g)]
-            if all(done.get(d, t) < t for d in deps):
-                row[r] = programs[r][pc[r]]
-        if not any(row):
+        row = [programs[r][pc[r]] if pc[r] < len(programs[r]) and clock.ready(
+            programs[r][pc[r]], r, t, done) else None for r in range(p)]
+        if t >= 3 and not any(any(cells) for cells in rows[-3:] + [row]):
             raise RuntimeError(f"schedule {name} deadlocks at tick {t} (p={p}, m={m}, v={v})")
         for r, cell in enumerate(row):
             if cell is not None:
-                kind, i, c = cell
-                done[("F" if kind == F else "B" if kind in (B, BW) else "W", i, stage(r, c))] = t
+                done[clock.letter(cell, r)] = t
                 pc[r] += 1
         rows.append(row)
+    return _table(name, p, m, v, rows, formula, placement, overlap)
+
+
+def _table(name, p, m, v, rows, formula, placement, overlap) -> Schedule:
+    if overlap and len(rows) % 2:  # whole (forward, backward) pairs
+        rows.append([None] * p)
     grid = np.array([[cell or (IDLE, 0, 0) for cell in row] for row in rows], np.int32)
     return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula,
-                    placement=placement)
+                    placement=placement, overlap=overlap)
 
 
 # --- The schedules -------------------------------------------------------------------
@@ -263,8 +314,9 @@ def _circular_check(p, m, v):
     return []
 
 
-def circular(p: int, m: int, v: int) -> Schedule:
-    """Circular schedule with v chunks per rank; v = 1 is GPipe."""
+def circular(p: int, m: int, v: int, overlap: bool = False) -> Schedule:
+    """Circular schedule with v chunks per rank; v = 1 is GPipe. Autodiff runs the
+    backward, and the sends stay synchronous (`overlap` does not apply)."""
     ticks = v * m + p - 1
     k = np.arange(ticks)[:, None] - np.arange(p)[None, :]  # [ticks, ranks]
     valid = (k >= 0) & (k < v * m)
@@ -275,21 +327,20 @@ def circular(p: int, m: int, v: int) -> Schedule:
 
 
 @register("gpipe")
-def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+def gpipe(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
     return circular(p, m, 1)
 
 
 register("circular", uses_virtual_stages=True, check=_circular_check)(circular)
 
 
-def _one_f_one_b_programs(p: int, m: int, v: int) -> list[list[Cell]]:
+def _one_f_one_b_programs(p: int, m: int, v: int, overlap: bool) -> list[list[Cell]]:
     """Megatron-LM's (interleaved) 1F1B order. Virtual microbatch k of a rank is
     microbatch (k // (p*v)) * p + k % p of chunk (k // p) % v (forward; the backward
     visits the chunks in reverse). Rank r warms up with (p-1-r) + (v-1)*p forwards,
-    then alternates F and BW. (Megatron warms up 2(p-1-r) + (v-1)p because its sends
-    overlap the next compute; with one-tick message latency in lockstep ticks the
-    smaller warm-up gives the same ticks with at most p*v chunk activations in flight,
-    1F1B's memory.)"""
+    then alternates F and BW; with overlapped sends with 2(p-1-r) + (v-1)*p, Megatron-
+    LM's warm-up when its sends overlap compute: a round trip to the last rank then
+    takes 2(p-1-r) tick pairs, each with one F and one BW."""
     def cell(kind, k):
         group = k % (p * v)
         chunk = group // p if kind == F else v - 1 - group // p
@@ -298,7 +349,7 @@ def _one_f_one_b_programs(p: int, m: int, v: int) -> list[list[Cell]]:
     programs = []
     for r in range(p):
         n = m * v
-        warm = min((p - 1 - r) + (v - 1) * p, n)
+        warm = min((p - 1 - r) * (2 if overlap else 1) + (v - 1) * p, n)
         prog = [cell(F, k) for k in range(warm)]
         for k in range(n - warm):
             prog += [cell(F, warm + k), cell(BW, k)]
@@ -308,8 +359,9 @@ def _one_f_one_b_programs(p: int, m: int, v: int) -> list[list[Cell]]:
 
 
 @register("1f1b")
-def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
-    return simulate("1f1b", p, m, 1, _one_f_one_b_programs(p, m, 1), (p - 1) / (m + p - 1))
+def one_f_one_b(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
+    return simulate("1f1b", p, m, 1, _one_f_one_b_programs(p, m, 1, overlap),
+                    (p - 1) / (m + p - 1), overlap=overlap)
 
 
 def _interleaved_check(p, m, v):
@@ -321,17 +373,24 @@ def _interleaved_check(p, m, v):
 
 
 @register("interleaved_1f1b", uses_virtual_stages=True, check=_interleaved_check)
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    return simulate("interleaved_1f1b", p, m, v, _one_f_one_b_programs(p, m, v),
-                    (p - 1) / (v * m + p - 1))
+def interleaved_1f1b(p: int, m: int, v: int, overlap: bool = False) -> Schedule:
+    return simulate("interleaved_1f1b", p, m, v, _one_f_one_b_programs(p, m, v, overlap),
+                    (p - 1) / (v * m + p - 1), overlap=overlap)
 
 
 @register("zb_h1")
-def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
+def zb_h1(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
     """ZB-H1 (Qi et al. 2024, section 2.1). Rank r: 1F1B's p-1-r warm-up forwards, then
     F, B and W in turn, except that its first r rounds skip the W (run at the very end):
     every rank then holds p microbatches between F and W, the peak 1F1B has on rank 0,
-    and the postponed W's fill the drain's idle ticks."""
+    and the postponed W's fill the drain's idle ticks. With overlapped sends the same
+    idea by list scheduling (`_greedy_programs`) with 2p in flight, 1F1B's 2p-1 there
+    and one more; its ramp is then longer than the closed form counts (a hop costs a
+    pair of ticks), e.g. 7.7% against 5.9% at p 4, m 16, equal at p 2 and p 4, m 8."""
+    formula = (p - 1) / (3 * m + p - 1)
+    if overlap:
+        return simulate("zb_h1", p, m, 1, _greedy_programs(p, m, 1, INTERLEAVED, 2 * p, True),
+                        formula, overlap=True)
     programs = []
     for r in range(p):
         warm = min(p - 1 - r, m)
@@ -349,27 +408,28 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
             rounds += 1
         prog += [(W, i, 0) for i in range(nw, m)]
         programs.append(prog)
-    return simulate("zb_h1", p, m, 1, programs, (p - 1) / (3 * m + p - 1))
+    return simulate("zb_h1", p, m, 1, programs, formula)
 
 
-def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int) -> list[list[Cell]]:
+def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int,
+                     overlap: bool = False) -> list[list[Cell]]:
     """Per-rank programs from lockstep list scheduling: every tick each rank runs the
-    first of its ready cells by priority: a B (the oldest microbatch, the later stage
-    first: the backward is the critical path), else an F while fewer than `limit`
-    chunk-microbatches are in flight on the rank (the later stage first), else the
-    oldest W. Dependencies as in `simulate`, which then builds the table from them."""
-    stages = stage_map(placement, p, v)
-    S = p * v
+    first of its ready cells (`Clock`) by priority: a B (the oldest microbatch, the
+    later stage first: the backward is the critical path), else an F while fewer than
+    `limit` chunk-microbatches are in flight on the rank (the later stage first), else
+    the oldest W. `simulate` then builds the table from them."""
+    clock = Clock(stage_map(placement, p, v), overlap)
+    stages = clock.stages
     done: dict[tuple[str, int, int], int] = {}
     todo = [{(kind, i, c) for kind in (F, B, W) for i in range(m) for c in range(v)}
             for _ in range(p)]
     programs: list[list[Cell]] = [[] for _ in range(p)]
     in_flight = [0] * p
-    t = 0
+    t, quiet = 0, 0
     while any(todo):
         picked = []
         for r in range(p):
-            ready = [cell for cell in todo[r] if _ready(cell, stages[r], S, done, t)]
+            ready = [cell for cell in todo[r] if clock.ready(cell, r, t, done)]
             b = [c for c in ready if c[0] == B]
             f = [c for c in ready if c[0] == F] if in_flight[r] < limit else []
             w = [c for c in ready if c[0] == W]
@@ -377,35 +437,30 @@ def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int) -> list
                      sorted(f, key=lambda c: (-stages[r][c[2]], c[1])) +
                      sorted(w, key=lambda c: done["B", c[1], stages[r][c[2]]]))
             picked.append(order[0] if order else None)
-        if not any(picked):
+        quiet = 0 if any(picked) else quiet + 1
+        if quiet > 3:
             raise RuntimeError(f"greedy schedule deadlocks at tick {t} (p={p}, m={m})")
         for r, cell in enumerate(picked):
             if cell is not None:
-                kind, i, c = cell
                 todo[r].discard(cell)
                 programs[r].append(cell)
-                done["FBW"[kind - 1], i, int(stages[r][c])] = t
-                in_flight[r] += 1 if kind == F else -1 if kind == W else 0
+                done[clock.letter(cell, r)] = t
+                in_flight[r] += 1 if cell[0] == F else -1 if cell[0] == W else 0
         t += 1
     return programs
 
 
-def _ready(cell: Cell, stages, S: int, done: dict, t: int) -> bool:
-    kind, i, c = cell
-    g = int(stages[c])
-    deps = {F: [("F", i, g - 1)] if g > 0 else [],
-            B: [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else []),
-            W: [("B", i, g)]}[kind]
-    return all(done.get(d, t) < t for d in deps)
-
-
 @register("zb_v", chunks=2, placement=V_SHAPE)
-def zb_v(p: int, m: int, v: int = 2) -> Schedule:
+def zb_v(p: int, m: int, v: int = 2, overlap: bool = False) -> Schedule:
     """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; and
     "Pipeline Parallelism with Controllable Memory"): two chunks per rank in V order
     (`stage_map`), B and W split, at most 2p chunk-microbatches in flight per rank (p
     stages' worth: 1F1B's peak). With unit-cost F = B = W the paper's steady state has
     no bubble; what remains in lockstep ticks is the ramp: p - 1 idle ticks of 6m + p - 1,
-    (p-1)/(6m+p-1), half ZB-H1's (the same idle ticks over twice as many)."""
-    return simulate("zb_v", p, m, 2, _greedy_programs(p, m, 2, V_SHAPE, 2 * p),
-                    (p - 1) / (6 * m + p - 1), placement=V_SHAPE)
+    (p-1)/(6m+p-1), half ZB-H1's (the same idle ticks over twice as many). With
+    overlapped sends 4p in flight (ZB-H1's 2p stages' worth there); a hop then costs a
+    pair of ticks and the V's ramp has twice ZB-H1's hops, so its bubble is at most
+    ZB-H1's, not half (docs/parallelism.md has the table)."""
+    return simulate("zb_v", p, m, 2, _greedy_programs(p, m, 2, V_SHAPE, (4 if overlap else 2) * p,
+                                                      overlap),
+                    (p - 1) / (6 * m + p - 1), placement=V_SHAPE, overlap=overlap)

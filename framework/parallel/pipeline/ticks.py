@@ -25,7 +25,12 @@ per microbatch in flight; compute: the chunk's recomputed forward and input grad
 run twice (B and W) instead of once.
 
 After the branch come the stash writes and the sends the buffer plan names for this
-tick (`framework/parallel/pipeline/buffers.py`). A stash slot is one flat buffer per
+tick (`framework/parallel/pipeline/buffers.py`). With overlapped sends (`Schedule.overlap`)
+the loop runs a pair of ticks per step, a forward tick (F, W) and a backward tick (B,
+BW, W), and each tick starts by sending the previous tick's messages to the other ranks
+(`pending`): an unconditional `ppermute` that the cell's compute runs beside, received
+and stored after the cell. So the activations travel during the backward tick and the
+gradients during the next forward tick. A stash slot is one flat buffer per
 dtype, so that B's output gradients can take the residuals' place (`Packing`): with a
 split backward a microbatch in flight holds no more than 1F1B's full residuals.
 
@@ -42,27 +47,44 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import StageFns
 from framework.parallel.pipeline.autodiff import join_vjp, split_vjp
 from framework.parallel.pipeline.buffers import ACT, GRAD, Buffers, plan
-from framework.parallel.pipeline.comm import (only_on, send, send_weights, slots, store,
-                                              zeros_typed_like)
-from framework.parallel.pipeline.schedule import BW, B, F, W, Schedule
+from framework.parallel.pipeline.comm import (only_on, send, send_overlapped, send_weights,
+                                              slots, store, zeros_typed_like)
+from framework.parallel.pipeline.schedule import BW, IDLE, B, F, W, Schedule
 from framework.parallel.pipeline.scopes import (CELL, CELL_SCOPES, LOOP, ON_FIRST,
                                                 ON_LAST)
 
 
 def scope_weights(schedule: Schedule) -> dict[str, float]:
-    """Share of (tick, rank) cells that run each branch; the head runs on the m F cells
-    of the last stage, the embedding's gradient on the m backward cells of the first."""
+    """Per execution of the loop body: the share of its cells on each device that run
+    each branch. A kind's branch is in the dispatch of each tick of the body it may run
+    in (`_kinds`). The head runs on the m F cells of the last stage, the embedding's
+    gradient on the m backward cells of the first."""
     kind, m = schedule.kind, schedule.n_microbatches
-    weights = {CELL_SCOPES[k]: float((kind == k).mean()) for k in CELL_SCOPES}
+    steps, p = schedule.n_ticks // _ticks_per_step(schedule), schedule.n_stages
+    dispatches = [_kinds(schedule, phase) for phase in range(_ticks_per_step(schedule))]
+    weights = {CELL_SCOPES[k]: float((kind == k).sum()) / (
+        steps * p * max(1, sum(k in d for d in dispatches))) for k in CELL_SCOPES}
     weights[ON_LAST] = m / max(int((kind == F).sum()), 1)
     weights[ON_FIRST] = m / max(int(((kind == B) | (kind == BW)).sum()), 1)
     weights.update(send_weights(plan(schedule).channels, schedule.n_ticks))
     return weights
+
+
+def _ticks_per_step(schedule: Schedule) -> int:
+    """Ticks per step of the loop: a (forward, backward) pair when sends overlap."""
+    return 2 if schedule.overlap else 1
+
+
+def _kinds(schedule: Schedule, phase: int) -> set:
+    """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""
+    rows = schedule.kind[phase::_ticks_per_step(schedule)]
+    return set(np.unique(rows).tolist()) - {IDLE}
 
 
 # --- The stash: several lists of arrays in one flat buffer per dtype --------------------
@@ -136,6 +158,8 @@ class Carry(NamedTuple):
     #              recompute: one [n + 1, mb, seq, d], the incoming gradient, B to W)
     grads: dict  # like the params: {'embed', 'head', 'chunks' [v, Lc, ...]}
     loss: jax.Array  # f32 []: this rank's loss share so far
+    pending: dict  # overlapped sends: {"act", "grad"}: [mb, seq, d] the last tick's
+    #                messages, sent to the other ranks during this tick ({} if synchronous)
 
 
 class CellIn(NamedTuple):
@@ -295,13 +319,14 @@ class Cells:
         g_w = self.fns.split.weight_grads(self.weights(cell.chunk), kept, douts)
         return self.add_chunk(grads, cell.chunk, g_w), loss, self.out()
 
-    def branches(self) -> list:
-        """Indexed by cell kind; the kinds a table does not use are never traced."""
+    def branches(self, kinds: set) -> list:
+        """Indexed by cell kind; the kinds not in `kinds` (this tick of the loop never
+        runs them) are idle, never traced."""
         def scoped(kind, fn):
             def run(*args):
                 with jax.named_scope(CELL_SCOPES[kind]):
                     return fn(*args)
-            return run
+            return run if kind in kinds else self.idle
 
         if self.split:
             return [self.idle, scoped(F, self.forward), scoped(B, self.backward),
@@ -317,23 +342,28 @@ def _add(tree, update):
 # --- The tick loop ----------------------------------------------------------------------
 
 def _table(schedule: Schedule, buffers: Buffers) -> dict:
-    """The table and its buffer plan as the scan's per-tick inputs: [ticks, ranks]
-    arrays (the sends: [ticks] pattern per channel)."""
-    stage = schedule.global_stage
-    return jax.tree.map(jnp.asarray, {
+    """The table and its buffer plan as the scan's per-step inputs: [steps, ticks per
+    step, ranks] arrays (the sends: [steps, ticks per step] pattern per channel)."""
+    stage, k = schedule.global_stage, _ticks_per_step(schedule)
+    table = {
         "kind": schedule.kind, "mb": schedule.microbatch, "chunk": schedule.chunk,
         "stage": stage, "stash": buffers.stash, "read": buffers.read,
         "first": stage == 0, "last": stage == schedule.n_global_stages - 1,
         "arrive": [ch.arrive for ch in buffers.channels],
-        "pattern": [ch.pattern for ch in buffers.channels]})
+        "pattern": [ch.pattern for ch in buffers.channels]}
+    return jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]), table)
 
 
-def _tick(cells: Cells, buffers: Buffers, rank):
-    """One tick on this rank: read the cell's inputs, run its branch, write the stash,
-    send and store the messages."""
-    branches, packing = cells.branches(), cells.types.packing
+def _tick(cells: Cells, buffers: Buffers, rank, phase: int, kinds: set):
+    """Tick `phase` of a loop step on this rank: start sending the last tick's messages
+    (overlapped), read the cell's inputs, run its branch, write the stash, send or
+    receive and store the messages."""
+    branches, packing = cells.branches(kinds), cells.types.packing
+    travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
-    def tick(carry: Carry, row: dict):
+    def tick(carry: Carry, row: dict) -> Carry:
+        # Started before the cell, done after it: nothing in the cell depends on them.
+        arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer]) for ch in travelling}
         kind = row["kind"][rank]
         k_read, k_stash = (jnp.maximum(row[n][rank], 0) for n in ("read", "stash"))
         msg = lambda buf: carry.recv[buf][k_read] if buf in carry.recv else cells.zeros(
@@ -348,13 +378,30 @@ def _tick(cells: Cells, buffers: Buffers, rank):
             stash = packing.store(stash, out.douts, k_stash, kind == B)
         written = kind == (B if cells.recompute else F)  # the saved buffers' writer
         saved = [store(buf, e, k_stash, written) for buf, e in zip(carry.saved, out.saved)]
+        made = {ACT: out.act, GRAD: out.grad}
         recv = dict(carry.recv)
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
-            got = send(ch, pattern, out.act if ch.buffer == ACT else out.grad)
+            if ch.overlap and ch not in arriving:
+                continue
+            got = arriving[ch] if ch.overlap else send(ch, pattern, made[ch.buffer])
             recv[ch.buffer] = store(recv[ch.buffer], got, arrive[rank], arrive[rank] >= 0)
-        return Carry(recv, stash, saved, grads, loss), None
+        pending = {buf: made[buf] for buf in carry.pending}
+        return Carry(recv, stash, saved, grads, loss, pending)
 
     return tick
+
+
+def _step(cells: Cells, schedule: Schedule, buffers: Buffers, rank):
+    """The loop's body: one tick, or a (forward, backward) pair when sends overlap."""
+    ticks = [_tick(cells, buffers, rank, phase, _kinds(schedule, phase))
+             for phase in range(_ticks_per_step(schedule))]
+
+    def step(carry: Carry, rows: dict):
+        for phase, tick in enumerate(ticks):
+            carry = tick(carry, jax.tree.map(lambda a: a[phase], rows))
+        return carry, None
+
+    return step
 
 
 def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
@@ -376,8 +423,9 @@ def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
                  stash=t.packing.zeros(n["stash"]),
                  saved=[cells.zeros(a, n["stash"]) for a in t.saved],
                  grads=jax.tree.map(cells.zeros, params),
-                 loss=cells.zeros(jnp.zeros((), jnp.float32)))
-    tick = _tick(cells, buffers, rank)
+                 loss=cells.zeros(jnp.zeros((), jnp.float32)),
+                 pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap})
     with jax.named_scope(LOOP):
-        final, _ = jax.lax.scan(tick, init, _table(schedule, buffers))
+        final, _ = jax.lax.scan(_step(cells, schedule, buffers, rank), init,
+                                _table(schedule, buffers))
     return final.loss, final.grads
