@@ -35,11 +35,12 @@ def row(report: dict) -> str:
     ratio = f"{predicted / compiled:.2f}" if predicted and compiled else "-"
     sent = " / ".join(f"{report.get(f'comm/bytes_per_step/{a}', 0) / 2**20:,.0f}"
                       for a in AXES) if compiled else "-"
-    shares = [report.get(f"comm/overlapped_fraction/{a}") for a in AXES]
+    shares = [report.get(f"comm/overlapped_fraction/{a}") for a in AXES + ("pipe_sends",)]
     overlap = (" / ".join("-" if s is None else f"{s:.0%}" for s in shares)
                if any(f"comm/overlapped_fraction/{a}" in report for a in AXES) else "-")
     seconds = report.get("compile_time_s")
-    return (f"| {report.get('recipe') or '-'} | {report['target']} | {report['schedule']} | "
+    schedule = report["schedule"] + (f", {report['sends']}" if "sends" in report else "")
+    return (f"| {report.get('recipe') or '-'} | {report['target']} | {schedule} | "
             f"{compiled_text} | {_gib(report.get('memory/device_bytes'))} | "
             f"{'yes' if report.get('fits') else 'no'} | {_gib(predicted)} | {ratio} | "
             f"{'-' if seconds is None else f'{seconds:.0f}'} | {sent} | {overlap} |")
@@ -47,7 +48,7 @@ def row(report: dict) -> str:
 
 HEADER = ("| recipe | target | schedule | compiled GiB/device | device GiB | fits | "
           "predicted GiB | predicted / compiled | compile s | MiB sent/step pipe / data / "
-          "tensor | overlapped pipe / data / tensor |\n|" + "---|" * 11)
+          "tensor | overlapped pipe / data / tensor / pipe sends |\n|" + "---|" * 11)
 
 
 def main(argv=None) -> int:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from framework.runtime.quiet import import_jax  # noqa: E402
+from framework.runtime.quiet import start_cpu_only  # noqa: E402
 
-import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+start_cpu_only()  # nothing here runs on a device  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 from tools.recipe import compose, split_settings, user_error  # noqa: E402
 
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     print(planner.table(plans, settings.get("top", 20), settings.get("unfit", 5)))
     print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
           "grads + acts (kept residuals + the largest transient); step ms = compute "
-          "(bubble included) + tensor + pipe + data communication, no overlap assumed.")
+          "(bubble included) + tensor + pipe + data communication, no overlap assumed "
+          "but of overlapped stage-to-stage sends (parallel.overlap_sends).")
     mine = next((pl for pl in plans if pl.parallel == cfg.parallel), None)
     if mine is not None:
         rank = plans.index(mine) + 1

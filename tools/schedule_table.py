@@ -4,6 +4,7 @@ devices), per-device memory, pipe bytes and step time.
     python tools/schedule_table.py --pipeline 4 --microbatches 8
     python tools/schedule_table.py --pipeline 4 --microbatches 4 8 16 --no-run   # memory only
     python tools/schedule_table.py --pipeline 4 --microbatches 8 --gpipe-ticks
+    python tools/schedule_table.py --pipeline 4 --microbatches 8 --sends overlapped synchronous
 
 For each schedule (and each microbatch count, at a fixed microbatch size, so the global
 batch grows with it) it compiles the train step on simulated CPU devices and prints a
@@ -12,7 +13,9 @@ ticks (`Schedule.bubble_fraction`) and, unless --no-run, timed from a profile of
 running step (`framework/analysis/profiling.py`); XLA's memory analysis per device (temp /
 peak); bytes each device sends over `pipe` per step (the communication audit); the
 median step time. --gpipe-ticks adds GPipe's order run by the tick executor (backward
-included) instead of by autodiff, to compare the two executors on one table.
+included) instead of by autodiff, to compare the two executors on one table; --sends
+runs the tick schedules with overlapped sends, synchronous ones, or both
+(`parallel.overlap_sends`; GPipe and circular send synchronously either way).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
     parser.add_argument("--no-run", action="store_true", help="compile only: no timings")
     parser.add_argument("--gpipe-ticks", action="store_true")
+    parser.add_argument("--sends", nargs="+", choices=("overlapped", "synchronous"),
+                        default=["overlapped"])
     return parser
 
 
@@ -87,11 +92,16 @@ def main(argv=None) -> int:
         train = TrainConfig(seq_len=args.seq_len, global_batch_size=m * args.microbatch_rows)
         tokens = tokens_for_step(0, 0, train.global_batch_size, train.seq_len, model.vocab_size)
         for name in names:
-            print(_row(args, model, train, params, tokens, name, m), flush=True)
+            v = args.virtual_stages if schedules.uses_virtual_stages(name) else 1
+            ticks = not schedules.check(name, args.pipeline, m, v) and schedules.make_schedule(
+                name, args.pipeline, m, v).executor == "ticks"
+            for sends in args.sends if ticks else args.sends[:1]:
+                print(_row(args, model, train, params, tokens, name, m, sends == "overlapped"),
+                      flush=True)
     return 0
 
 
-def _row(args, model, train, params, tokens, name: str, m: int) -> str:
+def _row(args, model, train, params, tokens, name: str, m: int, overlap: bool) -> str:
     """One schedule at m microbatches: compiled (memory, pipe bytes) and, unless
     --no-run, timed (step time, timed bubble)."""
     from framework.analysis import audit
@@ -106,13 +116,15 @@ def _row(args, model, train, params, tokens, name: str, m: int) -> str:
     if problems:
         return f"| {name} | {m} | not valid: {'; '.join(problems)} |"
     par = ParallelConfig(pipeline=args.pipeline, microbatches=m, schedule=name,
-                         virtual_stages=v, remat=args.remat)
+                         virtual_stages=v, remat=args.remat, overlap_sends=overlap)
     par = validate(model, par, train, args.pipeline)
     engine = build_engine(model, par, OptimConfig(), 10, make_mesh(par))
     state, batch = engine.init_state(params), engine.shard_batch(tokens)
     stats = audit.step_stats(engine, state, batch)
     timed, step_ms = ("-", "-") if args.no_run else _timed(engine, state, batch, args.steps)
-    label = name + (f" (v={v})" if v > 1 else "")
+    label = name + (f" (v={v})" if v > 1 else "") + (
+        "" if engine.schedule.executor != "ticks" else
+        ", overlapped" if engine.schedule.overlap else ", synchronous")
     return (f"| {label} | {m} | {engine.schedule.formula_bubble:.1%} | "
             f"{engine.schedule.bubble_fraction:.1%} | {timed} | "
             f"{stats['memory/temp_bytes_per_device'] / 2**20:.2f} / "

@@ -21,7 +21,7 @@ hidden states of one data replica's batch (in the compute dtype):
           boundaries between ranks for zb_v, whose turn stays on the last rank). With
           overlapped sends (`parallel.overlap_sends`) every pair of a channel sends in
           every tick of its phases, zeros where it has no message: the table's count
-          (`Buffers.sends_per_step`) of A/m each, over p. Plus one all-reduce
+          (`buffers.sends_per_step`) of A/m each, over p. Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32, uneven
@@ -40,7 +40,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.buffers import plan
+from framework.parallel.pipeline.buffers import sends_per_step
 from framework.parallel.pipeline.schedule import (INTERLEAVED, V_SHAPE, chunks_per_rank,
                                                   make_schedule, stage_map, v_shaped)
 
@@ -91,7 +91,7 @@ def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     sched = make_schedule(parallel.schedule, p, parallel.microbatches,
                           parallel.virtual_stages, parallel.overlap_sends)
     if sched.overlap:
-        return plan(sched).sends_per_step() / p * boundary / parallel.microbatches
+        return sends_per_step(sched) / p * boundary / parallel.microbatches
     return 2 * _rank_crossings(parallel, v) / p * boundary
 
 

@@ -52,6 +52,14 @@ def overlapped_names(program) -> set[str]:
     return found
 
 
+def sends_overlapped_fraction(found: list) -> float | None:
+    """The share of the pipeline's stage-to-stage bytes (`collective-permute`s over
+    `pipe`) sent by overlapping permutes (None when there are none)."""
+    sends = [c for c in found if c.kind == "collective-permute" and "pipe" in c.axes]
+    total = sum(c.bytes_per_step for c in sends)
+    return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
+
+
 def overlapped_fraction(found: list, mesh_shape: dict[str, int]) -> dict[str, float | None]:
     """Per mesh axis: the share of its bytes per step sent by overlapping collectives
     (None for an axis that sends nothing)."""

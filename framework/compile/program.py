@@ -92,6 +92,7 @@ def comm_fields(compiled, engine, platform: str) -> dict:
     if platform == "gpu":
         for axis, share in overlap.overlapped_fraction(found, mesh_shape).items():
             out[f"comm/overlapped_fraction/{axis}"] = share
+        out["comm/overlapped_fraction/pipe_sends"] = overlap.sends_overlapped_fraction(found)
     return out
 
 
@@ -109,6 +110,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
               **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found))}
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, found))
+    report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
     state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     start = time.perf_counter()
     try:

@@ -35,7 +35,8 @@ def lines(report: dict) -> list[str]:
                            report.get("memory/compiled_bytes_per_device"))
     ratio = f" ({predicted / compiled:.2f}x the compiler)" if predicted and compiled else ""
     out = [f"{report['target']}: {report['n_devices']} x {report['device_kind']}, "
-           f"{report['mesh']} ({report['schedule']}), compiled in "
+           f"{report['mesh']} ({report['schedule']}"
+           f"{', ' + report['sends'] + ' sends' if 'sends' in report else ''}), compiled in "
            f"{report['compile_time_s']:.1f} s",
            f"memory per device (compiler): arguments {_gib(report['memory/argument_bytes_per_device'])}"
            f", outputs {_gib(report['memory/output_bytes_per_device'])}, temporaries "

@@ -98,3 +98,15 @@ def import_jax() -> None:
     if "jax" not in sys.modules:
         with filtered_stderr():
             import jax  # noqa: F401
+
+
+def start_cpu_only() -> None:
+    """For a tool that never runs on a device (it predicts, draws or reads): JAX on
+    the CPU alone, started now with the plugins' chatter dropped (on a machine without
+    a GPU, JAX's CUDA plugin would print its failed start-up as a traceback)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import_jax()
+    with filtered_stderr():
+        import jax
+
+        jax.default_backend()

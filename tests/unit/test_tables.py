@@ -181,3 +181,21 @@ def test_the_chart_shows_every_cell_of_the_table(sched, v, tmp_path):
         seen[t, r] = min(palette, key=lambda k: np.abs(np.array(palette[k]) - colour).sum())
     plt.close(fig)
     np.testing.assert_array_equal(seen, s.kind)
+
+
+def test_the_bubble_table_tool_prints_every_schedule_both_ways(capsys):
+    """tools/bubble_table.py: a row per schedule and way of sending (GPipe and circular
+    once: they send synchronously either way), each cell the table's bubble beside the
+    closed form, read back from the printed Markdown."""
+    from tests.helpers import load_tool
+
+    assert load_tool("bubble_table").main(["--pipeline", "4", "--microbatches", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[2:]
+    cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+             line.strip("|").split("|")[2].strip() for line in lines}
+    assert set(cells) == {(n + (" (v=2)" if schedules.uses_virtual_stages(n) else ""), s)
+                          for n in schedules.schedule_names()
+                          for s in (("synchronous",) if n in ("gpipe", "circular")
+                                    else ("overlapped", "synchronous"))}
+    assert cells["1f1b", "overlapped"] == "27.3% (27.3%)"
+    assert cells["1f1b", "synchronous"] == "40.0% (27.3%)"

@@ -75,15 +75,6 @@ class Buffers:
     channels: tuple  # Channel, ...
     messages: tuple  # Message, ... (for checks and accounting)
 
-    def sends_per_step(self) -> int:
-        """Messages put on the wire between ranks per step, all ranks together: the
-        table's, and with overlapped sends every pair of every tick of its phases (the
-        zeros of senders without a message included)."""
-        if any(ch.overlap for ch in self.channels):  # (then every one between ranks is)
-            return sum(len(ch.pairs[1]) * int((ch.pattern == 1).sum())
-                       for ch in self.channels if ch.overlap)
-        return sum(m.src != m.dst for m in self.messages)
-
 
 def _cells(s: Schedule) -> dict:
     """(kind letter, microbatch, global stage) -> (tick, rank); BW counts as B and W."""
@@ -150,11 +141,13 @@ def _plan(s: Schedule) -> Buffers:
     read = np.full((T, p), -1, np.int32)
     n_slots = {}
     slot_of: dict[Message, int] = {}
+    to: dict[tuple, list] = {}  # (buffer, receiving rank) -> its messages
+    for m in msgs:
+        to.setdefault((m.buffer, m.dst), []).append((m.stored, m.used, m))
     for buf in (ACT, GRAD):
         n_slots[buf] = 0
         for r in range(p):
-            mine = [(m.stored, m.used, m) for m in msgs if m.buffer == buf and m.dst == r]
-            slots, n = _colour(mine)
+            slots, n = _colour(to.get((buf, r), []))
             slot_of.update(slots)
             n_slots[buf] = max(n_slots[buf], n)
     for m in msgs:
@@ -172,18 +165,17 @@ def _plan(s: Schedule) -> Buffers:
             for (i, g), k in slots.items():
                 for letter in ("F", "B", "W"):
                     stash[at[letter, i, g]] = k
-    channels = []
-    for buf in (ACT, GRAD):
-        for shift in range(p):
-            mine = [m for m in msgs if m.buffer == buf and (m.dst - m.src) % p == shift]
-            if mine:
-                channels.append(_channel(buf, shift, mine, slot_of, T, p,
-                                         s.overlap and shift != 0))
+    on: dict[tuple, list] = {}  # (buffer, shift) -> its messages
+    for m in msgs:
+        on.setdefault((m.buffer, (m.dst - m.src) % p), []).append(m)
+    channels = [_channel(buf, shift, on[buf, shift], slot_of, T, p, s.overlap and shift != 0,
+                         s.ticks_per_step)
+                for buf in (ACT, GRAD) for shift in range(p) if (buf, shift) in on]
     return Buffers(n_slots, stash, read, tuple(channels), tuple(msgs))
 
 
 def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
-             overlap: bool) -> Channel:
+             overlap: bool, k: int) -> Channel:
     """The channel (buf, shift) carrying the messages `mine`: where each arrives, and
     which ranks send in each tick (a pattern; overlapped: every pair, every tick of its
     phases)."""
@@ -193,9 +185,9 @@ def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
         arrive[m.stored, m.dst] = slot_of[m]
         senders.setdefault(m.stored, set()).add(m.src)
     if overlap:
-        phases = tuple(sorted({t % 2 for t in senders}))
+        phases = tuple(sorted({t % k for t in senders}))
         every = tuple(sorted((src, (src + shift) % p) for src in {m.src for m in mine}))
-        pattern = np.isin(np.arange(T) % 2, phases).astype(np.int32)
+        pattern = np.isin(np.arange(T) % k, phases).astype(np.int32)
         return Channel(buf, shift, arrive, pattern, ((), every), True, phases)
     patterns = [()]
     pattern = np.zeros(T, np.int32)
@@ -205,6 +197,24 @@ def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
             patterns.append(pairs)
         pattern[t] = patterns.index(pairs)
     return Channel(buf, shift, arrive, pattern, tuple(patterns))
+
+
+def sends_per_step(s: Schedule) -> int:
+    """Messages put on the wire between ranks per step, all ranks together: the
+    table's, and with overlapped sends every pair of every tick of a channel's phases
+    (the zeros of senders without a message included). Without building the plan."""
+    between = [m for m in messages(s) if m.src != m.dst]
+    if not s.overlap:
+        return len(between)
+    channels: dict[tuple, tuple[set, set]] = {}
+    for m in between:
+        srcs, phases = channels.setdefault((m.buffer, (m.dst - m.src) % s.n_stages),
+                                           (set(), set()))
+        srcs.add(m.src)
+        phases.add(m.stored % s.ticks_per_step)
+    k = s.ticks_per_step
+    return sum(len(srcs) * sum((s.n_ticks + k - 1 - ph) // k for ph in phases)
+               for srcs, phases in channels.values())
 
 
 def plan(s: Schedule) -> Buffers:

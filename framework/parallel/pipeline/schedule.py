@@ -135,6 +135,13 @@ class Schedule:
                         self.kind[:t], self.microbatch[:t], self.chunk[:t],
                         self.formula_bubble, self.executor, self.placement)
 
+    @property
+    def ticks_per_step(self) -> int:
+        """Ticks per step of the tick executor's loop: a (forward, backward) pair when
+        sends overlap, so that each channel sends only in the tick of the pair its
+        messages travel in; one tick otherwise."""
+        return 2 if self.overlap else 1
+
     def max_in_flight(self) -> np.ndarray:
         """Per rank: the most microbatch-chunks whose forward ran but whose weight
         gradient (BW or W) did not yet."""
@@ -417,19 +424,22 @@ def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int,
     first of its ready cells (`Clock`) by priority: a B (the oldest microbatch, the
     later stage first: the backward is the critical path), else an F while fewer than
     `limit` chunk-microbatches are in flight on the rank (the later stage first), else
-    the oldest W. `simulate` then builds the table from them."""
+    the oldest W. `simulate` then builds the table from them. A cell is looked at only
+    once what it needs has run (`_unlocked`), so a tick costs what is nearly ready."""
     clock = Clock(stage_map(placement, p, v), overlap)
     stages = clock.stages
     done: dict[tuple[str, int, int], int] = {}
-    todo = [{(kind, i, c) for kind in (F, B, W) for i in range(m) for c in range(v)}
-            for _ in range(p)]
+    where = {int(g): (r, c) for (r, c), g in np.ndenumerate(stages)}
+    r0, c0 = where[0]
+    waiting: list[set] = [set() for _ in range(p)]  # cells whose needs have all run
+    waiting[r0].add((F, 0, c0))
     programs: list[list[Cell]] = [[] for _ in range(p)]
     in_flight = [0] * p
-    t, quiet = 0, 0
-    while any(todo):
+    t, quiet, left = 0, 0, 3 * m * v * p
+    while left:
         picked = []
         for r in range(p):
-            ready = [cell for cell in todo[r] if clock.ready(cell, r, t, done)]
+            ready = [cell for cell in waiting[r] if clock.ready(cell, r, t, done)]
             b = [c for c in ready if c[0] == B]
             f = [c for c in ready if c[0] == F] if in_flight[r] < limit else []
             w = [c for c in ready if c[0] == W]
@@ -442,12 +452,33 @@ def _greedy_programs(p: int, m: int, v: int, placement: str, limit: int,
             raise RuntimeError(f"greedy schedule deadlocks at tick {t} (p={p}, m={m})")
         for r, cell in enumerate(picked):
             if cell is not None:
-                todo[r].discard(cell)
+                waiting[r].discard(cell)
                 programs[r].append(cell)
                 done[clock.letter(cell, r)] = t
                 in_flight[r] += 1 if cell[0] == F else -1 if cell[0] == W else 0
+                left -= 1
+                for rank, next_cell in _unlocked(cell, int(stages[r, cell[2]]), m, where, done):
+                    waiting[rank].add(next_cell)
         t += 1
     return programs
+
+
+def _unlocked(cell: Cell, g: int, m: int, where: dict, done: dict):
+    """(rank, cell) of the cells whose needs have all run now that `cell` (at global
+    stage g) has: the next stage's F, this stage's B or the previous stage's B, W;
+    stage 0's next microbatch."""
+    kind, i, _ = cell
+    S = len(where)
+    if kind == F:
+        after = [(F, i, g + 1)] * (g < S - 1) + [(B, i, g)] + [(F, i + 1, 0)] * (g == 0 and i + 1 < m)
+    elif kind == B:
+        after = [(B, i, g - 1)] * (g > 0) + [(W, i, g)]
+    else:
+        after = []
+    for k, j, h in after:
+        if all(need in done for need in _needs(k, j, h, S)):
+            rank, chunk = where[h]
+            yield rank, (k, j, chunk)
 
 
 @register("zb_v", chunks=2, placement=V_SHAPE)
