@@ -129,6 +129,7 @@ def run_case(model, par, train, devices) -> str | None:
 
 def label(par) -> str:
     extra = "".join(f" {k}" for k in ("zero1", "sequence_parallel") if getattr(par, k))
+    extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     return (f"{par.schedule} pp{par.pipeline} dp{par.data} tp{par.tensor} "
             f"mb{par.microbatches}{v} remat={par.remat}{extra}")
