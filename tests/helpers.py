@@ -74,11 +74,30 @@ def engine(pipeline=1, data=1, tensor=1, microbatches=1, model=MODEL, train=TRAI
     return build_engine(model, par, optim, train.steps, make_mesh(par))
 
 
+_REFERENCE = {}
+
+
 def reference_grads(model=MODEL, step=0):
-    return jax.jit(lambda p, t: reference.loss_and_grads(p, t, model))(params(model), tokens(step))
+    """The single-device loss and gradients (computed once per model and step: many
+    parity tests compare with the same reference)."""
+    key = ("grads", repr(model), step)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = jax.jit(lambda p, t: reference.loss_and_grads(p, t, model))(
+            params(model), tokens(step))
+    return _REFERENCE[key]
 
 
 def reference_losses(n_steps, model=MODEL, optim=OPTIM, train=TRAIN):
+    """The single-device losses of `n_steps` optimizer steps and the final parameters
+    (computed once per setting)."""
+    key = ("losses", n_steps, repr(model), repr(optim), repr(train))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_losses(n_steps, model, optim, train)
+    losses, final = _REFERENCE[key]
+    return list(losses), final
+
+
+def _reference_losses(n_steps, model, optim, train):
     opt = make_optimizer(optim, train.steps)
     p = params(model)
     state = opt.init(p)

@@ -118,6 +118,7 @@ def test_measured_communication_within_10_percent_of_expected(schedule, v, sp):
         assert 0.99 <= ratio <= 1.1, (axis, ratio)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_swaps_all_reduce_for_reduce_scatter_and_all_gather():
     counts = {}
     for sp in (False, True):

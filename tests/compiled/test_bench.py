@@ -53,6 +53,7 @@ def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
     assert text.count("\n") == 2 + len(rows) + 1  # header, rule, layouts, reference
 
 
+@pytest.mark.slow
 def test_host_peak_and_compile_times_are_positive(cfg):
     assert bench.host_matmul_peak(jax.devices()[0], n=256, reps=3) > 1e6  # FLOP/s
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=1))
@@ -77,6 +78,7 @@ def test_attention_rows_and_a_reference_shape_that_does_not_fit(cfg):
         bench.measure(cfg, own[:1], jax.devices(), limit=1.0, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_one_runner_at_a_time_as_on_an_accelerator(cfg):
     one = bench.layouts_for(cfg, [], False)[:1]
     rows, ref, pairs = bench.measure(cfg, one, jax.devices(), steps=2, rounds=1, warmup=1,

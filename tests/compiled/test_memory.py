@@ -43,14 +43,14 @@ def _compiled_peak_bytes(par: ParallelConfig) -> int:
 SLOW = pytest.mark.slow
 LAYOUTS = [  # the first two in the fast tier
     dict(),
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
+    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", zero1=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1",
+                      sequence_parallel=True), marks=SLOW),
     pytest.param(dict(pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), marks=SLOW),
     pytest.param(dict(pipeline=4, microbatches=8, schedule="zb_v"), marks=SLOW),
     pytest.param(dict(tensor=4, sequence_parallel=True), marks=SLOW),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1",
                       remat="full"), marks=SLOW),
-    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", zero1=True),
-                 marks=SLOW),
     pytest.param(dict(pipeline=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2,
                       stage_layers=(1, 3, 2, 2)), marks=SLOW),  # uneven: chunks of 3 layers
 ]

@@ -45,6 +45,7 @@ def test_timed_bubble_ranks_configurations_like_their_schedules(tmp_path):
     assert zb < gpipe  # tables: 20% against 43%
 
 
+@pytest.mark.slow
 def test_no_timed_bubble_without_a_pipeline(tmp_path):
     """One stage never waits for a neighbour: no number (it read 100% before: no stage
     work is classified when there is no tick dispatch)."""
@@ -58,6 +59,7 @@ def test_no_timed_bubble_without_a_pipeline(tmp_path):
     assert profiling.measure(eng, steps, tmp_path) == {}
 
 
+@pytest.mark.slow
 def test_profile_classifies_the_executors_cells():
     """Structure, not names: every busy branch of the cell dispatch is stage work of its
     kind, in both executors."""

@@ -32,9 +32,10 @@ from tests.cli import assert_same, command, complete_steps, losses, ok, summary
 from tests.cli import train as framework_run
 from tests.helpers import load_tool
 
-# Every run here trains the same program (same shapes, same 10-step LR schedule).
+# Every run here trains the same program (same shapes, same 10-step LR schedule); no
+# profile window (its timed bubble is tested in test_run.py), except where the test says.
 BASE = ("recipe=llama_tiny_debug", "train.steps=10", "logging.every=1", "eval.every=5",
-        "logging.progress=false", "logging=no_wandb")
+        "logging.progress=false", "logging=no_wandb", "profile.steps=0")
 COMMON = (*BASE, "data=markov")
 STEPS = 10
 EVERY_STEP = ("checkpoint.every=1", f"checkpoint.keep={STEPS}")  # all steps kept
@@ -520,7 +521,8 @@ def test_the_whole_run_folder_on_a_full_disk_ends_in_one_line_and_resumes(full, 
     if not _can_mount_tmpfs(mnt):
         pytest.skip("no unprivileged tmpfs here")
     run_dir = mnt / "run"
-    run = " ".join(command(run_dir, *COMMON, "checkpoint.every=1", "checkpoint.keep=2"))
+    run = " ".join(command(run_dir, *COMMON, "checkpoint.every=1", "checkpoint.keep=2",
+                           "profile.steps=2"))
     check = (f"{sys.executable} -c \"import json; s = json.load(open('{run_dir}/summary.json'));"
              f" [json.loads(l) for l in open('{run_dir}/metrics.jsonl')]; print(s['status'])\"")
     script = (f"mount -t tmpfs -o size=5m tmpfs {mnt} && {run} 2>{tmp_path / 'err1'}; "

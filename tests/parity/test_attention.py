@@ -126,17 +126,16 @@ def dense_reference():
     return reference_grads(dataclasses.replace(MODEL, attention="dense"))
 
 
-@pytest.mark.parametrize("pp,dp,tp,mb,kw", [  # single and zb_h1 in the fast tier
+# The kernel runs inside a stage: one schedule per executor (autodiff: circular; ticks,
+# backward fused: 1f1b; split: zb_h1) is what can differ. Single and zb_h1 are fast.
+@pytest.mark.parametrize("pp,dp,tp,mb,kw", [
     (1, 1, 1, 1, {}),
-    pytest.param(2, 2, 2, 4, dict(schedule="gpipe"), marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, dict(schedule="circular", virtual_stages=2), marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, dict(schedule="1f1b"), marks=pytest.mark.slow),
-    pytest.param(2, 2, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2),
-                 marks=pytest.mark.slow),
     (2, 2, 2, 4, dict(schedule="zb_h1")),
     pytest.param(1, 1, 4, 1, {}, marks=pytest.mark.slow),
     pytest.param(1, 2, 4, 2, dict(sequence_parallel=True), marks=pytest.mark.slow),
-], ids=["single", "gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "tp4", "sp"])
+], ids=["single", "circular", "1f1b", "zb_h1", "tp4", "sp"])
 def test_blockwise_model_matches_dense_reference(pp, dp, tp, mb, kw, dense_reference):
     ref_loss, ref_grads = dense_reference
     loss, grads = engine_grads(engine(pp, dp, tp, mb, model=BLOCKWISE, **kw))

@@ -99,7 +99,7 @@ UNEVEN = [
 
 @pytest.mark.parametrize("name,pp,mb,dp,tp,v,counts,kw", [
     pytest.param(*case, id=f"{case[0]}-{'-'.join(map(str, case[6]))}",
-                 marks=[pytest.mark.slow] if i else []) for i, case in enumerate(UNEVEN)])
+                 marks=pytest.mark.slow) for case in UNEVEN])
 def test_uneven_stages_match_the_reference(name, pp, mb, dp, tp, v, counts, kw, ref):
     eng = engine(pp, dp, tp, mb, schedule=name, virtual_stages=v, stage_layers=counts, **kw)
     assert eng.layout.stage_layers == counts

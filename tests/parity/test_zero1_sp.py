@@ -32,6 +32,7 @@ def test_zero1_and_sequence_parallel_parity(kw, ref):
     assert worst(max_rel_err(grads, ref[1])) <= 1e-4
 
 
+@pytest.mark.slow
 def test_zero1_trains_like_the_reference_and_shards_optimizer_state():
     ref_losses, ref_params = reference_losses(3)
     plain, zero1 = engine(1, 8, 1, 1), engine(1, 8, 1, 1, zero1=True)

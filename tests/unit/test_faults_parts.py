@@ -250,6 +250,7 @@ def _cli_in_this_process(monkeypatch, tmp_path, *args) -> tuple[int, str]:
     return exited.value.code, err.getvalue()
 
 
+@pytest.mark.slow
 def test_every_impossible_number_is_one_line_and_exit_2(monkeypatch, tmp_path):
     for setting, message in BAD_NUMBERS:
         code, err = _cli_in_this_process(monkeypatch, tmp_path, setting)

@@ -69,6 +69,7 @@ def test_auto_takes_layers_off_the_head_stage_of_a_large_vocabulary():
     assert resolve_stage_layers(even, auto, 16).stage_layers is None
 
 
+@pytest.mark.slow
 def test_padding_layers_pass_their_input_and_get_zero_gradients():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64)
     layers = jax.jit(lambda k: init_params(cfg, k))(jax.random.key(1))["layers"]
