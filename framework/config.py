@@ -4,10 +4,11 @@ Each component receives only its own slice (the model gets `ModelConfig`, the
 pipeline gets `ParallelConfig`, ...). Hydra (see `framework/run/cli.py`) composes these
 same dataclasses, so a misspelled key or a wrong type fails at composition time.
 
-Nothing here imports JAX or any other part of the framework: every package reads
-its slice of these. The valid values of each setting with a fixed set of them are
-`CHOICES`, the valid range of each number `RANGES`; `check_choices` and
-`check_ranges` return one line per problem, naming the setting and what is valid.
+Nothing here imports JAX or any other part of the framework (but its errors): every
+package reads its slice of these. The valid values of each setting with a fixed set of
+them are `CHOICES`, the valid range of each number `RANGES`; `not_one_of` and
+`check_ranges` return one line per problem, naming the setting and what is valid, and
+`stage_layers_value` reads `parallel.stage_layers` (a list of counts or a word).
 Whether a whole configuration can be built on some devices (degrees, divisibility,
 the schedule) is decided in `framework/engine/validate.py`; the schedules themselves
 are a registry (`framework/parallel/pipeline/schedule.py`).
@@ -19,6 +20,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from framework.errors import ConfigError
 
 
 # The valid values of every setting that has a fixed set of them.
@@ -85,15 +88,39 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
-def model_config_from_dict(values: dict) -> ModelConfig:
-    """A ModelConfig from `dataclasses.asdict` output (checkpoint metadata); keys it
-    does not know are ignored, missing ones take their defaults (older checkpoints)."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    kept = {k: v for k, v in values.items() if k in names}
-    scaling = kept.pop("rope_scaling", None)
-    if isinstance(scaling, dict):
-        kept["rope_scaling"] = RopeScaling(**scaling)
-    return ModelConfig(**kept)
+def shown(value) -> str:
+    """A value as a user writes it on the command line: [2,'2'], true, null."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(shown, value)) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+_KINDS = {bool: "true/false", int: "a number", float: "a decimal number", str: "a string",
+          list: "a list", tuple: "a list", dict: "a mapping"}
+STAGE_LAYERS_FORMS = ("a list of positive whole numbers, the layers of each global stage "
+                      "(e.g. [2,2]), or auto, or null (unset: model.n_layers split evenly)")
+
+
+def stage_layers_value(given):
+    """`parallel.stage_layers` as the pipeline reads it: None, "auto" or a tuple of layer
+    counts (hashable). Anything else raises ConfigError: one line with what was given
+    and the valid forms. Whether the counts fit the model and the pipeline is checked
+    with the degrees (framework/engine/validate.py)."""
+    if given is None or given == "auto":
+        return given
+    kind = lambda v: _KINDS.get(type(v), type(v).__name__)
+    if not isinstance(given, (list, tuple)):
+        problem = f"is {kind(given)}, not a list"
+    elif wrong := [n for n in given if isinstance(n, bool) or not isinstance(n, int)]:
+        problem = f"holds {shown(wrong[0])} ({kind(wrong[0])}) where a number of layers belongs"
+    elif min(given, default=1) < 1:
+        problem = f"holds {min(given)}, but every stage needs at least 1 layer"
+    else:
+        return tuple(given)
+    raise ConfigError(f"parallel.stage_layers={shown(given)} {problem}: it takes "
+                      f"{STAGE_LAYERS_FORMS}")
 
 
 @dataclass(unsafe_hash=True)
@@ -123,8 +150,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list
-        if self.stage_layers is not None and not isinstance(self.stage_layers, str):
-            self.stage_layers = tuple(self.stage_layers)  # hashable
+        self.stage_layers = stage_layers_value(self.stage_layers)
 
     @property
     def n_devices(self) -> int:
@@ -366,15 +392,3 @@ def setting_names(cls, prefix: str = "") -> list[str]:
         kind, name = hints[f.name], prefix + f.name
         out += setting_names(kind, name + ".") if dataclasses.is_dataclass(kind) else [name]
     return out
-
-
-def clamp_warmup(cfg: "RunConfig") -> tuple["RunConfig", str | None]:
-    """A warm-up longer than the run (a short trial of a recipe) becomes the whole run;
-    returns the config and the warning to print (None when nothing changed)."""
-    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
-    if warmup <= steps:
-        return cfg, None
-    optim = dataclasses.replace(cfg.optim, warmup_steps=steps)
-    return dataclasses.replace(cfg, optim=optim), (
-        f"warning: optim.warmup_steps={warmup} is more than train.steps={steps}: the "
-        f"learning rate warms up over all {steps} steps (it reaches optim.lr at the last)")

@@ -4,7 +4,7 @@ of pipeline sizes and microbatch counts, with overlapped and with synchronous se
     python tools/bubble_table.py                          # p 2, 4, 8 x m 8, 16, 32
     python tools/bubble_table.py --pipeline 4 --microbatches 8 16 --virtual-stages 2 4
 
-Nothing is compiled: the tables are the ones the engine runs (`make_schedule`), the
+Nothing is compiled: the tables are the ones the engine runs (`program(...).schedule`), the
 bubble is `Schedule.bubble_fraction` (lockstep ticks, unit-cost F = B = W, BW = 2) and
 "in flight" the most microbatch-chunks a rank holds between its F and its W (BW).
 Markdown, one row per (schedule, virtual stages, sends); cells "table (closed form)".
@@ -22,6 +22,7 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 from framework.parallel.pipeline import schedule as schedules  # noqa: E402
+from framework.parallel.pipeline.program import program  # noqa: E402
 
 
 def rows(pipelines, microbatches, virtual_stages) -> list[str]:
@@ -33,7 +34,7 @@ def rows(pipelines, microbatches, virtual_stages) -> list[str]:
         chunks = virtual_stages if schedules.uses_virtual_stages(name) else (1,)
         for v in chunks:
             for overlap in (True, False):
-                made = {(p, m): schedules.make_schedule(name, p, m, v, overlap)
+                made = {(p, m): program(name, p, m, v, overlap).schedule
                         for p, m in grid if not schedules.check(name, p, m, v)}
                 if not made:
                     continue

@@ -38,18 +38,33 @@ SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,
             "tensor_gbps": float, "pipe_gbps": float, "data_gbps": float,
             "network_gbps": float, "devices_per_node": int, "memory_fraction": float,
             "top": int, "unfit": int}
+# What each setting may be: (lowest, highest, lowest included), for the one-line error.
+POSITIVE = (0, None, False)
+VALID = {"devices": (1, None, True), "device_memory_gb": POSITIVE, "peak_tflops": POSITIVE,
+         "tensor_gbps": POSITIVE, "pipe_gbps": POSITIVE, "data_gbps": POSITIVE,
+         "network_gbps": POSITIVE, "devices_per_node": (1, None, True),
+         "memory_fraction": (0, 1, False), "top": (0, None, True), "unfit": (0, None, True)}
+
+
+def check_settings(settings: dict) -> None:
+    """Raises ConfigError (one line) for the first setting out of its range (`VALID`)."""
+    from framework.errors import ConfigError
+
+    for name, value in settings.items():
+        low, high, closed = VALID[name]
+        if (value < low if closed else value <= low) or (high is not None and value > high):
+            rng = (f"in ({low}, {high}]" if high is not None else
+                   f">= {low}" if closed else f"> {low}")
+            raise ConfigError(f"{name}={value:g} is out of range: it must be {rng}")
 
 
 def hardware(settings: dict, dtype: str):
     from framework.analysis import flops, planner
-    from framework.errors import ConfigError
 
     peak = settings.get("peak_tflops")
     peak = peak * 1e12 if peak else flops.peak_flops_per_device("h100", dtype)
     pinned = tuple((axis, settings[f"{axis}_gbps"] * planner.GB)
                    for axis in ("tensor", "pipe", "data") if f"{axis}_gbps" in settings)
-    if settings["device_memory_gb"] <= 0 or settings["devices"] < 1:
-        raise ConfigError("devices and device_memory_gb must be positive")
     return planner.Hardware(
         memory_bytes=settings["device_memory_gb"] * 2**30, peak_flops=peak,
         inter_node=settings.get("network_gbps", 50.0) * planner.GB,
@@ -75,6 +90,7 @@ def main(argv=None) -> int:
         if missing:
             raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
                               f"(e.g. devices=8 device_memory_gb=80)")
+        check_settings(settings)
         cfg = compose(overrides)
         from framework.analysis import planner
 

@@ -10,7 +10,7 @@ actually did beside it.
 Table: ranks are rows, ticks are columns; F cells blue, B orange, W green, fused BW
 red, each labelled with its microbatch (and chunk, with virtual stages); idle cells are
 blank. The table drawn is the very one the engine executes
-(`framework.pipeline.schedule`).
+(`framework/parallel/pipeline/`).
 
 Trace (`--trace <run folder>`): the run's profiled steps (`profile.steps`), read from
 the timeline its profile left (`profile/timeline.json`, `framework/analysis/profiling.py`): per
@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from framework.runtime.quiet import import_jax  # noqa: E402
 
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
-from framework.parallel.pipeline.schedule import (BW, B, F, IDLE, KIND_NAMES, W, Schedule,
-                                                  make_schedule, schedule_names)
+from framework.parallel.pipeline.program import program  # noqa: E402
+from framework.parallel.pipeline.schedule import schedule_names  # noqa: E402
+from framework.parallel.pipeline.table import (  # noqa: E402
+    BW, IDLE, KIND_NAMES, B, F, Schedule, W)
 
 COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756"}
 LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward"}
@@ -96,8 +98,8 @@ def draw_trace(run_dir: str, path: str) -> dict:
     """The run's measured timeline under its table; returns the timeline record."""
     timeline = json.loads((Path(run_dir) / "profile" / "timeline.json").read_text())
     sched = timeline["schedule"]
-    schedule = make_schedule(sched["name"], sched["pipeline"], sched["microbatches"],
-                             sched["virtual_stages"], sched.get("overlap_sends", True))
+    schedule = program(sched["name"], sched["pipeline"], sched["microbatches"],
+                       sched["virtual_stages"], sched.get("overlap_sends", True)).schedule
     ranks = schedule.n_stages
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.3 * schedule.n_ticks + 1.5),
                                                      ranks + 3.2))
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
     if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
         parser.error("; ".join(problems) or "--pipeline, --microbatches and "
                      "--virtual-stages must be >= 1")
-    schedule = make_schedule(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
-                             overlap=not args.sync)
+    schedule = program(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
+                       overlap=not args.sync).schedule
     idle = draw(schedule, args.output)
     print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} ranks, "
           f"{idle} idle cells, table bubble {schedule.bubble_fraction:.4f}")

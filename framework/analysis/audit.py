@@ -29,7 +29,6 @@ import numpy as np
 
 from framework.analysis import hlo as hlo_lib
 from framework.analysis.overlap import overlapped_names
-from framework.parallel.pipeline import executor
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -196,21 +195,16 @@ def report(found: list[Collective]) -> str:
 
 # --- What a compiled step says about itself --------------------------------------------
 
-def scope_weights(schedule) -> dict[str, float]:
-    """How often the conditionally executed scopes of a step run: from the pipeline
-    executor of its schedule and the table (`framework/parallel/pipeline/`)."""
-    return executor(schedule).scope_weights(schedule)
-
-
-def step_collectives(hlo: str, mesh_shape: dict[str, int], schedule) -> list[Collective]:
+def step_collectives(hlo: str, mesh_shape: dict[str, int], program) -> list[Collective]:
     """The communication audit of a compiled train step on a mesh of `mesh_shape`
-    running `schedule`."""
-    return collectives(hlo, mesh_shape, scope_weights(schedule))
+    running the pipeline `program`, whose scope weights say how often the conditionally
+    executed scopes run (`framework/parallel/pipeline/program.py`)."""
+    return collectives(hlo, mesh_shape, program.scope_weights)
 
 
 def engine_collectives(engine, hlo: str) -> list[Collective]:
     """The communication audit of a compiled step of `engine` (framework/engine/build.py)."""
-    return step_collectives(hlo, dict(engine.mesh.shape), engine.schedule)
+    return step_collectives(hlo, dict(engine.mesh.shape), engine.program)
 
 
 def step_stats(engine, state, tokens) -> dict:
@@ -219,10 +213,10 @@ def step_stats(engine, state, tokens) -> dict:
     time, per-device memory, bytes per mesh axis (`compiled_stats`)."""
     seconds = engine.compile(state, tokens)
     return {"perf/compile_time_s": seconds,
-            **compiled_stats(engine.compiled, dict(engine.mesh.shape), engine.schedule)}
+            **compiled_stats(engine.compiled, dict(engine.mesh.shape), engine.program)}
 
 
-def compiled_stats(compiled, mesh_shape: dict[str, int], schedule) -> dict:
+def compiled_stats(compiled, mesh_shape: dict[str, int], program) -> dict:
     """Per-device memory (XLA's memory analysis) and bytes sent per device per step on
     each mesh axis (the communication audit) of a compiled train step."""
     stats = {}
@@ -235,7 +229,7 @@ def compiled_stats(compiled, mesh_shape: dict[str, int], schedule) -> dict:
             - mem.alias_size_in_bytes)
         stats["memory/temp_bytes_per_device"] = int(mem.temp_size_in_bytes)
         stats["memory/argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
-    found = step_collectives(compiled.as_text(), mesh_shape, schedule)
+    found = step_collectives(compiled.as_text(), mesh_shape, program)
     for axis, nbytes in bytes_per_axis(found, mesh_shape).items():
         stats[f"comm/bytes_per_step/{axis}"] = float(nbytes)
     return stats

@@ -21,7 +21,7 @@ hidden states of one data replica's batch (in the compute dtype):
           boundaries between ranks for zb_v, whose turn stays on the last rank). With
           overlapped sends (`parallel.overlap_sends`) every pair of a channel sends in
           every tick of its phases, zeros where it has no message: the table's count
-          (`buffers.sends_per_step`) of A/m each, over p. Plus one all-reduce
+          (`Program.sends_per_step`) of A/m each, over p. Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32, uneven
@@ -40,9 +40,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.buffers import sends_per_step
-from framework.parallel.pipeline.schedule import (INTERLEAVED, V_SHAPE, chunks_per_rank,
-                                                  make_schedule, stage_map, v_shaped)
+from framework.parallel.pipeline.program import program
 
 FP32 = 4
 
@@ -74,39 +72,35 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
     return counts
 
 
-def _rank_crossings(parallel: ParallelConfig, v: int) -> int:
-    """Stage boundaries g -> g+1 whose two stages are on different ranks: p*v - 1 for
-    Megatron's interleaving, 2p - 2 for a V (ZB-V: the turn is on the last rank)."""
-    placement = V_SHAPE if v_shaped(parallel.schedule) else INTERLEAVED
-    rank = {int(g): r for (r, _), g in np.ndenumerate(stage_map(placement, parallel.pipeline, v))}
-    return sum(rank[g] != rank[g + 1] for g in range(parallel.pipeline * v - 1))
-
-
 def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
     """Bytes per device per step of the pipeline's stage-to-stage sends (`pipe`, above)."""
-    p, v = parallel.pipeline, chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    p = parallel.pipeline
     boundary = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
                 * np.dtype(model.dtype).itemsize
                 / (parallel.tensor if parallel.sequence_parallel else 1))
-    sched = make_schedule(parallel.schedule, p, parallel.microbatches,
-                          parallel.virtual_stages, parallel.overlap_sends)
-    if sched.overlap:
-        return sends_per_step(sched) / p * boundary / parallel.microbatches
-    return 2 * _rank_crossings(parallel, v) / p * boundary
+    prog = _program(parallel)
+    if prog.schedule.overlap:
+        return prog.sends_per_step / p * boundary / parallel.microbatches
+    return 2 * prog.stages.crossings() / p * boundary
+
+
+def _program(parallel: ParallelConfig):
+    return program(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                   parallel.virtual_stages, parallel.overlap_sends)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
     p, dp, tp = parallel.pipeline, parallel.data, parallel.tensor
-    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    stages = _program(parallel).stages
+    v = stages.of.shape[1]
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp
     hidden = rows * train.seq_len * model.d_model * act_bytes  # A
     # The busiest rank's layers (uneven stages: `parallel.stage_layers`).
     counts = stage_layer_counts(model, parallel, train.seq_len)
-    on_rank = stage_map(V_SHAPE if v_shaped(parallel.schedule) else INTERLEAVED, p, v)
-    layers = max(sum(counts[g] for g in row) for row in on_rank)
+    layers = max(sum(counts[g] for g in row) for row in stages.of)
     counts = local_param_counts(model, parallel, max(counts) * v)
 
     tensor = 4 * layers * _ring_all_reduce(tp) * hidden

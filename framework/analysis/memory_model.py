@@ -26,12 +26,13 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  per-layer part once (loop-invariant), except in the circular schedule,
                  where the chunk's weights are sliced per tick; plus the whole local
                  batch's hidden states (inputs, outputs and their gradients);
-               tick executor (1F1B, interleaved 1F1B, ZB-H1): the stash slots of the
-                 schedule's buffer plan (`framework/parallel/pipeline/buffers.py`; at most p
-                 stages' worth), each a chunk's residuals for one microbatch (split
-                 backward: B's residuals or W's output gradients, the larger, plus the
-                 weight ops' inputs), one spare slot for the writes not kept and the
-                 entry a cell's branch returns; the receive slots of messages.
+               tick executor (1F1B, interleaved 1F1B, ZB-H1, ZB-V): measured, not
+                 recounted: the executor's own state before its first tick
+                 (`executor_state`: `jax.eval_shape` of its `initial_carry`: the
+                 receive slots, the stash slots of the program's buffer plan, the
+                 gradient accumulators, the pending sends), plus one stash slot's entry
+                 (what a cell's branch returns for the write after it) and, with
+                 overlapped sends, the message arriving beside the cell.
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch) and one layer's backward (its full residuals once
@@ -60,13 +61,15 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
+from framework.engine.step import device_fn
 from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
 from framework.model.llama import Block, apply_layers
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.autodiff import split_vjp
-from framework.parallel.pipeline.buffers import plan
-from framework.parallel.pipeline.schedule import AUTODIFF, make_schedule
+from framework.parallel.pipeline import ticks
+from framework.parallel.pipeline.program import program_of
+from framework.parallel.pipeline.stage import split_vjp
+from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
@@ -78,15 +81,18 @@ def _nbytes(tree) -> int:
 
 
 @lru_cache(maxsize=None)
-def _residual_bytes(model: ModelConfig, rules, n_layers: int, rows: int, seq: int, tp: int,
-                    sp: bool, remat: str, part: str = "full") -> int:
+def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows: int,
+                    part: str = "full") -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
     tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
     devices, so weights and activations have their per-device shapes. `part`: "full"
     (the VJP of weights and input, what a fused backward keeps), or for a split
     backward (`framework/engine/split.py`) "input" (the input-gradient VJP's residuals),
-    "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients)."""
+    "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients).
+    `layer`: (seq, tp, sp, remat), the sequence, tensor degree, sequence parallelism
+    and remat policy the layers run with."""
+    seq, tp, sp, remat = layer
     tp_plan = TensorParallel(TENSOR, tp, sp, rules)
     dt = jnp.dtype(model.dtype)
     found = {}
@@ -144,7 +150,7 @@ def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
     layer scan hoists and XLA folds into their users) are not memory: dropped.
     `model.attention` must be resolved (`attention_traced`)."""
     rules = param_rules() if rules is None else rules
-    r = {(n, b): _residual_bytes(model, rules, n, b, seq, tp, sp, remat, part)
+    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -198,18 +204,35 @@ def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> 
     return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
-def _stash_slot(model, seq, tp, sp, remat, layers, rows, split: bool, rules,
-               hidden: int) -> int:
-    """One stash slot of the tick executor: a chunk's VJP residuals for one microbatch;
-    with a split backward the input-gradient VJP's residuals, later overwritten by the
-    weight ops' output gradients (the slot holds the larger), next to the weight ops'
-    inputs. Split under remat (framework/parallel/pipeline/ticks.py, recompute): the
-    residuals, and the incoming gradient (`hidden` bytes) from B to W."""
-    if not split or remat != "none":
-        full = residuals(model, seq, tp, sp, remat, rules=rules).chunk(layers, rows)
-        return full + (hidden if split else 0)
-    part = lambda name: residuals(model, seq, tp, sp, remat, name, rules).chunk(layers, rows)
-    return max(part("input"), part("douts")) + part("saved")
+@lru_cache(maxsize=None)
+def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> dict:
+    """Bytes per device of the tick executor's own state before its first tick (its
+    `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
+    field, and of one stash slot's entry (`slot`: what a cell's branch returns for the
+    write after it). Measured, not recounted: `jax.eval_shape` of the executor's
+    `initial_carry`, inside the step's own per-device setup (`engine.step.device_fn`)
+    in a `shard_map` over an abstract mesh of the layout's degrees (no devices), for a
+    global batch of `batch` rows of `seq` tokens."""
+    prog = program_of(parallel)
+    specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
+    shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,
+                                   parallel.stage_layers)
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    found = {}
+
+    def measure(fns, params, inputs, targets):  # per device, at trace time only
+        cells = ticks.make_cells(prog, fns, params, inputs, targets,
+                                 jax.lax.axis_index(PIPE))
+        found.update({k: _nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
+        entry = [cells.types.packing.zeros(0)] + [cells.zeros(a, 0) for a in cells.types.saved]
+        found["slot"] = _nbytes(entry)
+        return jnp.zeros(())
+
+    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)
+    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.tensor), (PIPE, DATA, TENSOR))
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),
+                   shapes, tokens)
+    return found
 
 
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -219,9 +242,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     (default: JAX's default backend)."""
     model = attention_traced(model, train.seq_len, platform)
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
-    p, dp, tp, m = parallel.pipeline, parallel.data, parallel.tensor, parallel.microbatches
-    sched = make_schedule(parallel.schedule, p, m, parallel.virtual_stages,
-                          parallel.overlap_sends)
+    dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
+    sched = program_of(parallel).schedule
     v = sched.n_chunks
     full, stored, stage_weights = _param_bytes(model, parallel, v)
     rules = param_rules(parallel.tensor_split)
@@ -249,19 +271,15 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
             grads += stage_weights  # for the stage's weights
-    else:  # tick executor: the table's stash and receive slots (+ the spare write slot)
-        slot = _stash_slot(model, train.seq_len, tp, sp, parallel.remat, layers, mb_rows,
-                           sched.split_backward, rules, hidden)
-        buffers = plan(sched)
-        n = buffers.n_slots
+    else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
+        state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
+        slot = state["slot"]
         # + the slot contents a cell's branch returns for the write after it; overlapped
-        # sends: per buffer the last tick's message and the one arriving beside the cell
-        travelling = {ch.buffer for ch in buffers.channels if ch.overlap}
-        kept = ((n["stash"] + 2) * slot + sum(n[b] + 1 for b in ("act", "grad") if n[b]) * hidden
-                + 2 * len(travelling) * hidden)
+        # sends: the message arriving beside the cell, one per pending one
+        kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
         head = LOGIT_COPIES["1f1b"] * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
-        grads += full  # the tick loop's gradient accumulators
+        grads += state["grads"]  # the tick loop's gradient accumulators
     out = {
         "params": stored,
         "optimizer": 2 * stored,  # AdamW's mu and nu, sharded like the parameters

@@ -31,8 +31,9 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import check, stage_layer_counts
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.schedule import (chunks_per_rank, make_schedule,
-                                                  schedule_names, uses_virtual_stages)
+from framework.parallel.pipeline.program import program
+from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
+                                                  uses_virtual_stages)
 
 GB = 1e9
 
@@ -95,8 +96,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     """Predicted seconds per step by term (see the module docstring), with the bubble
     and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
     dp, tp, n = parallel.data, parallel.tensor, parallel.n_devices
-    sched = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                          parallel.virtual_stages, parallel.overlap_sends)
+    sched = program(parallel.schedule, parallel.pipeline, parallel.microbatches,
+                    parallel.virtual_stages, parallel.overlap_sends).schedule
     tokens = train.global_batch_size * train.seq_len
     layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
                                           sched.split_backward)

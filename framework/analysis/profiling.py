@@ -42,7 +42,7 @@ import numpy as np
 
 from framework.analysis import hlo as hlo_lib
 from framework.parallel.mesh import PIPE
-from framework.parallel.pipeline.schedule import BW, F, KIND_NAMES
+from framework.parallel.pipeline.table import BW, F, KIND_NAMES
 from framework.parallel.pipeline.scopes import CELL, LOOP
 
 TRACE_DIR = "profile"

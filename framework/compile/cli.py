@@ -19,7 +19,7 @@ from pathlib import Path
 
 import hydra
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from framework.compile import report as report_lib
 from framework.compile.targets import parse
@@ -30,13 +30,18 @@ from framework.run.tracking import SUMMARY_FILE
 from framework.runtime.quiet import stderr_to
 
 COMPILER_LOG = "compile.log"
+SWEEP_FAILED = 1  # exit status of a sweep in which a job did not compile
+_NOT_COMPILED: list[str] = []  # this sweep's jobs that did not compile: "name (reason)"
 
 
 @hydra.main(version_base=None, config_path=str(run_cli.CONF_DIR), config_name="compile")
 def _main(cfg: DictConfig) -> None:
     hc = run_cli.task_started()
     if hc.mode == RunMode.MULTIRUN:
-        run_cli.launch_job(cfg, hc, module="framework.compile")
+        summary = run_cli.launch_job(cfg, hc, module="framework.compile")
+        if summary.get("status") != "compiled":
+            _NOT_COMPILED.append(f"{Path(hc.runtime.output_dir).name} "
+                                 f"({summary.get('status')}: {summary.get('reason', '')})")
         return
     from framework.compile.program import TooBig, compile_report
 
@@ -44,7 +49,7 @@ def _main(cfg: DictConfig) -> None:
         run_cli.check_added_keys(list(hc.overrides.task), CompileConfig)
     except ConfigError as err:
         run_cli.user_error(err)
-    run_cfg: CompileConfig = OmegaConf.to_object(cfg)
+    run_cfg: CompileConfig = run_cli.typed_config(cfg)
     run_dir = Path(hc.runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe = {"recipe": hc.runtime.choices.get("recipe")}
@@ -66,6 +71,10 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     run_cli.main(_main)
+    if _NOT_COMPILED:  # a sweep: every job ran; say which did not compile
+        print(f"error: {len(_NOT_COMPILED)} compile job(s) did not compile: "
+              f"{'; '.join(_NOT_COMPILED)}", file=sys.stderr, flush=True)
+        sys.exit(SWEEP_FAILED)
 
 
 if __name__ == "__main__":

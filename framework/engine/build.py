@@ -25,7 +25,8 @@ from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, train_step
 from framework.parallel.mesh import DATA
 from framework.parallel.pipeline import layout
-from framework.parallel.pipeline.schedule import Schedule, make_schedule
+from framework.parallel.pipeline.program import Program, program_of
+from framework.parallel.pipeline.table import Schedule
 
 
 @dataclass(eq=False)
@@ -33,7 +34,7 @@ class Engine:
     """The jitted step of one configuration on one mesh, and its state's layout."""
 
     layout: StateLayout
-    schedule: Schedule
+    program: Program  # the schedule compiled once (framework/parallel/pipeline/program.py)
     lr: optax.Schedule
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
     compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
@@ -55,8 +56,13 @@ class Engine:
     state_shardings = property(lambda self: self.layout.shardings)
     n_chunks = property(lambda self: self.layout.n_chunks)
 
+    @property
+    def schedule(self) -> Schedule:
+        """The program's table."""
+        return self.program.schedule
+
     def _loss_and_grads(self, forward_only: bool = False):
-        return build_loss_and_grads(self.model, self.parallel, self.mesh, self.schedule,
+        return build_loss_and_grads(self.model, self.parallel, self.mesh, self.program,
                                     self.param_specs, self.zero1_dims, forward_only)
 
     def shard_params(self, canonical):
@@ -123,9 +129,9 @@ class Engine:
 def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
                  total_steps: int, mesh) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh."""
-    schedule = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                             parallel.virtual_stages, parallel.overlap_sends)
-    specs, dims = param_specs(model, parallel, schedule.n_chunks)
+    prog = program_of(parallel)
+    n_chunks = prog.schedule.n_chunks
+    specs, dims = param_specs(model, parallel, n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
-                        schedule.n_chunks, specs, dims)
-    return Engine(state, schedule, lr_schedule(optim, total_steps))
+                        n_chunks, specs, dims)
+    return Engine(state, prog, lr_schedule(optim, total_steps))

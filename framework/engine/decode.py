@@ -20,6 +20,7 @@ for every new token, no cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -57,6 +58,18 @@ def sample(logits, key, temperature, top_k, top_p):
     cutoff = jnp.where(top_p < 1.0, jnp.maximum(cutoff, kth), kth)
     sampled = jax.random.categorical(key, jnp.where(scaled < cutoff, masked, scaled), axis=-1)
     return jnp.where(temperature == 0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each new token is drawn (`sample`): temperature 0 is greedy (argmax); else
+    top_k (0: all) and top_p (1: all) narrow the choice, and token i's random key is
+    fold_in(key(seed), i), so a seed gives the same tokens every run."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
 
 
 class Decoder:
@@ -103,21 +116,21 @@ class Decoder:
         """Canonical parameters (host or device) -> this decoder's shardings."""
         return jax.device_put(params, self.param_shardings)
 
-    def generate(self, params, prompt, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids: tuple[int, ...] = (),
-                 on_token=None) -> np.ndarray:
+    def generate(self, params, prompt, max_new_tokens: int, sampling: Sampling = Sampling(),
+                 eos_ids: tuple[int, ...] = (), on_token=None) -> np.ndarray:
         """prompt [batch, prompt_len] ids -> [batch, <= max_new_tokens] new ids (fewer if
-        every row reached one of `eos_ids`). params: canonical, placed by `place`. Sampling key
-        of token i: fold_in(key(seed), i), so a seed gives the same tokens every run.
-        `on_token(ids [batch])` sees each token as it is made."""
+        every row reached one of `eos_ids`), drawn as `sampling` says (default: greedy).
+        params: canonical, placed by `place`. `on_token(ids [batch])` sees each token as
+        it is made."""
         prompt = np.asarray(prompt, np.int32)
         batch, length = prompt.shape
-        settings = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
+        settings = (np.float32(sampling.temperature), np.int32(sampling.top_k),
+                    np.float32(sampling.top_p))
         cache = self.init_cache(batch, length + max_new_tokens)
         tokens, start, out = prompt, 0, []  # host values: the same on every process
         for i in range(max_new_tokens):
-            new, cache = self._step(params, tokens, np.int32(start), cache, np.uint32(seed),
-                                    np.int32(i), settings)
+            new, cache = self._step(params, tokens, np.int32(start), cache,
+                                    np.uint32(sampling.seed), np.int32(i), settings)
             host = np.asarray(jax.device_get(new))
             out.append(host)
             if on_token is not None:

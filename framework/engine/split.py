@@ -12,13 +12,15 @@ input. Everything else in a layer is dead code for W, which XLA drops.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from functools import lru_cache, partial
 
-from framework.model.llama import (GIVEN, NO_TP, PRODUCTS, REMAT_POLICIES, SAVED, TAPS,
-                                   Block, scan_layers)
+import jax
+
+from framework.errors import PlanError
+from framework.model.llama import (NO_TP, REMAT_POLICIES, SAVED, TAPS, Block,
+                                   replay_weight_ops, scan_layers, weights_outside_weight_op)
 from framework.config import ModelConfig
-from framework.parallel.pipeline import SplitBackward
+from framework.parallel.pipeline.stage import SplitBackward
 from framework.parallel.tensor import TensorParallel
 
 
@@ -55,13 +57,22 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):
-        def products(layers):
-            def one(params, given):
-                x = jnp.zeros_like(given["attn_norm"]["scale"])  # shape only: dead code
-                return block({"params": params, GIVEN: given}, x, [PRODUCTS])[1][PRODUCTS]
-            return jax.vmap(one)(layers, saved)
+        products = lambda layers: jax.vmap(partial(replay_weight_ops, cfg, tp))(layers, saved)
         return jax.vjp(products, layers)[1](douts)[0]
 
     # Under remat the stash holds only layer inputs: B and W recompute from it rather
     # than keep every weight op's input and output gradient (SplitBackward.recompute).
     return SplitBackward(forward, weight_grads, recompute=remat != "none")
+
+
+@lru_cache(maxsize=None)
+def check_weight_ops(cfg: ModelConfig) -> None:
+    """Raises PlanError if a layer weight bypasses `weight_op`: the W half would give it
+    a zero gradient without any error (called when an engine with a zero-bubble
+    schedule is built)."""
+    missing = weights_outside_weight_op(cfg)
+    if missing:
+        raise PlanError(f"layer weights {', '.join(missing)} are used without weight_op "
+                        f"(framework/model/llama.py): a zero-bubble schedule (zb_h1, zb_v) "
+                        f"would give them a zero gradient; route every use through "
+                        f"weight_op or pick another parallel.schedule")

@@ -25,15 +25,15 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework.config import ModelConfig, ParallelConfig
-from framework.engine.split import split_layers
+from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model.llama import Embed, Head, apply_layers, cross_entropy_sum
 from framework.parallel import data as data_parallel
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline import StageFns, executor
-from framework.parallel.pipeline.autodiff import forward as forward_loss, skip_unless
+from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import varying
-from framework.parallel.pipeline.schedule import AUTODIFF, Schedule, circular
+from framework.parallel.pipeline.program import Program, forward_program
+from framework.parallel.pipeline.stage import StageFns, skip_unless
 from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
@@ -55,8 +55,7 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
         layers=partial(apply_layers, model, remat=parallel.remat, tp=tp, skip=skip_unless),
         head_loss=head_loss,
         split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless)
-        if split else None,
-        stage_layers=parallel.stage_layers)
+        if split else None)
 
 
 def device_params(params, zero1_dims, vary_over):
@@ -91,43 +90,56 @@ def split_batch(tokens, microbatches: int, data: int):
     return mb(tokens[:, :-1]), mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1)
 
 
-def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh,
-                         schedule: Schedule, param_specs, zero1_dims, forward_only=False):
-    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
-    m, sp = parallel.microbatches, parallel.sequence_parallel and parallel.tensor > 1
+def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
+              run, split: bool):
+    """(params, tokens) -> run(fns, params, inputs, targets) on each device, inside the
+    step's `shard_map`: the per-device setup every use of the executors shares (the
+    model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
+    microbatches). The step runs the executor in it; the memory model traces the
+    executor's state in it (`framework/analysis/memory_model.py`)."""
+    m = parallel.microbatches
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
     tp = TensorParallel(TENSOR, parallel.tensor, parallel.sequence_parallel,
                         param_rules(parallel.tensor_split))
+    vary_over = MANUAL + ((TENSOR,) if parallel.sequence_parallel else ())
+    if split:
+        check_weight_ops(model)
+
+    def body(params, tokens):
+        """Runs on each device: params are its shards, tokens its data replica's rows."""
+        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=split)
+        return run(fns, device_params(params, zero1_dims, vary_over), inputs, targets)
+
+    return body
+
+
+def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, prog: Program,
+                         param_specs, zero1_dims, forward_only=False):
+    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
+    sp = parallel.sequence_parallel and parallel.tensor > 1
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
     tensor_replicated = jax.tree.map(lambda s: TENSOR not in s, param_specs,
                                      is_leaf=lambda s: isinstance(s, P))
-    vary_over = MANUAL + ((TENSOR,) if parallel.sequence_parallel else ())
 
-    def eval_body(params, tokens):
-        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
-        fns = stage_fns(model, parallel, tp, n_tokens, split=False)
-        # Forward only: the GPipe forward over the same chunks (nothing to interleave).
-        table = schedule if schedule.executor == AUTODIFF else circular(
-            schedule.n_stages, m, schedule.n_chunks)
-        loss = forward_loss(table, fns, device_params(params, zero1_dims, vary_over),
-                            inputs, targets)
+    def evaluate(fns, params, inputs, targets):
+        # Forward only: a forward table over the same stages (nothing to interleave).
+        loss = autodiff.forward(forward_program(prog), fns, params, inputs, targets)
         return jax.lax.psum(loss, MANUAL)
 
-    def body(params, tokens):
-        """Runs on each device: params are its shards, tokens its data replica's rows."""
-        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
-        fns = stage_fns(model, parallel, tp, n_tokens, split=schedule.split_backward)
-        loss, grads = executor(schedule).loss_and_grads(
-            schedule, fns, device_params(params, zero1_dims, vary_over), inputs, targets)
+    def train(fns, params, inputs, targets):
+        executor = autodiff if prog.autodiff else ticks
+        loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets)
         grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)
         return jax.lax.psum(loss, MANUAL), grads
 
     if forward_only:
-        return jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P(DATA)),
-                             out_specs=P())
+        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False),
+                             mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
+    body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

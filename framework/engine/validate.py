@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
-                              not_one_of)
+                              not_one_of, shown)
 from framework.errors import ConfigError
 from framework.model import attention
 from framework.model.llama import check_model
@@ -74,23 +74,16 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
         ok = [d for d in _divisors(L) if d <= 64]
         return [f"model.n_layers={L} is not divisible by {what}={n_chunks}: use a divisor of "
                 f"{L} ({', '.join(map(str, ok))}) or parallel.stage_layers=auto (uneven stages)"]
-    if isinstance(given, str) and given != "auto":
-        return [f"parallel.stage_layers={given!r} is not auto, null or a list of {n_chunks} "
-                f"layer counts (one per stage)"]
     if given == "auto":
         return [] if L >= n_chunks else [
             f"parallel.stage_layers=auto needs model.n_layers={L} >= {what}={n_chunks} "
             f"(one layer per stage at least)"]
-    shown = "[" + ",".join(map(str, given)) + "]"
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
-        return [f"parallel.stage_layers={shown} must be whole numbers of layers"]
+    # A tuple of positive layer counts: ParallelConfig refuses any other form (config.py).
     if len(given) != n_chunks:
-        return [f"parallel.stage_layers={shown} has {len(given)} stages but {what}={n_chunks}: "
-                f"give {n_chunks} layer counts, or auto"]
-    if min(given) < 1:
-        return [f"parallel.stage_layers={shown}: every stage needs at least 1 layer"]
+        return [f"parallel.stage_layers={shown(given)} has {len(given)} stages but "
+                f"{what}={n_chunks}: give {n_chunks} layer counts, or auto"]
     if sum(given) != L:
-        return [f"parallel.stage_layers={shown} adds up to {sum(given)} layers but "
+        return [f"parallel.stage_layers={shown(given)} adds up to {sum(given)} layers but "
                 f"model.n_layers={L}"]
     return []
 

@@ -26,7 +26,7 @@ from framework.io.checkpoint.integrity import short_reason
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import locate
 from framework.errors import ConfigError, DamagedCheckpoint
-from framework.config import ModelConfig, model_config_from_dict
+from framework.config import ModelConfig, RopeScaling
 from framework.io.tokenizer import BYTES
 
 BYTE_LEVEL_DATA = ("text", "markov", "synthetic")
@@ -129,6 +129,17 @@ def open_source(path: str, step: int | None = None, setting: str = "checkpoint")
     model = model_config_from_dict(meta["model"])
     return Source("checkpoint", str(folder), step, model,
                   _checkpoint_tokenizer(meta, run_dir, model), meta.get("hf_config"), meta, named)
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """A ModelConfig from `dataclasses.asdict` output (checkpoint metadata); keys it
+    does not know are ignored, missing ones take their defaults (older checkpoints)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kept = {k: v for k, v in values.items() if k in names}
+    scaling = kept.pop("rope_scaling", None)
+    if isinstance(scaling, dict):
+        kept["rope_scaling"] = RopeScaling(**scaling)
+    return ModelConfig(**kept)
 
 
 def _checkpoint_tokenizer(meta: dict, run_dir: Path, model: ModelConfig) -> str | None:

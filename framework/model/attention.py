@@ -1,5 +1,6 @@
 """Causal grouped-query attention kernels, as plain functions of (q, k, v, block sizes,
-position offsets). The model (`framework/model/llama.py`) calls `attend`; nothing here knows
+position offsets). The model (`framework/model/llama.py`) calls `attend` with its
+`ModelConfig` (the kernel, `model.attention`, and its block sizes); nothing here knows
 about meshes, so under tensor parallelism each device simply runs its own heads.
 
 Shapes (grouped-query attention, Ainslie et al. 2023: the r query heads of a group share
@@ -30,13 +31,14 @@ scalars. Scores are scaled by 1/sqrt(head_dim) (Vaswani et al. 2017).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from framework.config import CHOICES, not_one_of
+from framework.config import CHOICES, ModelConfig, not_one_of
 from framework.errors import ConfigError
 
 IMPLEMENTATIONS = CHOICES["model.attention"]
@@ -97,18 +99,21 @@ def choose(platform: str, dtype, kv_len: int, head_dim: int) -> str:
     return "dense" if kv_len <= DENSE_MAX_SEQ else "blockwise"
 
 
-def attend(q, k, v, implementation: str = "auto", *, q_offset=0, kv_offset=0,
-           block_q: int = 512, block_kv: int = 512, platform: str | None = None):
-    """Causal attention by `implementation` (one of IMPLEMENTATIONS). `platform` resolves
-    `auto` (default: JAX's default backend)."""
+def attend(q, k, v, model: ModelConfig, *, q_offset=0, kv_offset=0,
+           platform: str | None = None):
+    """Causal attention by `model.attention` (one of IMPLEMENTATIONS), blockwise with
+    `model.attention_block_q` queries and `model.attention_block_kv` keys per block.
+    `platform` resolves `auto` (default: JAX's default backend)."""
+    implementation = model.attention
     if implementation == "auto":
         implementation = choose(platform or jax.default_backend(), q.dtype, k.shape[1],
                                 q.shape[-1])
     if implementation == "dense":
         return dense_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, block_q=block_q, block_kv=block_kv,
-                                   q_offset=q_offset, kv_offset=kv_offset)
+        return blockwise_attention(q, k, v, block_q=model.attention_block_q,
+                                   block_kv=model.attention_block_kv, q_offset=q_offset,
+                                   kv_offset=kv_offset)
     if implementation == "cudnn":
         return cudnn_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset)
     raise ValueError(f"attention implementation {implementation!r} is not one of "
@@ -219,15 +224,29 @@ def _zeros(shape, *like):
     return jnp.broadcast_to(anchor, shape)
 
 
-def _block_scores(q_blk, k_blk, i, j, bq, bk, kv_len, q_offset, kv_offset):
+@dataclass(frozen=True)
+class _Tiling:
+    """How the padded queries and keys are cut into blocks and where they sit: bq queries
+    and bk keys per block, kv_len real keys (those after it are padding), and the
+    positions of the first query and the first key (int32 scalars, maybe traced)."""
+
+    bq: int
+    bk: int
+    kv_len: int
+    q_offset: jax.Array
+    kv_offset: jax.Array
+
+
+def _block_scores(q_blk, k_blk, i, j, tiling: _Tiling):
     """Scaled scores of query block i against key block j, masked entries -inf.
     q_blk: [b, bq, g, r, hd], k_blk: [b, bk, g, hd] -> [b, bq, g, r, bk] float32."""
+    bq, bk = tiling.bq, tiling.bk
     scale = 1.0 / np.sqrt(q_blk.shape[-1])
     s = jnp.einsum("bqgrd,bkgd->bqgrk", q_blk, k_blk,
                    preferred_element_type=jnp.float32) * scale
     key = j * bk + jnp.arange(bk, dtype=jnp.int32)  # index into the (padded) keys
-    q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
-    visible = (kv_offset + key[None, :] <= q_pos[:, None]) & (key < kv_len)[None, :]
+    q_pos = tiling.q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
+    visible = (tiling.kv_offset + key[None, :] <= q_pos[:, None]) & (key < tiling.kv_len)[None, :]
     return jnp.where(visible[None, :, None, None, :], s, -jnp.inf)
 
 
@@ -255,6 +274,7 @@ def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset):
         acc' = e^(m - m') acc + e^(s - m') v."""
     nk = k.shape[1] // bk
     kb, vb = _blocks(k, bk), _blocks(v, bk)
+    tiling = _Tiling(bq, bk, kv_len, q_offset, kv_offset)
 
     def query_block(args):
         i, q_blk = args  # q_blk: [b, bq, g, r, hd]
@@ -262,7 +282,7 @@ def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset):
 
         def key_block(j, carry):
             m, l, acc = carry
-            s = _block_scores(q_blk, kb[j], i, j, bq, bk, kv_len, q_offset, kv_offset)
+            s = _block_scores(q_blk, kb[j], i, j, tiling)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
             p = jnp.exp(s - m_safe[..., None])
@@ -298,6 +318,7 @@ def _flash_bwd(bq, bk, kv_len, residuals, d_out):
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb, dob = _blocks(q, bq), _blocks(d_out, bq)
     delta = _blocks(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), bq)
+    tiling = _Tiling(bq, bk, kv_len, q_offset, kv_offset)
 
     def key_block(dq, args):
         j, k_blk, v_blk = args
@@ -305,7 +326,7 @@ def _flash_bwd(bq, bk, kv_len, residuals, d_out):
         def query_block(i, carry):
             dq, dk, dv = carry
             q_blk, do_blk = qb[i], dob[i]
-            s = _block_scores(q_blk, k_blk, i, j, bq, bk, kv_len, q_offset, kv_offset)
+            s = _block_scores(q_blk, k_blk, i, j, tiling)
             p = jnp.exp(s - lse[i][..., None])  # [b, bq, g, r, bk]; masked entries 0
             dv = dv + jnp.einsum("bqgrk,bqgrd->bkgd", p.astype(v.dtype), do_blk,
                                  preferred_element_type=jnp.float32)

@@ -24,7 +24,6 @@ GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -33,7 +32,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.model.attention import attend
-from framework.config import ModelConfig, RopeScaling, not_one_of
+from framework.model.rope import check_rope_scaling, rotary
+from framework.config import ModelConfig
 from framework.parallel.tensor import TensorParallel
 
 NO_TP = TensorParallel()
@@ -66,6 +66,28 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     return module.perturb(name, y, collection=TAPS)
 
 
+def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
+    """The outputs of one Block's weight ops applied to `given` inputs (as SAVED recorded
+    them), {module: {weight: y}}: the zero-bubble split backward's W half pulls the
+    output gradients back through these (framework/engine/split.py). The rest of the
+    block is dead code, which XLA drops."""
+    x = jnp.zeros_like(given["attn_norm"]["scale"])  # the block's input shape: dead code
+    return Block(cfg, tp).apply({"params": params, GIVEN: given}, x,
+                                mutable=[PRODUCTS])[1][PRODUCTS]
+
+
+def weights_outside_weight_op(cfg: ModelConfig) -> list[str]:
+    """Block parameters that no `weight_op` reads ('module/name'): the split backward's
+    W half replays the weight ops only, so their gradient would silently be zero under
+    a zero-bubble schedule; the engine refuses them when it is built. Traced only."""
+    x = jax.ShapeDtypeStruct((1, 16, cfg.d_model), jnp.dtype(cfg.dtype))
+    variables = jax.eval_shape(lambda x: Block(cfg).init(jax.random.key(0), x), x)
+    path = lambda keys: "/".join(str(k.key) for k in keys)
+    leaves = lambda tree: jax.tree_util.tree_leaves_with_path(nn.meta.unbox(tree))
+    tapped = {path(keys) for keys, _ in leaves(variables.get(TAPS, {}))}
+    return [path(keys) for keys, _ in leaves(variables["params"]) if path(keys) not in tapped]
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -75,41 +97,6 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
-
-
-def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None):
-    """Rotary inverse frequencies theta^(-2i/dim), i < dim/2 (Su et al. 2021): [dim/2] f32.
-
-    With Llama 3's scaling (Dubey et al. 2024; the `apply_scaling` of Meta's reference
-    code), a frequency whose wavelength 2*pi/f exceeds L/low_freq_factor is divided by
-    `factor`, one whose wavelength is below L/high_freq_factor is kept, and in between
-    f' = (1 - a) f / factor + a f with a = (L / wavelength - low) / (high - low), where
-    L = original_max_position_embeddings. Computed in float32, as transformers does."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    if scaling is None or scaling.rope_type == "none":
-        return inv_freq
-    s, length = scaling, float(scaling.original_max_position_embeddings)
-    wavelength = 2 * math.pi / inv_freq
-    stretched = jnp.where(wavelength > length / s.low_freq_factor, inv_freq / s.factor, inv_freq)
-    a = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - a) * stretched / s.factor + a * stretched
-    middle = ((wavelength >= length / s.high_freq_factor)
-              & (wavelength <= length / s.low_freq_factor))
-    return jnp.where(middle, blended, stretched)
-
-
-def rotary(x, theta: float, positions, scaling: RopeScaling | None = None):
-    """Rotary position embedding (Su et al. 2021), rotate-half form.
-    x: [batch, seq, ..., head_dim]; positions: [seq] int, the absolute position of each
-    row (0..seq-1 in training; offset by the cache length when decoding)."""
-    dim = x.shape[-1]
-    inv_freq = rope_frequencies(dim, theta, scaling)  # [dim/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
-    angles = angles.reshape((1, x.shape[1]) + (1,) * (x.ndim - 3) + (dim // 2,))
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 class KVCache(NamedTuple):
@@ -159,8 +146,7 @@ class Attention(nn.Module):
                                                            (0, start, 0, 0))
                               for whole, new in ((cache.k, k), (cache.v, v))))
             k, v = cache.k.astype(dt), cache.v.astype(dt)
-        out = attend(q, k, v, c.attention, block_q=c.attention_block_q,
-                     block_kv=c.attention_block_kv, q_offset=start)  # [b, s, kv@tensor, r, hd]
+        out = attend(q, k, v, c, q_offset=start)  # [b, s, kv@tensor, r, hd]
         out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
         out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)), "heads",
                            whole_sequence=True)
@@ -327,24 +313,6 @@ def check_model(model: ModelConfig) -> list[str]:
     return errs + check_rope_scaling(model.rope_scaling)
 
 
-def check_rope_scaling(r: RopeScaling) -> list[str]:
-    problem = not_one_of("model.rope_scaling.rope_type", r.rope_type)
-    if problem:
-        return [problem]
-    if r.rope_type == "none":
-        return []
-    errs = []
-    if r.factor < 1:
-        errs.append(f"model.rope_scaling.factor={r.factor} must be >= 1")
-    if not 0 < r.low_freq_factor < r.high_freq_factor:
-        errs.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be > 0 and "
-                    f"< model.rope_scaling.high_freq_factor={r.high_freq_factor}")
-    if r.original_max_position_embeddings < 1:
-        errs.append(f"model.rope_scaling.original_max_position_embeddings="
-                    f"{r.original_max_position_embeddings} must be >= 1")
-    return errs
-
-
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
@@ -355,7 +323,7 @@ def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False)
     """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0.
     With `n_real` (traced int) the layers from index n_real on are padding (uneven
     pipeline stages): `skip(real, fn, params, x, has_aux=...)`, which the pipeline
-    hands over (`framework/parallel/pipeline/autodiff.py`, `skip_unless`), runs a layer
+    hands over (`framework/parallel/pipeline/stage.py`, `skip_unless`), runs a layer
     where it is real and passes x through where not, forward and backward."""
     if n_real is None:
         return jax.lax.scan(layer if has_aux else lambda h, p: (layer(h, p), None), x, layers)

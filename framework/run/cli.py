@@ -132,6 +132,16 @@ def _job_dirname(*, _root_: DictConfig) -> str:
         return f"job{_root_.hydra.job.num}"
 
 
+def typed_config(cfg: DictConfig):
+    """The composed config as the schema's dataclasses (RunConfig, CompileConfig). A value
+    the schema itself refuses (e.g. parallel.stage_layers=4: framework/config.py) is one
+    line and exit status 2, said here: raised into Hydra, it would add a line of its own."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except (ConfigError, OmegaConfBaseException) as err:
+        user_error(err)
+
+
 _TASK_STARTED = False  # Hydra has created the output folder and called the task
 
 
@@ -149,14 +159,14 @@ def _main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         launch_job(cfg, hc)
         return
-    from framework.run import train
-
     try:
         check_added_keys(list(hc.overrides.task))
         check_run_dir(list(hc.overrides.hydra))
     except ConfigError as err:
         user_error(err)
-    run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    run_cfg: RunConfig = typed_config(cfg)
+    from framework.run import train
+
     run_dir = Path(hc.runtime.output_dir)
     if faults.command_line():  # for the rest of this process (not in the tests' own)
         log = run_dir / f"{hc.job.name}.log"
@@ -223,8 +233,9 @@ def given_model_settings(task: list[str], recipe: str | None) -> set[str]:
     return names
 
 
-def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> None:
-    """Multirun parent: this job runs in its own process (see framework/run/sweep.py)."""
+def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> dict:
+    """Multirun parent: this job runs in its own process (see framework/run/sweep.py);
+    returns its summary."""
     faults.sweep_started()
     job_dir = Path(hc.runtime.output_dir)
     group = cfg.logging.wandb.group or Path(hc.sweep.dir).name
@@ -235,6 +246,7 @@ def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> None:
     summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
                             parallel, env, module)
     print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
+    return summary
 
 
 def one_line(err: BaseException) -> str:

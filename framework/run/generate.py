@@ -111,7 +111,7 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     if not ids or max(ids) >= model.vocab_size or min(ids) < 0:
         raise ConfigError(f"the prompt must be 1 or more token ids in [0, {model.vocab_size})"
                           f" (got {ids[:8]}{'...' if len(ids) > 8 else ''})")
-    from framework.engine.decode import Decoder
+    from framework.engine.decode import Decoder, Sampling
     from framework.parallel.mesh import describe, make_mesh
 
     mesh = make_mesh(parallel, devices)
@@ -119,8 +119,9 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     params = source.load(decoder.param_shardings)
     times = []
     started = time.perf_counter()
-    new = decoder.generate(params, [ids], cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                           cfg.top_p, cfg.seed, source.eos_ids if cfg.stop_at_eos else (),
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    new = decoder.generate(params, [ids], cfg.max_new_tokens, sampling,
+                           source.eos_ids if cfg.stop_at_eos else (),
                            on_token=lambda _: times.append(time.perf_counter()))[0]
     # The first two calls compile (prefill, then one step): steady speed from the third.
     steady = (len(times) - 2) / (times[-1] - times[1]) if len(times) > 2 else None

@@ -43,6 +43,8 @@ class LoopSettings:
     start: int = 0  # steps already done (a resumed run starts later)
     constants: dict = field(default_factory=dict)  # added to every record (e.g. memory)
     once: dict = field(default_factory=dict)  # added to the first record only
+    # Step time in seconds -> the perf/* metrics of a record (tokens/s, TFLOP/s, MFU).
+    perf: Callable[[float], dict] = lambda step_time: {}
 
 
 @dataclass
@@ -124,44 +126,42 @@ class _Clock:
 
 
 def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
-               perf: Callable[[float], dict], hooks: tuple[Hook, ...] = (),
-               stop: StopCheck | None = None, profile: ProfileWindow | None = None) -> LoopResult:
+               hooks: tuple[Hook, ...] = (), stop: StopCheck | None = None,
+               profile: ProfileWindow | None = None) -> LoopResult:
     """Runs steps `settings.start + 1 .. settings.steps`, or until `stop(step)` gives a
-    reason. perf: step time in seconds -> the perf/* metrics (tokens/s, TFLOP/s, MFU).
-    Raises Diverged (framework/runtime/faults.py) on a non-finite loss or gradient norm."""
-    clock, first_step_s = _Clock(), None
-    pending_once = dict(settings.once)
-    unchecked: list = []  # (step, metrics) whose loss has not been looked at yet
-    step, stopped, tracing = settings.start, None, False
+    reason. Raises Diverged (framework/runtime/faults.py) on a non-finite loss or
+    gradient norm."""
+    after = _AfterStep(engine, settings, logger, hooks, pending_once=dict(settings.once))
+    clock, first_step_s = after.clock, None
+    step, stopped = settings.start, None
     try:
         for index in range(settings.start, settings.steps):
             if profile is not None and index + 1 == profile.first:
                 jax.block_until_ready(state)  # the trace holds the profiled steps only
                 profile.start()
-                tracing = True
+                after.tracing = True
             state, metrics = engine.step(state, engine.shard_batch(batches(index)))
             step = index + 1
-            unchecked.append((step, metrics))
+            after.unchecked.append((step, metrics))
             if first_step_s is None:  # excluded from throughput: wait, restart the clock
                 jax.block_until_ready(metrics)
                 first_step_s = time.perf_counter() - clock.start
                 clock.reset()
-            elif not tracing:
+            elif not after.tracing:
                 clock.steps += 1
             stopped = stop(step) if stop is not None else None  # every process, every step
             stopped = None if step == settings.steps else stopped  # done anyway
-            if tracing and (step == profile.last or stopped):
+            if after.tracing and (step == profile.last or stopped):
                 jax.block_until_ready(state)
-                tracing = False
+                after.tracing = False
                 found = profile.stop()
                 settings.constants.update({k: v for k, v in found.items() if isinstance(v, float)})
                 clock.reset()  # the traced steps ran slower: no window contains them
-            pending_once = _after_step(engine, state, metrics, step, settings, logger, perf,
-                                       hooks, unchecked, clock, pending_once, stopped, tracing)
+            after(state, metrics, step, stopped)
             if stopped:
                 break
     finally:
-        if tracing:  # an error while tracing: end the trace (the error is what counts)
+        if after.tracing:  # an error while tracing: end the trace (the error is what counts)
             try:
                 jax.profiler.stop_trace()
             except Exception:  # e.g. no space left for the trace
@@ -169,36 +169,54 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
     return LoopResult(state, step, first_step_s, stopped)
 
 
-def _after_step(engine, state, metrics, step, settings, logger, perf, hooks, unchecked,
-                clock: _Clock, pending_once: dict, stopped, tracing: bool) -> dict:
-    """The step's checks, hooks and (if due) record; returns the one-off metrics not
-    logged yet."""
-    due = [hook for hook in hooks if hook.due(step, settings.steps)]
-    log_now = is_log_step(step, settings)
-    if due or log_now or stopped or step == settings.steps:
-        check_finite(unchecked)  # waits for this step
-    extra: dict = {}
-    started = time.perf_counter()
-    for hook in due:
-        if not hook.after_log:
-            extra.update(hook.fn(step, state) or {})
-    clock.paused += time.perf_counter() - started
-    logger.update(step)
-    if log_now or extra:
-        record = engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
-        step_time = None if tracing else clock.step_time()
+@dataclass
+class _AfterStep:
+    """What follows every step: its checks, hooks and (if due) record. Holds what the
+    loop keeps between steps: the throughput window, the steps whose loss is not checked
+    yet, the one-off metrics not logged yet, and whether the profiler is tracing."""
+
+    engine: Any
+    settings: LoopSettings
+    logger: Logger
+    hooks: tuple[Hook, ...]
+    clock: _Clock = field(default_factory=_Clock)
+    unchecked: list = field(default_factory=list)  # (step, device metrics) not checked yet
+    pending_once: dict = field(default_factory=dict)
+    tracing: bool = False
+
+    def __call__(self, state, metrics: dict, step: int, stopped: str | None) -> None:
+        settings, clock = self.settings, self.clock
+        due = [hook for hook in self.hooks if hook.due(step, settings.steps)]
+        log_now = is_log_step(step, settings)
+        if due or log_now or stopped or step == settings.steps:
+            check_finite(self.unchecked)  # waits for this step
+        extra: dict = {}
+        started = time.perf_counter()
+        for hook in due:
+            if not hook.after_log:
+                extra.update(hook.fn(step, state) or {})
+        clock.paused += time.perf_counter() - started
+        self.logger.update(step)
+        if log_now or extra:
+            self.logger.log(step, self._record(metrics, extra))
+            clock.reset()
+        started = time.perf_counter()
+        for hook in due:
+            if hook.after_log:
+                hook.fn(step, state)
+        clock.paused += time.perf_counter() - started
+
+    def _record(self, metrics: dict, extra: dict) -> dict:
+        """The step's record: its metrics, the window's step time and perf/* metrics, the
+        constants, the one-off metrics not logged yet and the hooks' `extra`."""
+        record = self.engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
+        step_time = None if self.tracing else self.clock.step_time()
         record["perf/step_time_s"] = step_time
         # Nothing timed yet (only the first step in this window): same keys, null values.
+        perf = self.settings.perf
         record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))
-        record.update(settings.constants)
-        record.update(pending_once)
+        record.update(self.settings.constants)
+        record.update(self.pending_once)
         record.update(extra)
-        pending_once = {}
-        logger.log(step, record)
-        clock.reset()
-    started = time.perf_counter()
-    for hook in due:
-        if hook.after_log:
-            hook.fn(step, state)
-    clock.paused += time.perf_counter() - started
-    return pending_once
+        self.pending_once = {}
+        return record

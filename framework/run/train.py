@@ -1,6 +1,7 @@
 """One training run from a `RunConfig`, in the order it happens:
 
-    settings checked            (`check_run`; the model read from train.init_from)
+    settings checked            (framework/run/checks.py; the model read from
+                                 train.init_from: framework/run/start.py)
     the run folder held         (framework/runtime/runlock.py), before JAX starts
     devices started             (framework/runtime/devices.py; other processes joined)
     layout validated, memory    (framework/engine/validate.py,
@@ -20,22 +21,24 @@ import dataclasses
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from framework.analysis import audit, flops, memory_check
-from framework.config import RunConfig, check_ranges, clamp_warmup, not_one_of
-from framework.engine.build import build_engine
-from framework.engine.validate import check, validate
+from framework.config import RunConfig
+from framework.engine.build import Engine, build_engine
+from framework.engine.validate import validate
 from framework.errors import ConfigError, Diverged, StorageError
 from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import COMPLETE_MARKERS
-from framework.io.data import make_dataset
+from framework.io.data import Dataset, make_dataset
 from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
+from framework.run.checks import check_run, clamp_warmup
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
@@ -46,45 +49,6 @@ from framework.runtime import distributed, faults, peers, runlock
 from framework.runtime.faults import StopRequests
 
 CHECKPOINT_DIR = "checkpoints"  # inside the run folder, unless checkpoint.dir is set
-
-
-def wandb_login_found() -> bool:
-    """Whether W&B has credentials: WANDB_API_KEY, or the ~/.netrc entry `wandb login`
-    writes for its host (WANDB_BASE_URL, default api.wandb.ai)."""
-    import netrc
-    from urllib.parse import urlparse
-
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def check_run(cfg: RunConfig) -> None:
-    """Everything that can be checked without devices (degrees against the device
-    count come later, in `framework.engine.validate.validate`)."""
-    errs = check_ranges(cfg)
-    if errs:  # the checks below divide by some of these numbers
-        raise ConfigError("; ".join(errs))
-    errs = check(cfg.model, cfg.parallel, cfg.train, None)
-    errs += [e for e in (not_one_of("train.resume", cfg.train.resume),
-                         not_one_of("logging.wandb.mode", cfg.logging.wandb.mode),
-                         not_one_of("devices.platform", cfg.devices.platform)) if e]
-    if cfg.logging.wandb.mode == "online" and not wandb_login_found():
-        errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "
-                    "WANDB_API_KEY), or log offline (logging=wandb_offline) and `wandb sync` "
-                    "the run later")
-    if cfg.eval.sample_prompt is not None and not cfg.eval.every:
-        errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
-    try:
-        distributed.plan(cfg.distributed)
-    except ConfigError as err:
-        errs.append(str(err))
-    if errs:
-        raise ConfigError("; ".join(errs))
 
 
 def run(cfg: RunConfig, run_dir: Path, run_config: dict,
@@ -180,9 +144,9 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
             state, point = start.start_state(cfg.model, cfg.train, engine, ckpt, devset)
             ckpt.lineage = start.lineage_of(cfg.train, ckpt, point)
             tracker = _tracker(cfg, run_dir, run_config, engine, devset, ckpt, point)
+            parts = _Parts(cfg, engine, dataset, devset, tracker, ckpt, stop)
             try:
-                status, summary = _train(cfg, engine, dataset, devset, tracker, ckpt, state,
-                                         stop, meta, model_io["codec"])
+                status, summary = _train(parts, state, meta, model_io["codec"])
             except BaseException as err:  # record why, then let it propagate
                 _record_failure(tracker, ckpt, err, started)
                 if devset.process_count > 1:  # a vanished peer: JAX's verdict is coming
@@ -324,11 +288,27 @@ def _nothing_new(ckpt: Checkpointer, start_step: int, primary: bool) -> tuple[st
     return "preempted", {"step": start_step, "last_checkpoint_step": latest}
 
 
-def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer, state,
-           stop: StopRequests, meta: dict, codec=None) -> tuple[str, dict]:
-    """Trains from `state`, saves the last checkpoint. Returns (status, numbers for
-    the summary)."""
-    batches = make_batches(dataset, engine)
+@dataclass(frozen=True)
+class _Parts:
+    """What the training of a started run works with: its settings, the engine, the
+    data, the devices, where records and checkpoints go, and the stop requests."""
+
+    cfg: RunConfig
+    engine: Engine
+    dataset: Dataset
+    devset: devices_lib.DeviceSet
+    tracker: Tracker
+    ckpt: Checkpointer
+    stop: StopRequests
+
+
+def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
+    """Trains from `state`, saves the last checkpoint. `meta`: what every checkpoint
+    records besides the weights; `codec`: the tokenizer of eval.sample_prompt. Returns
+    (status, numbers for the summary)."""
+    cfg, engine, devset, tracker, ckpt = (parts.cfg, parts.engine, parts.devset,
+                                          parts.tracker, parts.ckpt)
+    batches = make_batches(parts.dataset, engine)
     primary = devset.process_index == 0
     first = int(to_host(state["step"]))
     tracker.summary["step"] = first
@@ -340,18 +320,18 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
         save(first, state)  # into this run's folder
         ckpt.wait()
         return "completed", {"step": first}
-    if stop.before_first_step():
+    if parts.stop.before_first_step():
         return _nothing_new(ckpt, first, primary)
     stats = audit.step_stats(engine, state, engine.shard_batch(batches(first)))
-    if stop.before_first_step():  # came while compiling (the cache keeps the program)
+    if parts.stop.before_first_step():  # came while compiling (the cache keeps the program)
         return _nothing_new(ckpt, first, primary)
     tracker.summary.update(stats)
     per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len)
     tracker.summary["model/flops_per_token"] = per_token
-    result = train_loop(engine, state, batches, _loop_settings(cfg, first, stats, dataset),
-                        tracker, _perf(cfg, devset, per_token),
-                        _hooks(cfg, engine, dataset, devset, codec, save),
-                        _boundary(ckpt, devset, stop),
+    settings = _loop_settings(cfg, first, stats, parts.dataset, _perf(cfg, devset, per_token))
+    result = train_loop(engine, state, batches, settings, tracker,
+                        _hooks(cfg, engine, parts.dataset, devset, codec, save),
+                        _boundary(ckpt, devset, parts.stop),
                         profile_window(cfg.profile, min(cfg.train.steps, cfg.train.stop_at
                                                         or cfg.train.steps), engine, first,
                                        tracker) if primary else None)
@@ -367,16 +347,18 @@ def _train(cfg: RunConfig, engine, dataset, devset, tracker, ckpt: Checkpointer,
                                               for k, v in ckpt.stats.items()}}
 
 
-def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset) -> LoopSettings:
+def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset,
+                   perf: Callable[[float], dict]) -> LoopSettings:
     """The compiled step's memory analysis and communication per mesh axis (and the
-    data's entropy floor) go into every record, the compile time into the first."""
+    data's entropy floor) go into every record, the compile time into the first; `perf`
+    turns a step time into the perf/* metrics."""
     constants = {k: v for k, v in stats.items()
                  if k.startswith(("memory/peak", "memory/temp", "comm/"))}
     if dataset.entropy_floor is not None:
         constants["data/entropy_floor"] = dataset.entropy_floor
     return LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=first,
                         constants=constants,
-                        once={"perf/compile_time_s": stats["perf/compile_time_s"]})
+                        once={"perf/compile_time_s": stats["perf/compile_time_s"]}, perf=perf)
 
 
 def _perf(cfg: RunConfig, devset, per_token: float):

@@ -1,6 +1,7 @@
 """The benchmark's machinery on a tiny configuration: it produces finite positive
 timings, the framework/reference ratio, MFU inputs, compile times and the Markdown
-table. No timing assertions: performance is measured by tools/bench.py itself."""
+table (tools/bench.py, tools/bench_measure.py, tools/bench_report.py). No timing
+assertions: performance is measured by tools/bench.py itself."""
 
 import dataclasses
 import math
@@ -11,6 +12,9 @@ import pytest
 from framework.errors import ConfigError
 from framework.parallel.mesh import mesh_name
 from tools import bench
+from tools.bench_measure import (Row, Timing, compile_times, host_matmul_peak, measure,
+                                 reference_ratio)
+from tools.bench_report import headline, table
 from tools.recipe import compose
 
 
@@ -33,32 +37,33 @@ def test_layouts_put_the_reference_shaped_single_device_first(cfg):
 @pytest.mark.slow
 def test_measure_gives_finite_times_and_a_reference_ratio(cfg):
     one = bench.layouts_for(cfg, [], False)[0]
-    rows, ref, pairs = bench.measure(cfg, [one], jax.devices(), steps=2, rounds=2, warmup=1,
-                                     pairs=3, log=lambda *_: None)
+    found = measure(cfg, [one], jax.devices(), Timing(steps=2, rounds=2, warmup=1, pairs=3),
+                    log=lambda *_: None)
+    rows, ref, pairs = found.rows, found.ref, found.pairs
     for row in rows + [ref]:
         assert len(row.times) == 4 and len(row.rounds) == 2
         assert all(math.isfinite(t) and t > 0 for t in row.times)
         assert row.compile_s > 0
     assert rows[0].peak_bytes > 0 and rows[0].predicted_bytes > 0
     assert len(pairs) == 3 and all(a > 0 and b > 0 for a, b in pairs)
-    ratio = bench.reference_ratio(rows, ref, pairs)
+    ratio = reference_ratio(found)
     for key in ("paired", "median_of_rounds", "of_medians", "of_minima"):
         assert math.isfinite(ratio[key]) and ratio[key] > 0, key
     assert len(ratio["rounds"]) == 2 and len(ratio["pairs"]) == 3
     # A row on 8 simulated devices (timings made up: the table only formats them).
-    sim = bench.Row(mesh_name(cfg.parallel), cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
-    text = "\n".join(bench.table(cfg, rows + [sim], ref, peak_flops=1e11,
-                                 per_device_peak=False, simulated=True))
+    sim = Row(mesh_name(cfg.parallel), cfg.parallel, 8, times=[0.02, 0.03], rounds=[0.02])
+    text = "\n".join(table(cfg, rows + [sim], ref, peak_flops=1e11, per_device_peak=False,
+                           simulated=True))
     assert "| 8 (simulated) |" in text and "| 1 |" in text and "reference (plain JAX)" in text
     assert text.count("\n") == 2 + len(rows) + 1  # header, rule, layouts, reference
 
 
 @pytest.mark.slow
 def test_host_peak_and_compile_times_are_positive(cfg):
-    assert bench.host_matmul_peak(jax.devices()[0], n=256, reps=3) > 1e6  # FLOP/s
+    assert host_matmul_peak(jax.devices()[0], n=256, reps=3) > 1e6  # FLOP/s
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=1))
     par = bench.layouts_for(small, [], False)[0]
-    times = bench.compile_times(small, par, jax.devices(), layers=(1, 2), reps=1)
+    times = compile_times(small, par, jax.devices(), layers=(1, 2), reps=1)
     assert set(times) == {1, 2} and all(t[0] > 0 for t in times.values())
 
 
@@ -75,14 +80,14 @@ def test_attention_rows_and_a_reference_shape_that_does_not_fit(cfg):
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
         bench.attention_rows(bf16, cpu, "cudnn", own)
     with pytest.raises(ConfigError, match="lower train.global_batch_size"):
-        bench.measure(cfg, own[:1], jax.devices(), limit=1.0, log=lambda *_: None)
+        measure(cfg, own[:1], jax.devices(), limit=1.0, log=lambda *_: None)
 
 
 @pytest.mark.slow
 def test_one_runner_at_a_time_as_on_an_accelerator(cfg):
     one = bench.layouts_for(cfg, [], False)[:1]
-    rows, ref, pairs = bench.measure(cfg, one, jax.devices(), steps=2, rounds=1, warmup=1,
-                                     log=lambda *_: None, resident=False)
-    assert pairs == [] and len(rows) == 1 and len(ref.times) == 2
-    line = bench.headline(bench.reference_ratio(rows, ref, pairs), pairs)
+    found = measure(cfg, one, jax.devices(), Timing(steps=2, rounds=1, warmup=1),
+                    log=lambda *_: None, resident=False)
+    assert found.pairs == [] and len(found.rows) == 1 and len(found.ref.times) == 2
+    line = headline(reference_ratio(found), found.pairs)
     assert "ratio of median step times" in line and "nan" not in line

@@ -97,6 +97,14 @@ def test_plan_command_line(capsys):
     assert "the recipe's own layout (pp2-dp2-tp2-mb2)" in out
     assert plan.main(["recipe=llama_tiny_debug", "devices=8"]) == 2
     assert "device_memory_gb" in capsys.readouterr().err
+    # Settings out of range: one line naming the setting, before anything is planned
+    # (they printed negative step times, and memory_fraction=2 let 141 GiB "fit" 80).
+    for bad, valid in [("devices_per_node=0", ">= 1"), ("memory_fraction=2", "in (0, 1]"),
+                       ("peak_tflops=-5", "> 0"), ("pipe_gbps=0", "> 0")]:
+        assert plan.main(["recipe=llama_tiny_debug", "devices=8", "device_memory_gb=80",
+                          bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and bad.split("=")[0] in err and valid in err, err
 
 
 def test_uneven_stages_are_planned_and_the_head_stage_gets_fewer_layers():

@@ -53,3 +53,14 @@ def test_a_sweep_over_targets_prints_and_writes_each_report(tmp_path, env):
         assert [k for k in keys if k not in report] == []
         assert report["fits"] is True and report["memory/compiled_bytes_per_device"] > 0
         assert cli.summary(job)["status"] == "compiled"
+
+
+def test_a_sweep_with_a_job_that_does_not_compile_exits_non_zero(tmp_path, env):
+    """Every job still runs; the sweep's last line names the one that did not compile."""
+    proc = cli.framework("compile", "-m", "recipe=llama_tiny_debug",
+                         "target=local,gpu:h100x12", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                         cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.count("per device (compiled)") == 1  # the local job compiled
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 1 compile job(s) did not compile:") and "multiple of 8" in last

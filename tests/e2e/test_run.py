@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from framework.config import RunConfig
 from framework.engine.validate import validate
 from framework.parallel.pipeline.schedule import make_schedule
-from framework.run.train import check_run
+from framework.run.checks import check_run
 
 from tests import cli
 from tests.cli import REPO
@@ -169,7 +169,11 @@ def test_sweep_report_writes_table_and_chart(sweep_dir, tmp_path):
     (["recipe=llama_tiny_debug", "parallel.pipeline=3"], "parallel.pipeline=3"),
     (["recipe=llama_tiny_debug", "distributed.num_processes=2"],
      "distributed.num_processes=2 needs distributed.coordinator_address"),
-], ids=["unknown-recipe", "misspelled-key", "wrong-type", "invalid-degree", "half-multi-host"])
+    (["recipe=llama_small_3d", "parallel.stage_layers=4"],  # not a list: no Hydra line
+     "parallel.stage_layers=4 is a number, not a list: it takes a list of positive whole "
+     "numbers, the layers of each global stage (e.g. [2,2]), or auto, or null"),
+], ids=["unknown-recipe", "misspelled-key", "wrong-type", "invalid-degree", "half-multi-host",
+        "stage-layers-not-a-list"])
 def test_user_errors_exit_nonzero_with_one_line(args, expected, tmp_path, env):
     proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
     assert proc.returncode == 2

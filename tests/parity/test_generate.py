@@ -59,7 +59,8 @@ def test_kv_cache_greedy_equals_recomputing_the_full_forward(model, recomputed, 
 def test_sampling_is_reproducible_per_seed_and_top_k_1_is_greedy(model, recomputed):
     cfg, prompt = model
     dec, params = decoder(cfg, 2)
-    run = lambda seed, **kw: dec.generate(params, prompt, N_NEW, seed=seed, **kw)
+    run = lambda seed, **kw: dec.generate(params, prompt, N_NEW,
+                                          decode.Sampling(seed=seed, **kw))
     settings = dict(temperature=0.8, top_k=50, top_p=0.95)
     first = run(0, **settings)
     np.testing.assert_array_equal(first, run(0, **settings))

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from framework.parallel.pipeline import schedule as schedules
+
 from tests.helpers import (engine, engine_grads, engine_losses, max_rel_err, params, reference_grads,
                            reference_losses, tokens, worst)
 
@@ -75,5 +77,16 @@ def test_remat_keeps_parity(remat, ref_grads):
                          ids=["1f1b", "zero1+sp"])
 def test_eval_loss_is_the_forward_loss(kw, ref_grads):
     eng = engine(2, 2, 2, 4, **kw)
+    loss = eng.eval_loss_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref_grads[0])) <= 1e-5 * float(ref_grads[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", schedules.schedule_names())
+def test_eval_loss_is_the_forward_loss_under_every_schedule(schedule, ref_grads):
+    """Evaluation runs a forward table over the training schedule's own stage map (a V
+    for zb_v: its last stage is on rank 0, where the loss is taken)."""
+    v = 2 if schedules.uses_virtual_stages(schedule) else 1
+    eng = engine(2, 1, 1, 4, schedule=schedule, virtual_stages=v)
     loss = eng.eval_loss_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
     assert abs(float(loss) - float(ref_grads[0])) <= 1e-5 * float(ref_grads[0])

@@ -276,7 +276,7 @@ def test_a_key_hydra_would_add_or_an_empty_folder_is_one_line(monkeypatch, tmp_p
 
 
 def test_clamp_warmup_says_it_in_one_line():
-    from framework.config import clamp_warmup
+    from framework.run.checks import clamp_warmup
     from tools.recipe import compose
 
     cfg = compose(["recipe=llama_tiny_debug", "optim.warmup_steps=7"])

@@ -186,9 +186,10 @@ class ListLogger:
 
 def run_fake(losses, steps, hooks=(), stop=None, log_every=2, start=0):
     logger = ListLogger()
-    result = loop.train_loop(FakeEngine(losses), start, lambda i: i,
-                             loop.LoopSettings(steps=steps, log_every=log_every, start=start),
-                             logger, lambda t: {"perf/tokens_per_sec": 1.0 / t}, hooks, stop)
+    settings = loop.LoopSettings(steps=steps, log_every=log_every, start=start,
+                                 perf=lambda t: {"perf/tokens_per_sec": 1.0 / t})
+    result = loop.train_loop(FakeEngine(losses), start, lambda i: i, settings, logger, hooks,
+                             stop)
     return result, logger.records
 
 
@@ -215,8 +216,9 @@ def test_a_checkpoint_is_saved_only_after_its_steps_record_is_written():
     save = loop.Hook("checkpoint", 2, lambda step, state: seen.append(
         (step, [s for s, _ in logger.records])), after_log=True)
     loop.train_loop(FakeEngine([1.0] * 4), 0, lambda i: i,
-                    loop.LoopSettings(steps=4, log_every=2), logger,
-                    lambda t: {"perf/tokens_per_sec": 1.0 / t}, (save,))
+                    loop.LoopSettings(steps=4, log_every=2,
+                                      perf=lambda t: {"perf/tokens_per_sec": 1.0 / t}),
+                    logger, (save,))
     assert seen == [(2, [2]), (4, [2, 4])]
 
 

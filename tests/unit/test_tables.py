@@ -105,7 +105,7 @@ def test_zb_v_places_its_stages_in_a_v():
     for p, m in [(2, 8), (4, 8), (8, 16), (3, 6)]:
         for overlap in (True, False):
             zv = make_schedule("zb_v", p, m, overlap=overlap)
-            assert [list(row) for row in zv.stage_of] == [[r, 2 * p - 1 - r] for r in range(p)]
+            assert [list(row) for row in zv.stages.of] == [[r, 2 * p - 1 - r] for r in range(p)]
             turn = [pair for c in buffers_lib.plan(zv).channels
                     if c.buffer == "act" and c.shift == 0 for k in c.pairs for pair in k]
             assert turn == [(p - 1, p - 1)]
@@ -116,7 +116,7 @@ def test_the_v_layout_puts_each_layer_chunk_where_its_stage_runs():
     p, lc = 4, 2
     layers = np.arange(2 * p * lc)  # layer k holds k
     stages = layout.to_stages(layers, p, 2, v_shape=True)  # [rank, chunk, layer]
-    placement = make_schedule("zb_v", p, 8).stage_of
+    placement = make_schedule("zb_v", p, 8).stages.of
     for r in range(p):
         for c in range(2):
             g = placement[r, c]

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from framework.config import ParallelConfig
+from framework.config import ParallelConfig, stage_layers_value
 from framework.engine.validate import validate
 from framework.errors import ConfigError
 from tests.helpers import MODEL, TRAIN
@@ -58,3 +58,48 @@ def test_invalid_combinations_are_one_line_errors():
         with pytest.raises(ConfigError) as err:
             validate(MODEL, ParallelConfig(pipeline=4, data=2, **{"microbatches": 8, **kw}), TRAIN, 8)
         assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# parallel.stage_layers of a form no model could use: refused when ParallelConfig is
+# built (framework/config.py), as given on the command line (Hydra's values).
+WRONG_FORMS = [(4, "=4 is a number, not a list"), (True, "=true is true/false, not a list"),
+               ([2, "2"], "=[2,'2'] holds '2' (a string) where a number of layers belongs"),
+               ([2, 2.5], "=[2,2.5] holds 2.5 (a decimal number)"),
+               ([1, True], "=[1,true] holds true (true/false)"),
+               ([[1], 2], "=[[1],2] holds [1] (a list)"),
+               ({"a": 1}, "is a mapping, not a list"), ("even", "='even' is a string"),
+               ([0, 4], "=[0,4] holds 0, but every stage needs at least 1 layer")]
+
+
+@pytest.mark.parametrize("given,problem", WRONG_FORMS, ids=[str(g) for g, _ in WRONG_FORMS])
+def test_stage_layers_of_the_wrong_form_are_one_line(given, problem):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(pipeline=2, stage_layers=given)
+    message = str(err.value)
+    assert message.startswith("parallel.stage_layers") and problem in message, message
+    assert "\n" not in message and message.endswith(
+        "it takes a list of positive whole numbers, the layers of each global stage "
+        "(e.g. [2,2]), or auto, or null (unset: model.n_layers split evenly)")
+
+
+def test_stage_layers_of_the_right_form_are_kept():
+    assert stage_layers_value([2, 3]) == (2, 3)  # hashable: the planner's caches key on it
+    assert stage_layers_value("auto") == "auto" and stage_layers_value(None) is None
+    assert ParallelConfig(stage_layers=[1, 3]).stage_layers == (1, 3)
+
+
+def test_a_value_the_schema_refuses_is_one_line_from_the_task(capsys):
+    """What both `framework.run` and `framework.compile` do with a composed config
+    whose ParallelConfig cannot be built: one line, exit status 2 (no Hydra line)."""
+    from hydra import compose, initialize_config_dir
+
+    from framework.run import cli
+
+    cli.register_configs()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["recipe=llama_small_3d", "parallel.stage_layers=4"])
+    with pytest.raises(SystemExit) as done:
+        cli.typed_config(cfg)
+    lines = capsys.readouterr().err.splitlines()
+    assert done.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: parallel.stage_layers=4 is a number, not a list")

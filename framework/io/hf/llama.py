@@ -40,7 +40,8 @@ import numpy as np
 
 from framework.errors import ConfigError
 from framework.config import ModelConfig, RopeScaling
-from framework.model.llama import check_rope_scaling, init_params
+from framework.model.llama import init_params
+from framework.model.rope import check_rope_scaling
 from framework.io.hf.safetensors import Tensors, write_folder
 
 CONFIG_FILE = "config.json"

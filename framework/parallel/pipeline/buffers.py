@@ -36,9 +36,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from framework.parallel.pipeline.schedule import AUTODIFF, BW, B, F, IDLE, W, Schedule
-
-ACT, GRAD = "act", "grad"
+from framework.parallel.pipeline.table import (ACT, AUTODIFF, GRAD, KIND_NAMES, B, F, Schedule,
+                                               W, needs)
 
 
 @dataclass(frozen=True)
@@ -76,42 +75,20 @@ class Buffers:
     messages: tuple  # Message, ... (for checks and accounting)
 
 
-def _cells(s: Schedule) -> dict:
-    """(kind letter, microbatch, global stage) -> (tick, rank); BW counts as B and W."""
-    at = {}
-    stage = s.global_stage
-    for (t, r), kind in np.ndenumerate(s.kind):
-        if kind == IDLE:
-            continue
-        i, g = int(s.microbatch[t, r]), int(stage[t, r])
-        letters = {F: "F", B: "B", W: "W", BW: "BW"}[int(kind)]
-        for letter in ("B", "W") if letters == "BW" else (letters,):
-            if (letter, i, g) in at:
-                raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) appears twice")
-            at[letter, i, g] = (t, r)
-    return at
-
-
 def messages(s: Schedule) -> list[Message]:
+    """Every message the table implies: per unit of work the executor runs, what it
+    needs through ACT or GRAD (`table.needs`), from the cell that made it (autodiff
+    tables: the forward rows' activations only)."""
     rows = s.forward_rows()
-    at = _cells(rows)
-    S = s.n_global_stages
+    at, S = rows.cells(), s.n_global_stages
     out = []
-
-    def message(buffer, i, r, t, to):
-        t2, r2 = at[to]
-        out.append(Message(buffer, i, r, r2, t, t2, t + int(s.overlap and r2 != r)))
-
-    for (letter, i, g), (t, r) in sorted(at.items(), key=lambda kv: kv[1]):
-        if letter == "F" and g < S - 1:
-            message(ACT, i, r, t, ("F", i, g + 1))
-        if s.executor == AUTODIFF:
-            continue
-        if letter == "F" and g == S - 1:
-            message(GRAD, i, r, t, ("B", i, g))
-        if letter == "B" and g > 0:
-            message(GRAD, i, r, t, ("B", i, g - 1))
-    return out
+    for (kind, i, g), (t, r) in sorted(at.items(), key=lambda kv: kv[1]):
+        for need in needs(kind, i, g, S):
+            for buffer in set(need.via) & {ACT, GRAD}:
+                if need.work in at:  # (autodiff: the last stage's dL/dy is not a cell's)
+                    t0, r0 = at[need.work]
+                    out.append(Message(buffer, i, r0, r, t0, t, t0 + int(s.overlap and r0 != r)))
+    return sorted(out, key=lambda msg: (msg.sent, msg.src, msg.buffer))
 
 
 def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
@@ -137,7 +114,7 @@ def _plan(s: Schedule) -> Buffers:
     rows = s.forward_rows()
     T = rows.n_ticks
     msgs = messages(s)
-    at = _cells(rows)
+    at = rows.cells()
     read = np.full((T, p), -1, np.int32)
     n_slots = {}
     slot_of: dict[Message, int] = {}
@@ -158,13 +135,13 @@ def _plan(s: Schedule) -> Buffers:
     n_slots["stash"] = 0
     if s.executor != AUTODIFF:
         for r in range(p):
-            mine = [(t, at["W", i, g][0], (i, g))
-                    for (letter, i, g), (t, rr) in at.items() if letter == "F" and rr == r]
+            mine = [(t, at[W, i, g][0], (i, g))
+                    for (kind, i, g), (t, rr) in at.items() if kind == F and rr == r]
             slots, n = _colour(mine)
             n_slots["stash"] = max(n_slots["stash"], n)
             for (i, g), k in slots.items():
-                for letter in ("F", "B", "W"):
-                    stash[at[letter, i, g]] = k
+                for kind in (F, B, W):
+                    stash[at[kind, i, g]] = k
     on: dict[tuple, list] = {}  # (buffer, shift) -> its messages
     for m in msgs:
         on.setdefault((m.buffer, (m.dst - m.src) % p), []).append(m)
@@ -230,26 +207,24 @@ def check(s: Schedule, buffers: Buffers) -> None:
     stage; every cell runs after what it depends on (messages one tick later); and no
     buffer slot is overwritten while its entry is still to be read."""
     rows = s.forward_rows()
-    at = _cells(rows)
+    at = rows.cells()
     S, m = s.n_global_stages, s.n_microbatches
-    letters = ("F",) if s.executor == AUTODIFF else ("F", "B", "W")
+    kinds = (F,) if s.executor == AUTODIFF else (F, B, W)
     for i in range(m):
         for g in range(S):
-            for letter in letters:
-                if (letter, i, g) not in at:
-                    raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) is missing")
-                if at[letter, i, g][1] != s.rank_chunk_of[g][0]:
-                    raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) on the wrong rank")
-    for (letter, i, g), (t, _) in at.items():
-        deps = {"F": [("F", i, g - 1)] if g > 0 else [],
-                "B": [("F", i, g)] + ([("B", i, g + 1)] if g < S - 1 else []),
-                "W": [("B", i, g)]}[letter]
-        if letter == "B" and g == S - 1 and s.executor == AUTODIFF:
-            deps = []
-        for d in deps:
-            if d in at and not at[d][0] < t and not (letter == "W" and at[d][0] == t):
-                raise ValueError(f"schedule {s.name}: {letter}({i}, stage {g}) at tick {t} "
-                                 f"runs before {d[0]}({d[1]}, stage {d[2]})")
+            for kind in kinds:
+                name = f"{KIND_NAMES[kind]}({i}, stage {g})"
+                if (kind, i, g) not in at:
+                    raise ValueError(f"schedule {s.name}: {name} is missing")
+                if at[kind, i, g][1] != s.stages.rank[g]:
+                    raise ValueError(f"schedule {s.name}: {name} on the wrong rank")
+    for (kind, i, g), (t, _) in at.items():
+        for need in needs(kind, i, g, S):
+            t0 = at.get(need.work, (-1,))[0]  # (autodiff: the backward is not in the rows)
+            if t0 > t or (t0 == t and not (kind == W and need.work[0] == B)):
+                k, j, h = need.work
+                raise ValueError(f"schedule {s.name}: {KIND_NAMES[kind]}({i}, stage {g}) at "
+                                 f"tick {t} runs before {KIND_NAMES[k]}({j}, stage {h})")
     # Slots: replay stores (end of tick) and reads (during the tick) per rank and buffer.
     live: dict[tuple, object] = {}  # (buffer, rank, slot) -> what it holds
     events = []  # (tick, order, action, key, content): reads (0) before stores (1)
@@ -260,10 +235,10 @@ def check(s: Schedule, buffers: Buffers) -> None:
                              f"message that arrives at the end of tick {msg.stored}")
         events += [(msg.stored, 1, "store", (msg.buffer, msg.dst, k), msg),
                    (msg.used, 0, "read", (msg.buffer, msg.dst, k), msg)]
-    for (letter, i, g), (t, r) in at.items():
-        if letter == "F" and buffers.stash[t, r] >= 0:
-            t2 = at["W", i, g][0]
-            if buffers.stash[at["B", i, g]] != buffers.stash[t, r]:
+    for (kind, i, g), (t, r) in at.items():
+        if kind == F and buffers.stash[t, r] >= 0:
+            t2 = at[W, i, g][0]
+            if buffers.stash[at[B, i, g]] != buffers.stash[t, r]:
                 raise ValueError(f"schedule {s.name}: B({i}, stage {g}) uses another stash slot")
             events += [(t, 1, "store", ("stash", r, buffers.stash[t, r]), (i, g)),
                        (t2, 0, "read", ("stash", r, buffers.stash[t2, r]), (i, g))]

@@ -36,6 +36,12 @@ def only_on(scope: str, pred, fn, otherwise):
     return jax.lax.cond(pred, run, otherwise)
 
 
+def manual_axes(x) -> tuple:
+    """The mesh axes every value the tick loop carries varies over: those `x` (the
+    microbatches' token ids) varies over, and `pipe`."""
+    return tuple(sorted(jax.typeof(x).manual_axis_type.varying | {PIPE}))
+
+
 def varying(x, axes=(PIPE,)):
     """Marks x as (possibly) different on each device of `axes` (a shard_map type)."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
@@ -70,13 +76,6 @@ def send_overlapped(channel: Channel, value):
     unconditionally, so that the transfer can run beside the cell's compute)."""
     with jax.named_scope(send_scope(channel, 1)):
         return jax.lax.ppermute(value, PIPE, list(channel.pairs[1]))
-
-
-def send_weights(channels, n_ticks: int) -> dict[str, float]:
-    """Audit weights: per pattern scope, the share of the loop's ticks that run it
-    (overlapped: once in every step of the loop that it is in, unconditionally)."""
-    return {send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))
-            for ch in channels for k in range(1, len(ch.pairs))}
 
 
 def slots(like_shape, n: int) -> tuple:

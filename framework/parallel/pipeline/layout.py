@@ -3,11 +3,10 @@
 With `n_stages` pipeline ranks and `n_chunks` chunks per rank (1 for GPipe and 1F1B,
 `virtual_stages` for the circular schedule), layer chunk c = v * n_stages + s holds
 layers [c * Lc, (c + 1) * Lc) and lives on rank s as its v-th chunk (Megatron-LM's
-interleaved assignment, Narayanan et al. 2021). A V-shaped schedule (`v_shape`, ZB-V:
-rank s holds stages s and 2p-1-s, `schedule.stage_map`) keeps chunk 0 so and holds the
-chunks of its second half in reverse rank order. Uneven stages (`stage_layers`, the
+interleaved assignment, Narayanan et al. 2021); a V-shaped schedule (`v_shape`, ZB-V)
+places them in a V: both read the one stage map (`table.stage_map`). Uneven stages (`stage_layers`, the
 real layers of each global stage) pad every chunk to the longest with zero layers,
-which the model's layer scan skips (`autodiff.skip_unless`). Axis 0 of the stage layout is sharded
+which the model's layer scan skips (`stage.skip_unless`). Axis 0 of the stage layout is sharded
 over `pipe`; checkpoints always use the canonical layout, so they are mesh-independent.
 """
 
@@ -17,15 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from framework.parallel.pipeline.table import INTERLEAVED, V_SHAPE, StageMap, stage_map
+
 STAGE, CHUNK = "stage", "chunk"  # the logical axes the stage layout adds (STAGE -> pipe)
 
 
-def _v_flip(x, v_shape: bool):
-    """[stage, chunk, ...]: chunk 1's stages in reverse order (its own inverse)."""
-    if not v_shape:
-        return x
-    xp = np if isinstance(x, np.ndarray) else jnp
-    return xp.concatenate([x[:, :1], x[::-1, 1:]], axis=1)
+def _stages(n_stages: int, n_chunks: int, v_shape: bool) -> StageMap:
+    return stage_map(V_SHAPE if v_shape else INTERLEAVED, n_stages, n_chunks)
 
 
 def _padding(stage_layers) -> tuple[np.ndarray, np.ndarray]:
@@ -44,15 +41,16 @@ def to_stages(layers, n_stages: int, n_chunks: int, v_shape: bool = False,
     """[L, ...] -> [n_stages, n_chunks, Lc, ...]: Lc = L / (n_stages * n_chunks), or with
     uneven `stage_layers` (per global stage) their maximum, zeros in the padding."""
 
-    def one(x):  # -> [S, Lc, ...] in global-stage order, then ranks and chunks
+    of = _stages(n_stages, n_chunks, v_shape).of  # [ranks, chunks] -> global stage
+
+    def one(x):  # -> [S, Lc, ...] in global-stage order, then [ranks, chunks, Lc, ...]
         if stage_layers is None:
             x = x.reshape((n_stages * n_chunks, -1) + x.shape[1:])
         else:
             index, real = _padding(stage_layers)
             real = real.reshape(real.shape + (1,) * (x.ndim - 1))
             x = (np.where if isinstance(x, np.ndarray) else jnp.where)(real, x[index], 0)
-        x = x.reshape((n_chunks, n_stages) + x.shape[1:])
-        return _v_flip(x.swapaxes(0, 1), v_shape)
+        return x[of]
 
     return jax.tree.map(one, layers)
 
@@ -62,8 +60,9 @@ def to_layers(stages, v_shape: bool = False, stage_layers=None):
     uneven stages dropped)."""
 
     def one(x):
-        x = _v_flip(x, v_shape).swapaxes(0, 1)
-        x = x.reshape((-1,) + x.shape[3:])
+        stages = _stages(x.shape[0], x.shape[1], v_shape)
+        x = x[stages.rank, stages.chunk]  # [S, Lc, ...] in global-stage order
+        x = x.reshape((-1,) + x.shape[2:])
         if stage_layers is not None:
             x = x[np.flatnonzero(_padding(stage_layers)[1])]
         return x

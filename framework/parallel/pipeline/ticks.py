@@ -41,119 +41,21 @@ writes not kept, `comm.slots`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from framework.parallel.mesh import PIPE
-from framework.parallel.pipeline import StageFns
-from framework.parallel.pipeline.autodiff import join_vjp, split_vjp
-from framework.parallel.pipeline.buffers import ACT, GRAD, Buffers, plan
-from framework.parallel.pipeline.comm import (only_on, send, send_overlapped, send_weights,
+from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_overlapped,
                                               slots, store, zeros_typed_like)
-from framework.parallel.pipeline.schedule import BW, IDLE, B, F, W, Schedule
-from framework.parallel.pipeline.scopes import (CELL, CELL_SCOPES, LOOP, ON_FIRST,
-                                                ON_LAST)
-
-
-def scope_weights(schedule: Schedule) -> dict[str, float]:
-    """Per execution of the loop body: the share of its cells on each device that run
-    each branch. A kind's branch is in the dispatch of each tick of the body it may run
-    in (`_kinds`). The head runs on the m F cells of the last stage, the embedding's
-    gradient on the m backward cells of the first."""
-    kind, m = schedule.kind, schedule.n_microbatches
-    steps, p = schedule.n_ticks // schedule.ticks_per_step, schedule.n_stages
-    dispatches = [_kinds(schedule, phase) for phase in range(schedule.ticks_per_step)]
-    weights = {CELL_SCOPES[k]: float((kind == k).sum()) / (
-        steps * p * max(1, sum(k in d for d in dispatches))) for k in CELL_SCOPES}
-    weights[ON_LAST] = m / max(int((kind == F).sum()), 1)
-    weights[ON_FIRST] = m / max(int(((kind == B) | (kind == BW)).sum()), 1)
-    weights.update(send_weights(plan(schedule).channels, schedule.n_ticks))
-    return weights
-
-
-def _kinds(schedule: Schedule, phase: int) -> set:
-    """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""
-    rows = schedule.kind[phase::schedule.ticks_per_step]
-    return set(np.unique(rows).tolist()) - {IDLE}
-
-
-# --- The stash: several lists of arrays in one buffer per dtype -----------------------
-
-LANE = 128  # a stash row is [elements / LANE, LANE]: see `Packing`
-
-
-def _key(a) -> str:
-    """Arrays of one key share a buffer: same dtype and same varying mesh axes."""
-    return f"{a.dtype}|{','.join(sorted(jax.typeof(a).manual_axis_type.varying))}"
-
-
-def _lanes(a) -> int:
-    """Rows of LANE elements that array `a` takes in a stash row (its tail padded)."""
-    return -(-math.prod(a.shape) // LANE)
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Several lists of arrays stored, one list at a time, in one buffer per key (dtype
-    and device-varying type, which the VJPs need back exactly): [slots, rows, LANE],
-    each array from a row of its own. Not [slots, elements]: TPUs tile an array's last
-    two dimensions, so a small slot count there is padded (9 slots of a Llama-3-8B stage
-    took 16 slots' memory, 16 GiB instead of 9, on the TPU compiler)."""
-
-    rows: dict  # key -> rows of LANE elements
-
-    @staticmethod
-    def of(*likes) -> "Packing":
-        rows: dict = {}
-        for like in likes:
-            per: dict = {}
-            for a in like:
-                per[_key(a)] = per.get(_key(a), 0) + _lanes(a)
-            for key, n in per.items():
-                rows[key] = max(rows.get(key, 0), n)
-        return Packing(rows)
-
-    def zeros(self, n: int) -> dict:
-        """{key: [n + 1, rows, LANE]}."""
-        def one(key, rows):
-            dtype, axes = key.split("|")
-            return zeros_typed_like(jax.ShapeDtypeStruct(slots((rows, LANE), n), dtype), (),
-                                    axes.split(",") if axes else ())
-        return {key: one(key, rows) for key, rows in self.rows.items()}
-
-    def store(self, stash: dict, leaves, slot, keep) -> dict:
-        """Writes `leaves` into slot `slot` of the stash (the spare last slot where not
-        `keep`, see `comm.store`), each at its row: no copy into one array first."""
-        spare = next(iter(stash.values())).shape[0] - 1
-        slot = jnp.where(keep, slot, spare)
-        at = dict.fromkeys(self.rows, 0)
-        stash = dict(stash)
-        for a in leaves:
-            key, n = _key(a), _lanes(a)
-            flat = a.reshape(-1)
-            if flat.size % LANE:
-                flat = jnp.pad(flat, (0, n * LANE - flat.size))
-            stash[key] = jax.lax.dynamic_update_slice(
-                stash[key], flat.reshape(1, n, LANE), (slot, at[key], 0))
-            at[key] += n
-        return stash
-
-    def read(self, stash: dict, slot, like) -> list:
-        """Arrays shaped like `like`, read from slot `slot` of the stash at their rows
-        (only what is asked for is copied out of the slot)."""
-        at = dict.fromkeys(self.rows, 0)
-        out = []
-        for a in like:
-            key, n = _key(a), _lanes(a)
-            rows = jax.lax.dynamic_slice(stash[key], (slot, at[key], 0), (1, n, LANE))
-            out.append(rows.reshape(-1)[:math.prod(a.shape)].reshape(a.shape))
-            at[key] += n
-        return out
+from framework.parallel.pipeline.program import Program
+from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
+from framework.parallel.pipeline.stage import StageFns, join_vjp, split_vjp
+from framework.parallel.pipeline.stash import Packing
+from framework.parallel.pipeline.table import ACT, BW, GRAD, B, F, W
 
 
 # --- What flows through a tick --------------------------------------------------------
@@ -209,17 +111,19 @@ class Types(NamedTuple):
     packing: Packing  # the stash row holding either residuals or douts
 
 
-def trace_types(fns: StageFns, params, inputs, split: bool, recompute: bool, stage) -> Types:
+def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage) -> Types:
     """`stage`: any global stage typed like the table's (varying over `pipe`)."""
+    split = prog.schedule.split_backward
+    chunk = partial(fns.layers, n_real=prog.real(stage))
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     x = fns.embed(params["embed"], inputs[0])
     if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
-        vjp_fn, saved, douts_tree = jax.vjp(fns.chunk(stage), w0, x)[1], [x], []
+        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
     elif split:
-        _, vjp_fn, saved = fns.split_forward(stage)(w0, x)
+        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage))
         douts_tree = vjp_fn(x)[1]
     else:
-        vjp_fn, saved, douts_tree = jax.vjp(fns.chunk(stage), w0, x)[1], [], []
+        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [], []
     residuals, vjp_def, param_slot = split_vjp(vjp_fn, w0)
     douts = jax.tree.leaves(douts_tree)
     return Types(x, residuals, vjp_def, param_slot, jax.tree.leaves(saved),
@@ -235,6 +139,7 @@ class Cells:
     takes (grads, loss, cell: CellIn, stash, saved) and returns (grads, loss, CellOut)."""
 
     fns: StageFns
+    prog: Program
     params: dict  # {'embed', 'head', 'chunks' [v, Lc, ...]} of this rank
     inputs: jax.Array  # [microbatches, mb, seq] token ids
     targets: jax.Array  # [microbatches, mb, seq]
@@ -278,10 +183,11 @@ class Cells:
                     lambda: cell.x)
         w = self.weights(cell.chunk)
         if self.split and not self.recompute:
-            y, vjp_fn, kept = fns.split_forward(cell.stage)(w, x)
+            y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage))
             kept = jax.tree.leaves(kept)
         else:  # (recompute: B writes the saved buffer, F leaves zeros)
-            (y, vjp_fn), kept = jax.vjp(fns.chunk(cell.stage), w, x), None
+            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage))
+            (y, vjp_fn), kept = jax.vjp(chunk, w, x), None
 
         def head():  # last stage: this microbatch's loss and dL/dy for its backward
             value, (g_head, g_embed, dy) = jax.value_and_grad(
@@ -350,24 +256,12 @@ def _add(tree, update):
 
 # --- The tick loop ----------------------------------------------------------------------
 
-def _table(schedule: Schedule, buffers: Buffers) -> dict:
-    """The table and its buffer plan as the scan's per-step inputs: [steps, ticks per
-    step, ranks] arrays (the sends: [steps, ticks per step] pattern per channel)."""
-    stage, k = schedule.global_stage, schedule.ticks_per_step
-    table = {
-        "kind": schedule.kind, "mb": schedule.microbatch, "chunk": schedule.chunk,
-        "stage": stage, "stash": buffers.stash, "read": buffers.read,
-        "first": stage == 0, "last": stage == schedule.n_global_stages - 1,
-        "arrive": [ch.arrive for ch in buffers.channels],
-        "pattern": [ch.pattern for ch in buffers.channels]}
-    return jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]), table)
-
-
-def _tick(cells: Cells, buffers: Buffers, rank, phase: int, kinds: set):
+def _tick(cells: Cells, rank, phase: int):
     """Tick `phase` of a loop step on this rank: start sending the last tick's messages
     (overlapped), read the cell's inputs, run its branch, write the stash, send or
     receive and store the messages."""
-    branches, packing = cells.branches(kinds), cells.types.packing
+    buffers = cells.prog.buffers
+    branches, packing = cells.branches(cells.prog.kinds(phase)), cells.types.packing
     travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
     def tick(carry: Carry, row: dict) -> Carry:
@@ -400,10 +294,9 @@ def _tick(cells: Cells, buffers: Buffers, rank, phase: int, kinds: set):
     return tick
 
 
-def _step(cells: Cells, schedule: Schedule, buffers: Buffers, rank):
+def _step(cells: Cells, rank):
     """The loop's body: one tick, or a (forward, backward) pair when sends overlap."""
-    ticks = [_tick(cells, buffers, rank, phase, _kinds(schedule, phase))
-             for phase in range(schedule.ticks_per_step)]
+    ticks = [_tick(cells, rank, phase) for phase in range(cells.prog.schedule.ticks_per_step)]
 
     def step(carry: Carry, rows: dict):
         for phase, tick in enumerate(ticks):
@@ -413,28 +306,41 @@ def _step(cells: Cells, schedule: Schedule, buffers: Buffers, rank):
     return step
 
 
-def loss_and_grads(schedule: Schedule, fns: StageFns, params, inputs, targets):
+def make_cells(prog: Program, fns: StageFns, params, inputs, targets, rank) -> Cells:
+    """The branches of this rank's ticks (`rank`: its pipeline rank, traced), with the
+    types of what they keep."""
+    split = prog.schedule.split_backward
+    if split and fns.split is None:
+        raise ValueError(f"schedule {prog.schedule.name} splits the backward: "
+                         f"StageFns.split is needed")
+    recompute = split and fns.split.recompute
+    types = trace_types(fns, prog, params, inputs, recompute, rank)
+    return Cells(fns, prog, params, inputs, targets, types, manual_axes(inputs), split,
+                 recompute)
+
+
+def initial_carry(cells: Cells) -> Carry:
+    """The tick loop's state before the first tick: every buffer the buffer plan sizes
+    (the memory model measures these, `framework/analysis/memory_model.py`)."""
+    n, t, buffers = cells.prog.buffers.n_slots, cells.types, cells.prog.buffers
+    return Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
+                 stash=t.packing.zeros(n["stash"]),
+                 saved=[cells.zeros(a, n["stash"]) for a in t.saved],
+                 grads=jax.tree.map(cells.zeros, cells.params),
+                 loss=cells.zeros(jnp.zeros((), jnp.float32)),
+                 pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap})
+
+
+def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets):
     """params: {'embed', 'head', 'chunks' [v, Lc, ...] of this rank}, varying over the
     manual axes. inputs, targets: [microbatches, mb, seq]. Returns (this rank's loss
     share, gradients like params)."""
-    split = schedule.split_backward
-    if split and fns.split is None:
-        raise ValueError(f"schedule {schedule.name} splits the backward: StageFns.split is needed")
-    buffers = plan(schedule)
-    manual = tuple(sorted(jax.typeof(inputs).manual_axis_type.varying | {PIPE}))
-    recompute = split and fns.split.recompute
     rank = jax.lax.axis_index(PIPE)
-    cells = Cells(fns, params, inputs, targets,
-                  trace_types(fns, params, inputs, split, recompute, rank), manual, split,
-                  recompute)
-    n, t = buffers.n_slots, cells.types
-    init = Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
-                 stash=t.packing.zeros(n["stash"]),
-                 saved=[cells.zeros(a, n["stash"]) for a in t.saved],
-                 grads=jax.tree.map(cells.zeros, params),
-                 loss=cells.zeros(jnp.zeros((), jnp.float32)),
-                 pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap})
+    cells = make_cells(prog, fns, params, inputs, targets, rank)
+    init = initial_carry(cells)
+    k = prog.schedule.ticks_per_step  # the loop's step: k ticks, [steps, k, ranks]
+    xs = jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]),
+                      prog.scan_inputs())
     with jax.named_scope(LOOP):
-        final, _ = jax.lax.scan(_step(cells, schedule, buffers, rank), init,
-                                _table(schedule, buffers))
+        final, _ = jax.lax.scan(_step(cells, rank), init, xs)
     return final.loss, final.grads

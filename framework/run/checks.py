@@ -1,0 +1,66 @@
+"""A run's settings checked before anything starts (`check_run`: everything that can
+be checked without devices; the degrees against the device count come later, in
+`framework/engine/validate.py`) and the one setting adjusted with a warning
+(`clamp_warmup`). Each problem is one line naming the setting and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from framework.config import RunConfig, check_ranges, not_one_of
+from framework.engine.validate import check
+from framework.errors import ConfigError
+from framework.runtime import distributed
+
+
+def wandb_login_found() -> bool:
+    """Whether W&B has credentials: WANDB_API_KEY, or the ~/.netrc entry `wandb login`
+    writes for its host (WANDB_BASE_URL, default api.wandb.ai)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Everything that can be checked without devices (degrees against the device
+    count come later, in `framework.engine.validate.validate`)."""
+    errs = check_ranges(cfg)
+    if errs:  # the checks below divide by some of these numbers
+        raise ConfigError("; ".join(errs))
+    errs = check(cfg.model, cfg.parallel, cfg.train, None)
+    errs += [e for e in (not_one_of("train.resume", cfg.train.resume),
+                         not_one_of("logging.wandb.mode", cfg.logging.wandb.mode),
+                         not_one_of("devices.platform", cfg.devices.platform)) if e]
+    if cfg.logging.wandb.mode == "online" and not wandb_login_found():
+        errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "
+                    "WANDB_API_KEY), or log offline (logging=wandb_offline) and `wandb sync` "
+                    "the run later")
+    if cfg.eval.sample_prompt is not None and not cfg.eval.every:
+        errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
+    try:
+        distributed.plan(cfg.distributed)
+    except ConfigError as err:
+        errs.append(str(err))
+    if errs:
+        raise ConfigError("; ".join(errs))
+
+
+def clamp_warmup(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """A warm-up longer than the run (a short trial of a recipe) becomes the whole run;
+    returns the config and the warning to print (None when nothing changed)."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if warmup <= steps:
+        return cfg, None
+    optim = dataclasses.replace(cfg.optim, warmup_steps=steps)
+    return dataclasses.replace(cfg, optim=optim), (
+        f"warning: optim.warmup_steps={warmup} is more than train.steps={steps}: the "
+        f"learning rate warms up over all {steps} steps (it reaches optim.lr at the last)")
