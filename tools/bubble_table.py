@@ -5,8 +5,11 @@ of pipeline sizes and microbatch counts, with overlapped and with synchronous se
     python tools/bubble_table.py --pipeline 4 --microbatches 8 16 --virtual-stages 2 4
 
 Nothing is compiled: the tables are the ones the engine runs (`program(...).schedule`), the
-bubble is `Schedule.bubble_fraction` (lockstep ticks, unit-cost F = B = W, BW = 2) and
-"in flight" the most microbatch-chunks a rank holds between its F and its W (BW).
+bubble is `Schedule.bubble_fraction` (lockstep ticks, unit-cost F = B = W, BW = 2, a
+part of a BW cut in parts 1) and "in flight" the most microbatch-chunks a rank holds
+between its F and its W (BW, BW0). With synchronous sends 1F1B and interleaved 1F1B cut
+each BW into parts (2 here; 3 under full remat, the same bubble); the "whole BWs" rows
+are the tables they ran before.
 Markdown, one row per (schedule, virtual stages, sends); cells "table (closed form)".
 """
 
@@ -33,8 +36,12 @@ def rows(pipelines, microbatches, virtual_stages) -> list[str]:
     for name in schedules.schedule_names():
         chunks = virtual_stages if schedules.uses_virtual_stages(name) else (1,)
         for v in chunks:
-            for overlap in (True, False):
-                made = {(p, m): program(name, p, m, v, overlap).schedule
+            for overlap, parts in ((True, 1), (False, 2), (False, 1)):
+                if parts == 1 and not overlap and schedules.cuts_backward(name):
+                    sends = "synchronous, whole BWs"  # what 1F1B ran before its parts
+                elif parts > 1 and not schedules.cuts_backward(name):
+                    continue
+                made = {(p, m): program(name, p, m, v, overlap, parts=parts).schedule
                         for p, m in grid if not schedules.check(name, p, m, v)}
                 if not made:
                     continue
@@ -45,7 +52,9 @@ def rows(pipelines, microbatches, virtual_stages) -> list[str]:
                 widest = [s for (p, _), s in made.items() if p == max(pipelines)]
                 flight = max(int(s.max_in_flight().max()) for s in widest) if widest else "-"
                 label = name + (f" (v={v})" if schedules.uses_virtual_stages(name) else "")
-                sends = "overlapped" if next(iter(made.values())).overlap else "synchronous"
+                if not (parts == 1 and not overlap and schedules.cuts_backward(name)):
+                    sends = ("overlapped" if overlap else "synchronous" +
+                             (", BW in parts" if parts > 1 else ""))
                 out.append(f"| {label} | {sends} | " + " | ".join(cells) + f" | {flight} |")
     return out
 

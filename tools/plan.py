@@ -3,6 +3,7 @@
     python tools/plan.py recipe=llama_1b_8gpu devices=64 device_memory_gb=80
     python tools/plan.py recipe=llama_small_3d devices=8 device_memory_gb=16 \\
         peak_tflops=100 tensor_gbps=300 pipe_gbps=25 data_gbps=25 parallel.remat=full
+    python tools/plan.py recipe=llama3_70b devices=64 --verify target=gpu:h100x64
 
 Enumerates every valid (pipeline, data, tensor, microbatches, schedule, zero1) for
 `devices` devices, predicts per-device memory and step time (framework/analysis/planner.py: no
@@ -19,6 +20,12 @@ Settings (all optional except devices and device_memory_gb):
   devices_per_node default 8
   memory_fraction  share of device memory XLA may fill (default 0.9)
   top              fitting layouts shown (default 20); unfit: non-fitting shown (5)
+
+--verify target=<target> (any target of `python -m framework.compile`: gpu:h100x64,
+tpu:v5p-256, ...) compiles the verify_top (default 3) best candidates with that
+target's compiler and ranks them by whether the compiler fits them, then by predicted
+step time (tools/plan_verify.py); devices and device_memory_gb default to the
+target's. Each compile takes minutes at 70B on a laptop.
 """
 
 from __future__ import annotations
@@ -37,13 +44,14 @@ from tools.recipe import compose, split_settings, user_error  # noqa: E402
 SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,
             "tensor_gbps": float, "pipe_gbps": float, "data_gbps": float,
             "network_gbps": float, "devices_per_node": int, "memory_fraction": float,
-            "top": int, "unfit": int}
+            "top": int, "unfit": int, "target": str, "verify_top": int}
 # What each setting may be: (lowest, highest, lowest included), for the one-line error.
 POSITIVE = (0, None, False)
 VALID = {"devices": (1, None, True), "device_memory_gb": POSITIVE, "peak_tflops": POSITIVE,
          "tensor_gbps": POSITIVE, "pipe_gbps": POSITIVE, "data_gbps": POSITIVE,
          "network_gbps": POSITIVE, "devices_per_node": (1, None, True),
-         "memory_fraction": (0, 1, False), "top": (0, None, True), "unfit": (0, None, True)}
+         "memory_fraction": (0, 1, False), "top": (0, None, True), "unfit": (0, None, True),
+         "verify_top": (1, None, True)}
 
 
 def check_settings(settings: dict) -> None:
@@ -51,6 +59,8 @@ def check_settings(settings: dict) -> None:
     from framework.errors import ConfigError
 
     for name, value in settings.items():
+        if name not in VALID:
+            continue
         low, high, closed = VALID[name]
         if (value < low if closed else value <= low) or (high is not None and value > high):
             rng = (f"in ({low}, {high}]" if high is not None else
@@ -84,8 +94,11 @@ def main(argv=None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    verifying = "--verify" in argv
+    argv = [a for a in argv if a != "--verify"]
     try:
         settings, overrides = split_settings(argv, SETTINGS)
+        target = _target(settings, verifying)
         missing = [k for k in ("devices", "device_memory_gb") if k not in settings]
         if missing:
             raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
@@ -120,7 +133,39 @@ def main(argv=None) -> int:
         print(f"the recipe's own layout ({mesh_name(cfg.parallel)}) ranks {rank} of {len(plans)}: "
               f"{_size(mine.memory['total'])} per device "
               f"({'fits' if mine.fits else 'does NOT fit'}), {mine.time['total'] * 1e3:.4g} ms per step")
+    if target is not None:
+        from tools import plan_verify
+
+        try:
+            verified = plan_verify.verify(plans, cfg, target, settings.get("verify_top", 3))
+        except ConfigError as err:
+            return user_error(err)
+        print(plan_verify.table(verified, target.name), flush=True)
     return 0
+
+
+def _target(settings: dict, verifying: bool):
+    """--verify's compile target (None without --verify); its devices and memory are
+    the defaults of devices and device_memory_gb."""
+    from framework.errors import ConfigError
+
+    if "target" in settings and not verifying:
+        raise ConfigError("target= is for --verify: add --verify, or drop target=")
+    if not verifying:
+        return None
+    if "target" not in settings:
+        raise ConfigError("--verify needs target=<target> (e.g. target=gpu:h100x64)")
+    from framework.compile.targets import parse
+
+    target = parse(settings["target"])
+    if target.platform == "local":
+        raise ConfigError("--verify target=local: name a cluster (e.g. target=gpu:h100x64)")
+    settings.setdefault("devices", target.n_devices)
+    settings.setdefault("device_memory_gb", target.device_bytes / 2**30)
+    if settings["devices"] != target.n_devices:
+        raise ConfigError(f"devices={settings['devices']} but target={target.name} has "
+                          f"{target.n_devices}: leave devices out or make them agree")
+    return target
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ import_jax()  # before anything imports JAX: its plugins' start-up lines stay of
 from framework.parallel.pipeline.program import program  # noqa: E402
 from framework.parallel.pipeline.schedule import schedule_names  # noqa: E402
 from framework.parallel.pipeline.table import (  # noqa: E402
-    BW, IDLE, KIND_NAMES, B, F, Schedule, W)
+    BW, BW_PARTS, IDLE, KIND_NAMES, B, F, Schedule, W)
 
-COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756"}
-LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward"}
+COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756",
+          **dict(zip(BW_PARTS, ("#e45756", "#f28e8c", "#b33a3a")))}
+LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward",
+          **{k: f"backward, part {j} of the layers (BW{j})" for j, k in enumerate(BW_PARTS)}}
 
 
 def _draw_table(ax, schedule: Schedule) -> int:
@@ -99,7 +101,8 @@ def draw_trace(run_dir: str, path: str) -> dict:
     timeline = json.loads((Path(run_dir) / "profile" / "timeline.json").read_text())
     sched = timeline["schedule"]
     schedule = program(sched["name"], sched["pipeline"], sched["microbatches"],
-                       sched["virtual_stages"], sched.get("overlap_sends", True)).schedule
+                       sched["virtual_stages"], sched.get("overlap_sends", True),
+                       parts=sched.get("parts", 1)).schedule
     ranks = schedule.n_stages
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.3 * schedule.n_ticks + 1.5),
                                                      ranks + 3.2))
@@ -135,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--sync", action="store_true",
                         help="synchronous sends (parallel.overlap_sends=false)")
+    parser.add_argument("--parts", type=int, default=2, choices=(1, 2, 3),
+                        help="with --sync, the cells 1F1B cuts each BW into (2; 3 under "
+                             "parallel.remat=full; 1: whole BWs)")
     parser.add_argument("--trace", help="a run folder whose profile to draw")
     parser.add_argument("-o", "--output", default="schedule.png")
     args = parser.parse_args(argv)
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
         parser.error("; ".join(problems) or "--pipeline, --microbatches and "
                      "--virtual-stages must be >= 1")
     schedule = program(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
-                       overlap=not args.sync).schedule
+                       overlap=not args.sync, parts=args.parts).schedule
     idle = draw(schedule, args.output)
     print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} ranks, "
           f"{idle} idle cells, table bubble {schedule.bubble_fraction:.4f}")

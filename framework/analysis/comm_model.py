@@ -40,7 +40,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.program import program
+from framework.parallel.pipeline.program import program_of
 
 FP32 = 4
 
@@ -78,22 +78,17 @@ def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     boundary = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
                 * np.dtype(model.dtype).itemsize
                 / (parallel.tensor if parallel.sequence_parallel else 1))
-    prog = _program(parallel)
+    prog = program_of(parallel, model.n_layers)
     if prog.schedule.overlap:
         return prog.sends_per_step / p * boundary / parallel.microbatches
     return 2 * prog.stages.crossings() / p * boundary
-
-
-def _program(parallel: ParallelConfig):
-    return program(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                   parallel.virtual_stages, parallel.overlap_sends)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
     p, dp, tp = parallel.pipeline, parallel.data, parallel.tensor
-    stages = _program(parallel).stages
+    stages = program_of(parallel, model.n_layers).stages
     v = stages.of.shape[1]
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp

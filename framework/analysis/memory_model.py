@@ -204,8 +204,36 @@ def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> 
     return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
-@lru_cache(maxsize=None)
+_STATES: dict = {}
+
+
 def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> dict:
+    """`measure_executor_state`, once per distinct shape of the state (`state_key`): the
+    planner asks for hundreds of layouts that share far fewer (one trace takes a third
+    of a second here)."""
+    key = state_key(model, parallel, batch, seq)
+    if key not in _STATES:
+        _STATES[key] = measure_executor_state(model, parallel, batch, seq)
+    return _STATES[key]
+
+
+def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> tuple:
+    """Everything the shapes of the tick executor's state depend on: the model and the
+    tensor-parallel plan (their per-device weights and activations), the chunks a rank
+    holds and their layers (padded or not), a microbatch's rows and tokens, the buffer
+    plan's slot counts, which buffers send overlapped, and the backward's cells."""
+    prog = program_of(parallel, model.n_layers)
+    s, layers = prog.schedule, prog.stage_layers
+    chunk = max(layers) if layers else model.n_layers // s.n_global_stages
+    pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
+    return (model, parallel.tensor, parallel.sequence_parallel, parallel.remat,
+            tuple(parallel.tensor_split), s.n_chunks, chunk, layers is not None,
+            batch // parallel.data // parallel.microbatches, seq,
+            tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts)
+
+
+def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int,
+                           seq: int) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
     field, and of one stash slot's entry (`slot`: what a cell's branch returns for the
@@ -213,7 +241,7 @@ def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq
     `initial_carry`, inside the step's own per-device setup (`engine.step.device_fn`)
     in a `shard_map` over an abstract mesh of the layout's degrees (no devices), for a
     global batch of `batch` rows of `seq` tokens."""
-    prog = program_of(parallel)
+    prog = program_of(parallel, model.n_layers)
     specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
     shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,
                                    parallel.stage_layers)
@@ -243,7 +271,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     model = attention_traced(model, train.seq_len, platform)
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
-    sched = program_of(parallel).schedule
+    sched = program_of(parallel, model.n_layers).schedule
     v = sched.n_chunks
     full, stored, stage_weights = _param_bytes(model, parallel, v)
     rules = param_rules(parallel.tensor_split)

@@ -31,7 +31,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import check, stage_layer_counts
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.program import program
+from framework.parallel.pipeline.program import program_of
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
 
@@ -96,8 +96,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     """Predicted seconds per step by term (see the module docstring), with the bubble
     and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
     dp, tp, n = parallel.data, parallel.tensor, parallel.n_devices
-    sched = program(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                    parallel.virtual_stages, parallel.overlap_sends).schedule
+    sched = program_of(parallel, model.n_layers).schedule
     tokens = train.global_batch_size * train.seq_len
     layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
                                           sched.split_backward)

@@ -72,6 +72,14 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return out
 
 
+def compiler_options(platform: str) -> dict | None:
+    """What a run on `platform` sets as XLA_FLAGS, as options of this compilation (a
+    compile-only target does not read the process's XLA_FLAGS)."""
+    from framework.runtime.devices import GPU_XLA_OPTIONS
+
+    return dict(GPU_XLA_OPTIONS) if platform == "gpu" else None
+
+
 def memory_fields(compiled) -> dict:
     mem = compiled.memory_analysis()
     fields = {"memory/argument_bytes_per_device": mem.argument_size_in_bytes,
@@ -111,10 +119,13 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, found))
     report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
+    report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
+    report["pipeline/backward_parts"] = engine.schedule.parts
     state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     start = time.perf_counter()
     try:
-        compiled = engine.step_fn.lower(state, tokens).compile()
+        compiled = engine.step_fn.lower(state, tokens).compile(
+            compiler_options=compiler_options(target.platform))
     except Exception as err:  # XLA's runtime error type differs between jaxlib versions
         oom = hbm_oom(err)
         if oom is None:

@@ -55,4 +55,8 @@ def lines(report: dict) -> list[str]:
     step = report.get("time/predicted_step_s")
     out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"
                + (f"; planner's step time {step:.3f} s" if step else ""))
+    if "pipeline/bubble_fraction_table" in report:
+        parts = report.get("pipeline/backward_parts", 1)
+        out.append(f"schedule table: bubble {report['pipeline/bubble_fraction_table']:.1%}"
+                   + (f", each BW in {parts} parts" if parts > 1 else ""))
     return out

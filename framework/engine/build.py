@@ -129,7 +129,7 @@ class Engine:
 def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
                  total_steps: int, mesh) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh."""
-    prog = program_of(parallel)
+    prog = program_of(parallel, model.n_layers)
     n_chunks = prog.schedule.n_chunks
     specs, dims = param_specs(model, parallel, n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),

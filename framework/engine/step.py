@@ -98,11 +98,14 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
     microbatches). The step runs the executor in it; the memory model traces the
     executor's state in it (`framework/analysis/memory_model.py`)."""
     m = parallel.microbatches
+    # Sequence parallelism splits the sequence over `tensor`: with one tensor device it
+    # is a no-op (it crashed: the norms' gradients were typed as varying over `tensor`).
+    sp = parallel.sequence_parallel and parallel.tensor > 1
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
-    tp = TensorParallel(TENSOR, parallel.tensor, parallel.sequence_parallel,
+    tp = TensorParallel(TENSOR, parallel.tensor, sp,
                         param_rules(parallel.tensor_split))
-    vary_over = MANUAL + ((TENSOR,) if parallel.sequence_parallel else ())
+    vary_over = MANUAL + ((TENSOR,) if sp else ())
     if split:
         check_weight_ops(model)
 

@@ -23,9 +23,10 @@ from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
 LAYOUTS = [
     (4, 8, 1, 1, {}),
     (2, 4, 2, 2, {"zero1": True}),
-    (4, 4, 1, 2, {"sequence_parallel": True, "remat": "full"}),
+    (4, 4, 1, 2, {"sequence_parallel": True, "remat": "full", "overlap_sends": False}),
 ]
-EXTRA_NAMES = {"zero1": "zero1", "sequence_parallel": "sp", "remat": "remat"}
+EXTRA_NAMES = {"zero1": "zero1", "sequence_parallel": "sp", "remat": "remat",
+               "overlap_sends": "sync"}
 
 
 def _case_id(name, p, m, d, t, v, kw) -> str:
@@ -75,8 +76,8 @@ def test_a_new_schedule_is_one_registered_generator(ref):
     @schedules.register("test_gpipe_ticks")
     def gpipe_ticks(p, m, v, overlap):
         programs = [[(F, i, 0) for i in range(m)] + [(BW, i, 0) for i in range(m)] for _ in range(p)]
-        return schedules.simulate("test_gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1),
-                                  overlap=overlap)
+        return schedules.simulate("test_gpipe_ticks", m, programs, (p - 1) / (m + p - 1),
+                                  schedules.Clock.of(p, overlap=overlap))
     try:
         eng = engine(2, 2, 2, 4, schedule="test_gpipe_ticks")
         assert eng.schedule.executor == "ticks"
@@ -84,6 +85,25 @@ def test_a_new_schedule_is_one_registered_generator(ref):
         assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4
     finally:
         del schedules.GENERATORS["test_gpipe_ticks"]
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,pp,tp,v,kw,parts", [
+    ("1f1b", 2, 2, 1, {"remat": "full"}, 3),  # 4 layers a stage: BW in 3 parts
+    pytest.param("1f1b", 2, 1, 1, {"sequence_parallel": True}, 2, marks=SLOW),
+    pytest.param("interleaved_1f1b", 2, 2, 2, {"zero1": True}, 2, marks=SLOW),
+    pytest.param("1f1b", 4, 1, 1, {"stage_layers": (3, 1, 2, 2)}, 2, marks=SLOW),
+])  # (the last: a part of the 1-layer stage is padding)
+def test_backward_in_parts_with_synchronous_sends(name, pp, tp, v, kw, parts, ref):
+    """1F1B with synchronous sends cuts each BW into parts by layers (`table.py`),
+    every part's VJP stashed by F and run as its own cell."""
+    eng = engine(pp, 1, tp, 4, schedule=name, virtual_stages=v, overlap_sends=False, **kw)
+    assert eng.schedule.parts == parts
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
+    assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4
 
 
 # Uneven stages (`parallel.stage_layers`): the split backward with and without remat

@@ -21,10 +21,11 @@ def test_every_registered_table_passes_its_check():
             for v in (1, 2) if schedules.uses_virtual_stages(name) else (1,):
                 if schedules.check(name, p, m, v):
                     continue
-                for overlap in (True, False):
-                    s = make_schedule(name, p, m, v, overlap)
+                for overlap, parts in ((True, 1), (False, 1), (False, 2), (False, 3)):
+                    s = make_schedule(name, p, m, v, overlap, parts)
                     buffers_lib.plan(s)  # raises if a slot is overwritten while live
-                    kinds = (F, BW) if not s.split_backward else (F, B, W)
+                    kinds = ((F, B, W) if s.split_backward else (F, BW) if s.parts == 1
+                             else (F, *schedules.BW_PARTS[:s.parts]))
                     for k in kinds:  # each microbatch passes each stage once per kind
                         assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (
                             name, p, m, v, overlap, k)
@@ -46,6 +47,26 @@ def test_overlapped_1f1b_ticks_are_balanced_to_the_closed_form():
             assert abs(bubble - formula) <= 0.01, (name, v, p, m, bubble, formula)
     synchronous = make_schedule("1f1b", 4, 8, overlap=False).bubble_fraction
     assert synchronous == pytest.approx(0.4)  # against 3/11 = 27.3%
+
+
+def test_synchronous_1f1b_in_parts_is_at_the_closed_form_with_1f1b_memory():
+    """With synchronous sends each BW is cut by layers into as many cells as it costs
+    F's (2, or 3 under full remat): every lockstep tick then costs one F, and 1F1B's
+    and interleaved 1F1B's tables reach their closed forms (p-1)/(v m + p - 1)
+    (Narayanan et al. 2021) while rank 0 keeps p stages' worth of microbatches in
+    flight (1F1B's memory; the whole BWs idled 40.0% at p 4, m 8, against 27.3%)."""
+    for name, v in [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]:
+        for p in (2, 4, 8):
+            for m in (8, 16, 32):
+                for parts in (2, 3):
+                    s = make_schedule(name, p, m, v, overlap=False, parts=parts)
+                    assert s.parts == parts
+                    assert s.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1)), (
+                        name, v, p, m, parts)
+                    assert s.max_in_flight()[0] == min(p * v, m * v), (name, v, p, m)
+                    assert s.max_in_flight().max() <= p * v
+    assert make_schedule("1f1b", 4, 8, overlap=True, parts=3).parts == 1  # paired ticks
+    assert make_schedule("zb_h1", 4, 8, overlap=False, parts=3).parts == 1  # B, W apart
 
 
 def test_overlapped_sends_arrive_a_tick_later_in_forward_and_backward_ticks():
@@ -193,9 +214,11 @@ def test_the_bubble_table_tool_prints_every_schedule_both_ways(capsys):
     lines = capsys.readouterr().out.strip().splitlines()[2:]
     cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
              line.strip("|").split("|")[2].strip() for line in lines}
+    ways = lambda n: (("synchronous",) if n in ("gpipe", "circular") else
+                      ("overlapped", "synchronous, BW in parts", "synchronous, whole BWs")
+                      if schedules.cuts_backward(n) else ("overlapped", "synchronous"))
     assert set(cells) == {(n + (" (v=2)" if schedules.uses_virtual_stages(n) else ""), s)
-                          for n in schedules.schedule_names()
-                          for s in (("synchronous",) if n in ("gpipe", "circular")
-                                    else ("overlapped", "synchronous"))}
+                          for n in schedules.schedule_names() for s in ways(n)}
     assert cells["1f1b", "overlapped"] == "27.3% (27.3%)"
-    assert cells["1f1b", "synchronous"] == "40.0% (27.3%)"
+    assert cells["1f1b", "synchronous, BW in parts"] == "27.3% (27.3%)"
+    assert cells["1f1b", "synchronous, whole BWs"] == "40.0% (27.3%)"

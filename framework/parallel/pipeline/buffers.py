@@ -36,8 +36,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from framework.parallel.pipeline.table import (ACT, AUTODIFF, GRAD, KIND_NAMES, B, F, Schedule,
-                                               W, needs)
+from framework.parallel.pipeline.table import (ACT, AUTODIFF, BW_PARTS, GRAD, KIND_NAMES,
+                                               STASH, B, F, Schedule, W, needs)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def messages(s: Schedule) -> list[Message]:
     at, S = rows.cells(), s.n_global_stages
     out = []
     for (kind, i, g), (t, r) in sorted(at.items(), key=lambda kv: kv[1]):
-        for need in needs(kind, i, g, S):
+        for need in needs(kind, i, g, S, s.parts):
             for buffer in set(need.via) & {ACT, GRAD}:
                 if need.work in at:  # (autodiff: the last stage's dL/dy is not a cell's)
                     t0, r0 = at[need.work]
@@ -129,19 +129,20 @@ def _plan(s: Schedule) -> Buffers:
             n_slots[buf] = max(n_slots[buf], n)
     for m in msgs:
         read[m.used, m.dst] = slot_of[m]
-    # A microbatch's stash slot lives from its F to its W (BW): with a split backward
+    # A microbatch's stash slot lives from its F to the last cell that reads it (W, BW
+    # or BW0; `stash_users`): with a split backward
     # B reuses it for the matmul output gradients W needs (the residuals are dead then).
     stash = np.full((T, p), -1, np.int32)
     n_slots["stash"] = 0
     if s.executor != AUTODIFF:
         for r in range(p):
-            mine = [(t, at[W, i, g][0], (i, g))
-                    for (kind, i, g), (t, rr) in at.items() if kind == F and rr == r]
-            slots, n = _colour(mine)
+            users = stash_users(rows, at, r)  # (i, g) -> ticks of the cells that use it
+            slots, n = _colour([(min(ts), max(ts), key) for key, ts in users.items()])
             n_slots["stash"] = max(n_slots["stash"], n)
             for (i, g), k in slots.items():
-                for kind in (F, B, W):
-                    stash[at[kind, i, g]] = k
+                for kind in {F, *units_of(rows)}:
+                    if (kind, i, g) in at:
+                        stash[at[kind, i, g]] = k
     on: dict[tuple, list] = {}  # (buffer, shift) -> its messages
     for m in msgs:
         on.setdefault((m.buffer, (m.dst - m.src) % p), []).append(m)
@@ -149,6 +150,22 @@ def _plan(s: Schedule) -> Buffers:
                          s.ticks_per_step)
                 for buf in (ACT, GRAD) for shift in range(p) if (buf, shift) in on]
     return Buffers(n_slots, stash, read, tuple(channels), tuple(msgs))
+
+
+def units_of(s: Schedule) -> tuple[int, ...]:
+    """The units of work the table's backward cells do (a BW does a B and a W)."""
+    return BW_PARTS[:s.parts] if s.parts > 1 else (B, W)
+
+
+def stash_users(s: Schedule, at: dict, r: int) -> dict:
+    """On rank r: (microbatch, stage) -> the ticks of its F and of every cell that reads
+    what F stashed (a STASH need of the rule, directly or through B's rewrite for W)."""
+    users: dict = {}
+    for (kind, i, g), (t, rr) in at.items():
+        if rr == r and (kind == F or any(STASH in need.via for need in
+                                         needs(kind, i, g, s.n_global_stages, s.parts))):
+            users.setdefault((i, g), []).append(t)
+    return users
 
 
 def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
@@ -209,7 +226,7 @@ def check(s: Schedule, buffers: Buffers) -> None:
     rows = s.forward_rows()
     at = rows.cells()
     S, m = s.n_global_stages, s.n_microbatches
-    kinds = (F,) if s.executor == AUTODIFF else (F, B, W)
+    kinds = (F,) if s.executor == AUTODIFF else (F, *units_of(s))
     for i in range(m):
         for g in range(S):
             for kind in kinds:
@@ -219,7 +236,7 @@ def check(s: Schedule, buffers: Buffers) -> None:
                 if at[kind, i, g][1] != s.stages.rank[g]:
                     raise ValueError(f"schedule {s.name}: {name} on the wrong rank")
     for (kind, i, g), (t, _) in at.items():
-        for need in needs(kind, i, g, S):
+        for need in needs(kind, i, g, S, s.parts):
             t0 = at.get(need.work, (-1,))[0]  # (autodiff: the backward is not in the rows)
             if t0 > t or (t0 == t and not (kind == W and need.work[0] == B)):
                 k, j, h = need.work
@@ -235,13 +252,14 @@ def check(s: Schedule, buffers: Buffers) -> None:
                              f"message that arrives at the end of tick {msg.stored}")
         events += [(msg.stored, 1, "store", (msg.buffer, msg.dst, k), msg),
                    (msg.used, 0, "read", (msg.buffer, msg.dst, k), msg)]
-    for (kind, i, g), (t, r) in at.items():
-        if kind == F and buffers.stash[t, r] >= 0:
-            t2 = at[W, i, g][0]
-            if buffers.stash[at[B, i, g]] != buffers.stash[t, r]:
-                raise ValueError(f"schedule {s.name}: B({i}, stage {g}) uses another stash slot")
-            events += [(t, 1, "store", ("stash", r, buffers.stash[t, r]), (i, g)),
-                       (t2, 0, "read", ("stash", r, buffers.stash[t2, r]), (i, g))]
+    for r in range(s.n_stages) if s.executor != AUTODIFF else ():
+        for (i, g), ticks in stash_users(rows, at, r).items():
+            if len({int(buffers.stash[t, r]) for t in ticks}) != 1:
+                raise ValueError(f"schedule {s.name}: the cells of microbatch {i}, stage {g} "
+                                 f"use different stash slots")
+            slot = int(buffers.stash[ticks[0], r])
+            events += [(min(ticks), 1, "store", ("stash", r, slot), (i, g)),
+                       (max(ticks), 0, "read", ("stash", r, slot), (i, g))]
     for t, _, action, key, content in sorted(events, key=lambda e: e[:2]):
         if action == "store":
             if key in live:

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.parallel.pipeline import buffers as buffer_plan
-from framework.parallel.pipeline.schedule import forward_only, make_schedule
+from framework.parallel.pipeline.schedule import chunks_per_rank, forward_only, make_schedule
 from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
                                                 send_scope)
-from framework.parallel.pipeline.table import (AUTODIFF, BW, IDLE, B, F, Schedule,
-                                               StageMap)
+from framework.parallel.pipeline.table import (AUTODIFF, BW, BW_PARTS, IDLE, B, F,
+                                               Schedule, StageMap)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +101,7 @@ class Program:
             weights = {CELL_SCOPES[k]: float((s.kind == k).sum()) / (
                 steps * p * max(1, sum(k in d for d in dispatches))) for k in CELL_SCOPES}
             weights[ON_LAST] = m / max(int((s.kind == F).sum()), 1)
-            weights[ON_FIRST] = m / max(int(((s.kind == B) | (s.kind == BW)).sum()), 1)
+            weights[ON_FIRST] = m / max(int(np.isin(s.kind, (B, BW, BW_PARTS[0])).sum()), 1)
         # Sends: per pattern, the share of ticks that send it (overlapped: every tick of
         # the loop's step it is in, unconditionally).
         weights.update({send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))
@@ -111,11 +111,13 @@ class Program:
 
 @lru_cache(maxsize=None)
 def program(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1,
-            overlap: bool = True, stage_layers: Optional[tuple] = None) -> Program:
+            overlap: bool = True, stage_layers: Optional[tuple] = None,
+            parts: int = 1) -> Program:
     """The Program of `parallel.schedule` (raises ValueError for a bad combination: see
     `schedule.check`). `overlap`: `parallel.overlap_sends`; `stage_layers`: counts per
-    global stage (resolved, not `auto`) or None."""
-    schedule = make_schedule(name, pipeline, microbatches, virtual_stages, overlap)
+    global stage (resolved, not `auto`) or None; `parts`: the cells a BW is cut into
+    where the schedule does that (`backward_parts`)."""
+    schedule = make_schedule(name, pipeline, microbatches, virtual_stages, overlap, parts)
     layers = tuple(int(n) for n in stage_layers) if stage_layers is not None else None
     return Program(schedule, layers)
 
@@ -131,9 +133,25 @@ def forward_program(prog: Program) -> Program:
                    prog.stage_layers)
 
 
-def program_of(parallel) -> Program:
-    """The Program of a validated `ParallelConfig` (its `stage_layers` resolved)."""
+# A fused BW costs this many F's (2: input and weight gradients; 3 under full remat,
+# which recomputes the forward first): the parts it is cut into, so that every cell of
+# a lockstep tick costs one F (`table.py`).
+BW_COST_IN_F = {"none": 2, "save_dots": 2, "full": 3}
+
+
+def backward_parts(remat: str, chunk_layers: int) -> int:
+    """The cells a BW is cut into: its cost in F's (`BW_COST_IN_F`), at most one per
+    layer of the chunk."""
+    return max(1, min(BW_COST_IN_F[remat], chunk_layers))
+
+
+def program_of(parallel, n_layers: int) -> Program:
+    """The Program of a validated `ParallelConfig` (its `stage_layers` resolved) for a
+    model of `n_layers` layers."""
     layers = parallel.stage_layers if isinstance(parallel.stage_layers, (list, tuple)) else None
+    layers = tuple(layers) if layers is not None else None
+    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+    chunk = max(layers) if layers else n_layers // (parallel.pipeline * v)
     return program(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                   parallel.virtual_stages, parallel.overlap_sends,
-                   tuple(layers) if layers is not None else None)
+                   parallel.virtual_stages, parallel.overlap_sends, layers,
+                   backward_parts(parallel.remat, chunk))

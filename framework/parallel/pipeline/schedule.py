@@ -40,10 +40,10 @@ from typing import Callable
 
 import numpy as np
 
-from framework.parallel.pipeline.simulate import Cell, greedy_programs, simulate
+from framework.parallel.pipeline.simulate import Cell, Clock, greedy_programs, simulate
 from framework.parallel.pipeline.table import (  # noqa: F401  (the kinds, for readers)
-    AUTODIFF, BW, IDLE, INTERLEAVED, KIND_NAMES, TICKS, V_SHAPE, B, F, Schedule, W,
-    stage_map)
+    AUTODIFF, BW, BW_PARTS, IDLE, INTERLEAVED, KIND_NAMES, TICKS, V_SHAPE, B, F, Schedule,
+    W, stage_map)
 
 
 # --- Generators: name -> (p, m, v) -> Schedule ---------------------------------------
@@ -55,6 +55,7 @@ class Generator:
     check: Callable[[int, int, int], list[str]]  # (p, m, v) -> one-line problems
     chunks: int = 0  # a fixed number of chunks per rank (0: virtual_stages, or 1)
     placement: str = INTERLEAVED
+    cuts_backward: bool = False  # build(..., parts=k): BWs cut into k cells (synchronous)
 
 
 GENERATORS: dict[str, Generator] = {}
@@ -62,12 +63,14 @@ GENERATORS: dict[str, Generator] = {}
 
 def register(name: str, uses_virtual_stages: bool = False,
              check: Callable[[int, int, int], list[str]] = lambda p, m, v: [],
-             chunks: int = 0, placement: str = INTERLEAVED):
+             chunks: int = 0, placement: str = INTERLEAVED, cuts_backward: bool = False):
     """Decorator: `build(p, m, v, overlap) -> Schedule` becomes `parallel.schedule=<name>`
     (`overlap`: `parallel.overlap_sends`, for `simulate`; a table with the default
-    overlap=False runs with synchronous sends)."""
+    overlap=False runs with synchronous sends). `cuts_backward`: build also takes
+    `parts`, the cells each BW is cut into with synchronous sends (`table.py`)."""
     def wrap(build):
-        GENERATORS[name] = Generator(build, uses_virtual_stages, check, chunks, placement)
+        GENERATORS[name] = Generator(build, uses_virtual_stages, check, chunks, placement,
+                                     cuts_backward)
         return build
     return wrap
 
@@ -98,29 +101,41 @@ def chunks_per_rank(name: str, virtual_stages: int) -> int:
     return virtual_stages if uses_virtual_stages(name) else 1
 
 
+def cuts_backward(name: str) -> bool:
+    """The schedule cuts its BWs into parts (`table.py`) when its sends are synchronous."""
+    return name in GENERATORS and GENERATORS[name].cuts_backward
+
+
 def v_shaped(name: str) -> bool:
     """The schedule places its stages in a V (`stage_map`): the parameter layout follows."""
     return name in GENERATORS and GENERATORS[name].placement == V_SHAPE
 
 
 def make_schedule(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1,
-                  overlap: bool = True) -> Schedule:
+                  overlap: bool = True, parts: int = 1) -> Schedule:
     """The table of `parallel.schedule`; `overlap`: `parallel.overlap_sends` (tick
-    schedules; GPipe and circular send synchronously either way)."""
+    schedules; GPipe and circular send synchronously either way); `parts`: the cells
+    each BW is cut into, where the schedule does that (`cuts_backward`, synchronous
+    sends; else 1)."""
     problems = check(name, pipeline, microbatches, virtual_stages)
     if problems:
         raise ValueError("; ".join(problems))
+    if overlap or not cuts_backward(name):
+        parts = 1
     return _build(name, pipeline, microbatches, chunks_per_rank(name, virtual_stages),
-                  bool(overlap))
+                  bool(overlap), int(parts))
 
 
 _CACHE: dict = {}
 
 
-def _build(name, p, m, v, overlap) -> Schedule:
-    if (name, p, m, v, overlap) not in _CACHE:
-        _CACHE[name, p, m, v, overlap] = GENERATORS[name].build(p, m, v, overlap=overlap)
-    return _CACHE[name, p, m, v, overlap]
+def _build(name, p, m, v, overlap, parts) -> Schedule:
+    key = (name, p, m, v, overlap, parts)
+    if key not in _CACHE:
+        gen = GENERATORS[name]
+        extra = {"parts": parts} if gen.cuts_backward else {}
+        _CACHE[key] = gen.build(p, m, v, overlap=overlap, **extra)
+    return _CACHE[key]
 
 
 # --- The schedules -------------------------------------------------------------------
@@ -162,7 +177,8 @@ def forward_only(p: int, m: int, v: int, placement: str = INTERLEAVED) -> Schedu
     stages = stage_map(placement, p, v)
     programs = [[(F, i, c) for c in np.argsort(stages.of[r]) for i in range(m)]
                 for r in range(p)]
-    table = simulate("forward", p, m, v, programs, (p - 1) / (v * m + p - 1), placement)
+    table = simulate("forward", m, programs, (p - 1) / (v * m + p - 1),
+                     Clock(stages, overlap=False))
     return dataclasses.replace(table, executor=AUTODIFF)
 
 
@@ -174,17 +190,24 @@ def gpipe(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
 register("circular", uses_virtual_stages=True, check=_circular_check)(circular)
 
 
-def _one_f_one_b_programs(p: int, m: int, v: int, overlap: bool) -> list[list[Cell]]:
+def _one_f_one_b_programs(p: int, m: int, v: int, overlap: bool,
+                          parts: int = 1) -> list[list[Cell]]:
     """Megatron-LM's (interleaved) 1F1B order. Virtual microbatch k of a rank is
     microbatch (k // (p*v)) * p + k % p of chunk (k // p) % v (forward; the backward
     visits the chunks in reverse). Rank r warms up with (p-1-r) + (v-1)*p forwards,
     then alternates F and BW; with overlapped sends with 2(p-1-r) + (v-1)*p, Megatron-
     LM's warm-up when its sends overlap compute: a round trip to the last rank then
-    takes 2(p-1-r) tick pairs, each with one F and one BW."""
+    takes 2(p-1-r) tick pairs, each with one F and one BW. With `parts` > 1 each BW is
+    its parts, top first (`table.py`): every cell then costs one F."""
     def cell(kind, k):
         group = k % (p * v)
         chunk = group // p if kind == F else v - 1 - group // p
         return (kind, (k // (p * v)) * p + k % p, chunk)
+
+    def backward(k):
+        if parts == 1:
+            return [cell(BW, k)]
+        return [cell(BW_PARTS[j], k) for j in reversed(range(parts))]
 
     programs = []
     for r in range(p):
@@ -192,16 +215,16 @@ def _one_f_one_b_programs(p: int, m: int, v: int, overlap: bool) -> list[list[Ce
         warm = min((p - 1 - r) * (2 if overlap else 1) + (v - 1) * p, n)
         prog = [cell(F, k) for k in range(warm)]
         for k in range(n - warm):
-            prog += [cell(F, warm + k), cell(BW, k)]
-        prog += [cell(BW, k) for k in range(n - warm, n)]
+            prog += [cell(F, warm + k), *backward(k)]
+        prog += [c for k in range(n - warm, n) for c in backward(k)]
         programs.append(prog)
     return programs
 
 
-@register("1f1b")
-def one_f_one_b(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
-    return simulate("1f1b", p, m, 1, _one_f_one_b_programs(p, m, 1, overlap),
-                    (p - 1) / (m + p - 1), overlap=overlap)
+@register("1f1b", cuts_backward=True)
+def one_f_one_b(p: int, m: int, v: int = 1, overlap: bool = False, parts: int = 1) -> Schedule:
+    return simulate("1f1b", m, _one_f_one_b_programs(p, m, 1, overlap, parts),
+                    (p - 1) / (m + p - 1), Clock.of(p, 1, overlap, parts=parts))
 
 
 def _interleaved_check(p, m, v):
@@ -212,10 +235,13 @@ def _interleaved_check(p, m, v):
     return []
 
 
-@register("interleaved_1f1b", uses_virtual_stages=True, check=_interleaved_check)
-def interleaved_1f1b(p: int, m: int, v: int, overlap: bool = False) -> Schedule:
-    return simulate("interleaved_1f1b", p, m, v, _one_f_one_b_programs(p, m, v, overlap),
-                    (p - 1) / (v * m + p - 1), overlap=overlap)
+@register("interleaved_1f1b", uses_virtual_stages=True, check=_interleaved_check,
+          cuts_backward=True)
+def interleaved_1f1b(p: int, m: int, v: int, overlap: bool = False,
+                     parts: int = 1) -> Schedule:
+    return simulate("interleaved_1f1b", m, _one_f_one_b_programs(p, m, v, overlap, parts),
+                    (p - 1) / (v * m + p - 1),
+                    Clock.of(p, v, overlap, parts=parts))
 
 
 @register("zb_h1")
@@ -229,8 +255,8 @@ def zb_h1(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
     pair of ticks), e.g. 7.7% against 5.9% at p 4, m 16, equal at p 2 and p 4, m 8."""
     formula = (p - 1) / (3 * m + p - 1)
     if overlap:
-        return simulate("zb_h1", p, m, 1, greedy_programs(p, m, 1, INTERLEAVED, 2 * p, True),
-                        formula, overlap=True)
+        return simulate("zb_h1", m, greedy_programs(p, m, 1, INTERLEAVED, 2 * p, True),
+                        formula, Clock.of(p, overlap=True))
     programs = []
     for r in range(p):
         warm = min(p - 1 - r, m)
@@ -248,7 +274,7 @@ def zb_h1(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
             rounds += 1
         prog += [(W, i, 0) for i in range(nw, m)]
         programs.append(prog)
-    return simulate("zb_h1", p, m, 1, programs, formula)
+    return simulate("zb_h1", m, programs, formula, Clock.of(p))
 
 
 @register("zb_v", chunks=2, placement=V_SHAPE)
@@ -262,6 +288,6 @@ def zb_v(p: int, m: int, v: int = 2, overlap: bool = False) -> Schedule:
     overlapped sends 4p in flight (ZB-H1's 2p stages' worth there); a hop then costs a
     pair of ticks and the V's ramp has twice ZB-H1's hops, so its bubble is at most
     ZB-H1's, not half (docs/parallelism.md has the table)."""
-    return simulate("zb_v", p, m, 2, greedy_programs(p, m, 2, V_SHAPE, (4 if overlap else 2) * p,
-                                                      overlap),
-                    (p - 1) / (6 * m + p - 1), placement=V_SHAPE, overlap=overlap)
+    return simulate("zb_v", m, greedy_programs(p, m, 2, V_SHAPE, (4 if overlap else 2) * p,
+                                               overlap),
+                    (p - 1) / (6 * m + p - 1), Clock.of(p, 2, overlap, V_SHAPE))

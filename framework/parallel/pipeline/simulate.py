@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from framework.parallel.pipeline.table import (BW, IDLE, INTERLEAVED, B, F, Schedule,
-                                               StageMap, W, Work, dependents, needs, parts,
-                                               stage_map)
+                                               StageMap, W, Work, dependents, needs,
+                                               stage_map, units)
 
 Cell = tuple[int, int, int]  # (kind, microbatch, chunk): one entry of a rank's program
 
@@ -32,11 +32,18 @@ class Clock:
 
     stages: StageMap
     overlap: bool
+    parts: int = 1  # the table's BWs are cut into this many cells (`table.needs`)
+
+    @staticmethod
+    def of(p: int, v: int = 1, overlap: bool = False, placement: str = INTERLEAVED,
+           parts: int = 1) -> "Clock":
+        """The clock of p ranks with v chunks each, placed by `placement`."""
+        return Clock(stage_map(placement, p, v), overlap, parts)
 
     def work(self, cell: Cell, r: int) -> list[Work]:
         """The units of work (kind, microbatch, global stage) cell `cell` on rank r does."""
         kind, i, c = cell
-        return [(k, i, int(self.stages.of[r, c])) for k in parts(kind)]
+        return [(k, i, int(self.stages.of[r, c])) for k in units(kind)]
 
     def ready(self, cell: Cell, r: int, t: int, done: dict) -> bool:
         kind, i, c = cell
@@ -44,7 +51,7 @@ class Clock:
             return False
         S = self.stages.n_stages
         for k, _, g in self.work(cell, r):
-            for need in needs(k, i, g, S):
+            for need in needs(k, i, g, S, self.parts):
                 if need.work[0] == B and k == W and kind == BW:
                     continue  # a BW's own B
                 lag = 2 if self.overlap and self.stages.rank[need.work[2]] != r else 1
@@ -53,11 +60,12 @@ class Clock:
         return True
 
 
-def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
-             formula: float, placement: str = INTERLEAVED, overlap: bool = False) -> Schedule:
-    """Runs each rank's program in lockstep ticks, each cell at the first tick its
-    `Clock` allows. Raises if the programs deadlock."""
-    clock = Clock(stage_map(placement, p, v), overlap)
+def simulate(name: str, m: int, programs: list[list[Cell]], formula: float,
+             clock: Clock) -> Schedule:
+    """Runs each rank's program in lockstep ticks, each cell at the first tick `clock`
+    allows (its stage map, sends and parts). Raises if the programs deadlock."""
+    p, v = clock.stages.of.shape
+    overlap, placement = clock.overlap, clock.stages.placement
     done: dict[Work, int] = {}
     pc = [0] * p
     rows: list[list] = []
@@ -76,7 +84,7 @@ def simulate(name: str, p: int, m: int, v: int, programs: list[list[Cell]],
         rows.append([None] * p)
     grid = np.array([[cell or (IDLE, 0, 0) for cell in row] for row in rows], np.int32)
     return Schedule(name, p, m, v, grid[..., 0], grid[..., 1], grid[..., 2], formula,
-                    placement=placement, overlap=overlap)
+                    placement=placement, overlap=overlap, parts=clock.parts)
 
 
 def greedy_programs(p: int, m: int, v: int, placement: str, limit: int,

@@ -2,9 +2,15 @@
 
 A cell is F(i, g) (forward of microbatch i through global stage g), B(i, g) (the
 gradient w.r.t. the stage's input), W(i, g) (the gradient w.r.t. its weights) or
-BW(i, g) (B and W fused, as in 1F1B). Kinds are small integers, one encoding for
-everyone: the table's arrays, the simulator's records, the buffer plan and the charts
-(`KIND_NAMES` only for printing). A BW cell does the work of a B and a W (`parts`).
+BW(i, g) (B and W fused, as in 1F1B). A table may also cut each BW into `parts` cells
+by layers, BW{k-1}(i, g), ..., BW0(i, g): BWj is the fused backward of the j-th part of
+the stage's layers counted from the bottom, so the first to run is the top part and
+BW0 makes dx. With parts sized so that each costs what F costs (BW = 2F, or 3F under
+full remat), every lockstep tick costs one F: 1F1B's ticks are then balanced with
+synchronous sends, at 1F1B's closed-form bubble and its p microbatches in flight.
+Kinds are small integers, one encoding for everyone: the table's arrays, the
+simulator's records, the buffer plan and the charts (`KIND_NAMES` only for printing).
+A BW cell does the work of a B and a W (`units`).
 
 Three facts every reader of a table needs, each defined once here:
 
@@ -30,22 +36,31 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
-KIND_NAMES = ("idle", "F", "B", "W", "BW")
-# Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W.
-UNIT_COST = np.array([0, 1, 1, 1, 2])
+BW_PARTS = (5, 6, 7)  # BW0, BW1, BW2: a BW cut by layers, counted from the bottom
+MAX_PARTS = len(BW_PARTS)
+KIND_NAMES = ("idle", "F", "B", "W", "BW", "BW0", "BW1", "BW2")
+# Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W; a part of
+# a BW cut into as many parts as it costs F's, one F.
+UNIT_COST = np.array([0, 1, 1, 1, 2, 1, 1, 1])
 AUTODIFF, TICKS = "autodiff", "ticks"  # who runs the backward: JAX autodiff, or the table
 INTERLEAVED, V_SHAPE = "interleaved", "v"  # where global stages live (`StageMap`)
 ACT, GRAD, STASH = "act", "grad", "stash"  # how a cell gets what it needs
 
 
-def parts(kind: int) -> tuple[int, ...]:
-    """The single kinds a cell does the work of: BW is a B and a W at the same tick."""
+def units(kind: int) -> tuple[int, ...]:
+    """The units of work a cell does: BW is a B and a W at the same tick."""
     return (B, W) if kind == BW else () if kind == IDLE else (kind,)
+
+
+def makes_dx(kind: int) -> bool:
+    """The cell that ends a stage's backward, sending dx to the stage below (and, on the
+    first stage, taking the embedding's gradient)."""
+    return kind in (B, BW, BW_PARTS[0])
 
 
 # --- The dependency rule ----------------------------------------------------------------
 
-Work = tuple[int, int, int]  # (F, B or W, microbatch, global stage): one unit of work
+Work = tuple[int, int, int]  # (kind, microbatch, global stage): one unit of work
 
 
 @dataclass(frozen=True)
@@ -58,27 +73,35 @@ class Need:
     via: tuple[str, ...]
 
 
-def needs(kind: int, i: int, g: int, S: int) -> list[Need]:
-    """The pipeline's dependency rule, for one unit of work (F, B or W) of microbatch i
-    at global stage g of S: F(i, g) needs F(i, g-1)'s output; B(i, g) needs F(i, g)'s
-    stash and dL/dy: the last stage's own (its F computed the loss), else dx from
-    B(i, g+1); W(i, g) needs what B(i, g) left in the stash (the weight ops' output
-    gradients, or under remat the incoming gradient)."""
+def needs(kind: int, i: int, g: int, S: int, parts: int = 1) -> list[Need]:
+    """The pipeline's dependency rule, for one unit of work of microbatch i at global
+    stage g of S (in a table whose BWs are cut into `parts`): F(i, g) needs F(i, g-1)'s
+    output; the first backward cell of (i, g), B or the top part BW{parts-1}, needs
+    F(i, g)'s stash and dL/dy: the last stage's own (its F computed the loss), else dx
+    from the cell that ends the backward of (i, g+1) (B, or BW0); a lower part BWj
+    needs F's stash and the gradient BW{j+1} passed down (a message to itself); W(i, g)
+    needs what B(i, g) left in the stash (the weight ops' output gradients, or under
+    remat the incoming gradient)."""
     if kind == F:
         return [Need((F, i, g - 1), (ACT,))] if g > 0 else []
-    if kind == B:
-        if g == S - 1:
-            return [Need((F, i, g), (GRAD, STASH))]
-        return [Need((F, i, g), (STASH,)), Need((B, i, g + 1), (GRAD,))]
     if kind == W:
         return [Need((B, i, g), (STASH,))]
-    raise ValueError(f"needs: {KIND_NAMES[kind]} is not one unit of work (see `parts`)")
+    if kind == B or kind in BW_PARTS[:parts]:
+        top = kind == B or kind == BW_PARTS[parts - 1]
+        if not top:  # a lower part: the gradient from the part above it
+            return [Need((F, i, g), (STASH,)), Need((kind + 1, i, g), (GRAD,))]
+        if g == S - 1:
+            return [Need((F, i, g), (GRAD, STASH))]
+        below = B if kind == B else BW_PARTS[0]
+        return [Need((F, i, g), (STASH,)), Need((below, i, g + 1), (GRAD,))]
+    raise ValueError(f"needs: {KIND_NAMES[kind]} is not one unit of work of a table with "
+                     f"{parts} part(s) (see `units`)")
 
 
 @lru_cache(maxsize=None)
 def dependents(m: int, S: int) -> dict[Work, tuple[Work, ...]]:
-    """The rule inverted: per unit of work, the units that need it (m microbatches, S
-    stages)."""
+    """The rule inverted: per unit of work of a table of F, B and W cells, the units
+    that need it (m microbatches, S stages)."""
     out: dict[Work, list] = {}
     for kind in (F, B, W):
         for i in range(m):
@@ -143,6 +166,7 @@ class Schedule:
     executor: str = TICKS  # AUTODIFF: the executor runs the F rows, autodiff the rest
     placement: str = INTERLEAVED  # or V_SHAPE (`stage_map`)
     overlap: bool = False  # sends overlap the next tick (ticks in forward/backward pairs)
+    parts: int = 1  # BWs cut into this many cells by layers (BW0..); 1: whole BWs
 
     @property
     def n_ticks(self) -> int:
@@ -193,7 +217,7 @@ class Schedule:
     def max_in_flight(self) -> np.ndarray:
         """Per rank: the most microbatch-chunks whose forward ran but whose weight
         gradient (BW or W) did not yet."""
-        done = (self.kind == BW) | (self.kind == W)
+        done = np.isin(self.kind, (BW, W, BW_PARTS[0]))
         live = np.cumsum((self.kind == F).astype(int) - done, axis=0)
         return live.max(axis=0)
 
@@ -203,7 +227,7 @@ class Schedule:
         at = {}
         stage = self.global_stage
         for (t, r), kind in np.ndenumerate(self.kind):
-            for k in parts(int(kind)):
+            for k in units(int(kind)):
                 work = (k, int(self.microbatch[t, r]), int(stage[t, r]))
                 if work in at:
                     raise ValueError(f"schedule {self.name}: {KIND_NAMES[k]}({work[1]}, "

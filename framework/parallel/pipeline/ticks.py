@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_overlapped,
@@ -55,7 +56,7 @@ from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, split_vjp
 from framework.parallel.pipeline.stash import Packing
-from framework.parallel.pipeline.table import ACT, BW, GRAD, B, F, W
+from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W
 
 
 # --- What flows through a tick --------------------------------------------------------
@@ -96,6 +97,48 @@ class CellOut(NamedTuple):
     saved: list  # F (split backward): the weight ops' inputs; B (recompute): [dy]
 
 
+class Piece(NamedTuple):
+    """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):
+    layers [lo, hi) of the chunk, its VJP's residuals at [start, start + n) of the
+    stash slot's list, and how to rebuild the VJP from them (`stage.join_vjp`)."""
+
+    lo: int
+    hi: int
+    start: int
+    n: int
+    vjp_def: object
+    param_slot: list
+
+
+def part_bounds(n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each part of a chunk's `n_layers` layers, bottom first, as even as
+    whole layers allow."""
+    edges = np.linspace(0, n_layers, parts + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def _layers(tree, lo: int, hi: int):
+    return jax.tree.map(lambda a: a[lo:hi], tree)
+
+
+def _part_real(n_real, lo: int, hi: int):
+    """Uneven stages: how many of the part's layers are real (None: all)."""
+    return None if n_real is None else jnp.clip(n_real - lo, 0, hi - lo)
+
+
+def forward_in_parts(fns: StageFns, w, x, n_real, parts: int):
+    """The chunk's forward as its parts, bottom first: (y, residuals of every part in
+    one list, the `Piece`s)."""
+    residuals, pieces = [], []
+    for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
+        part = _layers(w, lo, hi)
+        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi)), part, x)
+        acts, vjp_def, param_slot = split_vjp(vjp_fn, part)
+        pieces.append(Piece(lo, hi, len(residuals), len(acts), vjp_def, param_slot))
+        residuals += acts
+    return x, residuals, pieces
+
+
 class Types(NamedTuple):
     """Types of a message and of a stash slot's contents: one forward traced for its
     shapes only (dead code the compiler drops)."""
@@ -109,6 +152,7 @@ class Types(NamedTuple):
     douts: list  # split backward: the weight ops' output gradients, and their tree
     dout_def: object
     packing: Packing  # the stash row holding either residuals or douts
+    pieces: tuple = ()  # a BW cut into parts: each part's `Piece`, bottom first
 
 
 def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage) -> Types:
@@ -117,6 +161,12 @@ def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, s
     chunk = partial(fns.layers, n_real=prog.real(stage))
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     x = fns.embed(params["embed"], inputs[0])
+    if prog.schedule.parts > 1:  # the stash holds every part's residuals, one list
+        _, residuals, pieces = forward_in_parts(fns, w0, x, prog.real(stage),
+                                                prog.schedule.parts)
+        none = jax.tree.structure([])
+        return Types(x, residuals, None, None, [], none, [], none, Packing.of(residuals),
+                     tuple(pieces))
     if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
         vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
     elif split:
@@ -168,10 +218,11 @@ class Cells:
                        nothing(t.douts) if douts is None else douts,
                        nothing(t.saved) if saved is None else saved)
 
-    def add_chunk(self, grads, chunk, update):
+    def add_chunk(self, grads, chunk, update, layers=slice(None)):
+        """grads of chunk `chunk` (its `layers`, a static slice) += update."""
         v = jax.tree.leaves(grads["chunks"])[0].shape[0]
         return dict(grads, chunks=jax.tree.map(
-            lambda a, u: a.at[0].add(u) if v == 1 else a.at[chunk].add(u),
+            lambda a, u: a.at[0, layers].add(u) if v == 1 else a.at[chunk, layers].add(u),
             grads["chunks"], update))
 
     def idle(self, grads, loss, cell: CellIn, stash, saved):
@@ -182,12 +233,17 @@ class Cells:
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
         w = self.weights(cell.chunk)
-        if self.split and not self.recompute:
+        if self.types.pieces:  # a BW cut into parts: one VJP per part
+            y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
+                                               len(self.types.pieces))
+            kept = None
+        elif self.split and not self.recompute:
             y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage))
-            kept = jax.tree.leaves(kept)
+            kept, residuals = jax.tree.leaves(kept), split_vjp(vjp_fn, w)[0]
         else:  # (recompute: B writes the saved buffer, F leaves zeros)
             chunk = partial(fns.layers, n_real=self.prog.real(cell.stage))
             (y, vjp_fn), kept = jax.vjp(chunk, w, x), None
+            residuals = split_vjp(vjp_fn, w)[0]
 
         def head():  # last stage: this microbatch's loss and dL/dy for its backward
             value, (g_head, g_embed, dy) = jax.value_and_grad(
@@ -198,8 +254,7 @@ class Cells:
 
         grads, loss, dy = only_on(ON_LAST, cell.last, head,
                                   lambda: (grads, loss, self.zeros(self.types.x)))
-        return grads, loss, self.out(act=y, grad=dy, residuals=split_vjp(vjp_fn, w)[0],
-                                     saved=kept)
+        return grads, loss, self.out(act=y, grad=dy, residuals=residuals, saved=kept)
 
     def backward(self, grads, loss, cell: CellIn, stash, saved):
         """BW, or B when the backward is split (its weight half comes later, in W)."""
@@ -215,12 +270,35 @@ class Cells:
         else:  # BW: the gradients of the input and of the weights
             g_w, dx = vjp_fn(cell.dy)
             grads = self.add_chunk(grads, cell.chunk, g_w)
+        return self.embed_grad(grads, cell, dx), loss, self.out(grad=dx, douts=douts,
+                                                                  saved=kept)
+
+    def embed_grad(self, grads, cell: CellIn, dx):
+        """The first stage's backward ends in the embedding's: its gradient from dx."""
         embed = self.params["embed"]
         g_embed = only_on(ON_FIRST, cell.first, lambda: jax.vjp(
             lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](dx)[0],
                           lambda: jax.tree.map(jnp.zeros_like, embed))
-        return dict(grads, embed=_add(grads["embed"], g_embed)), loss, self.out(
-            grad=dx, douts=douts, saved=kept)
+        return dict(grads, embed=_add(grads["embed"], g_embed))
+
+    def backward_part(self, j: int):
+        """The BWj branch: the fused backward of part j of the chunk's layers (bottom
+        first), from that part's residuals in the stash slot; BW0 sends dx on, the
+        others pass the gradient down to the part below (a message to itself)."""
+        piece = self.types.pieces[j]
+
+        def run(grads, loss, cell: CellIn, stash, saved):
+            w = _layers(self.weights(cell.chunk), piece.lo, piece.hi)
+            acts = self.types.packing.read(stash, cell.slot, self.types.residuals)
+            vjp_fn = join_vjp(acts[piece.start:piece.start + piece.n], piece.vjp_def,
+                              piece.param_slot, w)
+            g_w, dx = vjp_fn(cell.dy)
+            grads = self.add_chunk(grads, cell.chunk, g_w, slice(piece.lo, piece.hi))
+            if j == 0:
+                grads = self.embed_grad(grads, cell, dx)
+            return grads, loss, self.out(grad=dx)
+
+        return run
 
     def weight(self, grads, loss, cell: CellIn, stash, saved):
         t = self.types
@@ -246,6 +324,10 @@ class Cells:
         if self.split:
             return [self.idle, scoped(F, self.forward), scoped(B, self.backward),
                     scoped(W, self.weight), self.idle]
+        if self.types.pieces:  # kinds BW0, BW1, ... after the first five
+            return [self.idle, scoped(F, self.forward), self.idle, self.idle, self.idle] + [
+                scoped(kind, self.backward_part(j))
+                for j, kind in enumerate(BW_PARTS[:len(self.types.pieces)])]
         return [self.idle, scoped(F, self.forward), self.idle, self.idle,
                 scoped(BW, self.backward)]
 
