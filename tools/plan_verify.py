@@ -8,6 +8,7 @@ one that fits."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -23,18 +24,21 @@ class Verified:
     note: str = ""  # why it does not fit, in one line
 
 
-def verify(plans: list, cfg, target, top: int) -> list[Verified]:
+def verify(plans: list, cfg, target, top: int, log=os.devnull) -> list[Verified]:
     """Compiles the `top` best candidates the planner predicts to fit (and the best
     predicted not to, if fewer fit) for `target`; returns them ranked: fitting by the
-    compiler first, then by predicted step time."""
+    compiler first, then by predicted step time. The compilers' own logging (XLA's
+    rematerialisation warnings, libtpu's start-up) goes to `log`."""
     from framework.compile.program import TooBig, compile_report
+    from framework.runtime.quiet import stderr_to
 
     picked = [pl for pl in plans if pl.fits][:top] or plans[:top]
     out = []
     for pl in picked:
         run = dataclasses.replace(cfg, parallel=pl.parallel)
         try:
-            report = compile_report(run, target)
+            with stderr_to(log):
+                report = compile_report(run, target)
         except TooBig as err:
             found = err.report.get("memory/compiled_bytes_per_device",
                                    err.report.get("memory/temp_bytes_per_device"))
