@@ -52,7 +52,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         heads = kv * pick([1, 2])
         stages = p * schedules.chunks_per_rank(name, v)
         uneven = stages > 1 and rng.integers(3) == 0  # random layers per stage, each >= 1
-        n_layers = int(rng.integers(stages, 2 * stages + 2)) if uneven else stages * pick([1, 2])
+        # (3 layers a stage: synchronous 1F1B cuts its BWs in 3 parts under full remat)
+        n_layers = int(rng.integers(stages, 2 * stages + 2)) if uneven else stages * pick([1, 2, 3])
         stage_layers = tuple(int(n) + 1 for n in rng.multinomial(
             n_layers - stages, [1 / stages] * stages)) if uneven else None
         model = ModelConfig(
