@@ -136,9 +136,10 @@ class ParallelConfig:
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
     # Tick schedules (1f1b, interleaved_1f1b, zb_h1, zb_v): stage-to-stage sends run
-    # beside the next tick's compute; balanced 1F1B ticks, more microbatches in flight
-    # (docs/parallelism.md, "Sends that overlap compute"). GPipe/circular: synchronous.
-    overlap_sends: bool = True
+    # beside the next tick's compute; more microbatches in flight (docs/parallelism.md,
+    # "Sends that overlap compute"). null: the schedule's own (overlapped; zb_v
+    # synchronous). GPipe/circular: synchronous.
+    overlap_sends: Optional[bool] = None
     sequence_parallel: bool = False  # shard norms/residuals along seq over `tensor`
     # The logical axes split over `tensor` (a subset of TENSOR_SPLITTABLE; the others
     # are replicated): the tensor-parallel plan, framework/parallel/rules.py.

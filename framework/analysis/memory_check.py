@@ -31,6 +31,7 @@ import re
 
 from framework.errors import ConfigError, MemoryCheckError
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from framework.parallel.pipeline.program import overlapped
 
 GIB = 2**30
 SHOWN = 3  # suggestions in the error line
@@ -94,7 +95,7 @@ def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
         base = dataclasses.replace(parallel, remat=remat)
         layouts += planner.enumerate_layouts(model, train, n_devices, base)
         layouts += [base] + ([dataclasses.replace(base, overlap_sends=False)]
-                             if base.overlap_sends else [])
+                             if overlapped(base) else [])
     models = [model] + ([dataclasses.replace(model, attention="blockwise")]
                         if model.attention == "dense" else [])
     unique = [par for i, par in enumerate(layouts) if par not in layouts[:i]]

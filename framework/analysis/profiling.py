@@ -248,7 +248,7 @@ class Profiler:
         record = {"schedule": {"name": par.schedule, "pipeline": par.pipeline,
                                "microbatches": par.microbatches,
                                "virtual_stages": par.virtual_stages,
-                               "overlap_sends": par.overlap_sends,
+                               "overlap_sends": engine.schedule.overlap,
                                "parts": engine.schedule.parts},
                   "platform": mesh.devices.flat[0].platform,
                   "bubble_table": engine.schedule.bubble_fraction,

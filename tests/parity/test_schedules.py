@@ -22,15 +22,15 @@ from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
 # sequence parallelism and full rematerialisation.
 LAYOUTS = [
     (4, 8, 1, 1, {}),
-    (2, 4, 2, 2, {"zero1": True}),
+    (2, 4, 2, 2, {"zero1": True, "overlap_sends": True}),
     (4, 4, 1, 2, {"sequence_parallel": True, "remat": "full", "overlap_sends": False}),
 ]
-EXTRA_NAMES = {"zero1": "zero1", "sequence_parallel": "sp", "remat": "remat",
-               "overlap_sends": "sync"}
+EXTRA_NAMES = {"zero1": "zero1", "sequence_parallel": "sp", "remat": "remat"}
 
 
 def _case_id(name, p, m, d, t, v, kw) -> str:
-    extra = "".join(f"-{EXTRA_NAMES[k]}" for k in kw)
+    extra = "".join(f"-{EXTRA_NAMES[k]}" if k in EXTRA_NAMES else
+                    f"-{'overlapped' if val else 'sync'}" for k, val in kw.items())
     return f"{name}-pp{p}-mb{m}-dp{d}-tp{t}" + (f"-v{v}" if v > 1 else "") + extra
 
 

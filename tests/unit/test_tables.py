@@ -222,3 +222,23 @@ def test_the_bubble_table_tool_prints_every_schedule_both_ways(capsys):
     assert cells["1f1b", "overlapped"] == "27.3% (27.3%)"
     assert cells["1f1b", "synchronous, BW in parts"] == "27.3% (27.3%)"
     assert cells["1f1b", "synchronous, whole BWs"] == "40.0% (27.3%)"
+
+
+def test_zb_v_ships_with_synchronous_sends_below_zb_h1_and_sends_no_zeros():
+    """With parallel.overlap_sends unset each schedule sends its own way: ZB-V
+    synchronously, so its table bubble is below ZB-H1's (overlapped) at every size of
+    the grid, and its pipe carries exactly the messages the math needs: each
+    microbatch's activation and gradient across every rank boundary once (overlapped
+    sends carried zeros from ranks with nothing to send, up to 3x the bytes)."""
+    from framework.config import ParallelConfig
+    from framework.parallel.pipeline.program import overlapped, program
+
+    assert not overlapped(ParallelConfig(schedule="zb_v"))
+    assert overlapped(ParallelConfig(schedule="zb_h1"))
+    assert not overlapped(ParallelConfig(schedule="zb_h1", overlap_sends=False))
+    for p in (2, 4, 8):
+        for m in (8, 16, 32):
+            zv, zh = (program(n, p, m, 1, overlapped(ParallelConfig(schedule=n)))
+                      for n in ("zb_v", "zb_h1"))
+            assert zv.schedule.bubble_fraction < zh.schedule.bubble_fraction, (p, m)
+            assert zv.sends_per_step == 2 * m * zv.stages.crossings(), (p, m)

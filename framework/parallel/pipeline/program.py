@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.parallel.pipeline import buffers as buffer_plan
-from framework.parallel.pipeline.schedule import chunks_per_rank, forward_only, make_schedule
+from framework.parallel.pipeline.schedule import (chunks_per_rank, forward_only, make_schedule,
+                                                  overlaps_by_default)
 from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
                                                 send_scope)
 from framework.parallel.pipeline.table import (AUTODIFF, BW, BW_PARTS, IDLE, B, F,
@@ -153,5 +154,12 @@ def program_of(parallel, n_layers: int) -> Program:
     v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
     chunk = max(layers) if layers else n_layers // (parallel.pipeline * v)
     return program(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                   parallel.virtual_stages, parallel.overlap_sends, layers,
+                   parallel.virtual_stages, overlapped(parallel), layers,
                    backward_parts(parallel.remat, chunk))
+
+
+def overlapped(parallel) -> bool:
+    """`parallel.overlap_sends`, or where it is null the schedule's own default."""
+    if parallel.overlap_sends is None:
+        return overlaps_by_default(parallel.schedule)
+    return bool(parallel.overlap_sends)

@@ -56,6 +56,7 @@ class Generator:
     chunks: int = 0  # a fixed number of chunks per rank (0: virtual_stages, or 1)
     placement: str = INTERLEAVED
     cuts_backward: bool = False  # build(..., parts=k): BWs cut into k cells (synchronous)
+    overlaps: bool = True  # its sends when parallel.overlap_sends is null (unset)
 
 
 GENERATORS: dict[str, Generator] = {}
@@ -63,14 +64,16 @@ GENERATORS: dict[str, Generator] = {}
 
 def register(name: str, uses_virtual_stages: bool = False,
              check: Callable[[int, int, int], list[str]] = lambda p, m, v: [],
-             chunks: int = 0, placement: str = INTERLEAVED, cuts_backward: bool = False):
+             chunks: int = 0, placement: str = INTERLEAVED, cuts_backward: bool = False,
+             overlaps: bool = True):
     """Decorator: `build(p, m, v, overlap) -> Schedule` becomes `parallel.schedule=<name>`
     (`overlap`: `parallel.overlap_sends`, for `simulate`; a table with the default
     overlap=False runs with synchronous sends). `cuts_backward`: build also takes
-    `parts`, the cells each BW is cut into with synchronous sends (`table.py`)."""
+    `parts`, the cells each BW is cut into with synchronous sends (`table.py`).
+    `overlaps`: whether its sends overlap compute unless `parallel.overlap_sends` says."""
     def wrap(build):
         GENERATORS[name] = Generator(build, uses_virtual_stages, check, chunks, placement,
-                                     cuts_backward)
+                                     cuts_backward, overlaps)
         return build
     return wrap
 
@@ -104,6 +107,12 @@ def chunks_per_rank(name: str, virtual_stages: int) -> int:
 def cuts_backward(name: str) -> bool:
     """The schedule cuts its BWs into parts (`table.py`) when its sends are synchronous."""
     return name in GENERATORS and GENERATORS[name].cuts_backward
+
+
+def overlaps_by_default(name: str) -> bool:
+    """The schedule's sends when `parallel.overlap_sends` is null: overlapped, except
+    ZB-V's (synchronous: half ZB-H1's bubble, and no zeros sent, docs/parallelism.md)."""
+    return name not in GENERATORS or GENERATORS[name].overlaps
 
 
 def v_shaped(name: str) -> bool:
@@ -277,7 +286,7 @@ def zb_h1(p: int, m: int, v: int = 1, overlap: bool = False) -> Schedule:
     return simulate("zb_h1", m, programs, formula, Clock.of(p))
 
 
-@register("zb_v", chunks=2, placement=V_SHAPE)
+@register("zb_v", chunks=2, placement=V_SHAPE, overlaps=False)
 def zb_v(p: int, m: int, v: int = 2, overlap: bool = False) -> Schedule:
     """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; and
     "Pipeline Parallelism with Controllable Memory"): two chunks per rank in V order
