@@ -184,6 +184,20 @@ def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
 # llama_1b_8gpu's step: GPipe runs the head microbatch by microbatch after the tick loop
 # (recomputing it in the backward; with one microbatch, directly), 1F1B inside it.
 LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
+# The GPU compiler fuses the head's softmax cross-entropy: at its peak it holds about 0.4
+# of one such tensor, whatever the executor. Read from llama_1b_8gpu's 1F1B step on
+# gpu:h100x8 (2026-11-26: compiled 11.28 GiB, the other terms 9.98 GiB, one float32
+# logits tensor of a microbatch 3.91 GiB); checked on the other schedules and on
+# llama3_8b in tests/compiled/test_aot.py.
+GPU_LOGIT_COPIES = 0.4
+
+
+def logit_copies(kind: str, platform: str | None) -> float:
+    """Float32 logits tensors of one microbatch alive at the head's peak (`kind` as in
+    LOGIT_COPIES) on `platform` (default: JAX's default backend)."""
+    if (platform or jax.default_backend()) == "gpu":
+        return GPU_LOGIT_COPIES
+    return LOGIT_COPIES[kind]
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
 GPIPE_BATCH_COPIES = 4
@@ -294,7 +308,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
             per_tick += fixed + stage_weights // v
         kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
-        head = LOGIT_COPIES["per_microbatch" if m > 1 else "whole_batch"] * logits * mb_rows
+        head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits * mb_rows
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
@@ -305,7 +319,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         # + the slot contents a cell's branch returns for the write after it; overlapped
         # sends: the message arriving beside the cell, one per pending one
         kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
-        head = LOGIT_COPIES["1f1b"] * logits * mb_rows
+        head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
         grads += state["grads"]  # the tick loop's gradient accumulators
     out = {

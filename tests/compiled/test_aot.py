@@ -161,3 +161,17 @@ def test_llama3_70b_on_64_h100s_hides_its_tensor_bytes_at_the_closed_form_bubble
     assert got["fits"] and got["pipeline/backward_parts"] == 3
     assert got["pipeline/bubble_fraction_table"] == pytest.approx(3 / 19)
     assert got["comm/overlapped_fraction/tensor"] >= 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
+def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
+    """The memory model against the GPU compiler's buffer assignment on Llama-3-8B (its
+    GPU head constant was read from the 1B recipe's 1F1B program, not from these): within
+    15% (1.06 and 1.09 on 2026-11-26; 1.07 and 1.16 before the constant, which was the
+    CPU/TPU compilers' 2.5-3 logits copies; the 1B recipe was 1.40-2.07x over)."""
+    cfg = compose_recipe("llama3_8b", "target=gpu:h100x8", f"parallel.schedule={schedule}",
+                         config="compile")
+    got = program.compile_report(cfg, targets.parse(cfg.target))
+    ratio = got["memory/predicted_bytes_per_device"] / got["memory/compiled_bytes_per_device"]
+    assert 0.9 <= ratio <= 1.15, ratio
