@@ -6,7 +6,8 @@
     python tools/plan.py recipe=llama3_70b devices=64 --verify target=gpu:h100x64
 
 Enumerates every valid (pipeline, data, tensor, microbatches, schedule, zero1) for
-`devices` devices, predicts per-device memory and step time (framework/analysis/planner.py: no
+`devices` devices, predicts per-device memory (as the GPU compiler lays it out, or
+--verify's target's compiler) and step time (framework/analysis/planner.py: no
 devices needed, nothing is compiled) and prints them ranked, fastest first, with the
 layouts that do not fit in `device_memory_gb` marked NO. Other `key=value` arguments are
 the usual Hydra overrides (remat and sequence parallelism are taken from them).
@@ -68,7 +69,7 @@ def check_settings(settings: dict) -> None:
             raise ConfigError(f"{name}={value:g} is out of range: it must be {rng}")
 
 
-def hardware(settings: dict, dtype: str):
+def hardware(settings: dict, dtype: str, platform: str = "gpu"):
     from framework.analysis import flops, planner
 
     peak = settings.get("peak_tflops")
@@ -79,7 +80,7 @@ def hardware(settings: dict, dtype: str):
         memory_bytes=settings["device_memory_gb"] * 2**30, peak_flops=peak,
         inter_node=settings.get("network_gbps", 50.0) * planner.GB,
         devices_per_node=settings.get("devices_per_node", 8), axis_bandwidth=pinned,
-        memory_fraction=settings.get("memory_fraction", 0.9))
+        memory_fraction=settings.get("memory_fraction", 0.9), platform=platform)
 
 
 def _size(nbytes: float) -> str:
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         cfg = compose(overrides)
         from framework.analysis import planner
 
-        hw = hardware(settings, cfg.model.dtype)
+        hw = hardware(settings, cfg.model.dtype, target.platform if target else "gpu")
         plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw)
     except ConfigError as err:
         return user_error(err)

@@ -51,6 +51,8 @@ class Hardware:
     devices_per_node: int = 8
     axis_bandwidth: tuple = ()  # ((axis, bytes/s), ...) overrides
     memory_fraction: float = 0.9  # of memory_bytes usable by XLA's buffers
+    platform: str | None = None  # whose compiler the memory model predicts for (None:
+    #                              this process's backend; memory_model.logit_copies)
 
     def bandwidth(self, axis: str, parallel: ParallelConfig) -> float:
         pinned = dict(self.axis_bandwidth)
@@ -182,7 +184,7 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
 
 
 def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Hardware) -> Plan:
-    mem = predict_memory(model, par, train)
+    mem = predict_memory(model, par, train, hw.platform)
     return Plan(par, mem, predict_time(model, par, train, hw),
                 mem["total"] <= hw.memory_bytes * hw.memory_fraction,
                 train.global_batch_size * train.seq_len)
