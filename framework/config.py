@@ -141,6 +141,10 @@ class ParallelConfig:
     # synchronous). GPipe/circular: synchronous.
     overlap_sends: Optional[bool] = None
     sequence_parallel: bool = False  # shard norms/residuals along seq over `tensor`
+    # With sequence parallelism: each all-gather + matmul and matmul + reduce-scatter of
+    # the layers as a ring of blocks, the sends beside the blocks' matmuls
+    # (framework/parallel/tensor.py; docs/parallelism.md, "Collective matmul").
+    collective_matmul: bool = False
     # The logical axes split over `tensor` (a subset of TENSOR_SPLITTABLE; the others
     # are replicated): the tensor-parallel plan, framework/parallel/rules.py.
     tensor_split: tuple[str, ...] = TENSOR_SPLITTABLE

@@ -62,10 +62,11 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             n_kv_heads=kv,
             d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
             dtype="float32")
+        sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,
                              virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
-                             zero1=bool(rng.integers(2)) and d > 1,
-                             sequence_parallel=bool(rng.integers(2)) and t > 1,
+                             zero1=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
+                             collective_matmul=sp and bool(rng.integers(2)),
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
@@ -129,7 +130,8 @@ def run_case(model, par, train, devices) -> str | None:
 
 
 def label(par) -> str:
-    extra = "".join(f" {k}" for k in ("zero1", "sequence_parallel") if getattr(par, k))
+    extra = "".join(f" {k}" for k in ("zero1", "sequence_parallel", "collective_matmul")
+                    if getattr(par, k))
     extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     return (f"{par.schedule} pp{par.pipeline} dp{par.data} tp{par.tensor} "

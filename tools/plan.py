@@ -127,7 +127,9 @@ def main(argv=None) -> int:
     print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
           "grads + acts (kept residuals + the largest transient); step ms = compute "
           "(bubble included) + tensor + pipe + data communication, no overlap assumed "
-          "but of overlapped stage-to-stage sends (parallel.overlap_sends).")
+          "but of overlapped stage-to-stage sends (parallel.overlap_sends) and of the "
+          "collective matmuls' transfers their blocks' matmuls outlast "
+          "(parallel.collective_matmul).")
     mine = next((pl for pl in plans if pl.parallel == cfg.parallel), None)
     if mine is not None:
         rank = plans.index(mine) + 1

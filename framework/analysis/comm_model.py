@@ -84,6 +84,20 @@ def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return 2 * prog.stages.crossings() / p * boundary
 
 
+def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
+                       train: TrainConfig) -> float:
+    """Bytes per device per step of the layers' tensor-parallel collectives (f and g,
+    forward and backward) on the busiest rank: what a collective matmul sends beside
+    the layers' matmuls (`parallel.collective_matmul`)."""
+    hidden = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
+              * np.dtype(model.dtype).itemsize)  # A
+    # The busiest rank's layers (uneven stages: `parallel.stage_layers`).
+    counts = stage_layer_counts(model, parallel, train.seq_len)
+    stages = program_of(parallel, model.n_layers).stages
+    layers = max(sum(counts[g] for g in row) for row in stages.of)
+    return 4 * layers * _ring_all_reduce(parallel.tensor) * hidden
+
+
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
                    train: TrainConfig) -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring)."""
@@ -93,12 +107,11 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp
     hidden = rows * train.seq_len * model.d_model * act_bytes  # A
-    # The busiest rank's layers (uneven stages: `parallel.stage_layers`).
     counts = stage_layer_counts(model, parallel, train.seq_len)
     layers = max(sum(counts[g] for g in row) for row in stages.of)
     counts = local_param_counts(model, parallel, max(counts) * v)
 
-    tensor = 4 * layers * _ring_all_reduce(tp) * hidden
+    tensor = layer_tensor_bytes(model, parallel, train)
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
     tensor += 3 * _ring_all_reduce(tp) * rows * train.seq_len * FP32 / p  # loss
     if parallel.sequence_parallel:

@@ -4,8 +4,9 @@ spending cluster hours: every valid layout for a device count, its per-device me
 device or compiles anything: `tools/plan.py` is the command line.
 
 Step time (seconds), no overlap of computation and communication assumed, except for
-the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`): those
-are hidden behind the compute, up to its length.
+the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`) and the
+layers' tensor-parallel bytes under a collective matmul (`parallel.collective_matmul`):
+those are hidden behind the compute, up to its length.
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s, split over data x tensor:
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 from framework.analysis import comm_model, flops
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
@@ -93,6 +96,21 @@ def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return _COMM[key]
 
 
+def ring_hidden_share(model: ModelConfig, tp: int, bytes_per_flop: float) -> float:
+    """The share of a layer's collective-matmul transfers its matmuls can hide
+    (framework/parallel/tensor.py): each ring step sends a block of rows x d_model
+    while multiplying that block by this device's share of a weight, k columns (q/k/v,
+    gate/up) or k rows (attention output, down projection): matmul / transfer =
+    2 k / (bytes per element) x (link bytes/s) / (peak FLOP/s); a step whose matmul is
+    shorter hides that ratio of its transfer. The mean over the four weight ops (their
+    rings carry equal bytes). H100 (450 GB/s NVLink, 989 TFLOP/s): k >= 2,198 hides all."""
+    itemsize = np.dtype(model.dtype).itemsize
+    qkv = (model.n_heads + 2 * model.n_kv_heads) * model.head_dim
+    ks = (qkv / tp, model.n_heads * model.head_dim / tp, 2 * model.d_ff / tp,
+          model.d_ff / tp)
+    return sum(min(1.0, 2 * k / itemsize * bytes_per_flop) for k in ks) / len(ks)
+
+
 def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                  hw: Hardware) -> dict:
     """Predicted seconds per step by term (see the module docstring), with the bubble
@@ -112,9 +130,18 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
            + head_beyond * per_flop}
     for axis, nbytes in _comm_bytes(model, parallel, train).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
+    budget = out["compute"]  # what overlapped transfers can hide behind, at most
     if sched.overlap:  # the stage-to-stage sends run beside the cells, hidden up to them
         sends = comm_model.stage_sends(model, parallel, train) / hw.bandwidth(PIPE, parallel)
-        out["comm_pipe"] -= min(sends, out["compute"])
+        out["comm_pipe"] -= min(sends, budget)
+        budget -= min(sends, budget)
+    if parallel.collective_matmul and parallel.sequence_parallel and tp > 1:
+        # the layers' rings run beside their blocks' matmuls: hidden where a block's
+        # matmul outlasts the block's transfer, up to the compute left
+        bw = hw.bandwidth(TENSOR, parallel)
+        rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
+        share = ring_hidden_share(model, tp, bw / hw.peak_flops)
+        out["comm_tensor"] -= min(rings * share, budget)
     out["total"] = sum(out.values())
     out["bubble"] = sched.bubble_fraction
     ideal = flops.flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
@@ -150,13 +177,23 @@ def _stage_layers(model: ModelConfig, base: ParallelConfig, n_stages: int):
     return "auto"
 
 
+def _virtual_stages(model: ModelConfig, p: int, given) -> tuple[int, ...]:
+    """Chunks per rank to try: `given`, or (None) every v from 2 to 8 that splits each
+    rank's layers evenly (Megatron-LM's 70B layout on 64 H100s: 5 of 10), else 2 and 4
+    (uneven stages)."""
+    if given is not None:
+        return tuple(given)
+    per_rank = model.n_layers // p if model.n_layers % p == 0 else 0
+    return tuple(v for v in range(2, 9) if per_rank and per_rank % v == 0) or (2, 4)
+
+
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       base: ParallelConfig, schedules=None,
-                      virtual_stages=(2, 4)) -> list[ParallelConfig]:
+                      virtual_stages=None) -> list[ParallelConfig]:
     """Every valid (pipeline, data, tensor, microbatches, schedule, zero1) on n_devices
     (`framework.engine.validate.check` decides validity); remat and sequence parallelism come
     from `base`; schedules: every registered one by default, those with virtual stages
-    at each of `virtual_stages`; uneven stages (`auto`) where the layers do not divide
+    at each of `virtual_stages` (default: `_virtual_stages`); uneven stages (`auto`) where the layers do not divide
     the pipeline's stages. Without a pipeline: one microbatch (GPipe at p = 1
     keeps every microbatch's activations anyway). With one: powers of two from p (fewer
     leave most of the pipeline idle) up to one row per microbatch."""
@@ -170,7 +207,8 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
             micro = _powers_of_two(p, train.global_batch_size // dp)
             options = [("gpipe", 1, 1)] if p == 1 else [
                 (s, m, v) for s in schedules for m in micro
-                for v in (virtual_stages if uses_virtual_stages(s) else (1,))]
+                for v in (_virtual_stages(model, p, virtual_stages)
+                          if uses_virtual_stages(s) else (1,))]
             for schedule, m, v in options:
                 stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
                 for zero1 in ((False, True) if dp > 1 else (False,)):

@@ -91,20 +91,22 @@ def split_batch(tokens, microbatches: int, data: int):
 
 
 def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
-              run, split: bool):
+              run, split: bool, cpu: bool = False):
     """(params, tokens) -> run(fns, params, inputs, targets) on each device, inside the
     step's `shard_map`: the per-device setup every use of the executors shares (the
     model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
     microbatches). The step runs the executor in it; the memory model traces the
-    executor's state in it (`framework/analysis/memory_model.py`)."""
+    executor's state in it (`framework/analysis/memory_model.py`). `cpu`: the mesh's
+    devices are CPUs (the collective matmul's rings shift by all-gather there,
+    framework/parallel/tensor.py)."""
     m = parallel.microbatches
     # Sequence parallelism splits the sequence over `tensor`: with one tensor device it
     # is a no-op (it crashed: the norms' gradients were typed as varying over `tensor`).
     sp = parallel.sequence_parallel and parallel.tensor > 1
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
-    tp = TensorParallel(TENSOR, parallel.tensor, sp,
-                        param_rules(parallel.tensor_split))
+    tp = TensorParallel(TENSOR, parallel.tensor, sp, param_rules(parallel.tensor_split),
+                        collective_matmul=parallel.collective_matmul, permute=not cpu)
     vary_over = MANUAL + ((TENSOR,) if sp else ())
     if split:
         check_weight_ops(model)
@@ -139,10 +141,12 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
         grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)
         return jax.lax.psum(loss, MANUAL), grads
 
+    cpu = mesh.devices.flat[0].platform == "cpu"
     if forward_only:
-        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False),
+        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu),
                              mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
-    body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward)
+    body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward,
+                     cpu)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

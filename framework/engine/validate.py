@@ -57,6 +57,10 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         )
     errs += _check_divisibility(model, p, train)
     errs += check_model(model)
+    if p.collective_matmul and not p.sequence_parallel:
+        errs.append("parallel.collective_matmul=true needs parallel.sequence_parallel=true "
+                    "(its rings replace sequence parallelism's all-gather and "
+                    "reduce-scatter)")
     if p.sequence_parallel and train.seq_len % p.tensor:
         errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
                     f"{p.tensor}, needed by parallel.sequence_parallel=true")

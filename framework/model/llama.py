@@ -66,6 +66,32 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     return module.perturb(name, y, collection=TAPS)
 
 
+def _recording(module: nn.Module, name: str) -> bool:
+    """Whether a zero-bubble split backward's pass records or replays this weight op."""
+    return module.has_variable(GIVEN, name) or any(
+        module.is_mutable_collection(c) for c in (SAVED, TAPS, PRODUCTS))
+
+
+def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
+                       whole_sequence: bool = False):
+    """weight_op after the tensor-parallel plan's f (`enter`): one collective matmul
+    where the plan fuses them (framework/parallel/tensor.py), outside the split
+    backward's recording passes."""
+    tp = module.tp
+    if tp.fuses(split) and not _recording(module, name):
+        return tp.gather_matmul(eq, x, w)[1]
+    return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
+
+
+def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
+                        whole_sequence: bool = False):
+    """weight_op followed by the plan's g (`exit`), fused likewise."""
+    tp = module.tp
+    if tp.fuses(split) and not _recording(module, name):
+        return tp.matmul_scatter(eq, x, w)
+    return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
+
+
 def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
     """The outputs of one Block's weight ops applied to `given` inputs (as SAVED recorded
     them), {module: {weight: y}}: the zero-bubble split backward's W half pulls the
@@ -134,9 +160,10 @@ class Attention(nn.Module):
         wqkv = _param(self, "wqkv", (d, c.n_kv_heads, r + 2, hd),
                       ("embed", "kv_heads", "qkv", "head_dim"))
         wo = _param(self, "wo", (c.n_heads, hd, d), ("heads", "head_dim", "embed"))
-        x = self.tp.enter(x, "kv_heads", whole_sequence=True).astype(dt)  # [b, s, embed]
-        positions = start + jnp.arange(x.shape[1])  # [s]
-        qkv = weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x, wqkv.astype(dt))  # [b,s,kv@tensor,r+2,hd]
+        # x [b, s (/tensor with SP), embed] -> qkv [b, s, kv@tensor, r+2, hd]
+        qkv = gathered_weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x.astype(dt),
+                                 wqkv.astype(dt), "kv_heads", whole_sequence=True)
+        positions = start + jnp.arange(qkv.shape[1])  # [s]
         q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
         v = qkv[:, :, :, r + 1]
@@ -148,8 +175,8 @@ class Attention(nn.Module):
             k, v = cache.k.astype(dt), cache.v.astype(dt)
         out = attend(q, k, v, c, q_offset=start)  # [b, s, kv@tensor, r, hd]
         out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
-        out = self.tp.exit(weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt)), "heads",
-                           whole_sequence=True)
+        out = scattered_weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt), "heads",
+                                  whole_sequence=True)  # [b, s (/tensor with SP), embed]
         return out if cache is None else (out, cache)
 
 
@@ -165,11 +192,11 @@ class MLP(nn.Module):
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
         w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
-        x = self.tp.enter(x, "mlp").astype(dt)
-        gate_up = weight_op(self, "w_gate_up", "bsd,dcf->bscf", x, w_in.astype(dt))  # [b, s, 2, mlp@tensor]
+        gate_up = gathered_weight_op(self, "w_gate_up", "bsd,dcf->bscf", x.astype(dt),
+                                     w_in.astype(dt), "mlp")  # [b, s, 2, mlp@tensor]
         hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return self.tp.exit(weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt)),
-                            "mlp")
+        return scattered_weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt),
+                                   "mlp")
 
 
 class Block(nn.Module):

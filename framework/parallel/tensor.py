@@ -26,6 +26,24 @@ unsplit block that mixes tokens (attention, the embedding lookup) gathers the se
 and keeps its own slice of the result; an unsplit token-wise block (the MLP) runs on
 its slice as it is.
 
+A collective matmul (Wang et al. 2023, "Overlap communication with dependent
+computation via decomposition"; Megatron-LM's `--tp-comm-overlap`) hides those
+collectives behind the matmul they feed or follow, which a layer's sequential work
+otherwise leaves nothing to hide behind. With `collective_matmul` (sequence parallelism
+only) f + matmul becomes a ring of `tensor` steps: each device multiplies the sequence
+block it holds while passing it on to the next device (`ppermute`), so every block
+meets every device's weights; matmul + g becomes a ring of partial sums: each step
+adds this device's product for one block to the sum passed in and passes it on, and
+after `tensor` steps each device holds the full sum of its own block. The same bytes as
+the all-gather and the reduce-scatter they replace, sent in `tensor - 1` pieces beside
+`tensor` matmuls of a block each; autodiff turns each ring into the other for the
+backward. The zero-bubble split backward's passes (which record or replay each weight
+op's input and output whole) keep the plain collectives. On CPU devices the ring's
+shift is an all-gather and a pick (`permute=False`, the same values): the CPU runtime
+meets every `collective-permute` across all the devices of its pairs, so a permute
+inside a pipeline cell, which only some pipeline ranks run at a tick, waits for ranks
+that run it at another tick (measured: wrong gradients at pipeline 2, or a hang).
+
 The vocabulary-parallel embedding and loss need a sum, a max and this device's
 offset into the vocabulary. `TensorParallel()` (no axis) is the single-device
 reference: every operator is the identity. The model receives this object, never a
@@ -37,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 
 from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
@@ -55,6 +74,8 @@ class TensorParallel:
     size: int = 1  # devices along it
     sequence_parallel: bool = False
     rules: tuple = field(default_factory=param_rules)  # logical -> mesh axis
+    collective_matmul: bool = False  # rings instead of f and g (sequence parallel only)
+    permute: bool = True  # the rings' shift by collective-permute (False: CPU, above)
 
     def __post_init__(self):
         split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}
@@ -109,6 +130,49 @@ class TensorParallel:
             return jax.lax.dynamic_slice_in_dim(y, start, n, axis=SEQ)
         return y
 
+    def fuses(self, split: str) -> bool:
+        """Whether f/g around a block that splits `split` run as collective matmuls."""
+        return self.collective_matmul and self._gather_sequence() and self.splits(split)
+
+    def gather_matmul(self, eq: str, x, w):
+        """einsum(eq, enter(x), w) as a ring (module docstring): x [b, s/tensor, d] ->
+        (the gathered x [b, s, d], y [b, s, ...]). Step k multiplies the block of device
+        i - k while the block travels on to i + 1."""
+        t, i = self.size, jax.lax.axis_index(self.axis)
+        block, xs, ys = x, [x], []
+        for _ in range(t - 1):
+            block, y = _beside(self._shift(block, 1), lambda b=block: jnp.einsum(eq, b, w))
+            xs.append(block)
+            ys.append(y)
+        ys.append(jnp.einsum(eq, block, w))
+        order = (i - jnp.arange(t)) % t  # ys[k] is sequence block (i - k) mod t
+        whole = lambda parts: _blocks_to_sequence(jnp.stack(parts)[order])
+        return whole(xs), whole(ys)
+
+    def matmul_scatter(self, eq: str, x, w):
+        """exit(einsum(eq, x, w)) as a ring of partial sums: x [b, s, f] -> [b, s/tensor,
+        d]. Step k adds this device's product for block i + k + 1 to the sum arriving
+        from device i + 1 and passes it to i - 1; the last step's block is i's own."""
+        t, i = self.size, jax.lax.axis_index(self.axis)
+        n = x.shape[SEQ] // t
+        block = lambda k: jax.lax.dynamic_slice_in_dim(x, ((i + k + 1) % t) * n, n, axis=SEQ)
+        total = jnp.einsum(eq, block(0), w)
+        for k in range(1, t):
+            # the block's matmul waits for the last step's sum, so that XLA cannot merge
+            # the steps' matmuls (all of x is at hand) into one before the ring
+            xk, wk, _ = jax.lax.optimization_barrier((block(k), w, total))
+            arriving, part = _beside(self._shift(total, -1), lambda: jnp.einsum(eq, xk, wk))
+            total = arriving + part
+        return total
+
+    def _shift(self, x, by: int):
+        """x of device i, received by device i + by (mod size)."""
+        t = self.size
+        if self.permute:
+            return jax.lax.ppermute(x, self.axis, [(j, (j + by) % t) for j in range(t)])
+        whole = jax.lax.all_gather(x, self.axis)  # [t, ...]
+        return whole[(jax.lax.axis_index(self.axis) - by) % t]
+
     def vocab_offset(self, local_size: int):
         """Index of this device's first vocabulary entry (vocabulary-parallel layers)."""
         return jax.lax.axis_index(self.axis) * local_size if self.splits("vocab") else 0
@@ -118,3 +182,17 @@ class TensorParallel:
 
     def vocab_max(self, x):
         return jax.lax.pmax(x, self.axis) if self.splits("vocab") else x
+
+
+def _beside(sent, matmul):
+    """(sent, matmul()) with neither usable before both are done: the scheduler then
+    runs the block's matmul while the block travels (each ring step in turn). Without
+    it the GPU compiler sent a ring's blocks back to back and, as XLA's dot merger
+    joined the matmuls sharing a weight, ran one big matmul after the last arrived."""
+    return jax.lax.optimization_barrier((sent, matmul()))
+
+
+def _blocks_to_sequence(blocks):
+    """[t, b, s/t, ...] in sequence order -> [b, s, ...]."""
+    t, b, n = blocks.shape[:3]
+    return jnp.moveaxis(blocks, 0, 1).reshape((b, t * n) + blocks.shape[3:])

@@ -25,13 +25,13 @@ BIG = {"tpu": ("train.seq_len=65536", "train.global_batch_size=16", "model.atten
 _REPORTS: dict = {}
 
 
-def report(target: str, *overrides: str) -> dict:
-    """The compile report (each (target, overrides) compiled once per session)."""
-    if (target, overrides) not in _REPORTS:
-        cfg = compose_recipe("llama_tiny_debug", f"target={target}", *overrides,
-                             config="compile")
-        _REPORTS[target, overrides] = program.compile_report(cfg, targets.parse(cfg.target))
-    return dict(_REPORTS[target, overrides])
+def report(target: str, *overrides: str, recipe: str = "llama_tiny_debug") -> dict:
+    """The compile report (each (recipe, target, overrides) compiled once per session)."""
+    key = (recipe, target, overrides)
+    if key not in _REPORTS:
+        cfg = compose_recipe(recipe, f"target={target}", *overrides, config="compile")
+        _REPORTS[key] = program.compile_report(cfg, targets.parse(cfg.target))
+    return dict(_REPORTS[key])
 
 
 _CPU = {}
@@ -87,30 +87,26 @@ def test_the_target_compiles_and_sends_what_the_cpu_program_sends(target, schedu
     shares = [v for k, v in got.items() if k.startswith("comm/overlapped_fraction/")]
     assert len(shares) == (4 if target.startswith("gpu") else 0)  # 3 axes, pipe sends
     assert all(0 <= s <= 1 for s in shares if s is not None)
-    if target.startswith("gpu") and got["sends"] == "overlapped":  # the tick schedules
-        assert got["comm/overlapped_fraction/pipe_sends"] >= 0.9
 
 
-def test_gpu_programs_report_the_overlap_of_their_collectives():
-    got = report("gpu:h100x8", "parallel.schedule=gpipe")
-    # The data-parallel gradient reduction runs after the pipeline, asynchronously
-    # with the optimizer's and the other gradients' work.
-    assert got["comm/overlapped_fraction/data"] > 0
-
-
-@pytest.mark.slow  # the fast tier checks the overlapped 1f1b in the test above
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", [
+    "1f1b", pytest.param("interleaved_1f1b", marks=pytest.mark.slow),
+    pytest.param("zb_h1", marks=pytest.mark.slow)])
 def test_gpu_stage_to_stage_sends_overlap_the_cells(schedule):
     """Overlapped sends (the default): on the GPU compiler every `collective-permute`
-    over `pipe` is asynchronous with a cell's compute scheduled between its start and
+    over `pipe` is asynchronous with a cell's matmuls scheduled between its start and
     its done (framework/analysis/overlap.py); synchronous sends (inside the tick's send
-    branch) never are."""
+    branch) never are. Only with more than one collective in flight (the framework's
+    GPU options, framework/runtime/devices.py): a cell holds tensor-parallel
+    collectives. The 1B recipe: on the tiny model the scheduler's cost model hides
+    some sends behind elementwise work, rightly (a few KiB)."""
     extra = ("parallel.virtual_stages=2",) if schedule == "interleaved_1f1b" else ()
-    got = report("gpu:h100x8", f"parallel.schedule={schedule}", *extra)
+    got = report("gpu:h100x8", f"parallel.schedule={schedule}", *extra,
+                 recipe="llama_1b_8gpu")
     assert got["sends"] == "overlapped"
     assert got["comm/overlapped_fraction/pipe_sends"] >= 0.9
     sync = report("gpu:h100x8", f"parallel.schedule={schedule}", *extra,
-                  "parallel.overlap_sends=false")
+                  "parallel.overlap_sends=false", recipe="llama_1b_8gpu")
     assert sync["sends"] == "synchronous"
     assert sync["comm/overlapped_fraction/pipe_sends"] == 0
 
@@ -147,20 +143,43 @@ def test_a_gpu_run_checks_the_compiled_program_before_allocating():
 
 
 @pytest.mark.slow
-def test_llama3_70b_on_64_h100s_hides_its_tensor_bytes_at_the_closed_form_bubble():
-    """The 70B recipe as it shipped (pipeline 4 x tensor 8, 1F1B, synchronous sends,
-    full remat): each BW in 3 parts, so the table is 1F1B's closed form at p 4, m 16
-    (15.8%, was 33.3%); the program fits an 80 GiB H100, and with the scheduler's memory
-    limit the framework sets for GPUs (framework/runtime/devices.py) 80% of its tensor
-    bytes overlap compute (was 0%: at XLA's default the scheduler kept them apart)."""
+def test_llama3_70b_on_64_h100s_1f1b_at_the_closed_form_bubble():
+    """The 70B model as its recipe shipped until 2026-11-26 (pipeline 4 x tensor 8,
+    1F1B, synchronous sends, full remat): each BW in 3 parts, so the table is 1F1B's
+    closed form at p 4, m 16 (15.8%, was 33.3%), and the program fits an 80 GiB H100."""
     cfg = compose_recipe("llama3_70b", "target=gpu:h100x64", "parallel.pipeline=4",
                          "parallel.tensor=8", "parallel.microbatches=16",
                          "parallel.schedule=1f1b", "parallel.virtual_stages=1",
-                         config="compile")
+                         "parallel.overlap_sends=false", "parallel.sequence_parallel=false",
+                         "parallel.collective_matmul=false", config="compile")
     got = program.compile_report(cfg, targets.parse(cfg.target))
     assert got["fits"] and got["pipeline/backward_parts"] == 3
     assert got["pipeline/bubble_fraction_table"] == pytest.approx(3 / 19)
-    assert got["comm/overlapped_fraction/tensor"] >= 0.75
+
+
+def _70b(*overrides: str) -> dict:
+    cfg = compose_recipe("llama3_70b", "target=gpu:h100x64", *overrides, config="compile")
+    return program.compile_report(cfg, targets.parse(cfg.target))
+
+
+@pytest.mark.slow
+def test_llama3_70b_ships_with_its_sends_and_tensor_bytes_beside_matmuls():
+    """The 70B recipe as shipped (pipeline 8 x data 2 x tensor 4, interleaved 1F1B over
+    5 chunks, overlapped sends, sequence parallelism with collective matmuls): every
+    stage-to-stage send runs beside a cell's matmuls and costs no more than 5% over
+    the same program sending synchronously; the collective matmul puts most tensor
+    bytes beside the layers' matmuls, where sequence parallelism's plain all-gathers
+    and reduce-scatters have none (framework/analysis/overlap.py's rule)."""
+    shipped = _70b()
+    assert shipped["fits"] and shipped["sends"] == "overlapped"
+    assert shipped["comm/overlapped_fraction/pipe_sends"] >= 0.9
+    sync = _70b("parallel.overlap_sends=false")
+    assert sync["comm/overlapped_fraction/pipe_sends"] == 0
+    assert (shipped["memory/compiled_bytes_per_device"]
+            <= 1.05 * sync["memory/compiled_bytes_per_device"])
+    plain = _70b("parallel.collective_matmul=false")
+    assert shipped["comm/overlapped_fraction/tensor"] >= 0.6
+    assert plain["comm/overlapped_fraction/tensor"] <= 0.3
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ def test_invalid_combinations_are_one_line_errors():
     cases = [(dict(schedule="interleaved_1f1b", microbatches=6, virtual_stages=2), "multiple of parallel.pipeline"),
              (dict(schedule="zb_h1", virtual_stages=2), "parallel.virtual_stages=2 only applies"),
              (dict(schedule="circular", microbatches=2, virtual_stages=2), "microbatches >= pipeline"),
-             (dict(schedule="zigzag"), "parallel.schedule='zigzag' is not one of")]
+             (dict(schedule="zigzag"), "parallel.schedule='zigzag' is not one of"),
+             (dict(collective_matmul=True), "collective_matmul=true needs parallel.sequence_parallel=true")]
     for kw, text in cases:
         with pytest.raises(ConfigError) as err:
             validate(MODEL, ParallelConfig(pipeline=4, data=2, **{"microbatches": 8, **kw}), TRAIN, 8)
