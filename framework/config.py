@@ -30,6 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
     "model.rope_scaling.rope_type": ("none", "llama3"),
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
+    "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "train.resume": ("auto", "never"),  # framework/run/start.py
     "data.kind": ("synthetic", "markov", "text", "tokens"),  # framework/io/data.py
     "data.token_dtype": ("uint16", "uint32"),
@@ -135,6 +136,12 @@ class ParallelConfig:
     virtual_stages: int = 1  # layer chunks per pipeline rank (circular, interleaved_1f1b)
     remat: str = "none"  # none | full | save_dots, applied per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
+    # FSDP (ZeRO-3): parameters, gradients and optimizer state sharded over `data`
+    # through the step, each use gathering its weights (framework/parallel/data.py);
+    # fsdp_regather: microbatch (every use gathers: least memory, m x the bytes) or
+    # step (one gather per step, kept: ZeRO-1's program).
+    fsdp: bool = False
+    fsdp_regather: str = "microbatch"
     # Tick schedules (1f1b, interleaved_1f1b, zb_h1, zb_v): stage-to-stage sends run
     # beside the next tick's compute; more microbatches in flight (docs/parallelism.md,
     # "Sends that overlap compute"). null: the schedule's own (overlapped; zb_v

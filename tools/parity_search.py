@@ -5,7 +5,8 @@
 
 Draws random valid configurations (schedule from the registry, pipeline, data, tensor,
 microbatches, virtual stages, uneven stages (a third of them), overlapped or
-synchronous sends, sequence parallelism, ZeRO-1, remat, tied embeddings, small model
+synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
+tied embeddings, small model
 shapes), runs each one's loss and gradients twice on the same inputs, and
 compares the loss and every gradient leaf of both runs with the single-device reference
 (framework/model/reference.py): relative error at most 1e-4. A failing configuration
@@ -65,7 +66,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,
                              virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
-                             zero1=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
+                             zero1=bool(rng.integers(2)) and d > 1,
+                             fsdp=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
                              collective_matmul=sp and bool(rng.integers(2)),
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
@@ -130,8 +132,8 @@ def run_case(model, par, train, devices) -> str | None:
 
 
 def label(par) -> str:
-    extra = "".join(f" {k}" for k in ("zero1", "sequence_parallel", "collective_matmul")
-                    if getattr(par, k))
+    extra = "".join(f" {k}" for k in ("zero1", "fsdp", "sequence_parallel",
+                                      "collective_matmul") if getattr(par, k))
     extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     return (f"{par.schedule} pp{par.pipeline} dp{par.data} tp{par.tensor} "

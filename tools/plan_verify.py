@@ -55,7 +55,8 @@ def verify(plans: list, cfg, target, top: int, log=os.devnull) -> list[Verified]
 def _layout(parallel) -> str:
     from framework.parallel.mesh import mesh_name
 
-    return mesh_name(parallel) + (" zero1" if parallel.zero1 else "")
+    return mesh_name(parallel) + (" fsdp" if parallel.fsdp else " zero1" if parallel.zero1
+                                  else "")
 
 
 def table(verified: list[Verified], target_name: str) -> str:

@@ -9,7 +9,8 @@ hidden states of one data replica's batch (in the compute dtype):
 
   tensor  Megatron-LM: two reductions of the hidden states per layer in the forward and
           two in the backward (attention and MLP, f and g), for the L/p layers of a
-          stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A. With sequence parallelism each all-reduce
+          stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A; 5 with
+          rematerialised layers (the attention's forward reduction again). With sequence parallelism each all-reduce
           is an all-gather + reduce-scatter pair: the same bytes. Plus the vocabulary-
           parallel embedding (one reduction forward) and LM head (one backward), each
           on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
@@ -26,7 +27,10 @@ hidden states of one data replica's batch (in the compute dtype):
           final norm), float32.
   data    One all-reduce of this device's gradient shard per step (float32, uneven
           stages' padding layers included); ZeRO-1's reduce-scatter + all-gather moves
-          the same bytes.
+          the same bytes. FSDP gathering per use: per microbatch, (dp-1)/dp of each
+          layer's weights three times (gathered forward and backward, gradient
+          reduce-scattered), and of the embedding and head on their ranks
+          (`fsdp_bytes`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import numpy as np
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
+from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline.program import program_of
 
@@ -95,7 +100,24 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     counts = stage_layer_counts(model, parallel, train.seq_len)
     stages = program_of(parallel, model.n_layers).stages
     layers = max(sum(counts[g] for g in row) for row in stages.of)
-    return 4 * layers * _ring_all_reduce(parallel.tensor) * hidden
+    # two in the forward, two in the backward; a rematerialised layer's backward runs
+    # the attention's again (the MLP's output is the next layer's input, kept; FSDP
+    # gathering per use rematerialises: framework/model/llama.py)
+    recomputed = parallel.remat != "none" or gathers_per_use(parallel)
+    return (5 if recomputed else 4) * layers * _ring_all_reduce(parallel.tensor) * hidden
+
+
+def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict) -> float:
+    """`data` with FSDP gathering per use (framework/parallel/data.py), float32 shards:
+    per microbatch each layer is gathered for its forward and again for its backward
+    and its gradient reduce-scattered; the embedding gathered for the first stage's
+    forward (its lookup's backward needs no weights), the head (and a tied table)
+    gathered forward and backward on the last stage: each on one of p ranks."""
+    share = (parallel.data - 1) / parallel.data * FP32
+    ends = 2 * counts["embed"] + 3 * counts["head"]
+    if model.tie_embeddings:
+        ends += 3 * counts["embed"]
+    return parallel.microbatches * share * (3 * counts["layers"] + ends / parallel.pipeline)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
@@ -120,8 +142,11 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
 
     pipe = stage_sends(model, parallel, train)
     shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
-    pipe += _ring_all_reduce(p) * shared * FP32
+    # FSDP per use: their gradients arrive sharded over `data` already
+    pipe += _ring_all_reduce(p) * shared * FP32 / (dp if gathers_per_use(parallel) else 1)
 
     data = _ring_all_reduce(dp) * sum(counts.values()) * FP32
+    if gathers_per_use(parallel):
+        data = fsdp_bytes(model, parallel, counts)
     return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
             TENSOR: tensor if tp > 1 else 0.0}

@@ -65,6 +65,7 @@ from framework.engine.step import device_fn
 from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
 from framework.model.llama import Block, apply_layers
+from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline import ticks
 from framework.parallel.pipeline.program import program_of
@@ -174,7 +175,8 @@ def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
                 total += math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
         return total
 
-    plain = param_specs(model, dataclasses.replace(parallel, zero1=False), n_chunks)[0]
+    plain = param_specs(model, dataclasses.replace(parallel, zero1=False, fsdp=False),
+                        n_chunks)[0]
     stored = param_specs(model, parallel, n_chunks)[0]
     return local(plain), local(stored), local(plain, "stages")
 
@@ -235,7 +237,8 @@ def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int
     """Everything the shapes of the tick executor's state depend on: the model and the
     tensor-parallel plan (their per-device weights and activations), the chunks a rank
     holds and their layers (padded or not), a microbatch's rows and tokens, the buffer
-    plan's slot counts, which buffers send overlapped, and the backward's cells."""
+    plan's slot counts, which buffers send overlapped, the backward's cells, and FSDP's
+    sharding of the gradient accumulators."""
     prog = program_of(parallel, model.n_layers)
     s, layers = prog.schedule, prog.stage_layers
     chunk = max(layers) if layers else model.n_layers // s.n_global_stages
@@ -243,7 +246,8 @@ def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int
     return (model, parallel.tensor, parallel.sequence_parallel, parallel.remat,
             tuple(parallel.tensor_split), s.n_chunks, chunk, layers is not None,
             batch // parallel.data // parallel.microbatches, seq,
-            tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts)
+            tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
+            parallel.data if gathers_per_use(parallel) else None)  # FSDP: sharded grads
 
 
 def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int,
@@ -295,12 +299,18 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     seq_local = train.seq_len // tp if sp else train.seq_len
     hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
     logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
-    res = residuals(model, train.seq_len, tp, sp, parallel.remat, rules=rules)
+    per_use = gathers_per_use(parallel)  # FSDP: no remat runs as save_dots (llama.py)
+    remat = "save_dots" if per_use and parallel.remat == "none" else parallel.remat
+    res = residuals(model, train.seq_len, tp, sp, remat, rules=rules)
     layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none", rules=rules).chunk(1, mb_rows)
     layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
+    if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
+        # float32 weights gathered at a time, their cast and their gradient beside them
+        grads = stored
+        layer_backward += 3 * stage_weights / (v * layers)
     if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
         ticks = sched.forward_rows().n_ticks
         per_tick = layers * mb_rows * res.per_row
@@ -312,7 +322,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
-            grads += stage_weights  # for the stage's weights
+            grads += stage_weights / (dp if per_use else 1)  # for the stage's weights
     else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
         state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
         slot = state["slot"]

@@ -187,10 +187,18 @@ def _virtual_stages(model: ModelConfig, p: int, given) -> tuple[int, ...]:
     return tuple(v for v in range(2, 9) if per_rank and per_rank % v == 0) or (2, 4)
 
 
+# What `data` shards beyond the batch: nothing, ZeRO-1, FSDP (zero1, fsdp)
+_SHARDINGS = ((False, False), (True, False), (False, True))
+
+
+def sharding_name(par: ParallelConfig) -> str:
+    return "fsdp" if par.fsdp else "zero1" if par.zero1 else "no"
+
+
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       base: ParallelConfig, schedules=None,
                       virtual_stages=None) -> list[ParallelConfig]:
-    """Every valid (pipeline, data, tensor, microbatches, schedule, zero1) on n_devices
+    """Every valid (pipeline, data, tensor, microbatches, schedule, zero1 or fsdp) on n_devices
     (`framework.engine.validate.check` decides validity); remat and sequence parallelism come
     from `base`; schedules: every registered one by default, those with virtual stages
     at each of `virtual_stages` (default: `_virtual_stages`); uneven stages (`auto`) where the layers do not divide
@@ -211,10 +219,10 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                           if uses_virtual_stages(s) else (1,))]
             for schedule, m, v in options:
                 stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
-                for zero1 in ((False, True) if dp > 1 else (False,)):
+                for zero1, fsdp in (_SHARDINGS if dp > 1 else _SHARDINGS[:1]):
                     par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp,
                                               microbatches=m, schedule=schedule,
-                                              virtual_stages=v, zero1=zero1,
+                                              virtual_stages=v, zero1=zero1, fsdp=fsdp,
                                               stage_layers=stage_layers)
                     if not check(model, par, train, n_devices):
                         out.append(par)
@@ -244,7 +252,7 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
     big = max((pl.memory["total"] for pl in shown), default=0) >= 2**30
     unit, name = (2**30, "GiB") if big else (2**20, "MiB")
-    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} {'zero1':<5} "
+    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} {'shard':<5} "
             f"{'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} {'fits':<4} "
             f"{'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} {'data':>8} "
             f"{'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
@@ -255,7 +263,7 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
         sched = par.schedule + (f"/v{par.virtual_stages}" if uses_virtual_stages(par.schedule) else "")
         lines.append(
             f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.tensor:>3} {par.microbatches:>4} "
-            f"{sched:<19} {'yes' if par.zero1 else 'no':<5} {gib('total'):>8.2f} "
+            f"{sched:<19} {sharding_name(par):<5} {gib('total'):>8.2f} "
             f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
             f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
             f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "

@@ -12,12 +12,12 @@ input. Everything else in a layer is dead code for W, which XLA drops.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import jax
 
 from framework.errors import PlanError
-from framework.model.llama import (NO_TP, REMAT_POLICIES, SAVED, TAPS, Block,
+from framework.model.llama import (NO_TP, SAVED, TAPS, Block, checkpointed,
                                    replay_weight_ops, scan_layers, weights_outside_weight_op)
 from framework.config import ModelConfig
 from framework.parallel.pipeline.stage import SplitBackward
@@ -25,7 +25,7 @@ from framework.parallel.tensor import TensorParallel
 
 
 def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP,
-                 skip=None):
+                 skip=None, gather=None):
     """The backward of a stack of layers in two halves, for zero-bubble pipeline
     schedules (Qi et al. 2024): B, the gradient w.r.t. the input, and W, the gradient
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
@@ -38,26 +38,30 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     stages), passed over by `skip` (`framework/model/llama.py`, `scan_layers`).
     weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
     applied to their saved inputs (everything else in the layer is dead code), pulled
-    back through their output gradients."""
+    back through their output gradients. `gather`: as `apply_layers`'s (FSDP)."""
+    identity = lambda params: params
+    gather = identity if gather is None else gather
+
     def block(variables, x, mutable):
         return Block(cfg, tp).apply(variables, x, mutable=mutable)
 
-    def layer(x, params_and_taps):  # one layer, recording its weight ops' inputs
-        params, taps = params_and_taps
+    def layer(x, params, taps):  # one layer, recording its weight ops' inputs
         y, state = block({"params": params, TAPS: taps}, x, [SAVED])
         return y, state[SAVED]
 
-    if remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    layer = checkpointed(layer, remat, None if gather is identity else gather)
+    scanned = lambda x, params_and_taps: layer(x, *params_and_taps)
 
     def forward(layers, x, n_real=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
-        taps = jax.vmap(lambda p: block({"params": p}, x, [TAPS])[1][TAPS])(layers)
-        run = lambda x, taps: scan_layers(layer, x, (layers, taps), n_real, skip, has_aux=True)
+        taps = jax.vmap(lambda p: block({"params": gather(p)}, x, [TAPS])[1][TAPS])(layers)
+        run = lambda x, taps: scan_layers(scanned, x, (layers, taps), n_real, skip,
+                                          has_aux=True)
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):
-        products = lambda layers: jax.vmap(partial(replay_weight_ops, cfg, tp))(layers, saved)
+        products = lambda layers: jax.vmap(
+            lambda p, s: replay_weight_ops(cfg, tp, gather(p), s))(layers, saved)
         return jax.vjp(products, layers)[1](douts)[0]
 
     # Under remat the stash holds only layer inputs: B and W recompute from it rather

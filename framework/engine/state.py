@@ -62,10 +62,13 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
     None without ZeRO-1)."""
     axes = layout.train_axes(param_logical_axes(model))
     specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split))
-    if not (parallel.zero1 and parallel.data > 1):
+    if not ((parallel.zero1 or parallel.fsdp) and parallel.data > 1):
         return specs, None
     shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
-    dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
+    if parallel.fsdp:  # a dimension of one use: stages are [stage, chunk, layer, ...]
+        dims = data_parallel.fsdp_dims(shapes, specs, parallel.data, {"stages": 3})
+    else:
+        dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
     return data_parallel.add_data_axis(specs, dims), dims
 
 

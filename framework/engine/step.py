@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from framework.config import ModelConfig, ParallelConfig
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
-from framework.model.llama import Embed, Head, apply_layers, cross_entropy_sum
+from framework.model.llama import Embed, Head, apply_layers, checkpointed, cross_entropy_sum
 from framework.parallel import data as data_parallel
 from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
@@ -41,46 +41,70 @@ MANUAL = (PIPE, DATA)  # replicated parameters are made per-device over these
 
 
 def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
-              n_tokens_global: int, split: bool) -> StageFns:
+              n_tokens_global: int, split: bool, per_use=None) -> StageFns:
     """The model as the pipeline executors see it, on one device (`tp`: the tensor-
     parallel plan); the loss share of a microbatch is its token cross-entropy sum over
-    the global token count."""
+    the global token count. `per_use`: FSDP's dimension per leaf when every use gathers
+    its weights (the stored layout: stages [stage, chunk, layer, ...]); None: the
+    weights arrive whole."""
+    gather = _per_use_gathers(per_use)
 
     def head_loss(head, embed, y, targets):
         logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
         return cross_entropy_sum(logits, targets, tp) / n_tokens_global
 
+    if per_use is not None:  # the head's gathered weights: gathered again for its backward
+        plain = head_loss
+        run = checkpointed(lambda y, weights, targets: plain(*weights, y, targets), "none",
+                           lambda weights: (gather["head"](weights[0]),
+                                            gather["embed"](weights[1])))
+        head_loss = lambda head, embed, y, targets: run(y, (head, embed), targets)
+
     return StageFns(
-        embed=lambda e, ids: Embed(model, tp).apply({"params": e}, ids),
-        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp, skip=skip_unless),
+        embed=lambda e, ids: Embed(model, tp).apply({"params": gather["embed"](e)}, ids),
+        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp, skip=skip_unless,
+                       gather=gather["layer"]),
         head_loss=head_loss,
-        split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless)
-        if split else None)
+        split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless,
+                           gather=gather["layer"]) if split else None)
 
 
-def device_params(params, zero1_dims, vary_over):
-    """This device's weights for the step: ZeRO-1 shards gathered, typed per device (so
-    that gradients are taken per device, without implicit sums), the layers viewed as
-    this rank's chunks [v, Lc, ...]."""
-    if zero1_dims is not None:
+def _per_use_gathers(dims) -> dict:
+    """FSDP's gathers of one use of the embedding, the head and a layer (identities,
+    and no layer gather, without per-use gathers)."""
+    if dims is None:
+        return {"embed": lambda tree: tree, "head": lambda tree: tree, "layer": None}
+    one = lambda group, offset: partial(data_parallel.gather_leaves, dims=dims[group],
+                                        offset=offset)
+    return {"embed": one("embed", 0), "head": one("head", 0), "layer": one("stages", 3)}
+
+
+def device_params(params, zero1_dims, vary_over, per_use: bool = False):
+    """This device's weights for the step: ZeRO-1 shards gathered (FSDP per use: left
+    sharded, `stage_fns` gathers them), typed per device (so that gradients are taken
+    per device, without implicit sums), the layers viewed as this rank's chunks
+    [v, Lc, ...]."""
+    if zero1_dims is not None and not per_use:
         params = data_parallel.gather_params(params, zero1_dims)
     params = jax.tree.map(lambda a: varying(a, vary_over), params)
     return {"embed": params["embed"], "head": params["head"],
             "chunks": jax.tree.map(lambda a: a[0], params["stages"])}  # drop the stage axis
 
 
-def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims):
+def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims,
+                     per_use: bool = False):
     """Each gradient reduced once: per-device chunks back to the stage layout; with
     sequence parallelism the norm scales' partial sums over `tensor`; the parameters
     several pipeline ranks use (embedding on the first, head on the last) over `pipe`;
-    everything over `data` (or ZeRO-1's reduce-scatter)."""
+    everything over `data` (or ZeRO-1's reduce-scatter; FSDP per use: done by the
+    gathers' transposes)."""
     grads = {"embed": grads["embed"], "head": grads["head"],
              "stages": jax.tree.map(lambda a: a[None], grads["chunks"])}
     if sequence_parallel:
         grads = jax.tree.map(lambda g, r: jax.lax.psum(g, TENSOR) if r else g,
                              grads, tensor_replicated)
     grads = {k: v if k == "stages" else jax.lax.psum(v, PIPE) for k, v in grads.items()}
-    return data_parallel.reduce_gradients(grads, zero1_dims)
+    return data_parallel.reduce_gradients(grads, zero1_dims, reduced=per_use)
 
 
 def split_batch(tokens, microbatches: int, data: int):
@@ -111,11 +135,14 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
     if split:
         check_weight_ops(model)
 
+    per_use = zero1_dims if data_parallel.gathers_per_use(parallel) else None
+
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
         inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
-        fns = stage_fns(model, parallel, tp, n_tokens, split=split)
-        return run(fns, device_params(params, zero1_dims, vary_over), inputs, targets)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use)
+        return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
+                   inputs, targets)
 
     return body
 
@@ -138,7 +165,8 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
     def train(fns, params, inputs, targets):
         executor = autodiff if prog.autodiff else ticks
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets)
-        grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims)
+        grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims,
+                                 data_parallel.gathers_per_use(parallel))
         return jax.lax.psum(loss, MANUAL), grads
 
     cpu = mesh.devices.flat[0].platform == "cpu"

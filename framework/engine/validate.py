@@ -47,6 +47,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         return errs  # the checks below divide by these degrees
     errs += schedules.check(p.schedule, p.pipeline, p.microbatches, p.virtual_stages)
     errs += [e for e in (not_one_of("parallel.remat", p.remat),
+                         not_one_of("parallel.fsdp_regather", p.fsdp_regather),
                          not_one_of("model.dtype", model.dtype)) if e]
     errs += attention.check_settings(model)
     if n_devices is not None and p.data != -1 and p.n_devices != n_devices:

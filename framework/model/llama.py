@@ -346,6 +346,20 @@ REMAT_POLICIES = {
 }
 
 
+def checkpointed(layer, remat: str, gather):
+    """`layer(x, params, ...)` under its remat policy, with `gather` (one layer's stored
+    params -> those it runs with: FSDP's gather, which the engine hands over) applied
+    first. Gathered weights (and their casts) are never saved for the backward, which
+    gathers them again (a pipeline would keep them once per microbatch in flight): with
+    a gather, no remat runs as `save_dots` (the weight matmuls' outputs kept, the rest,
+    weights included, recomputed)."""
+    if gather is not None:
+        inner = layer
+        layer = lambda x, params, *rest: inner(x, gather(params), *rest)
+        remat = "save_dots" if remat == "none" else remat
+    return layer if remat == "none" else jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+
 def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False):
     """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0.
     With `n_real` (traced int) the layers from index n_real on are padding (uneven
@@ -365,18 +379,17 @@ def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False)
 
 
 def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
-                 n_real=None, skip=None):
+                 n_real=None, skip=None, gather=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
-    all."""
+    all. `gather`: one layer's stored params -> the params it runs with (FSDP's gather,
+    which the engine hands over), None: as stored."""
 
     def layer(x, layer_params):
         return Block(cfg, tp).apply({"params": layer_params}, x)
 
-    if remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-    return scan_layers(layer, x, layers, n_real, skip)[0]
+    return scan_layers(checkpointed(layer, remat, gather), x, layers, n_real, skip)[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,

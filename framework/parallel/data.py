@@ -7,6 +7,18 @@ per-replica gradient sums are all-reduced (`psum`). With ZeRO-1 (Rajbhandari et 
 dimension per leaf: the step all-gathers the parameters, reduce-scatters the
 gradients and each replica updates only its own shard (with fp32 parameters the
 stored parameters are the master copy, so it is sharded too).
+
+With FSDP (ZeRO-3, `parallel.fsdp`) the parameters stay sharded through the step: each
+use gathers them (`gather_leaves`, called per layer inside the layer's function and
+per use of the embedding and the head, so a layer's full weights live only while it
+runs, and are gathered again for its backward), and autodiff turns each gather into
+a reduce-scatter of that use's gradient: the gradients come out of the pipeline
+already summed over `data` and sharded like the parameters. Each microbatch gathers
+again (m x the bytes of one gather per step, the least memory); with
+`parallel.fsdp_regather=step` the step gathers once at its start and reduce-scatters
+once at its end, which is ZeRO-1's program. A leaf is sharded along a dimension of
+one layer's weight (never the stacking of stages, chunks or layers), the largest that
+divides evenly.
 """
 
 from __future__ import annotations
@@ -30,6 +42,38 @@ def zero1_dims(shapes, specs, data: int):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def gathers_per_use(parallel) -> bool:
+    """FSDP with every use gathering its weights (a ParallelConfig's settings)."""
+    return parallel.fsdp and parallel.fsdp_regather == "microbatch" and parallel.data > 1
+
+
+def fsdp_dims(shapes, specs, data: int, stacked: dict):
+    """Per leaf: the dimension FSDP shards over `data`, one that a single use of the
+    leaf has (`stacked[group]` leading dimensions of a group's leaves stack stages,
+    chunks and layers), the largest not already sharded that divides evenly; None to
+    leave it replicated."""
+
+    def pick(group):
+        def one(shape, spec):
+            spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+            free = [d for d in range(stacked.get(group, 0), len(shape))
+                    if spec[d] is None and shape[d] % data == 0]
+            return max(free, key=lambda d: shape[d]) if free else None
+        return lambda s, sp: one(s.shape, sp)
+
+    return {g: jax.tree.map(pick(g), shapes[g], specs[g], is_leaf=lambda x: isinstance(x, P))
+            for g in shapes}
+
+
+def gather_leaves(tree, dims, offset: int = 0):
+    """FSDP: the full leaves of one use from this replica's shards; `offset`: leading
+    dimensions the stored leaves have and these do not (a layer's slice of a stack)."""
+    return jax.tree.map(
+        lambda x, d: x if d is None else jax.lax.all_gather(x, DATA, axis=d - offset,
+                                                            tiled=True),
+        tree, dims, is_leaf=lambda x: x is None)
+
+
 def add_data_axis(specs, dims):
     """PartitionSpecs with `data` placed on each leaf's ZeRO-1 dimension."""
 
@@ -50,12 +94,13 @@ def gather_params(params, dims):
         params, dims, is_leaf=lambda x: x is None)
 
 
-def reduce_gradients(grads, dims=None):
+def reduce_gradients(grads, dims=None, reduced: bool = False):
     """The one reduction of the gradients over `data` per step: all-reduce every leaf,
-    or with ZeRO-1 (`dims`) reduce-scatter each leaf onto its shard."""
+    or with ZeRO-1 (`dims`) reduce-scatter each leaf onto its shard; `reduced`: FSDP's
+    sharded leaves arrive reduce-scattered already (their gathers' transposes)."""
     if dims is None:
         return jax.lax.psum(grads, DATA)
     return jax.tree.map(
-        lambda g, d: jax.lax.psum(g, DATA) if d is None
+        lambda g, d: jax.lax.psum(g, DATA) if d is None else g if reduced
         else jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True),
         grads, dims, is_leaf=lambda x: x is None)

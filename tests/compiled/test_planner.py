@@ -35,17 +35,19 @@ def test_memory_terms_follow_the_schedule_zero1_and_remat():
 def test_enumeration_is_valid_and_covers_the_layouts():
     found = planner.enumerate_layouts(MODEL, TRAIN, 8, ParallelConfig())
     key = lambda p: (p.pipeline, p.data, p.tensor, p.microbatches, p.schedule,
-                     p.virtual_stages, p.zero1)
+                     p.virtual_stages, p.zero1, p.fsdp)
     keys = [key(p) for p in found]
     assert len(keys) == len(set(keys))
     for par in found:  # every one passes the same validation a run does
         assert validate(MODEL, par, TRAIN, 8).n_devices == 8
         assert par.microbatches >= par.pipeline
-    for expected in [(1, 8, 1, 1, "gpipe", 1, True), (2, 2, 2, 4, "gpipe", 1, False),
-                     (2, 2, 2, 8, "1f1b", 1, True), (2, 4, 1, 2, "circular", 2, False),
-                     (1, 2, 4, 1, "gpipe", 1, False), (8, 1, 1, 16, "1f1b", 1, False),
-                     (2, 4, 1, 4, "interleaved_1f1b", 2, False), (4, 2, 1, 4, "zb_h1", 1, True)]:
+    for expected in [(1, 8, 1, 1, "gpipe", 1, True, False), (2, 2, 2, 4, "gpipe", 1, False, False),
+                     (2, 2, 2, 8, "1f1b", 1, True, False), (2, 4, 1, 2, "circular", 2, False, False),
+                     (1, 2, 4, 1, "gpipe", 1, False, False), (8, 1, 1, 16, "1f1b", 1, False, False),
+                     (2, 4, 1, 4, "interleaved_1f1b", 2, False, False),
+                     (4, 2, 1, 4, "zb_h1", 1, True, False), (2, 2, 2, 4, "zb_v", 1, False, True)]:
         assert expected in keys, expected
+    assert not any(k[7] and k[1] == 1 for k in keys)  # FSDP needs more than one replica
     assert not any(k[2] == 8 for k in keys)  # n_kv_heads = 4 cannot be split 8 ways
     assert not any(k[0] == 8 and k[4] == "circular" for k in keys)  # 8 layers, 16 chunks
 

@@ -1,5 +1,5 @@
 """Checkpoints: exact resume, restore under other (pipeline, data, tensor, schedule,
-zero1) layouts, keep/metadata, and incomplete checkpoints never picked.
+zero1, fsdp) layouts, keep/metadata, and incomplete checkpoints never picked.
 
 One (2, 2, 2) engine trains 10 steps on the Markov dataset uninterrupted; a second run
 of the same engine saves at steps 2, 4, 6 (asynchronously, keep=2) and keeps training.
@@ -116,7 +116,9 @@ def test_resume_equals_uninterrupted_run(uninterrupted, saved):
 # Another layout runs other float reductions (other psum trees, other matmul splits), so
 # losses agree to float32 rounding, not bit for bit: 1e-5 relative.
 @pytest.mark.parametrize("layout,kw", [((4, 1, 2, 4), {"stage_layers": (1, 3, 3, 1)}),
-                                       ((1, 8, 1, 1), {})], ids=str)
+                                       ((1, 8, 1, 1), {}),
+                                       ((2, 2, 2, 2), {"fsdp": True, "schedule": "1f1b"})],
+                         ids=str)
 def test_restore_under_another_layout_continues_the_same_run(layout, kw, uninterrupted, saved):
     """(4, 1, 2, 4): uneven stages, whose padding the canonical checkpoint never holds."""
     _, ref_losses, ref_params = uninterrupted
@@ -130,12 +132,15 @@ def test_restore_under_another_layout_continues_the_same_run(layout, kw, uninter
     assert worst(max_rel_err(host(eng.canonical_params(state["params"])), ref_params)) <= 1e-4
 
 
-def test_round_trip_through_circular_zero1_layout_is_exact(uninterrupted, saved, tmp_path):
+@pytest.mark.parametrize("kw", [
+    dict(schedule="circular", virtual_stages=2, zero1=True, stage_layers=(3, 1, 2, 2)),
+    dict(schedule="zb_h1", fsdp=True)], ids=["circular-zero1", "zb_h1-fsdp"])
+def test_round_trip_through_a_sharded_layout_is_exact(kw, uninterrupted, saved, tmp_path):
     """Restored into interleaved, uneven chunks with ZeRO-1 (moments sharded over `data`),
-    saved again from there, restored into the original layout: bit-identical state."""
+    or into FSDP (parameters too, along other dimensions), saved again from there,
+    restored into the original layout: bit-identical state."""
     _, _, at_save = saved
-    circular = engine(2, 2, 2, 2, schedule="circular", virtual_stages=2, zero1=True,
-                      stage_layers=(3, 1, 2, 2))
+    circular = engine(2, 2, 2, 2, **kw)
     ckpt = Checkpointer(saved[0], keep=2)
     state = ckpt.restore(circular.layout)
     ckpt.close()

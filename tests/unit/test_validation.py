@@ -54,7 +54,8 @@ def test_invalid_combinations_are_one_line_errors():
              (dict(schedule="zb_h1", virtual_stages=2), "parallel.virtual_stages=2 only applies"),
              (dict(schedule="circular", microbatches=2, virtual_stages=2), "microbatches >= pipeline"),
              (dict(schedule="zigzag"), "parallel.schedule='zigzag' is not one of"),
-             (dict(collective_matmul=True), "collective_matmul=true needs parallel.sequence_parallel=true")]
+             (dict(collective_matmul=True), "collective_matmul=true needs parallel.sequence_parallel=true"),
+             (dict(fsdp=True, fsdp_regather="layer"), "parallel.fsdp_regather='layer' is not one of microbatch, step")]
     for kw, text in cases:
         with pytest.raises(ConfigError) as err:
             validate(MODEL, ParallelConfig(pipeline=4, data=2, **{"microbatches": 8, **kw}), TRAIN, 8)
