@@ -31,6 +31,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling.rope_type": ("none", "llama3"),
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
+    "optim.decay_shape": ("linear", "cosine", "sqrt"),  # wsd's final decay
+    "optim.mu_dtype": ("float32", "bfloat16"),  # AdamW's first moment
     "train.resume": ("auto", "never"),  # framework/run/start.py
     "data.kind": ("synthetic", "markov", "text", "tokens"),  # framework/io/data.py
     "data.token_dtype": ("uint16", "uint32"),
@@ -171,17 +174,34 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`."""
+    """AdamW with linear warmup then `schedule` to `lr * min_lr_ratio`
+    (framework/engine/optim.py)."""
 
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.1  # decoupled (AdamW); never applied to norm scales
     decay_embeddings: bool = True  # also decay the embedding table (nanoGPT, Megatron-LM do)
+    # Parameter paths AdamW never decays, as shell patterns over names like
+    # layers/attn/wqkv, embed/table, head/w (besides the norm scales).
+    no_decay: tuple[str, ...] = ()
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     min_lr_ratio: float = 0.1
+    schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd
+    # wsd (warmup-stable-decay): the final decay's length in steps (null: the last 20%
+    # of train.steps) and shape; a cooldown branched off a checkpoint at step S is a run
+    # resumed there with train.steps = S + decay_steps.
+    decay_steps: Optional[int] = None
+    decay_shape: str = "linear"
+    z_loss: float = 0.0  # + z_loss * (log Z)^2 per token (PaLM), the training loss only
+    mu_dtype: str = "float32"  # AdamW's first moment (the second stays float32)
+
+    def __post_init__(self):
+        # Hydra hands over a list; one pattern may come as a string
+        self.no_decay = (self.no_decay,) if isinstance(self.no_decay, str) else tuple(
+            self.no_decay)
 
 
 @dataclass
@@ -365,7 +385,8 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": AT_LEAST_0,
     "optim.grad_clip": AT_LEAST_0,  # 0: no clipping
     "optim.b1": FRACTION_BELOW_1, "optim.b2": FRACTION_BELOW_1, "optim.eps": POSITIVE,
-    "optim.min_lr_ratio": Range(0, 1),
+    "optim.min_lr_ratio": Range(0, 1), "optim.z_loss": AT_LEAST_0,
+    "optim.decay_steps": AT_LEAST_1,
     "train.seq_len": AT_LEAST_1, "train.global_batch_size": AT_LEAST_1,
     "train.steps": AT_LEAST_1,
     "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0

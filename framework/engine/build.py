@@ -36,6 +36,7 @@ class Engine:
     layout: StateLayout
     program: Program  # the schedule compiled once (framework/parallel/pipeline/program.py)
     lr: optax.Schedule
+    z_loss: float = 0.0  # the training loss's z-loss weight (optim.z_loss)
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
     compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
     compile_s: float = 0.0  # the seconds that took
@@ -63,7 +64,8 @@ class Engine:
 
     def _loss_and_grads(self, forward_only: bool = False):
         return build_loss_and_grads(self.model, self.parallel, self.mesh, self.program,
-                                    self.param_specs, self.zero1_dims, forward_only)
+                                    self.param_specs, self.zero1_dims, forward_only,
+                                    0.0 if forward_only else self.z_loss)
 
     def shard_params(self, canonical):
         """Canonical params (host or device) -> train layout, placed on the mesh."""
@@ -134,4 +136,4 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
     specs, dims = param_specs(model, parallel, n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
                         n_chunks, specs, dims)
-    return Engine(state, prog, lr_schedule(optim, total_steps))
+    return Engine(state, prog, lr_schedule(optim, total_steps), optim.z_loss)

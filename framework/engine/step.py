@@ -41,17 +41,17 @@ MANUAL = (PIPE, DATA)  # replicated parameters are made per-device over these
 
 
 def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
-              n_tokens_global: int, split: bool, per_use=None) -> StageFns:
+              n_tokens_global: int, split: bool, per_use=None, z_loss: float = 0.0) -> StageFns:
     """The model as the pipeline executors see it, on one device (`tp`: the tensor-
     parallel plan); the loss share of a microbatch is its token cross-entropy sum over
     the global token count. `per_use`: FSDP's dimension per leaf when every use gathers
     its weights (the stored layout: stages [stage, chunk, layer, ...]); None: the
-    weights arrive whole."""
+    weights arrive whole. `z_loss`: the training loss's z-loss weight (optim.z_loss)."""
     gather = _per_use_gathers(per_use)
 
     def head_loss(head, embed, y, targets):
         logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
-        return cross_entropy_sum(logits, targets, tp) / n_tokens_global
+        return cross_entropy_sum(logits, targets, tp, z_loss) / n_tokens_global
 
     if per_use is not None:  # the head's gathered weights: gathered again for its backward
         plain = head_loss
@@ -115,7 +115,7 @@ def split_batch(tokens, microbatches: int, data: int):
 
 
 def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
-              run, split: bool, cpu: bool = False):
+              run, split: bool, cpu: bool = False, z_loss: float = 0.0):
     """(params, tokens) -> run(fns, params, inputs, targets) on each device, inside the
     step's `shard_map`: the per-device setup every use of the executors shares (the
     model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
@@ -140,7 +140,8 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
         inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
-        fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use)
+        fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use,
+                        z_loss=z_loss)
         return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
                    inputs, targets)
 
@@ -148,8 +149,9 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
 
 
 def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, prog: Program,
-                         param_specs, zero1_dims, forward_only=False):
-    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss."""
+                         param_specs, zero1_dims, forward_only=False, z_loss: float = 0.0):
+    """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
+    (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term)."""
     sp = parallel.sequence_parallel and parallel.tensor > 1
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
@@ -174,7 +176,7 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
         return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu),
                              mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
     body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward,
-                     cpu)
+                     cpu, z_loss)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

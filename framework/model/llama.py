@@ -256,15 +256,17 @@ class Head(nn.Module):
         return (x @ w.astype(dt)).astype(jnp.float32)
 
 
-def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP):
+def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP, z_loss: float = 0.0):
     """Sum of token cross-entropies over a vocabulary-parallel logits tensor.
     logits: [b, s, vocab@tensor] f32 (this device's slice), targets: [b, s] int32.
-    log Z = max + log sum exp(logits - max), both reduced over the vocabulary slices."""
+    log Z = max + log sum exp(logits - max), both reduced over the vocabulary slices.
+    `z_loss`: + z_loss * (log Z)^2 per token (PaLM, Chowdhery et al. 2022: keeps the
+    softmax normaliser near 1, for bfloat16 stability at scale)."""
     peak = tp.vocab_max(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))  # [b, s]
     log_z = peak + jnp.log(tp.vocab_sum(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)))
     local = targets - tp.vocab_offset(logits.shape[-1])  # one_hot is zero off this slice
     label = tp.vocab_sum(jnp.sum(logits * jax.nn.one_hot(local, logits.shape[-1]), axis=-1))
-    return jnp.sum(log_z - label)
+    return jnp.sum(log_z - label + (z_loss * log_z**2 if z_loss else 0.0))
 
 
 # ---------------------------------------------------------------------------------

@@ -23,14 +23,14 @@ def forward(params, inputs, cfg: ModelConfig):
     return Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
 
 
-def loss_fn(params, tokens, cfg: ModelConfig):
-    """Mean next-token cross-entropy. tokens: [batch, seq + 1]."""
+def loss_fn(params, tokens, cfg: ModelConfig, z_loss: float = 0.0):
+    """Mean next-token cross-entropy (+ the z-loss term). tokens: [batch, seq + 1]."""
     logits = forward(params, tokens[:, :-1], cfg)
-    return cross_entropy_sum(logits, tokens[:, 1:]) / tokens[:, 1:].size
+    return cross_entropy_sum(logits, tokens[:, 1:], z_loss=z_loss) / tokens[:, 1:].size
 
 
-def loss_and_grads(params, tokens, cfg: ModelConfig):
-    return jax.value_and_grad(loss_fn)(params, tokens, cfg)
+def loss_and_grads(params, tokens, cfg: ModelConfig, z_loss: float = 0.0):
+    return jax.value_and_grad(loss_fn)(params, tokens, cfg, z_loss)
 
 
 def reference_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
