@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
     "optim.decay_shape": ("linear", "cosine", "sqrt"),  # wsd's final decay
     "optim.mu_dtype": ("float32", "bfloat16"),  # AdamW's first moment
+    "optim.name": ("adamw", "muon"),  # framework/engine/optim.py
     "train.resume": ("auto", "never"),  # framework/run/start.py
     "data.kind": ("synthetic", "markov", "text", "tokens"),  # framework/io/data.py
     "data.token_dtype": ("uint16", "uint32"),
@@ -196,7 +197,11 @@ class OptimConfig:
     decay_steps: Optional[int] = None
     decay_shape: str = "linear"
     z_loss: float = 0.0  # + z_loss * (log Z)^2 per token (PaLM), the training loss only
-    mu_dtype: str = "float32"  # AdamW's first moment (the second stays float32)
+    mu_dtype: str = "float32"  # the first moment (AdamW's second stays float32)
+    # adamw, or muon: Muon on the layers' matrices, AdamW (the settings above) on the
+    # embedding, head and norms; Muon's momentum
+    name: str = "adamw"
+    muon_momentum: float = 0.95
 
     def __post_init__(self):
         # Hydra hands over a list; one pattern may come as a string
@@ -386,7 +391,7 @@ RANGES: dict[str, Range] = {
     "optim.grad_clip": AT_LEAST_0,  # 0: no clipping
     "optim.b1": FRACTION_BELOW_1, "optim.b2": FRACTION_BELOW_1, "optim.eps": POSITIVE,
     "optim.min_lr_ratio": Range(0, 1), "optim.z_loss": AT_LEAST_0,
-    "optim.decay_steps": AT_LEAST_1,
+    "optim.decay_steps": AT_LEAST_1, "optim.muon_momentum": FRACTION_BELOW_1,
     "train.seq_len": AT_LEAST_1, "train.global_batch_size": AT_LEAST_1,
     "train.steps": AT_LEAST_1,
     "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0

@@ -1,5 +1,5 @@
-"""AdamW (Loshchilov & Hutter 2019) with linear warmup, a learning-rate schedule and
-global-norm clipping. The optimizer state mirrors the parameter tree, so it takes the
+"""AdamW (Loshchilov & Hutter 2019), or Muon on the layers' matrices, with linear
+warmup, a learning-rate schedule and global-norm clipping. The optimizer state mirrors the parameter tree, so it takes the
 parameters' shardings (or, with ZeRO-1 and FSDP, the data-sharded ones) without extra
 code.
 
@@ -16,10 +16,20 @@ RMSNorm scales (decaying a gain pulls it towards 0, not towards "no effect"), to
 embedding table unless `optim.decay_embeddings=false` (default true, as in both), and
 never to the parameters `optim.no_decay`'s patterns name. The mask is read from
 parameter names, so it holds for the canonical and the train (stage) layouts alike.
+
+`optim.name=muon` (Jordan et al. 2024; optax's `scale_by_muon`): the layers' weight
+matrices take Muon's update, the momentum orthogonalised by Newton-Schulz iterations,
+each layer (and gate and up) apart, scaled by 0.2 sqrt(max(fan-in, fan-out)) so that
+its RMS matches AdamW's and AdamW's learning rate and weight decay carry over (Liu et
+al. 2025, "Muon is scalable for LLM training"); the embedding, the head and the norm
+scales keep AdamW, as in both. Muon's matrix function needs each whole matrix: on a
+sharded layout XLA gathers what the update needs (the optimizer runs outside the
+step's shard_map).
 """
 
 from __future__ import annotations
 
+import math
 from fnmatch import fnmatchcase
 
 import jax
@@ -28,6 +38,15 @@ import optax
 
 from framework.config import OptimConfig
 
+# Muon's (reduction, output) axes of each layer matrix, counted from the last (the
+# stacking of stages, chunks and layers in front are batch axes: every layer apart).
+MUON_AXES = {
+    "wqkv": ((-4,), (-3, -2, -1)),  # [d, kv_heads, q per kv + 2, head_dim]
+    "wo": ((-3, -2), (-1,)),  # [heads, head_dim, d]
+    "w_gate_up": ((-3,), (-1,)),  # [d, 2, d_ff]: gate and up apart
+    "w_down": ((-2,), (-1,)),  # [d_ff, d]
+}
+MUON_RMS = 0.2  # AdamW's typical update RMS (Liu et al. 2025)
 WSD_DECAY_SHARE = 0.2  # wsd without decay_steps: the last fifth of the run
 SHAPES = {  # wsd's decay: the share of (lr - end) left at progress f in [0, 1]
     "linear": lambda f: 1 - f,
@@ -76,12 +95,52 @@ def decay_mask(params, decay_embeddings: bool = True, no_decay: tuple[str, ...] 
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
+def muon_axes(params):
+    """Per leaf: Muon's MuonDimensionNumbers for a layer matrix, None for AdamW's
+    parameters, MaskedNode where optax's partition masked the leaf out."""
+    def one(path, leaf):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
+        names = [str(getattr(k, "key", k)) for k in path]
+        axes = MUON_AXES.get(names[-1]) if names[0] in ("layers", "stages") else None
+        return optax.contrib.MuonDimensionNumbers(*axes) if axes else None
+
+    return jax.tree_util.tree_map_with_path(
+        one, params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def _muon_rms_scale() -> optax.GradientTransformation:
+    """Muon's orthogonal update times 0.2 sqrt(max(fan-in, fan-out)) (Liu et al. 2025)."""
+    def scale(updates, state, params=None):
+        axes = muon_axes(updates)
+        def one(u, dims):
+            if dims is None or isinstance(u, optax.MaskedNode):
+                return u
+            fan = [math.prod(u.shape[a] for a in group) for group in dims]
+            return u * (MUON_RMS * math.sqrt(max(fan)))
+        return jax.tree.map(one, updates, axes, is_leaf=lambda x: isinstance(
+            x, optax.MaskedNode) or x is None), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), scale)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
-                             eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mu_dtype=jnp.dtype(cfg.mu_dtype),
-                             mask=lambda p: decay_mask(p, cfg.decay_embeddings, cfg.no_decay)))
-    return optax.chain(*parts)
+    lr, mask = lr_schedule(cfg, total_steps), (
+        lambda p: decay_mask(p, cfg.decay_embeddings, cfg.no_decay))
+    adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mu_dtype=jnp.dtype(cfg.mu_dtype), mask=mask)
+    if cfg.name == "adamw":
+        return optax.chain(*parts, adamw)
+    muon = optax.chain(
+        optax.contrib.scale_by_muon(beta=cfg.muon_momentum, mu_dtype=jnp.dtype(cfg.mu_dtype),
+                                    weight_dimension_numbers=muon_axes),
+        _muon_rms_scale(),
+        optax.add_decayed_weights(cfg.weight_decay, mask),
+        optax.scale_by_learning_rate(lr))
+    labels = lambda p: jax.tree.map(lambda a: "adam" if a is None else "muon", muon_axes(p),
+                                    is_leaf=lambda x: x is None or isinstance(
+                                        x, optax.contrib.MuonDimensionNumbers))
+    return optax.chain(*parts, optax.partition({"muon": muon, "adam": adamw}, labels))

@@ -72,10 +72,17 @@ def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
     return data_parallel.add_data_axis(specs, dims), dims
 
 
+def _masked(x) -> bool:
+    """A leaf an optimizer partition keeps no state for (Muon's on AdamW's leaves, ...)."""
+    return isinstance(x, optax.MaskedNode)
+
+
 def _map_params(tree, params_def, fn: Callable):
     """Applies `fn` to every subtree of `tree` shaped like the parameters (treedef
-    `params_def`): the parameters themselves and each optimizer moment (mu, nu)."""
-    is_params = lambda x: jax.tree.structure(x) == params_def
+    `params_def`): the parameters themselves and each optimizer moment (mu, nu), also
+    a moment kept for some leaves only (`optax.MaskedNode` at the others, which `fn`'s
+    leaf-wise maps pass over)."""
+    is_params = lambda x: jax.tree.structure(x, is_leaf=_masked) == params_def
     return jax.tree.map(lambda x: fn(x) if is_params(x) else x, tree, is_leaf=is_params)
 
 
@@ -153,9 +160,11 @@ class StateLayout:
         parameters they track, the rest replicated."""
         params = rules.named(self.mesh, self.param_specs)
         replicated = NamedSharding(self.mesh, P())
-        opt = optax.tree_map_params(self.optimizer, lambda _, sh: sh,
-                                    jax.eval_shape(self.optimizer.init, self.abstract_params),
-                                    params, transform_non_params=lambda _: replicated)
+        like_params = lambda moment: jax.tree.map(
+            lambda m, sh: m if _masked(m) else sh, moment, params, is_leaf=_masked)
+        opt = _map_params(jax.eval_shape(self.optimizer.init, self.abstract_params),
+                          jax.tree.structure(params), like_params)
+        opt = jax.tree.map(lambda x: x if isinstance(x, NamedSharding) else replicated, opt)
         return train_state(params, opt, replicated)
 
     @cached_property
@@ -173,8 +182,9 @@ class StateLayout:
             return out
 
         def params(shardings):
-            layers = jax.tree.map(lambda sh, s: NamedSharding(mesh, spec(sh.spec, s.shape)),
-                                  shardings["stages"], self.abstract_params["stages"])
+            layers = jax.tree.map(
+                lambda sh, s: sh if _masked(sh) else NamedSharding(mesh, spec(sh.spec, s.shape)),
+                shardings["stages"], self.abstract_params["stages"], is_leaf=_masked)
             return {**{k: v for k, v in shardings.items() if k != "stages"}, "layers": layers}
 
         train_def = jax.tree.structure(train["params"])

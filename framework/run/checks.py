@@ -42,7 +42,8 @@ def check_run(cfg: RunConfig) -> None:
                          not_one_of("devices.platform", cfg.devices.platform),
                          not_one_of("optim.schedule", cfg.optim.schedule),
                          not_one_of("optim.decay_shape", cfg.optim.decay_shape),
-                         not_one_of("optim.mu_dtype", cfg.optim.mu_dtype)) if e]
+                         not_one_of("optim.mu_dtype", cfg.optim.mu_dtype),
+                         not_one_of("optim.name", cfg.optim.name)) if e]
     if cfg.logging.wandb.mode == "online" and not wandb_login_found():
         errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "
                     "WANDB_API_KEY), or log offline (logging=wandb_offline) and `wandb sync` "
