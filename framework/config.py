@@ -266,6 +266,7 @@ class LoggingConfig:
     every: int = 10  # steps between logged metrics
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True  # the terminal progress bar
+    tensorboard: bool = False  # also write TensorBoard scalars to <run>/tensorboard
 
 
 @dataclass

@@ -42,8 +42,8 @@ from framework.run.checks import check_run, clamp_warmup
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
-from framework.run.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, final_line,
-                                    read_metrics)
+from framework.run.tracking import (JsonlSink, ProgressBar, TensorBoardSink, Tracker,
+                                    WandbSink, final_line, read_metrics)
 from framework.runtime import devices as devices_lib
 from framework.runtime import distributed, faults, peers, runlock
 from framework.runtime.faults import StopRequests
@@ -231,6 +231,8 @@ def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
         return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
     if cfg.logging.progress:
         sinks.append(ProgressBar(cfg.train.steps, first=start))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, resumed_at))
     if cfg.logging.wandb.mode != "disabled":
         wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config)
         base = {**base, "wandb_dir": str(wandb_sink.dir)}

@@ -66,7 +66,8 @@ def tiny_run(tmp_path_factory, env):
     run_dir = cwd / "run"
     # A warm-up longer than the run (a short trial of a recipe): clamped with one warning.
     proc = framework_run("recipe=llama_tiny_debug", "optim.warmup_steps=50",
-                         f"hydra.run.dir={run_dir}", cwd=cwd, env=env)
+                         "logging.tensorboard=true", f"hydra.run.dir={run_dir}", cwd=cwd,
+                         env=env)
     return proc, run_dir
 
 
@@ -98,6 +99,13 @@ def test_tiny_run_writes_metrics_summary_and_offline_wandb(tiny_run):
     timeline = json.loads((run_dir / "profile" / "timeline.json").read_text())
     assert len(timeline["steps"]) == 2 and len(timeline["steps"][0]["ranks"]) == 2
     assert {k for rank in timeline["steps"][0]["ranks"] for _, _, k in rank} == {"F", "BW"}
+
+    # TensorBoard: the same records (logging.tensorboard=true)
+    from tests.unit.test_tensorboard import read_events, scalars
+
+    board = scalars(read_events(run_dir / "tensorboard"))
+    assert [s for s, _ in board["train/loss"]] == [r["step"] for r in records]
+    assert abs(board["train/loss"][-1][1] - records[-1]["train/loss"]) < 1e-5
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
