@@ -31,15 +31,19 @@ def test_muon_trains_like_the_reference(kw):
 
 
 def test_muon_state_restores_into_another_layout(tmp_path):
-    saving = engine(2, 2, 2, 4, schedule="1f1b", optim=MUON)
+    """With a bfloat16 momentum (optim.mu_dtype): it is saved and restored as such."""
+    optim = dataclasses.replace(MUON, mu_dtype="bfloat16")
+    saving = engine(2, 2, 2, 4, schedule="1f1b", optim=optim)
     state = saving.init_state(params())
     for i in range(2):
         state, _ = saving.step(state, saving.shard_batch(tokens(i)))
     ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
     ckpt.save(2, saving.layout, state)
-    other = engine(1, 4, 2, 1, optim=MUON, zero1=True)
+    other = engine(1, 4, 2, 1, optim=optim, zero1=True)
     restored = ckpt.restore(other.layout)
     ckpt.close()
+    dtypes = lambda s: sorted({str(a.dtype) for a in jax.tree.leaves(s["opt_state"])})
+    assert "bfloat16" in dtypes(state) and dtypes(restored) == dtypes(state)
     _, a = saving.step(state, saving.shard_batch(tokens(2)))
     _, b = other.step(restored, other.shard_batch(tokens(2)))
     assert abs(float(a["train/loss"]) - float(b["train/loss"])) <= 1e-5 * float(a["train/loss"])
