@@ -106,7 +106,9 @@ GPU_XLA_OPTIONS = {
     # could run beside a cell: the scheduler put every overlapped send between two
     # cells, beside elementwise work only (llama_1b_8gpu 1F1B: 0% of the send bytes
     # beside a matmul; at 4, 100%, 0.06 GiB more memory; llama3_70b 100%, +0.1 GiB).
-    "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
+    # With FSDP the layers' gathers take slots too: at 4 llama3_70b's gradient sends went
+    # back between the cells (50%); at 8, 100% (+0.35 GiB without FSDP, docs/compile.md).
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
 }
 GPU_XLA_FLAGS = tuple(f"--{k}={str(v).lower()}" for k, v in GPU_XLA_OPTIONS.items())
 # glibc mallopt parameters (malloc.h) and the values set on CPU (see the module docstring).
