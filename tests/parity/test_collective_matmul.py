@@ -68,4 +68,4 @@ def test_the_rings_replace_the_all_gathers_and_reduce_scatters():
     assert sent[1] == pytest.approx(sent[0], rel=1e-6)
     beside = [sum(c.bytes_per_step for c in cs if c.overlapped) / sum(
         c.bytes_per_step for c in cs) for cs in (plain, rings)]
-    assert beside[1] >= 0.6 and beside[1] > beside[0] + 0.4, beside
+    assert beside[1] >= 0.9 and beside[1] > beside[0] + 0.5, beside  # 2026-11-26: 1.0, 0.18
