@@ -53,10 +53,11 @@ def verify(plans: list, cfg, target, top: int, log=os.devnull) -> list[Verified]
 
 
 def _layout(parallel) -> str:
+    from framework.analysis.planner import sharding_name
     from framework.parallel.mesh import mesh_name
 
-    return mesh_name(parallel) + (" fsdp" if parallel.fsdp else " zero1" if parallel.zero1
-                                  else "")
+    shard = sharding_name(parallel)
+    return mesh_name(parallel) + ("" if shard == "no" else f" {shard}")
 
 
 def table(verified: list[Verified], target_name: str) -> str:

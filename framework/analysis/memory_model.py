@@ -281,6 +281,13 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
     return found
 
 
+def _layer_remat(parallel: ParallelConfig) -> str:
+    """The remat policy the layers run under: FSDP gathering per use runs no remat as
+    save_dots (framework/model/llama.py, `checkpointed`)."""
+    return "save_dots" if gathers_per_use(parallel) and parallel.remat == "none" \
+        else parallel.remat
+
+
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                    platform: str | None = None) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
@@ -299,9 +306,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     seq_local = train.seq_len // tp if sp else train.seq_len
     hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
     logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
-    per_use = gathers_per_use(parallel)  # FSDP: no remat runs as save_dots (llama.py)
-    remat = "save_dots" if per_use and parallel.remat == "none" else parallel.remat
-    res = residuals(model, train.seq_len, tp, sp, remat, rules=rules)
+    per_use = gathers_per_use(parallel)
+    res = residuals(model, train.seq_len, tp, sp, _layer_remat(parallel), rules=rules)
     layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, train.seq_len, tp, sp, "none", rules=rules).chunk(1, mb_rows)

@@ -79,7 +79,7 @@ def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     backward's recording passes."""
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
-        return tp.gather_matmul(eq, x, w)[1]
+        return tp.gather_matmul(eq, x, w)
     return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
 
 

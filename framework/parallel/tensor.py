@@ -136,18 +136,16 @@ class TensorParallel:
 
     def gather_matmul(self, eq: str, x, w):
         """einsum(eq, enter(x), w) as a ring (module docstring): x [b, s/tensor, d] ->
-        (the gathered x [b, s, d], y [b, s, ...]). Step k multiplies the block of device
-        i - k while the block travels on to i + 1."""
+        y [b, s, ...]. Step k multiplies the block of device i - k while the block
+        travels on to i + 1."""
         t, i = self.size, jax.lax.axis_index(self.axis)
-        block, xs, ys = x, [x], []
+        block, ys = x, []
         for _ in range(t - 1):
             block, y = _beside(self._shift(block, 1), lambda b=block: jnp.einsum(eq, b, w))
-            xs.append(block)
             ys.append(y)
         ys.append(jnp.einsum(eq, block, w))
         order = (i - jnp.arange(t)) % t  # ys[k] is sequence block (i - k) mod t
-        whole = lambda parts: _blocks_to_sequence(jnp.stack(parts)[order])
-        return whole(xs), whole(ys)
+        return _blocks_to_sequence(jnp.stack(ys)[order])
 
     def matmul_scatter(self, eq: str, x, w):
         """exit(einsum(eq, x, w)) as a ring of partial sums: x [b, s, f] -> [b, s/tensor,
