@@ -130,10 +130,10 @@ def stage_layers_value(given):
 
 @dataclass(unsafe_hash=True)
 class ParallelConfig:
-    """How the model is laid out on the (pipe, data, tensor) mesh."""
+    """How the model is laid out on the (pipe, data, context, tensor) mesh."""
 
     pipeline: int = 1
-    data: int = 1  # -1: all devices left after pipeline x tensor
+    data: int = 1  # -1: all devices left after pipeline x context x tensor
     tensor: int = 1
     microbatches: int = 1
     schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1 | zb_v
@@ -163,6 +163,10 @@ class ParallelConfig:
     # a microbatch visits them), e.g. [7, 9, 9, 7]; `auto` balances them with the
     # embedding's and the head's cost counted; null: model.n_layers split evenly.
     stage_layers: Any = None
+    # Context parallelism: the sequence split over `context` devices, two mirrored
+    # chunks each, attention as a ring (framework/parallel/context.py). Last, so that
+    # ParallelConfig(pipeline, data, tensor, microbatches) keeps its meaning.
+    context: int = 1
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list
@@ -170,7 +174,7 @@ class ParallelConfig:
 
     @property
     def n_devices(self) -> int:
-        return self.pipeline * self.data * self.tensor
+        return self.pipeline * self.data * self.context * self.tensor
 
 
 @dataclass

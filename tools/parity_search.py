@@ -3,11 +3,11 @@
     python tools/parity_search.py --cases 200 --seed 1     # a developer's long sweep
     python tools/parity_search.py --cases 20 --seed 7 --devices 8
 
-Draws random valid configurations (schedule from the registry, pipeline, data, tensor,
-microbatches, virtual stages, uneven stages (a third of them), overlapped or
+Draws random valid configurations (schedule from the registry, pipeline, data, context,
+tensor, microbatches, virtual stages, uneven stages (a third of them), overlapped or
 synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
-tied embeddings, small model
-shapes), runs each one's loss and gradients twice on the same inputs, and
+tied embeddings, the dense or blockwise attention kernel and its block sizes, small
+model shapes), runs each one's loss and gradients twice on the same inputs, and
 compares the loss and every gradient leaf of both runs with the single-device reference
 (framework/model/reference.py): relative error at most 1e-4. A failing configuration
 is printed as one line of `python -m framework.run` settings, e.g.
@@ -46,7 +46,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
     while True:
         name = pick(list(schedules.schedule_names()))
         p, t = pick([1, 2, 4]), pick([1, 2, 4])
-        d = pick([d for d in (1, 2, 4) if p * d * t <= n_devices] or [1])
+        c = pick([c for c in (1, 1, 2, 4) if p * c * t <= n_devices] or [1])  # context
+        d = pick([d for d in (1, 2, 4) if p * d * c * t <= n_devices] or [1])
         v = pick([1, 2]) if schedules.uses_virtual_stages(name) else 1
         m = pick([1, 2, 4, 8])
         kv = pick([k for k in (1, 2, 4) if k % t == 0] or [t])
@@ -62,9 +63,11 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             n_layers=n_layers, n_heads=heads,
             n_kv_heads=kv,
             d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
-            dtype="float32")
+            attention=pick(["dense", "blockwise"]), attention_block_q=pick([2, 4, 512]),
+            attention_block_kv=pick([2, 4, 512]), dtype="float32")
         sp = bool(rng.integers(2)) and t > 1
-        par = ParallelConfig(pipeline=p, data=d, tensor=t, microbatches=m, schedule=name,
+        par = ParallelConfig(pipeline=p, data=d, tensor=t, context=c, microbatches=m,
+                             schedule=name,
                              virtual_stages=v, remat=pick(["none", "full", "save_dots"]),
                              zero1=bool(rng.integers(2)) and d > 1,
                              fsdp=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
@@ -136,7 +139,8 @@ def label(par) -> str:
                                       "collective_matmul") if getattr(par, k))
     extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
-    return (f"{par.schedule} pp{par.pipeline} dp{par.data} tp{par.tensor} "
+    cp = f" cp{par.context}" if par.context > 1 else ""
+    return (f"{par.schedule} pp{par.pipeline} dp{par.data}{cp} tp{par.tensor} "
             f"mb{par.microbatches}{v} remat={par.remat}{extra}")
 
 

@@ -31,6 +31,15 @@ hidden states of one data replica's batch (in the compute dtype):
           layer's weights three times (gathered forward and backward, gradient
           reduce-scattered), and of the embedding and head on their ranks
           (`fsdp_bytes`).
+  context Ring attention (framework/parallel/context.py), per layer: the forward passes
+          the keys and values on c-1 times; the backward passes them c-1 times and
+          their float32 gradients c times (`context_bytes`); a rematerialised layer's
+          forward ring, run again in its backward, passes the same keys and values as
+          the backward ring, and the compiler merges the two (measured on the CPU
+          compiler: no more bytes with parallel.remat=full). Plus one all-reduce of the gradients
+          over `context`, float32 (sharded over `data` already under FSDP per use).
+          On CPU devices each shift is an all-gather (c-1 times the bytes).
+With context parallelism A is one device's tokens: s/c of each sequence.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import stage_layer_counts
 from framework.model.llama import init_params, param_logical_axes
 from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline.program import program_of
 
 FP32 = 4
@@ -80,7 +89,7 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
 def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
     """Bytes per device per step of the pipeline's stage-to-stage sends (`pipe`, above)."""
     p = parallel.pipeline
-    boundary = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
+    boundary = (train.global_batch_size // parallel.data * _tokens(parallel, train) * model.d_model
                 * np.dtype(model.dtype).itemsize
                 / (parallel.tensor if parallel.sequence_parallel else 1))
     prog = program_of(parallel, model.n_layers)
@@ -94,17 +103,43 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     """Bytes per device per step of the layers' tensor-parallel collectives (f and g,
     forward and backward) on the busiest rank: what a collective matmul sends beside
     the layers' matmuls (`parallel.collective_matmul`)."""
-    hidden = (train.global_batch_size // parallel.data * train.seq_len * model.d_model
-              * np.dtype(model.dtype).itemsize)  # A
-    # The busiest rank's layers (uneven stages: `parallel.stage_layers`).
+    hidden = (train.global_batch_size // parallel.data * _tokens(parallel, train)
+              * model.d_model * np.dtype(model.dtype).itemsize)  # A
+    # two in the forward, two in the backward; a rematerialised layer's backward runs
+    # the attention's again (the MLP's output is the next layer's input, kept)
+    return ((5 if _recomputed(parallel) else 4) * _busiest_layers(model, parallel, train)
+            * _ring_all_reduce(parallel.tensor) * hidden)
+
+
+def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                  permute: bool = True) -> float:
+    """Bytes per device per step of the ring attention's shifts (`context`, above) on
+    the busiest rank; `permute=False`: the CPU's all-gather shifts."""
+    c = parallel.context
+    kv_heads = model.n_kv_heads // (parallel.tensor if "kv_heads" in parallel.tensor_split
+                                    else 1)
+    kv = (train.global_batch_size // parallel.data * _tokens(parallel, train) * 2 * kv_heads
+          * model.head_dim * np.dtype(model.dtype).itemsize)  # k and v, one layer
+    shifts = 2 * (c - 1) * kv + c * kv * FP32 / np.dtype(model.dtype).itemsize
+    return shifts * (1 if permute else c - 1) * _busiest_layers(model, parallel, train)
+
+
+def _tokens(parallel: ParallelConfig, train: TrainConfig) -> int:
+    """One device's tokens of a sequence (context parallelism splits it)."""
+    return train.seq_len // parallel.context
+
+
+def _recomputed(parallel: ParallelConfig) -> bool:
+    """Whether the layers' backward recomputes their forward (remat; FSDP gathering per
+    use runs no remat as save_dots: framework/model/llama.py)."""
+    return parallel.remat != "none" or gathers_per_use(parallel)
+
+
+def _busiest_layers(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> int:
+    """The layers of the busiest pipeline rank (uneven stages: `parallel.stage_layers`)."""
     counts = stage_layer_counts(model, parallel, train.seq_len)
     stages = program_of(parallel, model.n_layers).stages
-    layers = max(sum(counts[g] for g in row) for row in stages.of)
-    # two in the forward, two in the backward; a rematerialised layer's backward runs
-    # the attention's again (the MLP's output is the next layer's input, kept; FSDP
-    # gathering per use rematerialises: framework/model/llama.py)
-    recomputed = parallel.remat != "none" or gathers_per_use(parallel)
-    return (5 if recomputed else 4) * layers * _ring_all_reduce(parallel.tensor) * hidden
+    return max(sum(counts[g] for g in row) for row in stages.of)
 
 
 def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict) -> float:
@@ -121,21 +156,23 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict) -> fl
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
-                   train: TrainConfig) -> dict[str, float]:
-    """Bytes each mesh axis must carry per device per step (see the module docstring)."""
-    p, dp, tp = parallel.pipeline, parallel.data, parallel.tensor
+                   train: TrainConfig, permute: bool = True) -> dict[str, float]:
+    """Bytes each mesh axis must carry per device per step (see the module docstring);
+    `permute=False`: ring shifts as the CPU's all-gathers."""
+    p, dp, tp, c = parallel.pipeline, parallel.data, parallel.tensor, parallel.context
     stages = program_of(parallel, model.n_layers).stages
     v = stages.of.shape[1]
     act_bytes = np.dtype(model.dtype).itemsize
     rows = train.global_batch_size // dp
-    hidden = rows * train.seq_len * model.d_model * act_bytes  # A
+    tokens = _tokens(parallel, train)
+    hidden = rows * tokens * model.d_model * act_bytes  # A
     counts = stage_layer_counts(model, parallel, train.seq_len)
     layers = max(sum(counts[g] for g in row) for row in stages.of)
     counts = local_param_counts(model, parallel, max(counts) * v)
 
     tensor = layer_tensor_bytes(model, parallel, train)
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
-    tensor += 3 * _ring_all_reduce(tp) * rows * train.seq_len * FP32 / p  # loss
+    tensor += 3 * _ring_all_reduce(tp) * rows * tokens * FP32 / p  # loss
     if parallel.sequence_parallel:
         norms = (2 * layers + 1) * model.d_model
         tensor += _ring_all_reduce(tp) * norms * FP32
@@ -148,5 +185,8 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     data = _ring_all_reduce(dp) * sum(counts.values()) * FP32
     if gathers_per_use(parallel):
         data = fsdp_bytes(model, parallel, counts)
+    context = context_bytes(model, parallel, train, permute)
+    context += (_ring_all_reduce(c) * sum(counts.values()) * FP32
+                / (dp if gathers_per_use(parallel) else 1))
     return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
-            TENSOR: tensor if tp > 1 else 0.0}
+            CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}

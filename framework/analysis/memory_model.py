@@ -66,7 +66,7 @@ from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
 from framework.model.llama import Block, apply_layers
 from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.mesh import AXES, DATA, PIPE, TENSOR
 from framework.parallel.pipeline import ticks
 from framework.parallel.pipeline.program import program_of
 from framework.parallel.pipeline.stage import split_vjp
@@ -243,7 +243,7 @@ def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int
     s, layers = prog.schedule, prog.stage_layers
     chunk = max(layers) if layers else model.n_layers // s.n_global_stages
     pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
-    return (model, parallel.tensor, parallel.sequence_parallel, parallel.remat,
+    return (model, parallel.tensor, parallel.context, parallel.sequence_parallel, parallel.remat,
             tuple(parallel.tensor_split), s.n_chunks, chunk, layers is not None,
             batch // parallel.data // parallel.microbatches, seq,
             tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
@@ -275,7 +275,8 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
         return jnp.zeros(())
 
     body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)
-    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.tensor), (PIPE, DATA, TENSOR))
+    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.context, parallel.tensor),
+                        AXES)
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),
                    shapes, tokens)
     return found
@@ -303,15 +304,16 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     rows = train.global_batch_size // dp  # this data replica's rows
     mb_rows = rows // m
     sp = parallel.sequence_parallel and tp > 1
-    seq_local = train.seq_len // tp if sp else train.seq_len
+    seq = train.seq_len // parallel.context  # a device's tokens of each sequence
+    seq_local = seq // tp if sp else seq
     hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
-    logits = train.seq_len * (model.vocab_size // tp) * FP32  # per row
+    logits = seq * (model.vocab_size // tp) * FP32  # per row
     per_use = gathers_per_use(parallel)
-    res = residuals(model, train.seq_len, tp, sp, _layer_remat(parallel), rules=rules)
+    res = residuals(model, seq, tp, sp, _layer_remat(parallel), rules=rules)
     layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
     # One layer's backward in flight: its residuals once more (recomputed under remat).
-    layer_backward = residuals(model, train.seq_len, tp, sp, "none", rules=rules).chunk(1, mb_rows)
-    layer_backward += attention_scores_bytes(model, mb_rows, train.seq_len, tp)
+    layer_backward = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
+    layer_backward += attention_scores_bytes(model, mb_rows, seq, tp)
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
     if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
         # float32 weights gathered at a time, their cast and their gradient beside them

@@ -33,7 +33,7 @@ from framework.analysis import comm_model, flops
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import check, stage_layer_counts
 from framework.analysis.memory_model import predict_memory
-from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline.program import program_of
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
@@ -61,9 +61,10 @@ class Hardware:
         pinned = dict(self.axis_bandwidth)
         if axis in pinned:
             return pinned[axis]
-        # Mesh (pipe, data, tensor), tensor innermost: an axis's groups span the devices
-        # of the axes inside it times its own degree.
-        span = {TENSOR: parallel.tensor, DATA: parallel.data * parallel.tensor,
+        # Mesh (pipe, data, context, tensor), tensor innermost: an axis's groups span the
+        # devices of the axes inside it times its own degree.
+        inner = parallel.context * parallel.tensor
+        span = {TENSOR: parallel.tensor, CONTEXT: inner, DATA: parallel.data * inner,
                 PIPE: parallel.n_devices}[axis]
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
@@ -89,7 +90,7 @@ _COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree 
 
 def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
     v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
-    key = (model, parallel.pipeline, parallel.data, parallel.tensor, v,
+    key = (model, parallel.pipeline, parallel.data, parallel.context, parallel.tensor, v,
            parallel.sequence_parallel, train.global_batch_size, train.seq_len)
     if key not in _COMM:
         _COMM[key] = comm_model.expected_bytes(model, parallel, train)
@@ -115,7 +116,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
                  hw: Hardware) -> dict:
     """Predicted seconds per step by term (see the module docstring), with the bubble
     and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
-    dp, tp, n = parallel.data, parallel.tensor, parallel.n_devices
+    dp, tp, cp, n = parallel.data, parallel.tensor, parallel.context, parallel.n_devices
     sched = program_of(parallel, model.n_layers).schedule
     tokens = train.global_batch_size * train.seq_len
     layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
@@ -125,7 +126,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     cost = [n * layers / model.n_layers
             for n in stage_layer_counts(model, parallel, train.seq_len)]
     head_beyond = max(0.0, cost[-1] + head - max(cost))
-    per_flop = tokens / (dp * tp) / hw.peak_flops
+    per_flop = tokens / (dp * cp * tp) / hw.peak_flops  # context: 1/cp of each sequence
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
            + head_beyond * per_flop}
     for axis, nbytes in _comm_bytes(model, parallel, train).items():

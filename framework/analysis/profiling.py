@@ -237,9 +237,9 @@ class Profiler:
         if mesh.shape[PIPE] == 1:  # one stage: no device waits for a neighbour
             return {}
         device_rank = {}
-        for (rank, _, _), device in np.ndenumerate(mesh.devices):
+        for index, device in np.ndenumerate(mesh.devices):  # index[0]: the pipe rank
             if device.process_index == jax.process_index():
-                device_rank[int(getattr(device, "local_hardware_id", device.id))] = int(rank)
+                device_rank[int(getattr(device, "local_hardware_id", device.id))] = int(index[0])
         raw = timeline(files[0], engine.compiled.as_text(), device_rank, engine.schedule)
         if not any(d["intervals"] for devices in raw["steps"] for d in devices.values()):
             return {}  # no stage work found in the trace: no number rather than 100%

@@ -1,16 +1,18 @@
 """The 3D-parallel train step, in named pieces: one pure function
 (state, tokens) -> (state, metrics) that `framework/engine/build.py` jits.
 
-Layout of one step on the (pipe, data, tensor) mesh:
-  1. a `shard_map` over all three axes runs on every device, with its shards of the
-     parameters (laid out by `framework/parallel/rules.py`) and its data replica's rows:
+Layout of one step on the (pipe, data, context, tensor) mesh:
+  1. a `shard_map` over all four axes runs on every device, with its shards of the
+     parameters (laid out by `framework/parallel/rules.py`) and its data replica's rows
+     (its two chunks of their sequence under context parallelism):
        - `device_params`: ZeRO-1's gather, and the per-device view of the weights;
        - the pipeline executor the schedule names (`framework/parallel/pipeline/`) runs
          the schedule table: each stage's layers, with Megatron's tensor-parallel
          collectives inside (`framework/parallel/tensor.py`), head + loss on the last
          stage, and returns this device's loss share and gradients;
        - `reduce_gradients`: each gradient once over `data` (`framework/parallel/data.py`),
-         over `pipe` for the parameters several ranks use (embedding, head);
+         over `pipe` for the parameters several ranks use (embedding, head), over
+         `context` (each device saw its part of every sequence);
   2. outside it, AdamW updates the parameters with the optimizer state sharded like them.
 Every collective is explicit, so the compiled program holds exactly the communication
 written here (`framework/analysis/audit.py` lists it).
@@ -29,7 +31,8 @@ from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model.llama import Embed, Head, apply_layers, checkpointed, cross_entropy_sum
 from framework.parallel import data as data_parallel
-from framework.parallel.mesh import DATA, PIPE, TENSOR
+from framework.parallel.context import ContextParallel
+from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.program import Program, forward_program
@@ -37,7 +40,12 @@ from framework.parallel.pipeline.stage import StageFns, skip_unless
 from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
-MANUAL = (PIPE, DATA)  # replicated parameters are made per-device over these
+
+
+def manual(parallel: ParallelConfig) -> tuple:
+    """The mesh axes replicated parameters are made per-device over, and the loss summed
+    over: `context` only where it splits the sequence (it has size 1 otherwise)."""
+    return (PIPE, DATA) + ((CONTEXT,) if parallel.context > 1 else ())
 
 
 def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
@@ -92,7 +100,7 @@ def device_params(params, zero1_dims, vary_over, per_use: bool = False):
 
 
 def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims,
-                     per_use: bool = False):
+                     per_use: bool = False, context: int = 1):
     """Each gradient reduced once: per-device chunks back to the stage layout; with
     sequence parallelism the norm scales' partial sums over `tensor`; the parameters
     several pipeline ranks use (embedding on the first, head on the last) over `pipe`;
@@ -104,13 +112,15 @@ def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_di
         grads = jax.tree.map(lambda g, r: jax.lax.psum(g, TENSOR) if r else g,
                              grads, tensor_replicated)
     grads = {k: v if k == "stages" else jax.lax.psum(v, PIPE) for k, v in grads.items()}
+    if context > 1:
+        grads = jax.lax.psum(grads, CONTEXT)
     return data_parallel.reduce_gradients(grads, zero1_dims, reduced=per_use)
 
 
-def split_batch(tokens, microbatches: int, data: int):
-    """This replica's rows [b, seq + 1] -> (inputs, targets) [micro, b / micro, seq] and
-    the global token count."""
-    mb = lambda a: a.reshape((microbatches, a.shape[0] // microbatches) + a.shape[1:])
+def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = ContextParallel()):
+    """This replica's rows [b, seq + 1] -> (inputs, targets) [micro, b / micro, seq
+    (/context: this device's chunks)] and the global token count."""
+    mb = lambda a: cp.split(a.reshape((microbatches, a.shape[0] // microbatches) + a.shape[1:]))
     return mb(tokens[:, :-1]), mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1)
 
 
@@ -129,9 +139,11 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
     sp = parallel.sequence_parallel and parallel.tensor > 1
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
+    cp = ContextParallel(CONTEXT, parallel.context, permute=not cpu)
     tp = TensorParallel(TENSOR, parallel.tensor, sp, param_rules(parallel.tensor_split),
-                        collective_matmul=parallel.collective_matmul, permute=not cpu)
-    vary_over = MANUAL + ((TENSOR,) if sp else ())
+                        collective_matmul=parallel.collective_matmul, permute=not cpu,
+                        context=cp)
+    vary_over = manual(parallel) + ((TENSOR,) if sp else ())
     if split:
         check_weight_ops(model)
 
@@ -139,7 +151,7 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
-        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data)
+        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data, cp)
         fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use,
                         z_loss=z_loss)
         return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
@@ -162,14 +174,14 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
     def evaluate(fns, params, inputs, targets):
         # Forward only: a forward table over the same stages (nothing to interleave).
         loss = autodiff.forward(forward_program(prog), fns, params, inputs, targets)
-        return jax.lax.psum(loss, MANUAL)
+        return jax.lax.psum(loss, manual(parallel))
 
     def train(fns, params, inputs, targets):
         executor = autodiff if prog.autodiff else ticks
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets)
         grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims,
-                                 data_parallel.gathers_per_use(parallel))
-        return jax.lax.psum(loss, MANUAL), grads
+                                 data_parallel.gathers_per_use(parallel), parallel.context)
+        return jax.lax.psum(loss, manual(parallel)), grads
 
     cpu = mesh.devices.flat[0].platform == "cpu"
     if forward_only:

@@ -38,7 +38,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     """All problems with this configuration, one readable line each (empty = valid)."""
     p = parallel
     errs = []
-    for name in ("pipeline", "tensor", "microbatches", "virtual_stages"):
+    for name in ("pipeline", "tensor", "context", "microbatches", "virtual_stages"):
         if getattr(p, name) < 1:
             errs.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if p.data < 1 and p.data != -1:
@@ -52,7 +52,8 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     errs += attention.check_settings(model)
     if n_devices is not None and p.data != -1 and p.n_devices != n_devices:
         errs.append(
-            f"parallel.pipeline*data*tensor={p.pipeline}*{p.data}*{p.tensor}={p.n_devices} "
+            f"parallel.pipeline*data*context*tensor={p.pipeline}*{p.data}*{p.context}*"
+            f"{p.tensor}={p.n_devices} "
             f"but {n_devices} devices are in use: make the product {n_devices} "
             f"(e.g. parallel.data=-1 fills the remaining devices)"
         )
@@ -62,10 +63,24 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         errs.append("parallel.collective_matmul=true needs parallel.sequence_parallel=true "
                     "(its rings replace sequence parallelism's all-gather and "
                     "reduce-scatter)")
-    if p.sequence_parallel and train.seq_len % p.tensor:
-        errs.append(f"train.seq_len={train.seq_len} is not divisible by parallel.tensor="
-                    f"{p.tensor}, needed by parallel.sequence_parallel=true")
+    errs += _check_sequence_split(p, train)
     return errs
+
+
+def _check_sequence_split(p: ParallelConfig, train: TrainConfig) -> list[str]:
+    """The sequence's splits: 2 x context mirrored chunks (framework/parallel/context.py),
+    each device's tokens over `tensor` with sequence parallelism."""
+    if p.context > 1 and train.seq_len % (2 * p.context):
+        return [f"train.seq_len={train.seq_len} is not divisible by 2 x parallel.context="
+                f"{2 * p.context} (each context device holds two mirrored chunks of the "
+                f"sequence): pick a context degree c with seq_len divisible by 2c"]
+    local = train.seq_len // p.context
+    if p.sequence_parallel and local % p.tensor:
+        per = f"train.seq_len/parallel.context={local}" if p.context > 1 else \
+            f"train.seq_len={train.seq_len}"
+        return [f"{per} is not divisible by parallel.tensor={p.tensor}, needed by "
+                f"parallel.sequence_parallel=true"]
+    return []
 
 
 def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:

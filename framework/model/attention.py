@@ -348,3 +348,23 @@ def _flash_bwd(bq, bk, kv_len, residuals, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# Pieces for ring attention (framework/parallel/context.py), which merges the partial
+# attentions of the key chunks it is passed and takes their gradients itself.
+
+def flash_piece(q, k, v, bq: int, bk: int, q_offset, kv_offset):
+    """The blockwise forward on lengths that bq and bk tile: (out like q, log-sum-exp
+    [b, sq, g, r] float32, -inf where a query sees no key)."""
+    offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
+    out, lse = _flash_forward(bq, bk, k.shape[1], q, k, v, *offsets)
+    lse = _unblocks(lse)
+    return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
+
+
+def flash_piece_grads(q, k, v, out, lse, d_out, bq: int, bk: int, q_offset, kv_offset):
+    """(dq, dk, dv) of this piece, from the *whole* attention's output and log-sum-exp
+    of the queries (FlashAttention-2's backward restricted to these keys)."""
+    offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
+    residuals = (q, k, v, out, _blocks(lse, bq), *offsets)
+    return _flash_bwd(bq, bk, k.shape[1], residuals, d_out)[:3]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.model.attention import attend
+from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.config import ModelConfig
 from framework.parallel.tensor import TensorParallel
@@ -151,7 +152,8 @@ class Attention(nn.Module):
     def __call__(self, x, cache: KVCache | None = None, start=0):
         """x: [batch, seq (/tensor with SP), embed] -> the same shape.
 
-        Training (cache None): causal attention among the rows of x, positions 0..seq-1.
+        Training (cache None): causal attention among the rows of x, positions 0..seq-1
+        (context parallelism: this device's chunks of them, over the whole sequence).
         Decoding: x holds the rows at positions start..start+seq-1; their keys and values
         are written into `cache` at those positions and the rows attend to every cached
         position up to their own. Returns (out, updated cache)."""
@@ -163,7 +165,10 @@ class Attention(nn.Module):
         # x [b, s (/tensor with SP), embed] -> qkv [b, s, kv@tensor, r+2, hd]
         qkv = gathered_weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x.astype(dt),
                                  wqkv.astype(dt), "kv_heads", whole_sequence=True)
-        positions = start + jnp.arange(qkv.shape[1])  # [s]
+        # [s]: global positions (this device's chunks of the sequence under context
+        # parallelism, framework/parallel/context.py)
+        positions = start + (jnp.arange(qkv.shape[1]) if cache is not None
+                             else self.tp.context.positions(qkv.shape[1]))
         q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
         v = qkv[:, :, :, r + 1]
@@ -173,7 +178,10 @@ class Attention(nn.Module):
                                                            (0, start, 0, 0))
                               for whole, new in ((cache.k, k), (cache.v, v))))
             k, v = cache.k.astype(dt), cache.v.astype(dt)
-        out = attend(q, k, v, c, q_offset=start)  # [b, s, kv@tensor, r, hd]
+        if cache is None and self.tp.context.size > 1:  # the sequence split over `context`
+            out = ring_attention(q, k, v, c, self.tp.context)
+        else:
+            out = attend(q, k, v, c, q_offset=start)  # [b, s, kv@tensor, r, hd]
         out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
         out = scattered_weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt), "heads",
                                   whole_sequence=True)  # [b, s (/tensor with SP), embed]

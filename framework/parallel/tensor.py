@@ -47,7 +47,9 @@ that run it at another tick (measured: wrong gradients at pipeline 2, or a hang)
 The vocabulary-parallel embedding and loss need a sum, a max and this device's
 offset into the vocabulary. `TensorParallel()` (no axis) is the single-device
 reference: every operator is the identity. The model receives this object, never a
-mesh; the engine builds it for the `tensor` mesh axis.
+mesh; the engine builds it for the `tensor` mesh axis. It also carries the sequence's
+other split, over `context` (`context`, framework/parallel/context.py): the positions
+RoPE reads and the ring attention runs on.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import jax.numpy as jnp
 
 from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
+from framework.parallel.context import ContextParallel
 from framework.parallel.mesh import TENSOR
 from framework.parallel.rules import param_rules
 
@@ -76,6 +79,7 @@ class TensorParallel:
     rules: tuple = field(default_factory=param_rules)  # logical -> mesh axis
     collective_matmul: bool = False  # rings instead of f and g (sequence parallel only)
     permute: bool = True  # the rings' shift by collective-permute (False: CPU, above)
+    context: ContextParallel = ContextParallel()  # the sequence's split over `context`
 
     def __post_init__(self):
         split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}

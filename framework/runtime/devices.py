@@ -9,8 +9,8 @@ CPU devices are simulated with `jax_num_cpu_devices`, which must be set before t
 first JAX call that starts a backend; afterwards the count is fixed for the process
 (hence one process per job in multirun, see `framework/run/sweep.py`). How many:
     devices.local_device_count, if set;
-    else pipeline * data * tensor when all three degrees are given;
-    else (parallel.data = -1) max(8, pipeline * tensor), and data fills the rest;
+    else pipeline * data * context * tensor when all the degrees are given;
+    else (parallel.data = -1) max(8, pipeline * context * tensor), and data fills the rest;
 in a multi-process run (framework/runtime/distributed.py) the two last counts are the whole
 mesh's, split evenly among the processes.
 On a single CPU the simulated devices share its cores: they show the parallel program
@@ -77,7 +77,7 @@ def simulated_count(devices: DevicesConfig, parallel: ParallelConfig,
             raise ConfigError(f"devices.local_device_count={devices.local_device_count} "
                               f"must be >= 1 (or null to size it from the degrees)")
         return devices.local_device_count
-    fixed = max(parallel.pipeline, 1) * max(parallel.tensor, 1)
+    fixed = max(parallel.pipeline, 1) * max(parallel.context, 1) * max(parallel.tensor, 1)
     total = max(DEFAULT_SIMULATED, fixed) if parallel.data == -1 else fixed * max(parallel.data, 1)
     if n_processes == 1:
         return total

@@ -12,13 +12,29 @@ from tests.helpers import MODEL, TRAIN
 
 
 BAD = [  # (overrides, the setting the message must name)
-    (dict(pipeline=2, data=2, tensor=1), "parallel.pipeline*data*tensor"),  # 4 != 8
+    (dict(pipeline=2, data=2, tensor=1), "parallel.pipeline*data*context*tensor"),  # 4 != 8
     (dict(pipeline=3, data=1, tensor=1), "model.n_layers"),
     (dict(pipeline=1, data=8, tensor=1, microbatches=4), "train.global_batch_size"),
     (dict(pipeline=0, data=8, tensor=1), "parallel.pipeline"),
     (dict(pipeline=1, data=-3, tensor=1), "parallel.data"),
     (dict(pipeline=1, data=2, tensor=1, schedule="zigzag"), "parallel.schedule"),
+    (dict(pipeline=1, data=8, context=0), "parallel.context"),
 ]
+
+
+@pytest.mark.parametrize("seq_len,overrides,words", [
+    (12, dict(context=4, data=2), "train.seq_len=12 is not divisible by 2 x parallel.context=8"),
+    (12, dict(context=2, tensor=4, sequence_parallel=True),
+     "train.seq_len/parallel.context=6 is not divisible by parallel.tensor=4"),
+    (24, dict(context=4, tensor=2, sequence_parallel=True), None)])
+def test_the_sequence_splits_over_context_and_tensor(seq_len, overrides, words):
+    train = dataclasses.replace(TRAIN, seq_len=seq_len, global_batch_size=8)
+    if words is None:
+        validate(MODEL, ParallelConfig(**overrides), train, 8)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(MODEL, ParallelConfig(**overrides), train, 8)
+    assert words in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("overrides,setting", BAD, ids=[s for _, s in BAD])

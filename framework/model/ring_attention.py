@@ -1,0 +1,137 @@
+"""Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
+causal attention of this device's queries over a sequence split over several devices,
+each holding two mirrored chunks of it (framework/parallel/context.py). The model
+calls `ring_attention` with the `ContextParallel` object it is handed (through its
+tensor-parallel plan); nothing here knows the mesh: that object says which chunks this
+device holds, whose keys it holds at each step (`holder`) and passes them on (`shift`).
+
+Each device keeps its queries and passes its keys and values around the ring: at step
+j it holds those of device s = i - j (mod c) and adds their contribution to its
+queries' output with FlashAttention's online-softmax merge (Dao et al. 2022: outputs
+normalised over their own keys, combined by their log-sum-exps), while they travel on
+to device i + 1. Per step each (query chunk, key chunk) pair runs the blockwise kernel
+of framework/model/attention.py (`flash_piece`) at its own positions; a pair wholly
+above the causal diagonal visits no key block, so each device computes two chunk-pairs
+a step. The backward is a ring too (a custom VJP: memory linear in the sequence, only
+q, k, v, the output and the log-sum-exp kept): the keys and values go around again
+with their float32 gradients accumulating beside them, and after c shifts each device
+holds the gradients of its own.
+
+Shapes: q [b, 2h, g, r, hd], k, v [b, 2h, g, hd] (h: a chunk's tokens; g kv heads of
+r queries each, as in attention.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from framework.model.attention import flash_piece, flash_piece_grads
+
+SEQ = 1  # activations are [batch, seq, ...]
+
+
+def ring_attention(q, k, v, cfg, cp):
+    """Causal attention of this device's queries over the whole sequence, blockwise
+    with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
+    `attention=dense`, one block per chunk pair."""
+    h = q.shape[SEQ] // 2
+    blocks = (_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
+    if cfg.attention == "dense":
+        blocks = (h, h)
+    return _ring(cp, blocks, q, k, v)
+
+
+def _divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is at most `at_most` (a block size that tiles n)."""
+    return max(d for d in range(1, min(n, max(at_most, 1)) + 1) if n % d == 0)
+
+
+def _halves(x):
+    h = x.shape[SEQ] // 2
+    return x[:, :h], x[:, h:]
+
+
+def _pairs(cp, step: int):
+    """(query half, key half, query offset, key offset) of the four chunk pairs at ring
+    step `step`, when this device holds the keys of device s = i - step."""
+    c, h_pos = cp.size, cp.chunks()
+    s = cp.holder(step)
+    kv_pos = (s, 2 * c - 1 - s)
+    return [(a, b, h_pos[a], kv_pos[b]) for a in (0, 1) for b in (0, 1)]
+
+
+def _merge(out, lse, piece_out, piece_lse):
+    """Online-softmax merge of two partial attentions over disjoint keys: outputs
+    [b, n, g, r, hd] float32 normalised over their own keys, log-sum-exps [b, n, g, r]
+    (-inf: no key visible)."""
+    top = jnp.maximum(lse, piece_lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w, w_piece = jnp.exp(lse - top), jnp.exp(piece_lse - top)
+    total = w + w_piece
+    safe = jnp.where(total > 0, total, 1.0)
+    out = (out * w[..., None] + piece_out * w_piece[..., None]) / safe[..., None]
+    return out, jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(cp, blocks, q, k, v):
+    return _ring_forward(cp, blocks, q, k, v)[0]
+
+
+def _ring_forward(cp, blocks, q, k, v):
+    """(out like q, log-sum-exp [b, 2h, g, r] float32)."""
+    h = q.shape[SEQ] // 2
+    bq, bk = blocks
+    qs = _halves(q)
+    outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]  # [b, h, g, r, hd] per half
+    lses = [jnp.full(x.shape[:-1], -jnp.inf, jnp.float32) for x in qs]  # [b, h, g, r]
+    kv = (k, v)
+    for step in range(cp.size):
+        ks, vs = _halves(kv[0]), _halves(kv[1])
+        nxt = cp.shift(kv) if step < cp.size - 1 else None  # travels while this step runs
+        for a, b, qc, kc in _pairs(cp, step):
+            o, lse = flash_piece(qs[a], ks[b], vs[b], bq, bk, qc * h, kc * h)
+            outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
+        kv = nxt
+    return (jnp.concatenate(outs, axis=SEQ).astype(q.dtype),
+            jnp.concatenate(lses, axis=SEQ))
+
+
+def _ring_fwd(cp, blocks, q, k, v):
+    out, lse = _ring_forward(cp, blocks, q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(cp, blocks, residuals, d_out):
+    """The keys and values go around the ring again, their gradients beside them: at
+    step j device i adds its queries' share of the gradients of device (i - j)'s keys
+    and values; one more shift after the last step brings each device its own."""
+    q, k, v, out, lse = residuals
+    h = q.shape[SEQ] // 2
+    bq, bk = blocks
+    qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
+    dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+    kv = (k, v)
+    dkv = [jnp.zeros(k.shape, jnp.float32) for _ in range(2)]  # of the keys/values held
+    for step in range(cp.size):
+        ks, vs = _halves(kv[0]), _halves(kv[1])
+        nxt = cp.shift(kv) if step < cp.size - 1 else None
+        dks, dvs = [], []
+        for a, b, qc, kc in _pairs(cp, step):
+            dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], outs[a], lses[a],
+                                                 d_outs[a], bq, bk, qc * h, kc * h)
+            dq[a] = dq[a] + dq_a
+            dks.append((b, dk_b))
+            dvs.append((b, dv_b))
+        add = lambda acc, parts: acc + jnp.concatenate(
+            [sum(g for b, g in parts if b == half) for half in (0, 1)], axis=SEQ)
+        dkv = cp.shift((add(dkv[0], dks), add(dkv[1], dvs)))
+        kv = nxt
+    return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dkv[0].astype(k.dtype),
+            dkv[1].astype(v.dtype))
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
