@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 GIB = 2**30
-AXES = ("pipe", "data", "tensor")
+AXES = ("pipe", "data", "context", "tensor")
 
 
 def _gib(value) -> str:
@@ -35,7 +35,8 @@ def row(report: dict) -> str:
     ratio = f"{predicted / compiled:.2f}" if predicted and compiled else "-"
     sent = " / ".join(f"{report.get(f'comm/bytes_per_step/{a}', 0) / 2**20:,.0f}"
                       for a in AXES) if compiled else "-"
-    shares = [report.get(f"comm/overlapped_fraction/{a}") for a in AXES + ("pipe_sends",)]
+    shares = [report.get(f"comm/overlapped_fraction/{a}")
+              for a in AXES + ("pipe_sends", "context_sends")]
     overlap = (" / ".join("-" if s is None else f"{s:.0%}" for s in shares)
                if any(f"comm/overlapped_fraction/{a}" in report for a in AXES) else "-")
     seconds = report.get("compile_time_s")
@@ -48,7 +49,8 @@ def row(report: dict) -> str:
 
 HEADER = ("| recipe | target | schedule | compiled GiB/device | device GiB | fits | "
           "predicted GiB | predicted / compiled | compile s | MiB sent/step pipe / data / "
-          "tensor | overlapped pipe / data / tensor / pipe sends |\n|" + "---|" * 11)
+          "context / tensor | overlapped pipe / data / context / tensor / pipe sends / "
+          "context sends |\n|" + "---|" * 11)
 
 
 def main(argv=None) -> int:

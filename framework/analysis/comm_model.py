@@ -36,8 +36,9 @@ hidden states of one data replica's batch (in the compute dtype):
           their float32 gradients c times (`context_bytes`); a rematerialised layer's
           forward ring, run again in its backward, passes the same keys and values as
           the backward ring, and the compiler merges the two (measured on the CPU
-          compiler: no more bytes with parallel.remat=full). Plus one all-reduce of the gradients
-          over `context`, float32 (sharded over `data` already under FSDP per use).
+          compiler: no more bytes with parallel.remat=full). Plus one
+          all-reduce of the gradients over `context`, float32 (joined with `data`'s;
+          ZeRO-1 and FSDP: of the data shard, after its reduce-scatter).
           On CPU devices each shift is an all-gather (c-1 times the bytes).
 With context parallelism A is one device's tokens: s/c of each sequence.
 """
@@ -186,7 +187,7 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     if gathers_per_use(parallel):
         data = fsdp_bytes(model, parallel, counts)
     context = context_bytes(model, parallel, train, permute)
-    context += (_ring_all_reduce(c) * sum(counts.values()) * FP32
-                / (dp if gathers_per_use(parallel) else 1))
+    sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard
+    context += _ring_all_reduce(c) * sum(counts.values()) * FP32 / (dp if sharded else 1)
     return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
             CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}

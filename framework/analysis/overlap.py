@@ -76,10 +76,11 @@ def overlapped_names(program) -> set[str]:
     return found
 
 
-def sends_overlapped_fraction(found: list) -> float | None:
-    """The share of the pipeline's stage-to-stage bytes (`collective-permute`s over
-    `pipe`) sent by overlapping permutes (None when there are none)."""
-    sends = [c for c in found if c.kind == "collective-permute" and "pipe" in c.axes]
+def sends_overlapped_fraction(found: list, axis: str = "pipe") -> float | None:
+    """The share of the point-to-point bytes over `axis` (`collective-permute`s: the
+    pipeline's stage-to-stage sends over `pipe`, the ring attention's over `context`)
+    sent by overlapping permutes (None when there are none)."""
+    sends = [c for c in found if c.kind == "collective-permute" and axis in c.axes]
     total = sum(c.bytes_per_step for c in sends)
     return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
 

@@ -1,4 +1,4 @@
-"""Which (pipeline, data, tensor, microbatches, schedule, zero1) layout to pick, before
+"""Which (pipeline, data, context, tensor, microbatches, schedule, sharding) layout to pick, before
 spending cluster hours: every valid layout for a device count, its per-device memory
 (`framework/analysis/memory_model.py`) and step time (below), ranked. Nothing here needs a
 device or compiles anything: `tools/plan.py` is the command line.
@@ -13,13 +13,17 @@ those are hidden behind the compute, up to its length.
              every tick lasts as long as the slowest global stage's layers, v of them per
              rank, stretched by the schedule table's bubble (lockstep ticks with
              unit-cost cells, `Schedule.bubble_fraction`; GPipe: (p-1)/(m+p-1), Huang et
-             al. 2019), t = v * max stage flops / (data * tensor * peak) / (1 - bubble);
+             al. 2019), t = v * max stage flops / (data * context * tensor * peak) /
+             (1 - bubble) (context parallelism: each device 1/context of the tokens);
              plus the LM head on the last stage, less the slack its fewer layers leave
              (uneven stages, `parallel.stage_layers`; even stages: all of it). Even
              stages: t = layer flops / (N * peak) / (1 - bubble) + head / (dp * tp * peak).
   comm       bytes per device per step on each mesh axis (`framework/analysis/comm_model.py`)
              over that axis's bandwidth; `tensor` is innermost on the mesh, so an axis
              uses the in-node link (NVLink) while the devices it spans fit in one node.
+             The ring attention's shifts (`context`) are counted exposed: that the
+             compiler runs them beside the ring's blocks is read from the program
+             (`framework.compile`'s `comm/overlapped_fraction/context`), not assumed.
 """
 
 from __future__ import annotations
@@ -199,35 +203,54 @@ def sharding_name(par: ParallelConfig) -> str:
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       base: ParallelConfig, schedules=None,
                       virtual_stages=None) -> list[ParallelConfig]:
-    """Every valid (pipeline, data, tensor, microbatches, schedule, zero1 or fsdp) on n_devices
-    (`framework.engine.validate.check` decides validity); remat and sequence parallelism come
-    from `base`; schedules: every registered one by default, those with virtual stages
-    at each of `virtual_stages` (default: `_virtual_stages`); uneven stages (`auto`) where the layers do not divide
-    the pipeline's stages. Without a pipeline: one microbatch (GPipe at p = 1
+    """Every valid (pipeline, data, context, tensor, microbatches, schedule, zero1 or fsdp)
+    on n_devices (`framework.engine.validate.check` decides validity); remat and sequence
+    parallelism come from `base`; context degrees that leave each device at least
+    MIN_CONTEXT_TOKENS of a sequence (`_contexts`); schedules: every registered one by
+    default, those with virtual stages at each of `virtual_stages` (default:
+    `_virtual_stages`); uneven stages (`auto`) where the layers do not divide the
+    pipeline's stages. Without a pipeline: one microbatch (GPipe at p = 1
     keeps every microbatch's activations anyway). With one: powers of two from p (fewer
     leave most of the pipeline idle) up to one row per microbatch."""
     schedules = schedule_names() if schedules is None else schedules
     out = []
+    for p, tp, cp in _degrees(n_devices, _contexts(train.seq_len)):
+        dp = n_devices // (p * tp * cp)
+        micro = _powers_of_two(p, train.global_batch_size // dp)
+        options = [("gpipe", 1, 1)] if p == 1 else [
+            (s, m, v) for s in schedules for m in micro
+            for v in (_virtual_stages(model, p, virtual_stages)
+                      if uses_virtual_stages(s) else (1,))]
+        for schedule, m, v in options:
+            stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
+            for zero1, fsdp in (_SHARDINGS if dp > 1 else _SHARDINGS[:1]):
+                par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp, context=cp,
+                                          microbatches=m, schedule=schedule,
+                                          virtual_stages=v, zero1=zero1, fsdp=fsdp,
+                                          stage_layers=stage_layers)
+                if not check(model, par, train, n_devices):
+                    out.append(par)
+    return out
+
+
+# Context parallelism only where each device keeps at least this many tokens of a
+# sequence: below, a ring step's attention is too short to hide the next shift, and
+# sequence parallelism already splits the activations as finely.
+MIN_CONTEXT_TOKENS = 4096
+
+
+def _contexts(seq_len: int) -> list[int]:
+    return [1] + [c for c in _powers_of_two(2, seq_len // MIN_CONTEXT_TOKENS)
+                  if seq_len % (2 * c) == 0]
+
+
+def _degrees(n_devices: int, contexts: list[int]):
+    """(pipeline, tensor, context) whose product divides n_devices."""
     for p in range(1, n_devices + 1):
         for tp in range(1, n_devices // p + 1):
-            if n_devices % (p * tp):
-                continue
-            dp = n_devices // (p * tp)
-            micro = _powers_of_two(p, train.global_batch_size // dp)
-            options = [("gpipe", 1, 1)] if p == 1 else [
-                (s, m, v) for s in schedules for m in micro
-                for v in (_virtual_stages(model, p, virtual_stages)
-                          if uses_virtual_stages(s) else (1,))]
-            for schedule, m, v in options:
-                stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
-                for zero1, fsdp in (_SHARDINGS if dp > 1 else _SHARDINGS[:1]):
-                    par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp,
-                                              microbatches=m, schedule=schedule,
-                                              virtual_stages=v, zero1=zero1, fsdp=fsdp,
-                                              stage_layers=stage_layers)
-                    if not check(model, par, train, n_devices):
-                        out.append(par)
-    return out
+            for cp in contexts:
+                if n_devices % (p * tp * cp) == 0:
+                    yield p, tp, cp
 
 
 def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Hardware) -> Plan:
@@ -253,22 +276,23 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
     big = max((pl.memory["total"] for pl in shown), default=0) >= 2**30
     unit, name = (2**30, "GiB") if big else (2**20, "MiB")
-    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} {'shard':<5} "
-            f"{'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} {'fits':<4} "
-            f"{'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} {'data':>8} "
-            f"{'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
+    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'cp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} "
+            f"{'shard':<5} {'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} "
+            f"{'fits':<4} {'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} "
+            f"{'data':>8} {'context':>8} {'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
     lines = [head, "-" * len(head)]
     for i, pl in enumerate(shown, 1):
         par, m, t = pl.parallel, pl.memory, pl.time
         gib = lambda *keys: sum(m[k] for k in keys) / unit
         sched = par.schedule + (f"/v{par.virtual_stages}" if uses_virtual_stages(par.schedule) else "")
         lines.append(
-            f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.tensor:>3} {par.microbatches:>4} "
-            f"{sched:<19} {sharding_name(par):<5} {gib('total'):>8.2f} "
+            f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.context:>3} {par.tensor:>3} "
+            f"{par.microbatches:>4} {sched:<19} {sharding_name(par):<5} {gib('total'):>8.2f} "
             f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
             f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
             f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "
             f"{t['comm_tensor'] * 1e3:>8.3g} {t['comm_pipe'] * 1e3:>8.3g} "
-            f"{t['comm_data'] * 1e3:>8.3g} {t['bubble']:>6.1%} {pl.tokens_per_sec:>11,.0f} "
+            f"{t['comm_data'] * 1e3:>8.3g} {t['comm_context'] * 1e3:>8.3g} "
+            f"{t['bubble']:>6.1%} {pl.tokens_per_sec:>11,.0f} "
             f"{t['mfu']:>6.1%}")
     return "\n".join(lines)

@@ -100,7 +100,9 @@ def comm_fields(compiled, engine, platform: str) -> dict:
     if platform == "gpu":
         for axis, share in overlap.overlapped_fraction(found, mesh_shape).items():
             out[f"comm/overlapped_fraction/{axis}"] = share
-        out["comm/overlapped_fraction/pipe_sends"] = overlap.sends_overlapped_fraction(found)
+        for axis in ("pipe", "context"):  # the stage-to-stage sends, the ring attention's
+            out[f"comm/overlapped_fraction/{axis}_sends"] = overlap.sends_overlapped_fraction(
+                found, axis)
     return out
 
 

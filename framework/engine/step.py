@@ -112,9 +112,8 @@ def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_di
         grads = jax.tree.map(lambda g, r: jax.lax.psum(g, TENSOR) if r else g,
                              grads, tensor_replicated)
     grads = {k: v if k == "stages" else jax.lax.psum(v, PIPE) for k, v in grads.items()}
-    if context > 1:
-        grads = jax.lax.psum(grads, CONTEXT)
-    return data_parallel.reduce_gradients(grads, zero1_dims, reduced=per_use)
+    return data_parallel.reduce_gradients(grads, zero1_dims, reduced=per_use,
+                                          also=(CONTEXT,) if context > 1 else ())
 
 
 def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = ContextParallel()):

@@ -84,18 +84,22 @@ def _ring(cp, blocks, q, k, v):
 def _ring_forward(cp, blocks, q, k, v):
     """(out like q, log-sum-exp [b, 2h, g, r] float32)."""
     h = q.shape[SEQ] // 2
-    bq, bk = blocks
     qs = _halves(q)
     outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]  # [b, h, g, r, hd] per half
     lses = [jnp.full(x.shape[:-1], -jnp.inf, jnp.float32) for x in qs]  # [b, h, g, r]
     kv = (k, v)
     for step in range(cp.size):
-        ks, vs = _halves(kv[0]), _halves(kv[1])
-        nxt = cp.shift(kv) if step < cp.size - 1 else None  # travels while this step runs
-        for a, b, qc, kc in _pairs(cp, step):
-            o, lse = flash_piece(qs[a], ks[b], vs[b], bq, bk, qc * h, kc * h)
-            outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
-        kv = nxt
+        def attend_held(kv=kv, step=step, outs=tuple(outs), lses=tuple(lses)):
+            outs, lses = list(outs), list(lses)
+            ks, vs = _halves(kv[0]), _halves(kv[1])
+            for a, b, qc, kc in _pairs(cp, step):
+                o, lse = flash_piece(qs[a], ks[b], vs[b], *blocks, qc * h, kc * h)
+                outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
+            return outs, lses
+
+        last = step == cp.size - 1  # the held keys travel on while this step runs
+        kv, (outs, lses) = (None, attend_held()) if last else _beside(cp.shift(kv),
+                                                                       attend_held)
     return (jnp.concatenate(outs, axis=SEQ).astype(q.dtype),
             jnp.concatenate(lses, axis=SEQ))
 
@@ -107,31 +111,44 @@ def _ring_fwd(cp, blocks, q, k, v):
 
 def _ring_bwd(cp, blocks, residuals, d_out):
     """The keys and values go around the ring again, their gradients beside them: at
-    step j device i adds its queries' share of the gradients of device (i - j)'s keys
-    and values; one more shift after the last step brings each device its own."""
+    step j device i holds device (i - j)'s keys and values and the sum of their
+    gradients so far (passed on from device i - 1), and adds its queries' share; one
+    more shift after the last step brings each device its own. Each step's shifts (the
+    keys and values on, the last step's sum) travel while its blocks run."""
     q, k, v, out, lse = residuals
     h = q.shape[SEQ] // 2
-    bq, bk = blocks
     qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
-    kv = (k, v)
-    dkv = [jnp.zeros(k.shape, jnp.float32) for _ in range(2)]  # of the keys/values held
-    for step in range(cp.size):
+    kv, summed = (k, v), None  # summed: the gradients of the keys/values held, so far
+
+    def grads_of_held(kv, step, dq):
+        """(dq with this step's share, (dk, dv) [b, 2h, g, hd] float32 of the held keys)."""
+        dq, parts = list(dq), [[0.0, 0.0], [0.0, 0.0]]  # [dk, dv][key half]
         ks, vs = _halves(kv[0]), _halves(kv[1])
-        nxt = cp.shift(kv) if step < cp.size - 1 else None
-        dks, dvs = [], []
         for a, b, qc, kc in _pairs(cp, step):
             dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                 d_outs[a], bq, bk, qc * h, kc * h)
+                                                 d_outs[a], *blocks, qc * h, kc * h)
             dq[a] = dq[a] + dq_a
-            dks.append((b, dk_b))
-            dvs.append((b, dv_b))
-        add = lambda acc, parts: acc + jnp.concatenate(
-            [sum(g for b, g in parts if b == half) for half in (0, 1)], axis=SEQ)
-        dkv = cp.shift((add(dkv[0], dks), add(dkv[1], dvs)))
-        kv = nxt
-    return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dkv[0].astype(k.dtype),
-            dkv[1].astype(v.dtype))
+            parts[0][b] = parts[0][b] + dk_b.astype(jnp.float32)
+            parts[1][b] = parts[1][b] + dv_b.astype(jnp.float32)
+        return dq, tuple(jnp.concatenate(p, axis=SEQ) for p in parts)
+
+    for step in range(cp.size):
+        sends = (kv if step < cp.size - 1 else None, summed)
+        (kv, arrived), (dq, mine) = _beside(
+            cp.shift(sends), lambda kv=kv, step=step, dq=tuple(dq): grads_of_held(kv, step, dq))
+        summed = mine if arrived is None else tuple(a + m for a, m in zip(arrived, mine))
+    dk, dv = cp.shift(summed)
+    return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dk.astype(k.dtype),
+            dv.astype(v.dtype))
+
+
+def _beside(sent, compute):
+    """(sent, compute()) with neither usable before both are done, so that the scheduler
+    runs the step's blocks while the shift travels (without it the GPU compiler issued
+    each shift and waited for it before the blocks; framework/parallel/tensor.py's
+    rings met the same)."""
+    return jax.lax.optimization_barrier((sent, compute()))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

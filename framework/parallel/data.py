@@ -94,13 +94,17 @@ def gather_params(params, dims):
         params, dims, is_leaf=lambda x: x is None)
 
 
-def reduce_gradients(grads, dims=None, reduced: bool = False):
+def reduce_gradients(grads, dims=None, reduced: bool = False, also: tuple = ()):
     """The one reduction of the gradients over `data` per step: all-reduce every leaf,
     or with ZeRO-1 (`dims`) reduce-scatter each leaf onto its shard; `reduced`: FSDP's
-    sharded leaves arrive reduce-scattered already (their gathers' transposes)."""
+    sharded leaves arrive reduce-scattered already (their gathers' transposes). `also`:
+    mesh axes every gradient is summed over besides (`context`): in the same all-reduce,
+    or after the reduce-scatter, on the shard."""
+    both = (DATA, *also)
     if dims is None:
-        return jax.lax.psum(grads, DATA)
+        return jax.lax.psum(grads, both)
+    then = (lambda g: jax.lax.psum(g, also)) if also else (lambda g: g)
     return jax.tree.map(
-        lambda g, d: jax.lax.psum(g, DATA) if d is None else g if reduced
-        else jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True),
+        lambda g, d: jax.lax.psum(g, both) if d is None else then(g) if reduced
+        else then(jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True)),
         grads, dims, is_leaf=lambda x: x is None)

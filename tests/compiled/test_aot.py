@@ -88,7 +88,7 @@ def test_the_target_compiles_and_sends_what_the_cpu_program_sends(target, schedu
             continue
         assert value > 0 and got[key] == pytest.approx(value, rel=1e-3), key
     shares = [v for k, v in got.items() if k.startswith("comm/overlapped_fraction/")]
-    assert len(shares) == (5 if target.startswith("gpu") else 0)  # 4 axes, pipe sends
+    assert len(shares) == (6 if target.startswith("gpu") else 0)  # 4 axes, pipe/context sends
     assert all(0 <= s <= 1 for s in shares if s is not None)
 
 
