@@ -217,7 +217,13 @@ class Profiler:
 
         shutil.rmtree(self.out, ignore_errors=True)
         self.out.mkdir(parents=True)
-        jax.profiler.start_trace(str(self.out))
+        # No Python tracer: the bubble is read from the devices' ops, and the tracer's
+        # start hooks every Python thread, which crashed the process (SIGSEGV in
+        # SetProfilerInAllThreads, jaxlib 0.10.2) when a thread, here a checkpoint
+        # save failing on a full disk, was exiting at that moment.
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        jax.profiler.start_trace(str(self.out), profiler_options=options)
 
     def stop(self) -> dict:
         """Stops tracing (the caller waited for the steps) and analyses the trace. A trace

@@ -134,9 +134,12 @@ def _ring_bwd(cp, blocks, residuals, d_out):
         return dq, tuple(jnp.concatenate(p, axis=SEQ) for p in parts)
 
     for step in range(cp.size):
-        sends = (kv if step < cp.size - 1 else None, summed)
+        # two shifts, not one: the keys' is the recomputed forward ring's too (remat),
+        # and the compiler merges the two (the backward's bytes only once)
+        sends = (cp.shift(kv) if step < cp.size - 1 else None,
+                 None if summed is None else cp.shift(summed))
         (kv, arrived), (dq, mine) = _beside(
-            cp.shift(sends), lambda kv=kv, step=step, dq=tuple(dq): grads_of_held(kv, step, dq))
+            sends, lambda kv=kv, step=step, dq=tuple(dq): grads_of_held(kv, step, dq))
         summed = mine if arrived is None else tuple(a + m for a, m in zip(arrived, mine))
     dk, dv = cp.shift(summed)
     return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dk.astype(k.dtype),

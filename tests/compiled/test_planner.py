@@ -139,3 +139,17 @@ def test_plan_verify_compiles_the_best_candidates_for_the_target(capsys):
     assert plan.main(["recipe=llama_tiny_debug", "--verify", "target=gpu:h100x8",
                       "devices=16"]) == 2
     assert "has 8" in capsys.readouterr().err
+
+
+def test_long_sequences_bring_context_layouts_whose_activations_shrink():
+    """Context degrees enter the enumeration where each device keeps at least
+    MIN_CONTEXT_TOKENS of a sequence; a layout's predicted activations fall with the
+    degree at the same data degree (each device holds 1/context of every sequence)."""
+    long = dataclasses.replace(TRAIN, seq_len=4 * planner.MIN_CONTEXT_TOKENS,
+                               global_batch_size=8)
+    base = ParallelConfig()
+    assert {p.context for p in planner.enumerate_layouts(MODEL, long, 8, base)} == {1, 2, 4}
+    assert {p.context for p in planner.enumerate_layouts(MODEL, TRAIN, 8, base)} == {1}
+    acts = {c: memory_model.predict_memory(MODEL, ParallelConfig(context=c),
+                                           long)["activations"] for c in (1, 2, 4)}
+    assert acts[4] < 0.3 * acts[1] and acts[2] < 0.55 * acts[1], acts
