@@ -34,9 +34,9 @@ hidden states of one data replica's batch (in the compute dtype):
   context Ring attention (framework/parallel/context.py), per layer: the forward passes
           the keys and values on c-1 times; the backward passes them c-1 times and
           their float32 gradients c times (`context_bytes`); a rematerialised layer's
-          forward ring, run again in its backward, passes the same keys and values as
-          the backward ring, and the compiler merges the two (measured on the CPU
-          compiler: no more bytes with parallel.remat=full). Plus one
+          backward runs the forward ring again (c-1 more): the GPU compiler keeps those
+          shifts, each beside its blocks, while the CPU's all-gathers of the same keys
+          are merged with the backward's (measured on both). Plus one
           all-reduce of the gradients over `context`, float32 (joined with `data`'s;
           ZeRO-1 and FSDP: of the data shard, after its reduce-scatter).
           On CPU devices each shift is an all-gather (c-1 times the bytes).
@@ -121,7 +121,10 @@ def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
                                     else 1)
     kv = (train.global_batch_size // parallel.data * _tokens(parallel, train) * 2 * kv_heads
           * model.head_dim * np.dtype(model.dtype).itemsize)  # k and v, one layer
-    shifts = 2 * (c - 1) * kv + c * kv * FP32 / np.dtype(model.dtype).itemsize
+    again = permute and _recomputed(parallel)  # the recomputed forward ring's (above)
+    # the gradients' c shifts in float32; the GPU compiler casts before the last one
+    sums = (c - permute) * FP32 / np.dtype(model.dtype).itemsize + permute
+    shifts = ((2 + again) * (c - 1) + sums) * kv
     return shifts * (1 if permute else c - 1) * _busiest_layers(model, parallel, train)
 
 
