@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = ("job", "pipeline", "data", "tensor", "microbatches", "tokens/s",
+DEGREES = ("pipeline", "data", "context", "tensor", "microbatches")
+COLUMNS = ("job", *DEGREES, "tokens/s",
            "TFLOP/s/device", "bubble (theory)", "bubble (timed)", "peak MiB/device",
            "final loss", "status")
 
@@ -29,8 +30,8 @@ def load_jobs(folder: Path) -> list[dict]:
         summary = json.loads(path.read_text())
         summary["job"] = path.parent.relative_to(folder).as_posix()
         jobs.append(summary)
-    degrees = lambda j: tuple(int(j.get("parallel", {}).get(k, 0)) for k in
-                              ("pipeline", "data", "tensor", "microbatches"))
+    degrees = lambda j: tuple(int(j.get("parallel", {}).get(k, 1 if k == "context" else 0))
+                              for k in DEGREES)
     return sorted(jobs, key=lambda j: (degrees(j), j["job"]))
 
 
@@ -44,8 +45,8 @@ def row(job: dict) -> list[str]:
     status = job.get("status", "?")
     if job.get("reason") and status != "completed":
         status += ": " + job["reason"].replace("|", "/")
-    return [job["job"], *(str(par.get(k, "")) for k in ("pipeline", "data", "tensor",
-                                                         "microbatches")),
+    par = {"context": 1, **par}  # summaries from before context parallelism
+    return [job["job"], *(str(par.get(k, "")) for k in DEGREES),
             _num(job.get("perf/tokens_per_sec"), ",.0f"),
             _num(job.get("perf/tflops_per_device"), ".4g"),
             _num(job.get("pipeline/bubble_fraction"), ".1%"),

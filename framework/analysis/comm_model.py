@@ -149,14 +149,17 @@ def _busiest_layers(model: ModelConfig, parallel: ParallelConfig, train: TrainCo
 def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict) -> float:
     """`data` with FSDP gathering per use (framework/parallel/data.py), float32 shards:
     per microbatch each layer is gathered for its forward and again for its backward
-    and its gradient reduce-scattered; the embedding gathered for the first stage's
-    forward (its lookup's backward needs no weights), the head (and a tied table)
-    gathered forward and backward on the last stage: each on one of p ranks."""
-    share = (parallel.data - 1) / parallel.data * FP32
-    ends = 2 * counts["embed"] + 3 * counts["head"]
+    (in the compute dtype: the matrices travel cast, the norm scales' few bytes are
+    counted so too) and its gradient reduce-scattered (float32); the embedding gathered
+    for the first stage's forward (its lookup's backward needs no weights), the head
+    (and a tied table) gathered forward and backward on the last stage: each on one of
+    p ranks; the table always in float32."""
+    share = (parallel.data - 1) / parallel.data
+    cast = 2 * np.dtype(model.dtype).itemsize + FP32  # two gathers, one reduce-scatter
+    ends = 2 * FP32 * counts["embed"] + cast * counts["head"]
     if model.tie_embeddings:
-        ends += 3 * counts["embed"]
-    return parallel.microbatches * share * (3 * counts["layers"] + ends / parallel.pipeline)
+        ends += 3 * FP32 * counts["embed"]
+    return parallel.microbatches * share * (cast * counts["layers"] + ends / parallel.pipeline)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig,

@@ -55,7 +55,7 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
     the global token count. `per_use`: FSDP's dimension per leaf when every use gathers
     its weights (the stored layout: stages [stage, chunk, layer, ...]); None: the
     weights arrive whole. `z_loss`: the training loss's z-loss weight (optim.z_loss)."""
-    gather = _per_use_gathers(per_use)
+    gather = _per_use_gathers(per_use, model.dtype)
 
     def head_loss(head, embed, y, targets):
         logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
@@ -77,14 +77,18 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
                            gather=gather["layer"]) if split else None)
 
 
-def _per_use_gathers(dims) -> dict:
+def _per_use_gathers(dims, dtype) -> dict:
     """FSDP's gathers of one use of the embedding, the head and a layer (identities,
-    and no layer gather, without per-use gathers)."""
+    and no layer gather, without per-use gathers). The layers' and the head's matrices
+    travel in the compute dtype `dtype` (the model casts every matrix to it before use,
+    framework/model/llama.py); the embedding table in its own (a lookup's gradient
+    scatter-adds rows: summed in float32, as without FSDP)."""
     if dims is None:
         return {"embed": lambda tree: tree, "head": lambda tree: tree, "layer": None}
-    one = lambda group, offset: partial(data_parallel.gather_leaves, dims=dims[group],
-                                        offset=offset)
-    return {"embed": one("embed", 0), "head": one("head", 0), "layer": one("stages", 3)}
+    one = lambda group, offset, cast=None: partial(
+        data_parallel.gather_leaves, dims=dims[group], offset=offset, dtype=cast)
+    return {"embed": one("embed", 0), "head": one("head", 0, dtype),
+            "layer": one("stages", 3, dtype)}
 
 
 def device_params(params, zero1_dims, vary_over, per_use: bool = False):

@@ -23,7 +23,10 @@ divides evenly.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from framework.parallel.mesh import DATA
@@ -65,13 +68,39 @@ def fsdp_dims(shapes, specs, data: int, stacked: dict):
             for g in shapes}
 
 
-def gather_leaves(tree, dims, offset: int = 0):
+def gather_leaves(tree, dims, offset: int = 0, dtype=None):
     """FSDP: the full leaves of one use from this replica's shards; `offset`: leading
-    dimensions the stored leaves have and these do not (a layer's slice of a stack)."""
-    return jax.tree.map(
-        lambda x, d: x if d is None else jax.lax.all_gather(x, DATA, axis=d - offset,
-                                                            tiled=True),
-        tree, dims, is_leaf=lambda x: x is None)
+    dimensions the stored leaves have and these do not (a layer's slice of a stack).
+    `dtype`: the matrices (leaves of two or more dimensions a use) are gathered in it,
+    their gradients reduce-scattered in their own dtype (`_gather_as`)."""
+    def one(x, d):
+        if d is None:
+            return x
+        if dtype is not None and x.ndim >= 2 and x.dtype != dtype:
+            return _gather_as(x, d - offset, jnp.dtype(dtype))
+        return jax.lax.all_gather(x, DATA, axis=d - offset, tiled=True)
+
+    return jax.tree.map(one, tree, dims, is_leaf=lambda x: x is None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_as(x, axis: int, dtype):
+    """all_gather(x cast to `dtype`): half the bytes of float32 for a bfloat16 compute
+    dtype, the cast the use makes anyway done before the transfer. Its transpose
+    reduce-scatters the gradient in x's dtype (float32 sums, as without FSDP)."""
+    return jax.lax.all_gather(x.astype(dtype), DATA, axis=axis, tiled=True)
+
+
+def _gather_as_fwd(x, axis, dtype):
+    return _gather_as(x, axis, dtype), jnp.zeros((), x.dtype)  # x's dtype, for the bwd
+
+
+def _gather_as_bwd(axis, dtype, home, grad):
+    return (jax.lax.psum_scatter(grad.astype(home.dtype), DATA, scatter_dimension=axis,
+                                 tiled=True),)
+
+
+_gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)
 
 
 def add_data_axis(specs, dims):

@@ -30,7 +30,7 @@ from framework.run.tracking import SUMMARY_FILE, write_summary
 USER_ERROR = 2  # exit status for bad input (composition errors, invalid degrees)
 # Settings that the degree part of a job name already shows.
 DEGREE_KEYS = frozenset(f"parallel.{k}" for k in (
-    "pipeline", "data", "tensor", "microbatches", "schedule", "virtual_stages"))
+    "pipeline", "data", "context", "tensor", "microbatches", "schedule", "virtual_stages"))
 
 
 def mesh_label(parallel) -> str:

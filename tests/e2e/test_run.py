@@ -165,7 +165,7 @@ def test_sweep_report_writes_table_and_chart(sweep_dir, tmp_path):
     table = (tmp_path / "sweep_report.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| pp")]
     assert len(rows) == 3
-    assert "| 2 | 1 | 1 | 2 |" in table and "skipped: model.n_layers" in table
+    assert "| 2 | 1 | 1 | 1 | 2 |" in table and "skipped: model.n_layers" in table
     png = (tmp_path / "sweep_report.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
 

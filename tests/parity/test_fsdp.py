@@ -12,7 +12,7 @@ import pytest
 from framework.analysis import audit
 from framework.config import ModelConfig
 from tests.compiled.test_audit import comm_ratio
-from tests.helpers import (TRAIN, engine, engine_grads, max_rel_err, params,
+from tests.helpers import (MODEL, TRAIN, engine, engine_grads, max_rel_err, params,
                            reference_grads, tokens, worst)
 
 SLOW = pytest.mark.slow
@@ -76,3 +76,27 @@ def test_fsdp_holds_a_data_share_of_the_weights_through_the_step():
     # temporaries (CPU, 2026-11-26): plain 32.5 MB, ZeRO-1 41.5 (+ the gathered
     # parameters), FSDP 22.7
     assert got["fsdp"][1] < 0.6 * got["zero1"][1] and got["fsdp"][1] < got["plain"][1], got
+
+
+def test_bfloat16_matrices_travel_in_bfloat16_and_their_gradients_sum_in_float32():
+    """A bfloat16 model: FSDP gathers the layers' and the head's matrices already cast
+    (half the bytes; the lowered program's all-gathers), the norm scales and the
+    embedding table in float32, reduce-scatters every gradient in float32; its loss and
+    gradients are ZeRO-1's (which gathers once, in float32) to float rounding."""
+    import re
+
+    model = dataclasses.replace(MODEL, dtype="bfloat16")
+    engines = {k: engine(2, 2, 2, 4, model=model, schedule="1f1b", **{k: True})
+               for k in ("zero1", "fsdp")}
+    (loss, grads), (ref_loss, ref) = (engine_grads(engines[k]) for k in ("fsdp", "zero1"))
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert worst(max_rel_err(grads, ref)) <= 1e-4
+    eng = engines["fsdp"]
+    text = eng.step_fn.lower(*eng.abstract_inputs(TRAIN.global_batch_size,
+                                                  TRAIN.seq_len)).as_text()
+    gathered = re.findall(r'"stablehlo.all_gather"\(.*-> tensor<[0-9x]*x(\w+)>', text)
+    # a reduce-scatter's reduction body comes between its operands and its types
+    scattered = re.findall(r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<[0-9x]*x(\w+)>',
+                           text, flags=re.S)
+    assert gathered.count("bf16") >= 4 and "f32" in gathered, gathered  # matrices; scales
+    assert scattered and set(scattered) == {"f32"}, scattered
