@@ -36,7 +36,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.mu_dtype": ("float32", "bfloat16"),  # AdamW's first moment
     "optim.name": ("adamw", "muon"),  # framework/engine/optim.py
     "train.resume": ("auto", "never"),  # framework/run/start.py
-    "data.kind": ("synthetic", "markov", "text", "tokens"),  # framework/io/data.py
+    "data.kind": ("synthetic", "markov", "text", "tokens", "corpus"),  # framework/io/data.py
+    "data.verify": ("checksum", "size"),  # corpus shards against their manifest
     "data.token_dtype": ("uint16", "uint32"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "devices.platform": ("auto", "cpu", "gpu", "tpu"),  # framework/runtime/devices.py
@@ -231,13 +232,16 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Token source. kind: synthetic | markov | text | tokens (see framework/io/data.py)."""
+    """Token source. kind: synthetic | markov | text | tokens | corpus (see
+    framework/io/data.py)."""
 
     kind: str = "synthetic"
-    path: Optional[str] = None  # text: a UTF-8 file; tokens: a flat uint16/uint32 file
+    # text: a UTF-8 file; tokens: a flat uint16/uint32 file; corpus: a folder of shards
+    path: Optional[str] = None
     token_dtype: str = "uint16"  # tokens: dtype of the binary file
     holdout_fraction: float = 0.05  # share of the data kept out of training for eval/loss
     markov_concentration: float = 0.1  # markov: Dirichlet concentration of each row
+    verify: str = "checksum"  # corpus: each shard's SHA-256 (or only its size) at start
 
 
 @dataclass

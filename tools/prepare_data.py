@@ -13,6 +13,19 @@ tokenizer, which a training run copies into its folder so that `framework.genera
 and `tools/export_hf.py` decode and ship the same one); `data.kind=tokens` checks the
 dtype against it. Then train with: data.kind=tokens data.path=OUT.bin
 data.token_dtype=<dtype printed>.
+
+A corpus of many files, for `data.kind=corpus` (framework/io/corpus.py):
+
+    python tools/prepare_data.py --shards corpus/ web/*.jsonl books/*.txt \
+        --tokenizer tokenizer.json --eos-id 2 --workers 8 --shard-tokens 100000000
+
+Each input is read as documents (a .txt file: one document; .jsonl: one per line, its
+`--text-field`; .parquet: one per row of that column, with pyarrow), tokenized in
+batches (`Tokenizer.encode_batch`) by `--workers` processes, one input at a time each,
+and written as shards of about `--shard-tokens` tokens with a document index, then a
+manifest with each shard's documents, tokens and SHA-256 checksums. A restart skips
+the inputs whose shards are complete (a `.done` record beside them). Progress and
+tokens per second go to stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
@@ -106,16 +120,30 @@ def prepare(output: str, inputs: list[str], tokenizer: str | None = None,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("output", help="the token file to write (e.g. data/train.bin)")
-    parser.add_argument("inputs", nargs="+", help="text files, concatenated in this order")
+    parser.add_argument("paths", nargs="+", metavar="OUTPUT INPUTS",
+                        help="the token file to write (e.g. data/train.bin), then text "
+                             "files concatenated in this order; with --shards: inputs only")
     parser.add_argument("--tokenizer", help="a local tokenizer.json (default: byte-level)")
     parser.add_argument("--separator", default="\n",
                         help="byte-level: text put between files (default: a newline)")
-    parser.add_argument("--eos-id", type=int, help="with --tokenizer: id put after each file")
+    parser.add_argument("--eos-id", type=int,
+                        help="with --tokenizer: id put after each file (--shards: each document)")
+    parser.add_argument("--shards", metavar="FOLDER", help="write a sharded corpus there")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
+    parser.add_argument("--text-field", default="text", help="JSON lines, Parquet: the column")
     args = parser.parse_args(argv)
-    meta = prepare(args.output, args.inputs, args.tokenizer, args.separator, args.eos_id)
+    if args.shards:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+        from framework.io.prepare import prepare_shards
+
+        return prepare_shards(args.shards, args.paths, args.tokenizer, args.eos_id,
+                              args.workers, args.shard_tokens, args.text_field)
+    if len(args.paths) < 2:
+        parser.error("give the output file and at least one input")
+    meta = prepare(args.paths[0], args.paths[1:], args.tokenizer, args.separator, args.eos_id)
     print(f"wrote {meta['n_tokens']} {meta['dtype']} tokens (vocab {meta['vocab_size']}) "
-          f"to {args.output}: use data.kind=tokens data.path={args.output} "
+          f"to {args.paths[0]}: use data.kind=tokens data.path={args.paths[0]} "
           f"data.token_dtype={meta['dtype']}", file=sys.stderr)
     return meta
 

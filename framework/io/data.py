@@ -7,6 +7,8 @@ Kinds (`data.kind`):
     text       any UTF-8 file read as bytes: vocabulary 256, no tokenizer, no downloads
     tokens     a flat binary file of uint16/uint32 token ids, memory-mapped
                (`tools/prepare_data.py` builds one)
+    corpus     a folder of token shards with a manifest (`tools/prepare_data.py --shards`):
+               packed sequences in epochs without replacement (framework/io/corpus.py)
 
 Row r of training step s comes from its own generator seeded with (seed, TRAIN, s, r),
 so a resumed run sees exactly the batches an uninterrupted run saw, on any mesh, and a
@@ -26,8 +28,10 @@ import numpy as np
 
 from framework.errors import ConfigError
 from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
+from framework.io import corpus
 
 KINDS = CHOICES["data.kind"]
+VERIFY = CHOICES["data.verify"]
 TRAIN, EVAL, CHAIN = 0, 1, 2  # seed streams: training rows, held-out rows, the Markov chain
 MAX_MARKOV_VOCAB = 4096  # the chain is a dense [vocab, vocab] float64 matrix
 Rows = slice | Sequence[int] | np.ndarray | None
@@ -168,6 +172,47 @@ class FileDataset(Dataset):
         return np.stack([np.asarray(part[s:s + self.seq_len + 1]) for s in starts])
 
 
+class CorpusDataset(Dataset):
+    """Packed sequences of a sharded corpus, each once per epoch (framework/io/corpus.py):
+    training sample g = step x batch + row is sequence permute(g mod n) of epoch g // n;
+    the last holdout_fraction of the sequences are the held-out ones, in order."""
+
+    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig):
+        super().__init__(train, vocab_size)
+        self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
+                                                        vocab_size, cfg.verify)
+        total = self.shards[-1].start + len(self.shards[-1].tokens)
+        n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
+        held = int(n * cfg.holdout_fraction)
+        self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
+        if self.n_train < self.global_batch:
+            raise ConfigError(
+                f"data.path={cfg.path} holds {self.n_train} training sequences of "
+                f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
+                f"{cfg.holdout_fraction}), fewer than one batch of "
+                f"train.global_batch_size={self.global_batch}")
+        if self.has_eval and held < self.global_batch:
+            raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
+                              f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
+                              f"than one batch of {self.global_batch}: raise it, or set 0")
+
+    def epoch_of(self, step: int) -> int:
+        return step * self.global_batch // self.n_train
+
+    def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
+        g = index * self.global_batch + row_indices(rows, self.global_batch)
+        if split == TRAIN:
+            epochs, within = g // self.n_train, g % self.n_train
+            seqs = np.empty_like(g)
+            for e in np.unique(epochs):  # a batch spans at most two epochs
+                mine = epochs == e
+                seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
+        else:  # the held-out sequences after the training ones, cycled
+            seqs = self.n_train + g % self.n_eval
+        return np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
+                                            self.seq_len + 1) for i in seqs]).astype(np.int32)
+
+
 def _check_path(cfg: DataConfig, what: str) -> str:
     if not cfg.path:
         raise ConfigError(f"data.kind={cfg.kind} needs data.path=<{what}>")
@@ -258,6 +303,13 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
     if cfg.kind == "tokens":
         return FileDataset(train, vocab_size, open_tokens(cfg, vocab_size),
                            cfg.holdout_fraction, f"data.path={cfg.path}")
+    if cfg.kind == "corpus":
+        if not cfg.path:
+            raise ConfigError("data.kind=corpus needs data.path=<a corpus folder from "
+                              "tools/prepare_data.py --shards>")
+        if cfg.verify not in VERIFY:
+            raise ConfigError(not_one_of("data.verify", cfg.verify))
+        return CorpusDataset(train, vocab_size, cfg)
     raise ConfigError(not_one_of("data.kind", cfg.kind))
 
 

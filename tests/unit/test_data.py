@@ -25,17 +25,27 @@ def load_prepare_data():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A text file, and a uint32 token file with ids up to 999."""
+    """A text file, a uint32 token file with ids up to 999, and a corpus of 3 shards of
+    ids up to 999 (framework/io/corpus.py)."""
+    from framework.io import corpus
+
     folder = tmp_path_factory.mktemp("data")
     text = folder / "corpus.txt"
     text.write_text(TEXT)
     ids = np.random.default_rng(0).integers(0, 1000, 5000).astype(np.uint32)
     ids.tofile(folder / "ids.bin")
-    return {"text": str(text), "tokens": str(folder / "ids.bin"), "ids": ids}
+    docs = np.split(np.random.default_rng(1).integers(0, 1000, 20000), range(100, 20000, 100))
+    (folder / "shards").mkdir()
+    shards = [corpus.write_shard(str(folder / "shards"), corpus.shard_name(0, i),
+                                 docs[i::3], "uint16") for i in range(3)]
+    corpus.write_manifest(str(folder / "shards"), shards, tokenizer="bytes",
+                          vocab_size=1000, dtype="uint16", eos_id=None)
+    return {"text": str(text), "tokens": str(folder / "ids.bin"), "ids": ids,
+            "corpus": str(folder / "shards")}
 
 
 def config(kind, files, **kw):
-    path = {"text": files["text"], "tokens": files["tokens"]}.get(kind)
+    path = {"text": files["text"], "tokens": files["tokens"], "corpus": files["corpus"]}.get(kind)
     dtype = "uint32" if kind == "tokens" else "uint16"
     return DataConfig(kind=kind, path=path, token_dtype=dtype, **kw)
 

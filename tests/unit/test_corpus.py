@@ -1,0 +1,132 @@
+"""A sharded corpus (framework/io/corpus.py, `data.kind=corpus`) and its preparation
+(`tools/prepare_data.py --shards`, framework/io/prepare.py): documents in, shards and a
+manifest out, a restart that skips finished inputs; sequences in epochs without
+replacement, a pure function of (seed, step, row); bad shards as one line."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from framework.config import DataConfig, TrainConfig
+from framework.errors import ConfigError
+from framework.io import corpus, data
+from tests.helpers import load_tool
+
+TRAIN = TrainConfig(seq_len=8, global_batch_size=4, seed=5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
+def test_the_permutation_is_a_bijection_of_its_range_and_depends_on_its_key(n):
+    got = corpus.permute(np.arange(n), n, (1, 2))
+    assert sorted(got.tolist()) == list(range(n))
+    if n >= 17:
+        assert got.tolist() != corpus.permute(np.arange(n), n, (1, 3)).tolist()
+
+
+def numbered_corpus(folder, n_tokens: int, shard_tokens: int):
+    """A corpus whose token at stream position t is t (uint16): a row names its window."""
+    stream = np.arange(n_tokens, dtype=np.uint16)
+    docs = np.split(stream, range(5, n_tokens, 5))  # documents of 5 tokens
+    shards, per = [], max(1, shard_tokens // 5)
+    for part, lo in enumerate(range(0, len(docs), per)):
+        shards.append(corpus.write_shard(str(folder), corpus.shard_name(0, part),
+                                         docs[lo:lo + per], "uint16"))
+    corpus.write_manifest(str(folder), shards, tokenizer="bytes", vocab_size=2**16,
+                          dtype="uint16", eos_id=None)
+    return folder
+
+
+def dataset(folder, holdout=0.0, verify="checksum", train=TRAIN, vocab=2**16):
+    cfg = DataConfig(kind="corpus", path=str(folder), holdout_fraction=holdout, verify=verify)
+    return data.make_dataset(cfg, train, vocab)
+
+
+def test_every_sequence_once_per_epoch_in_a_new_order_each_epoch(tmp_path):
+    ds = dataset(numbered_corpus(tmp_path, 8 * 24 + 1, 40))  # 24 sequences, 7 shards
+    assert ds.n_train == 24
+    steps = ds.n_train // TRAIN.global_batch_size  # one epoch
+    first = lambda step: (ds.train_batch(step)[:, 0] // TRAIN.seq_len).tolist()
+    epoch0 = [s for step in range(steps) for s in first(step)]
+    epoch1 = [s for step in range(steps, 2 * steps) for s in first(step)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(24)) and epoch0 != epoch1
+    batch = ds.train_batch(3)  # windows of seq_len + 1 consecutive tokens, across shards
+    assert (np.diff(batch, axis=1) == 1).all() and batch.shape == (4, 9)
+    again = dataset(tmp_path)  # a resumed run, any rows of it
+    assert (again.train_batch(3, rows=[1, 3]) == batch[[1, 3]]).all()
+
+
+def test_held_out_sequences_are_never_trained_on(tmp_path):
+    ds = dataset(numbered_corpus(tmp_path, 8 * 40 + 1, 1000), holdout=0.2)
+    assert (ds.n_train, ds.n_eval) == (32, 8)
+    trained = {int(s) for step in range(16) for s in ds.train_batch(step)[:, 0] // 8}
+    held = {int(s) for i in range(2) for s in ds.eval_batch(i)[:, 0] // 8}
+    assert trained == set(range(32)) and held == set(range(32, 40))
+
+
+def damage(folder, how: str):
+    manifest = json.loads((folder / corpus.MANIFEST).read_text())
+    path = folder / manifest["shards"][1]["file"]
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:-2])
+    else:  # the same size, one byte changed
+        raw = bytearray(path.read_bytes())
+        raw[3] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("how,says", [("missing", "is missing"),
+                                      ("truncated", "is truncated or was replaced"),
+                                      ("corrupted", "does not match its manifest's SHA-256")])
+def test_a_damaged_shard_is_one_line_before_training(tmp_path, how, says):
+    path = damage(numbered_corpus(tmp_path, 8 * 24 + 1, 40), how)
+    with pytest.raises(ConfigError) as err:
+        dataset(tmp_path)
+    assert says in str(err.value) and str(path) in str(err.value)
+    assert "\n" not in str(err.value)
+    if how == "corrupted":  # data.verify=size reads no bytes: it cannot see this one
+        dataset(tmp_path, verify="size")
+
+
+@pytest.mark.parametrize("case,says", [
+    ("vocab", "model.vocab_size=1000"), ("small", "fewer than one batch"),
+    ("no manifest", "holds no manifest.json"), ("verify", "data.verify='all'")])
+def test_bad_corpora_and_settings_are_one_line(tmp_path, case, says):
+    (tmp_path / "c").mkdir()
+    folder = numbered_corpus(tmp_path / "c", 8 * 24 + 1, 40)
+    with pytest.raises(ConfigError) as err:
+        if case == "vocab":
+            dataset(folder, vocab=1000)
+        elif case == "small":
+            dataset(folder, train=TrainConfig(seq_len=8, global_batch_size=32))
+        elif case == "no manifest":
+            dataset(tmp_path)
+        else:
+            dataset(folder, verify="all")
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_prepare_shards_from_text_and_json_lines_and_resume(tmp_path):
+    docs = [f"document {i}: " + "words " * (i % 7) for i in range(50)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs[:40]))
+    (tmp_path / "b.txt").write_text(docs[40])
+    inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")]
+    out = tmp_path / "corpus"
+    args = ["--shards", str(out), *inputs, "--workers", "2", "--shard-tokens", "200",
+            "--text-field", "body"]
+    manifest = load_tool("prepare_data").main(args)
+    assert manifest["documents"] == 41 and len(manifest["shards"]) > 2
+    shards, _ = corpus.open_corpus(str(out), 256)
+    stream = np.concatenate([np.asarray(s.tokens) for s in shards])
+    assert bytes(stream.astype(np.uint8)) == "".join(docs[:41]).encode()
+    index = np.fromfile(out / manifest["shards"][0]["index"], dtype=np.uint64)
+    assert index[0] == 0 and index[-1] == manifest["shards"][0]["tokens"]
+    # a restart redoes only the input whose record is gone, and ends with the same corpus
+    os.remove(out / "input-00001.done")
+    stamp = os.path.getmtime(out / manifest["shards"][0]["file"])
+    assert load_tool("prepare_data").main(args) == manifest
+    assert os.path.getmtime(out / manifest["shards"][0]["file"]) == stamp
