@@ -242,6 +242,7 @@ class DataConfig:
     holdout_fraction: float = 0.05  # share of the data kept out of training for eval/loss
     markov_concentration: float = 0.1  # markov: Dirichlet concentration of each row
     verify: str = "checksum"  # corpus: each shard's SHA-256 (or only its size) at start
+    prefetch: int = 2  # batches made ahead by a background thread (0: when needed)
 
 
 @dataclass
@@ -249,6 +250,11 @@ class EvalConfig:
     every: int = 0  # steps between eval/loss measurements (0: never)
     batches: int = 2  # held-out batches averaged per evaluation
     sample_prompt: Optional[str] = None  # at each evaluation, continue this text (greedy)
+    # Named validation sets {name: corpus folder} (data.kind=corpus's format), each
+    # logged as eval/<name>/loss at every evaluation (framework/io/data.py, eval_sets).
+    # Any: Hydra merges a dict given on the command line into a typed one (and then
+    # refuses its new keys); into None it sets it.
+    sets: Any = None
     sample_tokens: int = 32  # tokens generated for that sample
 
 
@@ -406,6 +412,7 @@ RANGES: dict[str, Range] = {
     "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0
     "train.stop_at": AT_LEAST_1,
     "data.holdout_fraction": FRACTION_BELOW_1, "data.markov_concentration": POSITIVE,
+    "data.prefetch": AT_LEAST_0,
     "eval.every": AT_LEAST_0, "eval.batches": AT_LEAST_1, "eval.sample_tokens": AT_LEAST_1,
     "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
     "logging.every": AT_LEAST_1,

@@ -63,7 +63,11 @@ class Shard:
 def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[list[Shard], dict]:
     """(the shards, memory-mapped, in stream order; the manifest) of the corpus at `path`
     (its folder or its manifest.json), checked (module docstring)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    is_manifest = os.path.basename(path) == MANIFEST and os.path.isfile(path)
+    if not (os.path.isdir(path) or is_manifest):
+        raise ConfigError(f"data.path={path} is not a corpus folder (nor its {MANIFEST}): "
+                          f"prepare one with tools/prepare_data.py --shards <folder> <inputs>")
+    folder = os.path.dirname(path) if is_manifest else path
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise ConfigError(f"data.path={path} holds no {MANIFEST}: prepare a corpus with "

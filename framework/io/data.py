@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from framework.errors import ConfigError
-from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
+from framework.config import CHOICES, DataConfig, EvalConfig, TrainConfig, not_one_of
 from framework.io import corpus
 
 KINDS = CHOICES["data.kind"]
@@ -183,9 +184,9 @@ class CorpusDataset(Dataset):
                                                         vocab_size, cfg.verify)
         total = self.shards[-1].start + len(self.shards[-1].tokens)
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
-        held = int(n * cfg.holdout_fraction)
+        held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
         self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
-        if self.n_train < self.global_batch:
+        if cfg.holdout_fraction < 1 and self.n_train < self.global_batch:
             raise ConfigError(
                 f"data.path={cfg.path} holds {self.n_train} training sequences of "
                 f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
@@ -195,6 +196,7 @@ class CorpusDataset(Dataset):
             raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
                               f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
                               f"than one batch of {self.global_batch}: raise it, or set 0")
+
 
     def epoch_of(self, step: int) -> int:
         return step * self.global_batch // self.n_train
@@ -211,6 +213,30 @@ class CorpusDataset(Dataset):
             seqs = self.n_train + g % self.n_eval
         return np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
                                             self.seq_len + 1) for i in seqs]).astype(np.int32)
+
+
+def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,
+              vocab_size: int) -> dict[str, Dataset]:
+    """The named validation sets of `eval.sets` ({name: corpus folder}), each read whole
+    as held-out sequences and logged as eval/<name>/loss; checked like `data.path`."""
+    sets = evaluation.sets or {}
+    if not isinstance(sets, dict):
+        raise ConfigError(f"eval.sets={sets!r} is not a mapping of names to corpus folders, "
+                          f"e.g. 'eval.sets={{wiki: wiki_val/, code: code_val/}}'")
+    if sets and not evaluation.every:
+        raise ConfigError("eval.sets needs eval.every > 0 (how often they are evaluated)")
+    out = {}
+    for name, path in sets.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
+            raise ConfigError(f"eval.sets name {name!r} is not a plain name (letters, "
+                              f"digits, _ . -): it becomes the metric eval/<name>/loss")
+        one = DataConfig(kind="corpus", path=str(path), holdout_fraction=1.0,
+                         verify=cfg.verify)
+        try:
+            out[str(name)] = CorpusDataset(train, vocab_size, one)
+        except ConfigError as err:
+            raise ConfigError(f"eval.sets.{name}: {err}") from None
+    return out
 
 
 def _check_path(cfg: DataConfig, what: str) -> str:

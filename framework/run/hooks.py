@@ -33,16 +33,18 @@ def make_batches(dataset, engine, fetch=None):
     return lambda step: sharded_batch(fetch, step, sharding, dataset.global_shape)
 
 
-def make_evaluator(engine, dataset, n_batches: int):
-    """(step, state) -> {"eval/loss": mean forward-only loss over the first `n_batches`
-    held-out batches} (the same batches at every evaluation)."""
+def make_evaluator(engine, dataset, n_batches: int, name: str | None = None):
+    """(step, state) -> {"eval/loss" (a named set: "eval/<name>/loss"): mean
+    forward-only loss over the first `n_batches` held-out batches} (the same batches at
+    every evaluation)."""
+    key = "eval/loss" if name is None else f"eval/{name}/loss"
     loss_fn = engine.eval_loss_fn()
     held_out = make_batches(dataset, engine, dataset.eval_batch)
     batches = [held_out(i) for i in range(n_batches)]
 
     def evaluate(step, state) -> dict:
         losses = [loss_fn(state["params"], tokens) for tokens in batches]
-        return {"eval/loss": float(np.mean([to_host(x) for x in losses]))}
+        return {key: float(np.mean([to_host(x) for x in losses]))}
 
     return evaluate
 

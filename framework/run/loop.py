@@ -8,6 +8,11 @@ happens before the loop (`Engine.compile`), and the first step, which still pays
 one-off costs (buffer allocation, first transfers), is timed on its own and kept out of
 every throughput number.
 
+Data. The batches of the coming steps are read and placed on the mesh by a background
+thread (`Prefetch`, `LoopSettings.prefetch` steps ahead) while the devices compute;
+`perf/data_wait_fraction` is the share of a log window's time the loop spent waiting
+for a batch (0 when the loader keeps ahead; with prefetch 0, all the reading time).
+
 Faults (framework/runtime/faults.py). The loss and gradient norm of every step are checked on
 the host whenever the loop waits anyway (at log steps, before hooks, at the end), so a
 NaN is reported at the step it first appeared and no hook (no checkpoint) ever sees
@@ -17,6 +22,8 @@ train.stop_at) and ends the loop there.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -45,6 +52,46 @@ class LoopSettings:
     once: dict = field(default_factory=dict)  # added to the first record only
     # Step time in seconds -> the perf/* metrics of a record (tokens/s, TFLOP/s, MFU).
     perf: Callable[[float], dict] = lambda step_time: {}
+    prefetch: int = 2  # batches made ahead in a background thread (0: when needed)
+
+
+class Prefetch:
+    """`batches(index)` for index = start, start + 1, ... made by a background thread,
+    at most `depth` ahead (memory: `depth` batches); called in that order. An error
+    making a batch (e.g. a shard damaged during the run) is raised by the call that
+    wanted it."""
+
+    def __init__(self, batches: Batches, start: int, stop: int, depth: int):
+        self.next, self.done = start, threading.Event()
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+
+        def work():
+            for index in range(start, stop):
+                try:
+                    item = (index, batches(index), None)
+                except BaseException as err:  # handed to the loop's thread
+                    item = (index, None, err)
+                while not self.done.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if item[2] is not None or self.done.is_set():
+                    return
+
+        threading.Thread(target=work, name="prefetch", daemon=True).start()
+
+    def __call__(self, index: int):
+        got, batch, err = self.queue.get()
+        assert got == index == self.next, (got, index, self.next)
+        self.next += 1
+        if err is not None:
+            raise err
+        return batch
+
+    def close(self):
+        self.done.set()
 
 
 @dataclass
@@ -119,10 +166,15 @@ class _Clock:
 
     def reset(self):
         self.start, self.steps, self.paused = time.perf_counter(), 0, 0.0
+        self.waited = 0.0  # for batches, within the window
 
     def step_time(self) -> float | None:
         elapsed = time.perf_counter() - self.start - self.paused
         return elapsed / self.steps if self.steps else None
+
+    def wait_fraction(self) -> float | None:
+        elapsed = time.perf_counter() - self.start - self.paused
+        return min(1.0, self.waited / elapsed) if self.steps and elapsed > 0 else None
 
 
 def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: Logger,
@@ -134,13 +186,18 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
     after = _AfterStep(engine, settings, logger, hooks, pending_once=dict(settings.once))
     clock, first_step_s = after.clock, None
     step, stopped = settings.start, None
+    if settings.prefetch:
+        batches = Prefetch(batches, settings.start, settings.steps, settings.prefetch)
     try:
         for index in range(settings.start, settings.steps):
             if profile is not None and index + 1 == profile.first:
                 jax.block_until_ready(state)  # the trace holds the profiled steps only
                 profile.start()
                 after.tracing = True
-            state, metrics = engine.step(state, engine.shard_batch(batches(index)))
+            waiting = time.perf_counter()
+            batch = engine.shard_batch(batches(index))
+            clock.waited += time.perf_counter() - waiting
+            state, metrics = engine.step(state, batch)
             step = index + 1
             after.unchecked.append((step, metrics))
             if first_step_s is None:  # excluded from throughput: wait, restart the clock
@@ -161,6 +218,8 @@ def train_loop(engine, state, batches: Batches, settings: LoopSettings, logger: 
             if stopped:
                 break
     finally:
+        if isinstance(batches, Prefetch):
+            batches.close()
         if after.tracing:  # an error while tracing: end the trace (the error is what counts)
             try:
                 jax.profiler.stop_trace()
@@ -212,6 +271,7 @@ class _AfterStep:
         record = self.engine.host_metrics({k: to_host(v) for k, v in metrics.items()})
         step_time = None if self.tracing else self.clock.step_time()
         record["perf/step_time_s"] = step_time
+        record["perf/data_wait_fraction"] = None if self.tracing else self.clock.wait_fraction()
         # Nothing timed yet (only the first step in this window): same keys, null values.
         perf = self.settings.perf
         record.update(perf(step_time) if step_time else dict.fromkeys(perf(1.0)))

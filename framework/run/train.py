@@ -33,7 +33,7 @@ from framework.errors import ConfigError, Diverged, StorageError
 from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import COMPLETE_MARKERS
-from framework.io.data import Dataset, make_dataset
+from framework.io.data import Dataset, eval_sets, make_dataset
 from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
@@ -114,6 +114,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
          on_start: Callable[[], None] | None, model_io: dict) -> dict:
     started = time.perf_counter()
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
+    sets = eval_sets(cfg.eval, cfg.data, cfg.train, cfg.model.vocab_size)
     if cfg.eval.every and not dataset.has_eval:
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
                           f"data.holdout_fraction={cfg.data.holdout_fraction}: set it > 0 "
@@ -144,7 +145,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
             state, point = start.start_state(cfg.model, cfg.train, engine, ckpt, devset)
             ckpt.lineage = start.lineage_of(cfg.train, ckpt, point)
             tracker = _tracker(cfg, run_dir, run_config, engine, devset, ckpt, point)
-            parts = _Parts(cfg, engine, dataset, devset, tracker, ckpt, stop)
+            parts = _Parts(cfg, engine, dataset, devset, tracker, ckpt, stop, sets)
             try:
                 status, summary = _train(parts, state, meta, model_io["codec"])
             except BaseException as err:  # record why, then let it propagate
@@ -302,6 +303,7 @@ class _Parts:
     tracker: Tracker
     ckpt: Checkpointer
     stop: StopRequests
+    eval_sets: dict  # name -> Dataset (eval.sets)
 
 
 def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
@@ -332,7 +334,7 @@ def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
     tracker.summary["model/flops_per_token"] = per_token
     settings = _loop_settings(cfg, first, stats, parts.dataset, _perf(cfg, devset, per_token))
     result = train_loop(engine, state, batches, settings, tracker,
-                        _hooks(cfg, engine, parts.dataset, devset, codec, save),
+                        _hooks(cfg, engine, parts, codec, save),
                         _boundary(ckpt, devset, parts.stop),
                         profile_window(cfg.profile, min(cfg.train.steps, cfg.train.stop_at
                                                         or cfg.train.steps), engine, first,
@@ -360,7 +362,8 @@ def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset,
         constants["data/entropy_floor"] = dataset.entropy_floor
     return LoopSettings(steps=cfg.train.steps, log_every=cfg.logging.every, start=first,
                         constants=constants,
-                        once={"perf/compile_time_s": stats["perf/compile_time_s"]}, perf=perf)
+                        once={"perf/compile_time_s": stats["perf/compile_time_s"]}, perf=perf,
+                        prefetch=cfg.data.prefetch)
 
 
 def _perf(cfg: RunConfig, devset, per_token: float):
@@ -382,11 +385,15 @@ def _boundary(ckpt: Checkpointer, devset, stop: StopRequests):
     return boundary
 
 
-def _hooks(cfg: RunConfig, engine, dataset, devset, codec, save) -> tuple[Hook, ...]:
-    hooks = []
+def _hooks(cfg: RunConfig, engine, parts: _Parts, codec, save) -> tuple[Hook, ...]:
+    hooks, devset = [], parts.devset
     if cfg.eval.every:
         hooks.append(Hook("eval", cfg.eval.every,
-                          make_evaluator(engine, dataset, cfg.eval.batches), at_end=True))
+                          make_evaluator(engine, parts.dataset, cfg.eval.batches), at_end=True))
+    for name, held_out in parts.eval_sets.items():  # eval.sets: eval/<name>/loss
+        hooks.append(Hook(f"eval {name}", cfg.eval.every,
+                          make_evaluator(engine, held_out, cfg.eval.batches, name),
+                          at_end=True))
     if cfg.eval.sample_prompt is not None:
         hooks.append(Hook("sample", cfg.eval.every,
                           make_sampler(cfg.model, cfg.eval, engine, codec,

@@ -15,10 +15,11 @@ from framework.config import RunConfig
 from framework.engine.validate import validate
 from framework.parallel.pipeline.schedule import make_schedule
 from framework.run.checks import check_run
+from framework.run.tracking import read_metrics
 
 from tests import cli
 from tests.cli import REPO
-from tests.helpers import compose_recipe
+from tests.helpers import compose_recipe, load_tool
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 TINY_STEPS, TINY_EVERY = 6, 2  # recipes/llama_tiny_debug.yaml
@@ -203,3 +204,28 @@ def test_cfg_job_prints_the_resolved_config(tmp_path, env):
 def test_generate_help_lists_its_settings(tmp_path, env):
     proc = cli.ok(cli.framework("generate", "--help", cwd=tmp_path, env=env))
     assert "checkpoint=None" in proc.stdout and "temperature=0.8" in proc.stdout
+
+
+def test_a_run_on_a_prepared_corpus_logs_its_named_validation_set(tmp_path, env):
+    """tools/prepare_data.py --shards, then data=corpus with eval.sets: the named set's
+    loss in every evaluation's record; a damaged shard: one line, exit 2, nothing run."""
+    text = "".join(f"line {i} of a small corpus for this test.\n" for i in range(4000))
+    (tmp_path / "a.txt").write_text(text[: len(text) // 2])
+    (tmp_path / "b.txt").write_text(text[len(text) // 2:])
+    prepare = load_tool("prepare_data").main
+    prepare(["--shards", str(tmp_path / "c"), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
+             "--workers", "2", "--shard-tokens", "20000"])
+    prepare(["--shards", str(tmp_path / "v"), str(tmp_path / "b.txt"), "--workers", "1"])
+    args = ("recipe=llama_tiny_debug", "train.steps=4", "eval.every=2", "logging=no_wandb",
+            "profile.steps=0", "data=corpus", f"data.path={tmp_path / 'c'}",
+            f"eval.sets={{held: {tmp_path / 'v'}}}")
+    proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(0 < r["eval/held/loss"] < 10 for r in evals)
+    shard = next((tmp_path / "c").glob("shard-*.bin"))
+    shard.write_bytes(shard.read_bytes()[:-4])
+    proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run2'}", cwd=tmp_path, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "is truncated" in lines[0], proc.stderr

@@ -130,3 +130,21 @@ def test_prepare_shards_from_text_and_json_lines_and_resume(tmp_path):
     stamp = os.path.getmtime(out / manifest["shards"][0]["file"])
     assert load_tool("prepare_data").main(args) == manifest
     assert os.path.getmtime(out / manifest["shards"][0]["file"]) == stamp
+
+
+def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_path):
+    from framework.config import EvalConfig
+
+    folder = numbered_corpus(tmp_path, 8 * 24 + 1, 40)
+    cfg = DataConfig()
+    sets = data.eval_sets(EvalConfig(every=5, sets={"wiki": str(folder)}), cfg, TRAIN, 2**16)
+    held = sets["wiki"]
+    assert held.n_eval == 24 and held.n_train == 0
+    assert sorted(held.eval_batch(0)[:, 0] // 8) == [0, 1, 2, 3]
+    for sets_, every, says in [({"wiki": str(tmp_path / "none")}, 5, "eval.sets.wiki: "),
+                               ({"a b": str(folder)}, 5, "not a plain name"),
+                               ({"wiki": str(folder)}, 0, "needs eval.every > 0"),
+                               ("wiki", 5, "is not a mapping")]:
+        with pytest.raises(ConfigError) as err:
+            data.eval_sets(EvalConfig(every=every, sets=sets_), cfg, TRAIN, 2**16)
+        assert says in str(err.value) and "\n" not in str(err.value)
