@@ -148,3 +148,12 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
         with pytest.raises(ConfigError) as err:
             data.eval_sets(EvalConfig(every=every, sets=sets_), cfg, TRAIN, 2**16)
         assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_loader_benchmark_reads_a_corpus(tmp_path, capsys):
+    folder = numbered_corpus(tmp_path, 8 * 24 + 1, 40)
+    bench = load_tool("bench_loader").main
+    assert bench([str(folder), "--seq-len", "8", "--batch", "4", "--steps", "3",
+                  "--step-time", "1"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert bench([str(tmp_path / "none")]) == 2
