@@ -243,6 +243,9 @@ class DataConfig:
     markov_concentration: float = 0.1  # markov: Dirichlet concentration of each row
     verify: str = "checksum"  # corpus: each shard's SHA-256 (or only its size) at start
     prefetch: int = 2  # batches made ahead by a background thread (0: when needed)
+    # corpus: several corpora in proportion, [{path: <folder>, weight: <share>}, ...]
+    # (framework/io/corpus_dataset.py); Any, as eval.sets, for Hydra's list of dicts.
+    mixture: Any = None
 
 
 @dataclass

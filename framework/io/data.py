@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from framework.errors import ConfigError
-from framework.config import CHOICES, DataConfig, EvalConfig, TrainConfig, not_one_of
-from framework.io import corpus
+from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
 
 KINDS = CHOICES["data.kind"]
 VERIFY = CHOICES["data.verify"]
@@ -173,72 +171,6 @@ class FileDataset(Dataset):
         return np.stack([np.asarray(part[s:s + self.seq_len + 1]) for s in starts])
 
 
-class CorpusDataset(Dataset):
-    """Packed sequences of a sharded corpus, each once per epoch (framework/io/corpus.py):
-    training sample g = step x batch + row is sequence permute(g mod n) of epoch g // n;
-    the last holdout_fraction of the sequences are the held-out ones, in order."""
-
-    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig):
-        super().__init__(train, vocab_size)
-        self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
-                                                        vocab_size, cfg.verify)
-        total = self.shards[-1].start + len(self.shards[-1].tokens)
-        n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
-        held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
-        self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
-        if cfg.holdout_fraction < 1 and self.n_train < self.global_batch:
-            raise ConfigError(
-                f"data.path={cfg.path} holds {self.n_train} training sequences of "
-                f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
-                f"{cfg.holdout_fraction}), fewer than one batch of "
-                f"train.global_batch_size={self.global_batch}")
-        if self.has_eval and held < self.global_batch:
-            raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
-                              f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
-                              f"than one batch of {self.global_batch}: raise it, or set 0")
-
-
-    def epoch_of(self, step: int) -> int:
-        return step * self.global_batch // self.n_train
-
-    def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
-        g = index * self.global_batch + row_indices(rows, self.global_batch)
-        if split == TRAIN:
-            epochs, within = g // self.n_train, g % self.n_train
-            seqs = np.empty_like(g)
-            for e in np.unique(epochs):  # a batch spans at most two epochs
-                mine = epochs == e
-                seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
-        else:  # the held-out sequences after the training ones, cycled
-            seqs = self.n_train + g % self.n_eval
-        return np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
-                                            self.seq_len + 1) for i in seqs]).astype(np.int32)
-
-
-def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,
-              vocab_size: int) -> dict[str, Dataset]:
-    """The named validation sets of `eval.sets` ({name: corpus folder}), each read whole
-    as held-out sequences and logged as eval/<name>/loss; checked like `data.path`."""
-    sets = evaluation.sets or {}
-    if not isinstance(sets, dict):
-        raise ConfigError(f"eval.sets={sets!r} is not a mapping of names to corpus folders, "
-                          f"e.g. 'eval.sets={{wiki: wiki_val/, code: code_val/}}'")
-    if sets and not evaluation.every:
-        raise ConfigError("eval.sets needs eval.every > 0 (how often they are evaluated)")
-    out = {}
-    for name, path in sets.items():
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
-            raise ConfigError(f"eval.sets name {name!r} is not a plain name (letters, "
-                              f"digits, _ . -): it becomes the metric eval/<name>/loss")
-        one = DataConfig(kind="corpus", path=str(path), holdout_fraction=1.0,
-                         verify=cfg.verify)
-        try:
-            out[str(name)] = CorpusDataset(train, vocab_size, one)
-        except ConfigError as err:
-            raise ConfigError(f"eval.sets.{name}: {err}") from None
-    return out
-
-
 def _check_path(cfg: DataConfig, what: str) -> str:
     if not cfg.path:
         raise ConfigError(f"data.kind={cfg.kind} needs data.path=<{what}>")
@@ -329,12 +261,21 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
     if cfg.kind == "tokens":
         return FileDataset(train, vocab_size, open_tokens(cfg, vocab_size),
                            cfg.holdout_fraction, f"data.path={cfg.path}")
+    if cfg.mixture is not None and cfg.kind != "corpus":
+        raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
+                          f"(not {cfg.kind})")
     if cfg.kind == "corpus":
-        if not cfg.path:
-            raise ConfigError("data.kind=corpus needs data.path=<a corpus folder from "
-                              "tools/prepare_data.py --shards>")
         if cfg.verify not in VERIFY:
             raise ConfigError(not_one_of("data.verify", cfg.verify))
+        if cfg.mixture is not None:
+            from framework.io.corpus_dataset import MixtureDataset
+
+            return MixtureDataset(train, vocab_size, cfg)
+        if not cfg.path:
+            raise ConfigError("data.kind=corpus needs data.path=<a corpus folder from "
+                              "tools/prepare_data.py --shards> (or data.mixture)")
+        from framework.io.corpus_dataset import CorpusDataset  # it builds on Dataset
+
         return CorpusDataset(train, vocab_size, cfg)
     raise ConfigError(not_one_of("data.kind", cfg.kind))
 

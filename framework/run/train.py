@@ -33,7 +33,8 @@ from framework.errors import ConfigError, Diverged, StorageError
 from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import COMPLETE_MARKERS
-from framework.io.data import Dataset, eval_sets, make_dataset
+from framework.io.corpus_dataset import eval_sets
+from framework.io.data import Dataset, make_dataset
 from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name

@@ -11,7 +11,7 @@ import pytest
 
 from framework.config import DataConfig, TrainConfig
 from framework.errors import ConfigError
-from framework.io import corpus, data
+from framework.io import corpus, corpus_dataset, data
 from tests.helpers import load_tool
 
 TRAIN = TrainConfig(seq_len=8, global_batch_size=4, seed=5)
@@ -137,7 +137,7 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
 
     folder = numbered_corpus(tmp_path, 8 * 24 + 1, 40)
     cfg = DataConfig()
-    sets = data.eval_sets(EvalConfig(every=5, sets={"wiki": str(folder)}), cfg, TRAIN, 2**16)
+    sets = corpus_dataset.eval_sets(EvalConfig(every=5, sets={"wiki": str(folder)}), cfg, TRAIN, 2**16)
     held = sets["wiki"]
     assert held.n_eval == 24 and held.n_train == 0
     assert sorted(held.eval_batch(0)[:, 0] // 8) == [0, 1, 2, 3]
@@ -146,7 +146,7 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
                                ({"wiki": str(folder)}, 0, "needs eval.every > 0"),
                                ("wiki", 5, "is not a mapping")]:
         with pytest.raises(ConfigError) as err:
-            data.eval_sets(EvalConfig(every=every, sets=sets_), cfg, TRAIN, 2**16)
+            corpus_dataset.eval_sets(EvalConfig(every=every, sets=sets_), cfg, TRAIN, 2**16)
         assert says in str(err.value) and "\n" not in str(err.value)
 
 
@@ -157,3 +157,36 @@ def test_the_loader_benchmark_reads_a_corpus(tmp_path, capsys):
                   "--step-time", "1"]) == 0
     assert "tokens/s" in capsys.readouterr().out
     assert bench([str(tmp_path / "none")]) == 2
+
+
+def test_a_mixture_takes_each_corpus_in_its_share_each_in_its_own_epochs(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = numbered_corpus(tmp_path / "a", 8 * 300 + 1, 400)  # tokens 0..2400
+    b = numbered_corpus(tmp_path / "b", 8 * 300 + 1, 400)
+    # b's tokens shifted up by 10,000: a row says which corpus it came from
+    for shard in (b).glob("*.bin"):
+        (np.fromfile(shard, np.uint16) + 10_000).astype(np.uint16).tofile(shard)
+    manifest = json.loads((b / corpus.MANIFEST).read_text())
+    for entry in manifest["shards"]:
+        entry["file_sha256"] = corpus.sha256(str(b / entry["file"]))
+    (b / corpus.MANIFEST).write_text(json.dumps(manifest))
+    mix = [{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}]
+    train = TrainConfig(seq_len=8, global_batch_size=64, seed=2)
+    ds = data.make_dataset(DataConfig(kind="corpus", mixture=mix, holdout_fraction=0.0),
+                           train, 2**16)
+    firsts = np.concatenate([ds.train_batch(s)[:, 0] for s in range(64)])  # one block
+    from_b = firsts >= 10_000
+    assert from_b.mean() == pytest.approx(0.25, abs=0.002)  # 1024 of 4096, to rounding
+    # the block's 3,072 samples of a are its samples 0..3071: 10.24 epochs of its 300
+    # sequences, so each sequence 10 or 11 times
+    seen = np.bincount(firsts[~from_b] // 8, minlength=300)
+    assert len(seen) == 300 and set(seen.tolist()) == {10, 11} and seen.sum() == 3072
+    again = data.make_dataset(DataConfig(kind="corpus", mixture=mix, holdout_fraction=0.0),
+                              train, 2**16)
+    assert (again.train_batch(5, rows=[3, 60]) == ds.train_batch(5)[[3, 60]]).all()
+    for bad, says in [([{"path": str(a), "weight": -1}], "must be a number >= 0"),
+                      ([{"weight": 1}], "names no corpus"), ("web/", "is not a list"),
+                      ([{"path": str(a), "weight": 0}], "add up to 0")]:
+        with pytest.raises(ConfigError) as err:
+            data.make_dataset(DataConfig(kind="corpus", mixture=bad), train, 2**16)
+        assert says in str(err.value) and "\n" not in str(err.value)

@@ -1,0 +1,146 @@
+"""Datasets of sharded corpora (framework/io/corpus.py's format): `data.kind=corpus`
+(`CorpusDataset`: packed sequences, each once per epoch), weighted mixtures of corpora
+(`data.mixture`, `MixtureDataset`) and named validation sets (`eval.sets`,
+`eval_sets`). Row r of step s stays a pure function of (seed, step, row), as for every
+dataset of framework/io/data.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from framework.config import DataConfig, EvalConfig, TrainConfig
+from framework.errors import ConfigError
+from framework.io import corpus
+from framework.io.data import TRAIN, Dataset, Rows, row_indices
+
+
+class CorpusDataset(Dataset):
+    """Packed sequences of a sharded corpus, each once per epoch (framework/io/corpus.py):
+    training sample g = step x batch + row is sequence permute(g mod n) of epoch g // n;
+    the last holdout_fraction of the sequences are the held-out ones, in order."""
+
+    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig):
+        super().__init__(train, vocab_size)
+        self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
+                                                        vocab_size, cfg.verify)
+        total = self.shards[-1].start + len(self.shards[-1].tokens)
+        n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
+        held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
+        self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
+        if cfg.holdout_fraction < 1 and self.n_train < self.global_batch:
+            raise ConfigError(
+                f"data.path={cfg.path} holds {self.n_train} training sequences of "
+                f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
+                f"{cfg.holdout_fraction}), fewer than one batch of "
+                f"train.global_batch_size={self.global_batch}")
+        if self.has_eval and held < self.global_batch:
+            raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
+                              f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
+                              f"than one batch of {self.global_batch}: raise it, or set 0")
+
+
+    def epoch_of(self, step: int) -> int:
+        return step * self.global_batch // self.n_train
+
+    def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
+        return self.samples(split, index * self.global_batch + row_indices(rows, self.global_batch))
+
+    def samples(self, split: int, g: np.ndarray) -> np.ndarray:
+        """The [len(g), seq_len + 1] rows of samples g (training: step x batch + row)."""
+        if split == TRAIN:
+            epochs, within = g // self.n_train, g % self.n_train
+            seqs = np.empty_like(g)
+            for e in np.unique(epochs):  # a batch spans at most two epochs
+                mine = epochs == e
+                seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
+        else:  # the held-out sequences after the training ones, cycled
+            seqs = self.n_train + g % self.n_eval
+        return np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
+                                            self.seq_len + 1) for i in seqs]).astype(np.int32)
+
+
+class MixtureDataset(Dataset):
+    """Several corpora in fixed proportions (`data.mixture`): in every block of BLOCK
+    consecutive samples, corpus k gives n_k of them (its weight's share of BLOCK,
+    rounded by largest remainders), in an order drawn per block (a keyed permutation
+    of the block's slots: slot s belongs to corpus k for s in [start_k, start_k + n_k));
+    sample g of the mixture is then sample (g // BLOCK) n_k + (s - start_k) of corpus
+    k, which runs its own epochs without replacement. A closed form: row r of step s
+    is still a pure function of (seed, step, row)."""
+
+    BLOCK = 4096
+
+    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig):
+        super().__init__(train, vocab_size)
+        paths, weights = _mixture(cfg.mixture)
+        self.parts = [CorpusDataset(train, vocab_size, DataConfig(
+            kind="corpus", path=p, holdout_fraction=cfg.holdout_fraction, verify=cfg.verify))
+            for p in paths]
+        share = np.asarray(weights) / sum(weights) * self.BLOCK
+        counts = np.floor(share).astype(np.int64)
+        counts[np.argsort(counts - share)[:self.BLOCK - counts.sum()]] += 1
+        self.counts, self.starts = counts, np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.has_eval = all(p.has_eval for p in self.parts)
+
+    def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
+        g = index * self.global_batch + row_indices(rows, self.global_batch)
+        out = np.empty((len(g), self.seq_len + 1), np.int32)
+        for block in np.unique(g // self.BLOCK):
+            mine = g // self.BLOCK == block
+            slot = corpus.permute(g[mine] % self.BLOCK, self.BLOCK, (self.seed, split, int(block)))
+            part = np.searchsorted(self.starts, slot, side="right") - 1
+            local = block * self.counts[part] + slot - self.starts[part]
+            rows_out = np.empty((mine.sum(), self.seq_len + 1), np.int32)
+            for k in np.unique(part):
+                rows_out[part == k] = self.parts[k].samples(split, local[part == k])
+            out[mine] = rows_out
+        return out
+
+
+def _mixture(given) -> tuple[list[str], list[float]]:
+    """(paths, weights) of `data.mixture`, a list of {path, weight}; one line if not."""
+    example = "'data.mixture=[{path: web/, weight: 0.7}, {path: code/, weight: 0.3}]'"
+    if not isinstance(given, (list, tuple)) or not given:
+        raise ConfigError(f"data.mixture={given!r} is not a list of corpora with weights, "
+                          f"e.g. {example}")
+    paths, weights = [], []
+    for n, entry in enumerate(given):
+        if not isinstance(entry, dict) or not entry.get("path"):
+            raise ConfigError(f"data.mixture[{n}]={entry!r} names no corpus: each entry is "
+                              f"{{path: <corpus folder>, weight: <share>}}, e.g. {example}")
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight < 0:
+            raise ConfigError(f"data.mixture[{n}].weight={weight!r} must be a number >= 0")
+        paths.append(str(entry["path"]))
+        weights.append(float(weight))
+    if sum(weights) <= 0:
+        raise ConfigError(f"data.mixture's weights add up to 0: give some corpus a weight > 0")
+    return paths, weights
+
+
+def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,
+              vocab_size: int) -> dict[str, Dataset]:
+    """The named validation sets of `eval.sets` ({name: corpus folder}), each read whole
+    as held-out sequences and logged as eval/<name>/loss; checked like `data.path`."""
+    sets = evaluation.sets or {}
+    if not isinstance(sets, dict):
+        raise ConfigError(f"eval.sets={sets!r} is not a mapping of names to corpus folders, "
+                          f"e.g. 'eval.sets={{wiki: wiki_val/, code: code_val/}}'")
+    if sets and not evaluation.every:
+        raise ConfigError("eval.sets needs eval.every > 0 (how often they are evaluated)")
+    out = {}
+    for name, path in sets.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
+            raise ConfigError(f"eval.sets name {name!r} is not a plain name (letters, "
+                              f"digits, _ . -): it becomes the metric eval/<name>/loss")
+        one = DataConfig(kind="corpus", path=str(path), holdout_fraction=1.0,
+                         verify=cfg.verify)
+        try:
+            out[str(name)] = CorpusDataset(train, vocab_size, one)
+        except ConfigError as err:
+            raise ConfigError(f"eval.sets.{name}: {err}") from None
+    return out
