@@ -155,7 +155,10 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
         start = time.perf_counter()
         with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
             warnings.simplefilter("ignore")
-            why = run_case(model, par, train, devices[:par.n_devices])
+            try:
+                why = run_case(model, par, train, devices[:par.n_devices])
+            except Exception as err:  # a layout that does not even build is a finding too
+                why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
         line = f"{label(par)}: {why} | {overrides(model, par, train)}" if why else None
         if line:
             failures.append(line)

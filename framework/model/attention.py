@@ -203,7 +203,10 @@ def blockwise_attention(q, k, v, *, block_q: int = 512, block_kv: int = 512, q_o
     if bq < 1 or bk < 1:
         raise ValueError(f"attention block sizes must be >= 1, got {block_q}, {block_kv}")
     pad = lambda x, n: jnp.pad(x, [(0, 0), (0, -x.shape[1] % n)] + [(0, 0)] * (x.ndim - 2))
-    offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
+    # typed like q, k, v inside a shard_map: the offsets are residuals of the VJP, and a
+    # pipeline executor stashes residuals by type (constants would stand apart)
+    typed = _zeros((), q, k, v).astype(jnp.int32)
+    offsets = jnp.asarray(q_offset, jnp.int32) + typed, jnp.asarray(kv_offset, jnp.int32) + typed
     out = _flash(bq, bk, kv_len, pad(q, bq), pad(k, bk), pad(v, bk), *offsets)
     return out[:, :q_len]
 
