@@ -298,15 +298,14 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
     sched = program_of(parallel, model.n_layers).schedule
-    v = sched.n_chunks
+    v = sched.n_chunks  # chunks a rank holds
     full, stored, stage_weights = _param_bytes(model, parallel, v)
     rules = param_rules(parallel.tensor_split)
     rows = train.global_batch_size // dp  # this data replica's rows
-    mb_rows = rows // m
+    mb_rows = rows // m  # a microbatch's
     sp = parallel.sequence_parallel and tp > 1
-    seq = train.seq_len // parallel.context  # a device's tokens of each sequence
-    seq_local = seq // tp if sp else seq
-    hidden = mb_rows * seq_local * model.d_model * np.dtype(model.dtype).itemsize
+    seq = train.seq_len // parallel.context  # a device's tokens of a sequence (context)
+    hidden = mb_rows * (seq // tp if sp else seq) * model.d_model * np.dtype(model.dtype).itemsize
     logits = seq * (model.vocab_size // tp) * FP32  # per row
     per_use = gathers_per_use(parallel)
     res = residuals(model, seq, tp, sp, _layer_remat(parallel), rules=rules)
