@@ -46,8 +46,9 @@ def main(argv=None) -> int:
     print(f"{tokens / seconds:,.0f} tokens/s; {per_batch * 1e3:.2f} ms per batch of "
           f"{args.batch} x {args.seq_len + 1}")
     if args.step_time:
-        print(f"a step of {args.step_time} s consumes {args.batch * args.seq_len / args.step_time:,.0f}"
-              f" tokens/s: the loader needs {per_batch / args.step_time:.1%} of it")
+        consumed = args.batch * args.seq_len / args.step_time
+        print(f"a step of {args.step_time} s consumes {consumed:,.0f} tokens/s: the loader "
+              f"needs {per_batch / args.step_time:.1%} of it")
     return 0
 
 

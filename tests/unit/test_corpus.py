@@ -137,7 +137,8 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
 
     folder = numbered_corpus(tmp_path, 8 * 24 + 1, 40)
     cfg = DataConfig()
-    sets = corpus_dataset.eval_sets(EvalConfig(every=5, sets={"wiki": str(folder)}), cfg, TRAIN, 2**16)
+    sets = corpus_dataset.eval_sets(EvalConfig(every=5, sets={"wiki": str(folder)}), cfg,
+                                    TRAIN, 2**16)
     held = sets["wiki"]
     assert held.n_eval == 24 and held.n_train == 0
     assert sorted(held.eval_batch(0)[:, 0] // 8) == [0, 1, 2, 3]
