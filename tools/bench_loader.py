@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from framework.io import data
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("corpus", help="a folder from tools/prepare_data.py --shards")
+    parser.add_argument("corpus", help="a folder of shards from tools/prepare_data.py")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)

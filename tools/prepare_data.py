@@ -1,7 +1,21 @@
-"""Build a `data.kind=tokens` file (flat uint16/uint32 token ids) from text files.
+"""Prepare training data: a folder of token shards (`data.kind=corpus`), or one flat
+token file (`data.kind=tokens`, OUT ending in .bin).
 
+    python tools/prepare_data.py corpus/ web/*.jsonl books/*.txt --tokenizer tok.json \
+        --eos-id 2 --processes 8 --shard-tokens 100000000     # a folder of shards
     python tools/prepare_data.py OUT.bin a.txt b.txt                  # byte-level, vocab 256
     python tools/prepare_data.py OUT.bin corpus/*.txt --tokenizer tokenizer.json
+
+A folder of shards (framework/io/prepare.py, the format framework/io/corpus.py): each
+input is read as documents (a .txt file: one document; .jsonl: one per line, its
+`--text-field`; .parquet: one per row of that column, with pyarrow), tokenized in
+batches (`Tokenizer.encode_batch`) by `--processes` worker processes, one input at a
+time each, and written as shards of about `--shard-tokens` tokens with a document
+index, then a manifest with each shard's documents, tokens and SHA-256 checksums. A
+restart skips the inputs whose shards are complete (a `.done` record beside them).
+Progress and tokens per second go to stderr.
+
+A flat file (OUT.bin):
 
 Byte-level: the files' raw bytes, in the order given, `--separator` between files; the
 result is what `data.kind=text` reads from the same single file. With `--tokenizer`, a
@@ -13,19 +27,6 @@ tokenizer, which a training run copies into its folder so that `framework.genera
 and `tools/export_hf.py` decode and ship the same one); `data.kind=tokens` checks the
 dtype against it. Then train with: data.kind=tokens data.path=OUT.bin
 data.token_dtype=<dtype printed>.
-
-A corpus of many files, for `data.kind=corpus` (framework/io/corpus.py):
-
-    python tools/prepare_data.py --shards corpus/ web/*.jsonl books/*.txt \
-        --tokenizer tokenizer.json --eos-id 2 --workers 8 --shard-tokens 100000000
-
-Each input is read as documents (a .txt file: one document; .jsonl: one per line, its
-`--text-field`; .parquet: one per row of that column, with pyarrow), tokenized in
-batches (`Tokenizer.encode_batch`) by `--workers` processes, one input at a time each,
-and written as shards of about `--shard-tokens` tokens with a document index, then a
-manifest with each shard's documents, tokens and SHA-256 checksums. A restart skips
-the inputs whose shards are complete (a `.done` record beside them). Progress and
-tokens per second go to stderr.
 """
 
 from __future__ import annotations
@@ -120,30 +121,32 @@ def prepare(output: str, inputs: list[str], tokenizer: str | None = None,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="OUTPUT INPUTS",
-                        help="the token file to write (e.g. data/train.bin), then text "
-                             "files concatenated in this order; with --shards: inputs only")
+    parser.add_argument("output", help="a folder of shards to write (e.g. data/corpus/), or "
+                                       "a flat token file ending in .bin")
+    parser.add_argument("inputs", nargs="+", help="text, JSON lines or Parquet files "
+                                                  "(a .bin output: text files, concatenated)")
     parser.add_argument("--tokenizer", help="a local tokenizer.json (default: byte-level)")
     parser.add_argument("--separator", default="\n",
                         help="byte-level: text put between files (default: a newline)")
     parser.add_argument("--eos-id", type=int,
-                        help="with --tokenizer: id put after each file (--shards: each document)")
-    parser.add_argument("--shards", metavar="FOLDER", help="write a sharded corpus there")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+                        help="with --tokenizer: id put after each document (a .bin output: "
+                             "after each file)")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1,
+                        help="tokenizing worker processes (a folder of shards)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000)
     parser.add_argument("--text-field", default="text", help="JSON lines, Parquet: the column")
     args = parser.parse_args(argv)
-    if args.shards:
+    if not args.output.endswith(".bin"):  # a folder of shards
+        if args.processes < 1:
+            parser.error(f"--processes {args.processes} must be >= 1")
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
         from framework.io.prepare import prepare_shards
 
-        return prepare_shards(args.shards, args.paths, args.tokenizer, args.eos_id,
-                              args.workers, args.shard_tokens, args.text_field)
-    if len(args.paths) < 2:
-        parser.error("give the output file and at least one input")
-    meta = prepare(args.paths[0], args.paths[1:], args.tokenizer, args.separator, args.eos_id)
+        return prepare_shards(args.output, args.inputs, args.tokenizer, args.eos_id,
+                              args.processes, args.shard_tokens, args.text_field)
+    meta = prepare(args.output, args.inputs, args.tokenizer, args.separator, args.eos_id)
     print(f"wrote {meta['n_tokens']} {meta['dtype']} tokens (vocab {meta['vocab_size']}) "
-          f"to {args.paths[0]}: use data.kind=tokens data.path={args.paths[0]} "
+          f"to {args.output}: use data.kind=tokens data.path={args.output} "
           f"data.token_dtype={meta['dtype']}", file=sys.stderr)
     return meta
 

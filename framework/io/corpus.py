@@ -1,4 +1,4 @@
-"""A sharded token corpus (`data.kind=corpus`): what `tools/prepare_data.py --shards`
+"""A sharded token corpus (`data.kind=corpus`): what `tools/prepare_data.py <folder>`
 writes, read as fixed-length sequences in epochs without replacement.
 
 On disk, a folder:
@@ -66,19 +66,19 @@ def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[l
     is_manifest = os.path.basename(path) == MANIFEST and os.path.isfile(path)
     if not (os.path.isdir(path) or is_manifest):
         raise ConfigError(f"data.path={path} is not a corpus folder (nor its {MANIFEST}): "
-                          f"prepare one with tools/prepare_data.py --shards <folder> <inputs>")
+                          f"prepare one with tools/prepare_data.py <folder> <inputs>")
     folder = os.path.dirname(path) if is_manifest else path
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise ConfigError(f"data.path={path} holds no {MANIFEST}: prepare a corpus with "
-                          f"tools/prepare_data.py --shards <folder> <inputs>")
+                          f"tools/prepare_data.py <folder> <inputs>")
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
         shards_meta, dtype = manifest["shards"], np.dtype(manifest["dtype"])
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{manifest_path} is not a corpus manifest ({err}): prepare the "
-                          f"corpus again with tools/prepare_data.py --shards") from None
+                          f"corpus again with tools/prepare_data.py <folder>") from None
     if manifest.get("vocab_size", 0) > vocab_size:
         raise ConfigError(f"{manifest_path}: the corpus's tokenizer has a vocabulary of "
                           f"{manifest['vocab_size']} but model.vocab_size={vocab_size}: "
@@ -99,7 +99,7 @@ def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[l
 def _check_file(path: str, size: int, digest: str, verify: str) -> None:
     if not os.path.isfile(path):
         raise ConfigError(f"corpus shard {path} is missing: restore it, or prepare the "
-                          f"corpus again (tools/prepare_data.py --shards skips finished shards)")
+                          f"corpus again (tools/prepare_data.py <folder> skips finished shards)")
     if os.path.getsize(path) != size:
         raise ConfigError(f"corpus shard {path} is {os.path.getsize(path)} bytes but its "
                           f"manifest says {size}: the file is truncated or was replaced")
@@ -108,7 +108,7 @@ def _check_file(path: str, size: int, digest: str, verify: str) -> None:
                           f"file is damaged; restore it or prepare the corpus again")
 
 
-# --- Writing (tools/prepare_data.py --shards) -------------------------------------------
+# --- Writing (tools/prepare_data.py <folder>) -------------------------------------------
 
 def shard_name(source: int, part: int) -> str:
     """Shards are named by the input they come from and their part of it, so that

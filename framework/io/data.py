@@ -7,7 +7,7 @@ Kinds (`data.kind`):
     text       any UTF-8 file read as bytes: vocabulary 256, no tokenizer, no downloads
     tokens     a flat binary file of uint16/uint32 token ids, memory-mapped
                (`tools/prepare_data.py` builds one)
-    corpus     a folder of token shards with a manifest (`tools/prepare_data.py --shards`):
+    corpus     a folder of token shards with a manifest (`tools/prepare_data.py <folder>`):
                packed sequences in epochs without replacement (framework/io/corpus.py)
 
 Row r of training step s comes from its own generator seeded with (seed, TRAIN, s, r),
@@ -19,6 +19,7 @@ seed stream (EVAL) for the generated kinds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Callable, Sequence
@@ -244,6 +245,8 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
     bad input (unknown kind, missing or too short file, ids beyond the vocabulary)."""
     if not 0.0 <= cfg.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction={cfg.holdout_fraction} must be in [0, 1)")
+    if cfg.kind == "tokens" and cfg.path and os.path.isdir(os.path.expanduser(cfg.path)):
+        cfg = dataclasses.replace(cfg, kind="corpus")  # a prepared folder of shards
     if cfg.kind == "synthetic":
         return SyntheticDataset(train, vocab_size)
     if cfg.kind == "markov":
@@ -273,7 +276,7 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
             return MixtureDataset(train, vocab_size, cfg)
         if not cfg.path:
             raise ConfigError("data.kind=corpus needs data.path=<a corpus folder from "
-                              "tools/prepare_data.py --shards> (or data.mixture)")
+                              "tools/prepare_data.py <folder>> (or data.mixture)")
         from framework.io.corpus_dataset import CorpusDataset  # it builds on Dataset
 
         return CorpusDataset(train, vocab_size, cfg)

@@ -1,4 +1,4 @@
-"""Preparing a sharded corpus (`tools/prepare_data.py --shards`; the format is
+"""Preparing a sharded corpus (`tools/prepare_data.py <folder>`; the format is
 framework/io/corpus.py's): inputs read as documents, tokenized in parallel processes,
 written as shards with a document index, then the manifest.
 

@@ -1,5 +1,5 @@
 """A sharded corpus (framework/io/corpus.py, `data.kind=corpus`) and its preparation
-(`tools/prepare_data.py --shards`, framework/io/prepare.py): documents in, shards and a
+(`tools/prepare_data.py <folder>`, framework/io/prepare.py): documents in, shards and a
 manifest out, a restart that skips finished inputs; sequences in epochs without
 replacement, a pure function of (seed, step, row); bad shards as one line."""
 
@@ -116,7 +116,7 @@ def test_prepare_shards_from_text_and_json_lines_and_resume(tmp_path):
     (tmp_path / "b.txt").write_text(docs[40])
     inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")]
     out = tmp_path / "corpus"
-    args = ["--shards", str(out), *inputs, "--workers", "2", "--shard-tokens", "200",
+    args = [str(out), *inputs, "--processes", "2", "--shard-tokens", "200",
             "--text-field", "body"]
     manifest = load_tool("prepare_data").main(args)
     assert manifest["documents"] == 41 and len(manifest["shards"]) > 2
@@ -191,3 +191,10 @@ def test_a_mixture_takes_each_corpus_in_its_share_each_in_its_own_epochs(tmp_pat
         with pytest.raises(ConfigError) as err:
             data.make_dataset(DataConfig(kind="corpus", mixture=bad), train, 2**16)
         assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_prepared_folder_as_data_path_of_tokens_reads_as_a_corpus(tmp_path):
+    folder = numbered_corpus(tmp_path, 8 * 24 + 1, 40)
+    ds = data.make_dataset(DataConfig(kind="tokens", path=str(folder), holdout_fraction=0.0),
+                           TRAIN, 2**16)
+    assert ds.n_train == 24 and (np.diff(ds.train_batch(0), axis=1) == 1).all()
