@@ -48,9 +48,9 @@ def prepare_shards(folder: str, inputs: list[str], tokenizer: str | None = None,
     jobs = [(folder, i, inputs[i], dtype, eos_id, shard_tokens, text_field) for i in todo]
     start, tokens = time.perf_counter(), 0
     print(f"{len(inputs)} inputs, {len(inputs) - len(todo)} already done; "
-          f"{min(workers, max(len(todo), 1))} workers", file=log)
-    with multiprocessing.get_context("spawn").Pool(
-            max(1, min(workers, len(todo) or 1)), _start_worker, (tokenizer,)) as pool:
+          f"{min(workers, max(len(todo), 1))} processes", file=log)
+    n = max(1, min(workers, len(todo) or 1))
+    with multiprocessing.get_context("spawn").Pool(n, _start_worker, (tokenizer, n > 1)) as pool:
         for n, (i, entries) in enumerate(pool.imap_unordered(_prepare_input, jobs), 1):
             tokens += sum(e["tokens"] for e in entries)
             rate = tokens / max(time.perf_counter() - start, 1e-9)
@@ -94,8 +94,13 @@ def _vocab_size(tokenizer: str | None) -> int:
     return Tokenizer.from_file(tokenizer).get_vocab_size()
 
 
-def _start_worker(tokenizer: str | None) -> None:
+def _start_worker(tokenizer: str | None, one_thread: bool) -> None:
+    """The worker's encoder. With several workers each encodes on one thread: the
+    `tokenizers` library's own threads (one per core in every process) oversubscribe
+    the cores (measured: docs/data.md)."""
     global _ENCODE
+    if one_thread:
+        os.environ["RAYON_NUM_THREADS"] = "1"  # read when tokenizers starts its pool
     if tokenizer is None:
         _ENCODE = lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
         return
