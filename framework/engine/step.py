@@ -41,7 +41,6 @@ from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
 
-
 def manual(parallel: ParallelConfig) -> tuple:
     """The mesh axes replicated parameters are made per-device over, and the loss summed
     over: `context` only where it splits the sequence (it has size 1 otherwise)."""

@@ -42,10 +42,6 @@ class CorpusDataset(Dataset):
                               f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
                               f"than one batch of {self.global_batch}: raise it, or set 0")
 
-
-    def epoch_of(self, step: int) -> int:
-        return step * self.global_batch // self.n_train
-
     def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
         return self.samples(split, index * self.global_batch + row_indices(rows, self.global_batch))
 
@@ -54,7 +50,7 @@ class CorpusDataset(Dataset):
         if split == TRAIN:
             epochs, within = g // self.n_train, g % self.n_train
             seqs = np.empty_like(g)
-            for e in np.unique(epochs):  # a batch spans at most two epochs
+            for e in np.unique(epochs):  # one permutation per epoch the samples touch
                 mine = epochs == e
                 seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
         else:  # the held-out sequences after the training ones, cycled

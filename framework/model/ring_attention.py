@@ -55,8 +55,9 @@ def _halves(x):
 
 
 def _pairs(cp, step: int):
-    """(query half, key half, query offset, key offset) of the four chunk pairs at ring
-    step `step`, when this device holds the keys of device s = i - step."""
+    """(query half, key half, query chunk, key chunk) of the four chunk pairs at ring
+    step `step`, when this device holds the keys of device s = i - step (chunk c
+    starts at position c h)."""
     c, h_pos = cp.size, cp.chunks()
     s = cp.holder(step)
     kv_pos = (s, 2 * c - 1 - s)

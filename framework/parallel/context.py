@@ -13,10 +13,8 @@ and the loss) runs on the local tokens as it is; RoPE reads their global positio
 Ring attention runs in the model (framework/model/ring_attention.py), driven by this
 object, which the model is handed inside its tensor-parallel plan and which knows the
 mesh for it: the chunks a device holds, whose keys it holds at each ring step
-(`holder`) and the shift to the next device (`shift`). On CPU devices the shift is an
-all-gather and a pick (`permute=False`; the same values): the CPU runtime meets every
-`collective-permute` across all the devices of its pairs, which a permute inside a
-pipeline cell does not reach (framework/parallel/tensor.py).
+(`holder`) and the shift to the next device (`shift`; on CPU devices an all-gather
+and a pick, `ring_shift`).
 
 `ContextParallel()` (no axis) is the single-device reference: positions 0..n-1, and
 the model runs its own attention kernel. Generation (the KV cache) does not split
@@ -69,9 +67,19 @@ class ContextParallel:
 
     def shift(self, x):
         """x of device i, received by device i + 1 (mod size)."""
-        c = self.size
-        if self.permute:
-            return jax.lax.ppermute(x, self.axis, [(j, (j + 1) % c) for j in range(c)])
-        source = (self._index() - 1) % c
-        return jax.tree.map(lambda a: jax.lax.all_gather(a, self.axis)[source], x)
+        return ring_shift(x, self.axis, self.size, 1, self.permute)
+
+
+def ring_shift(x, axis: str, size: int, by: int, permute: bool):
+    """A pytree x of device i, received by device i + by (mod size) along `axis`: a
+    `collective-permute`, or with `permute=False` (CPU devices) an all-gather and a
+    pick, the same values. The CPU runtime meets every collective-permute across all the
+    devices of its pairs, so a permute inside a pipeline cell, which only some pipeline
+    ranks run at a tick, waits for ranks that run it at another tick (measured: wrong
+    gradients at pipeline 2, or a hang). The rings of the collective matmul
+    (framework/parallel/tensor.py) and of ring attention shift through here."""
+    if permute:
+        return jax.lax.ppermute(x, axis, [(j, (j + by) % size) for j in range(size)])
+    source = (jax.lax.axis_index(axis) - by) % size
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis)[source], x)
 

@@ -39,10 +39,7 @@ the all-gather and the reduce-scatter they replace, sent in `tensor - 1` pieces 
 `tensor` matmuls of a block each; autodiff turns each ring into the other for the
 backward. The zero-bubble split backward's passes (which record or replay each weight
 op's input and output whole) keep the plain collectives. On CPU devices the ring's
-shift is an all-gather and a pick (`permute=False`, the same values): the CPU runtime
-meets every `collective-permute` across all the devices of its pairs, so a permute
-inside a pipeline cell, which only some pipeline ranks run at a tick, waits for ranks
-that run it at another tick (measured: wrong gradients at pipeline 2, or a hang).
+shift is an all-gather and a pick (`permute=False`; why: `context.ring_shift`).
 
 The vocabulary-parallel embedding and loss need a sum, a max and this device's
 offset into the vocabulary. `TensorParallel()` (no axis) is the single-device
@@ -61,7 +58,7 @@ import jax.numpy as jnp
 
 from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
-from framework.parallel.context import ContextParallel
+from framework.parallel.context import ContextParallel, ring_shift
 from framework.parallel.mesh import TENSOR
 from framework.parallel.rules import param_rules
 
@@ -145,7 +142,8 @@ class TensorParallel:
         t, i = self.size, jax.lax.axis_index(self.axis)
         block, ys = x, []
         for _ in range(t - 1):
-            block, y = _beside(self._shift(block, 1), lambda b=block: jnp.einsum(eq, b, w))
+            sent = ring_shift(block, self.axis, t, 1, self.permute)
+            block, y = _beside(sent, lambda b=block: jnp.einsum(eq, b, w))
             ys.append(y)
         ys.append(jnp.einsum(eq, block, w))
         order = (i - jnp.arange(t)) % t  # ys[k] is sequence block (i - k) mod t
@@ -163,17 +161,10 @@ class TensorParallel:
             # the block's matmul waits for the last step's sum, so that XLA cannot merge
             # the steps' matmuls (all of x is at hand) into one before the ring
             xk, wk, _ = jax.lax.optimization_barrier((block(k), w, total))
-            arriving, part = _beside(self._shift(total, -1), lambda: jnp.einsum(eq, xk, wk))
+            sent = ring_shift(total, self.axis, t, -1, self.permute)
+            arriving, part = _beside(sent, lambda: jnp.einsum(eq, xk, wk))
             total = arriving + part
         return total
-
-    def _shift(self, x, by: int):
-        """x of device i, received by device i + by (mod size)."""
-        t = self.size
-        if self.permute:
-            return jax.lax.ppermute(x, self.axis, [(j, (j + by) % t) for j in range(t)])
-        whole = jax.lax.all_gather(x, self.axis)  # [t, ...]
-        return whole[(jax.lax.axis_index(self.axis) - by) % t]
 
     def vocab_offset(self, local_size: int):
         """Index of this device's first vocabulary entry (vocabulary-parallel layers)."""
