@@ -246,6 +246,10 @@ class DataConfig:
     # corpus: several corpora in proportion, [{path: <folder>, weight: <share>}, ...]
     # (framework/io/corpus_dataset.py); Any, as eval.sets, for Hydra's list of dicts.
     mixture: Any = None
+    # Attention within each packed document only (documents end in the corpus's eos_id,
+    # framework/model/documents.py), and RoPE positions restarting at each of them.
+    document_mask: bool = False
+    reset_positions: bool = False
 
 
 @dataclass

@@ -6,8 +6,9 @@
 Draws random valid configurations (schedule from the registry, pipeline, data, context,
 tensor, microbatches, virtual stages, uneven stages (a third of them), overlapped or
 synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
-tied embeddings, the dense or blockwise attention kernel and its block sizes, small
-model shapes), runs each one's loss and gradients twice on the same inputs, and
+tied embeddings, the dense or blockwise attention kernel and its block sizes, document
+masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
+small model shapes), runs each one's loss and gradients twice on the same inputs, and
 compares the loss and every gradient leaf of both runs with the single-device reference
 (framework/model/reference.py): relative error at most 1e-4. A failing configuration
 is printed as one line of `python -m framework.run` settings, e.g.
@@ -37,8 +38,9 @@ TOLERANCE = 1e-4
 
 
 def draw(rng: np.random.Generator, n_devices: int = 8):
-    """(model, parallel, train) of one valid random configuration on at most n_devices."""
-    from framework.config import ModelConfig, ParallelConfig, TrainConfig
+    """(model, parallel, train, data) of one valid random configuration on at most
+    n_devices (data: its document masks)."""
+    from framework.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from framework.engine.validate import check
     from framework.parallel.pipeline import schedule as schedules
 
@@ -75,19 +77,23 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
+        masked = rng.integers(3) == 0
+        data = DataConfig(document_mask=bool(masked),
+                          reset_positions=bool(masked and rng.integers(2)))
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
-            return model, par, train
+            return model, par, train, data
 
 
-def overrides(model, par, train) -> str:
+def overrides(model, par, train, data=None) -> str:
     """The configuration as `python -m framework.run` settings (one line)."""
     items = [("model", model), ("parallel", par), ("train", train)]
     out = []
-    for group, cfg in items:
+    for group, cfg in items + ([("data", data)] if data is not None else []):
         for f in dataclasses.fields(cfg):
             value = getattr(cfg, f.name)
             if f.name in ("rope_scaling", "resume", "resume_from", "stop_at", "init_from",
-                          "steps", "tensor_split"):
+                          "steps", "tensor_split") or (
+                    group == "data" and f.name not in ("document_mask", "reset_positions")):
                 continue
             value = str(value).lower() if isinstance(value, bool) else value
             if isinstance(value, tuple):  # Hydra's list syntax
@@ -106,22 +112,28 @@ def _relative_errors(grads, ref) -> list[float]:
     return jax.tree.leaves(jax.tree.map(one, grads, ref))
 
 
-def run_case(model, par, train, devices) -> str | None:
+def run_case(model, par, train, devices, data=None) -> str | None:
     """None when both runs match the reference, else why not (one line)."""
     import jax
+    import jax.numpy as jnp
 
     from framework.config import OptimConfig
     from framework.engine.build import build_engine
     from framework.model import reference
+    from framework.model.documents import DocumentMask
     from framework.model.llama import init_params
     from framework.parallel.mesh import make_mesh
 
     params = jax.jit(lambda k: init_params(model, k))(jax.random.key(train.seed))
     tokens = reference.tokens_for_step(train.seed, 0, train.global_batch_size,
                                        train.seq_len, model.vocab_size)
-    ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(p, x, model))(
-        params, tokens)
-    eng = build_engine(model, par, OptimConfig(), 1, make_mesh(par, devices))
+    docs = None
+    if data is not None and data.document_mask:  # token 0 ends documents, 1 in 8 tokens
+        docs = DocumentMask(0, data.reset_positions)
+        tokens = jnp.where(tokens < model.vocab_size // 8, 0, tokens)
+    ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(
+        p, x, model, documents=docs))(params, tokens)
+    eng = build_engine(model, par, OptimConfig(), 1, make_mesh(par, devices), docs)
     fn = eng.loss_and_grads_fn()
     args = eng.shard_params(params), eng.shard_batch(tokens)
     for attempt in (1, 2):
@@ -134,9 +146,10 @@ def run_case(model, par, train, devices) -> str | None:
     return None
 
 
-def label(par) -> str:
+def label(par, data=None) -> str:
     extra = "".join(f" {k}" for k in ("zero1", "fsdp", "sequence_parallel",
                                       "collective_matmul") if getattr(par, k))
+    extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     cp = f" cp{par.context}" if par.context > 1 else ""
@@ -151,18 +164,18 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     rng = np.random.default_rng(seed)
     failures = []
     for i in range(cases):
-        model, par, train = draw(rng, len(devices))
+        model, par, train, data = draw(rng, len(devices))
         start = time.perf_counter()
         with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
             warnings.simplefilter("ignore")
             try:
-                why = run_case(model, par, train, devices[:par.n_devices])
+                why = run_case(model, par, train, devices[:par.n_devices], data)
             except Exception as err:  # a layout that does not even build is a finding too
                 why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
-        line = f"{label(par)}: {why} | {overrides(model, par, train)}" if why else None
+        line = f"{label(par, data)}: {why} | {overrides(model, par, train, data)}" if why else None
         if line:
             failures.append(line)
-        log(f"[{i + 1}/{cases}] {'FAIL ' + line if line else 'ok   ' + label(par)} "
+        log(f"[{i + 1}/{cases}] {'FAIL ' + line if line else 'ok   ' + label(par, data)} "
             f"({time.perf_counter() - start:.1f} s)")
     return failures
 

@@ -266,7 +266,7 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
     found = {}
 
-    def measure(fns, params, inputs, targets):  # per device, at trace time only
+    def measure(fns, params, inputs, targets, docs):  # per device, at trace time only
         cells = ticks.make_cells(prog, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE))
         found.update({k: _nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})

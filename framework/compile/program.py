@@ -109,7 +109,7 @@ def comm_fields(compiled, engine, platform: str) -> dict:
 def compile_report(cfg: RunConfig, target: Target) -> dict:
     """Compiles the run's step for `target`; the report's fields (module docstring).
     Raises ConfigError (bad settings) or TooBig (the compiled program does not fit)."""
-    from framework.engine.build import build_engine
+    from framework.engine.build import DocumentMask, build_engine
     from framework.engine.validate import validate
     from framework.parallel.mesh import make_mesh, mesh_name
 
@@ -118,8 +118,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report = {"target": target.name, "device_kind": kind, "n_devices": len(found),
               "mesh": mesh_name(parallel), "schedule": parallel.schedule,
               **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found))}
+    # data.document_mask: the program is the same whichever token ends a document
+    documents = DocumentMask(0, cfg.data.reset_positions) if cfg.data.document_mask else None
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
-                          make_mesh(parallel, found))
+                          make_mesh(parallel, found), documents)
     report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
     report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
     report["pipeline/backward_parts"] = engine.schedule.parts

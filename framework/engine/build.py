@@ -23,6 +23,7 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, train_step
+from framework.model.documents import DocumentMask
 from framework.parallel.mesh import DATA
 from framework.parallel.pipeline import layout
 from framework.parallel.pipeline.program import Program, program_of
@@ -37,6 +38,7 @@ class Engine:
     program: Program  # the schedule compiled once (framework/parallel/pipeline/program.py)
     lr: optax.Schedule
     z_loss: float = 0.0  # the training loss's z-loss weight (optim.z_loss)
+    documents: DocumentMask | None = None  # data.document_mask (framework/model/documents.py)
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
     compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
     compile_s: float = 0.0  # the seconds that took
@@ -65,7 +67,7 @@ class Engine:
     def _loss_and_grads(self, forward_only: bool = False):
         return build_loss_and_grads(self.model, self.parallel, self.mesh, self.program,
                                     self.param_specs, self.zero1_dims, forward_only,
-                                    0.0 if forward_only else self.z_loss)
+                                    0.0 if forward_only else self.z_loss, self.documents)
 
     def shard_params(self, canonical):
         """Canonical params (host or device) -> train layout, placed on the mesh."""
@@ -129,11 +131,12 @@ class Engine:
 
 
 def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
-                 total_steps: int, mesh) -> Engine:
-    """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh."""
+                 total_steps: int, mesh, documents: DocumentMask | None = None) -> Engine:
+    """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh.
+    `documents`: attention within each row's documents (data.document_mask)."""
     prog = program_of(parallel, model.n_layers)
     n_chunks = prog.schedule.n_chunks
     specs, dims = param_specs(model, parallel, n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
                         n_chunks, specs, dims)
-    return Engine(state, prog, lr_schedule(optim, total_steps), optim.z_loss)
+    return Engine(state, prog, lr_schedule(optim, total_steps), optim.z_loss, documents)

@@ -31,7 +31,7 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
     and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
 
-    forward(layers, x, n_real=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B
+    forward(layers, x, n_real=None, docs=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B
     (the VJP w.r.t. the input and the zero taps on every weight op's output; the weights
     are constants to it, so no weight gradient is computed); saved: the weight ops'
     inputs [L, ...]. With `n_real` the layers after the first n_real are padding (uneven
@@ -42,21 +42,21 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     identity = lambda params: params
     gather = identity if gather is None else gather
 
-    def block(variables, x, mutable):
-        return Block(cfg, tp).apply(variables, x, mutable=mutable)
+    def block(variables, x, mutable, docs=None):
+        return Block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs)
 
-    def layer(x, params, taps):  # one layer, recording its weight ops' inputs
-        y, state = block({"params": params, TAPS: taps}, x, [SAVED])
+    def layer(x, params, taps, docs):  # one layer, recording its weight ops' inputs
+        y, state = block({"params": params, TAPS: taps}, x, [SAVED], docs)
         return y, state[SAVED]
 
     layer = checkpointed(layer, remat, None if gather is identity else gather)
-    scanned = lambda x, params_and_taps: layer(x, *params_and_taps)
+    scanned = lambda x, params_and_taps, docs: layer(x, *params_and_taps, docs)
 
-    def forward(layers, x, n_real=None):
+    def forward(layers, x, n_real=None, docs=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
         taps = jax.vmap(lambda p: block({"params": gather(p)}, x, [TAPS])[1][TAPS])(layers)
         run = lambda x, taps: scan_layers(scanned, x, (layers, taps), n_real, skip,
-                                          has_aux=True)
+                                          has_aux=True, extra=(docs,))
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):

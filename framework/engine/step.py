@@ -29,12 +29,13 @@ from jax.sharding import PartitionSpec as P
 from framework.config import ModelConfig, ParallelConfig
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
+from framework.model.documents import DocumentMask, documents_of
 from framework.model.llama import Embed, Head, apply_layers, checkpointed, cross_entropy_sum
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
 from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
-from framework.parallel.pipeline.comm import varying
+from framework.parallel.pipeline.comm import manual_axes, varying
 from framework.parallel.pipeline.program import Program, forward_program
 from framework.parallel.pipeline.stage import StageFns, skip_unless
 from framework.parallel.rules import param_rules
@@ -119,16 +120,25 @@ def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_di
                                           also=(CONTEXT,) if context > 1 else ())
 
 
-def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = ContextParallel()):
+def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = ContextParallel(),
+                documents: DocumentMask | None = None):
     """This replica's rows [b, seq + 1] -> (inputs, targets) [micro, b / micro, seq
-    (/context: this device's chunks)] and the global token count."""
-    mb = lambda a: cp.split(a.reshape((microbatches, a.shape[0] // microbatches) + a.shape[1:]))
-    return mb(tokens[:, :-1]), mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1)
+    (/context: this device's chunks)], the global token count, and the document masks
+    (`documents`; None without): their segment ids over the whole sequence [micro,
+    b / micro, seq] (the ring cuts them by chunk), positions like inputs."""
+    rows = lambda a: a.reshape((microbatches, a.shape[0] // microbatches) + a.shape[1:])
+    mb = lambda a: cp.split(rows(a))
+    inputs = mb(tokens[:, :-1])
+    docs = documents_of(rows(tokens[:, :-1]), documents, cp.split)
+    # typed like the inputs (a residual of every layer: the stash keeps it by type)
+    docs = jax.tree.map(lambda a: varying(a, manual_axes(inputs)), docs)
+    return inputs, mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1), docs
 
 
 def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
-              run, split: bool, cpu: bool = False, z_loss: float = 0.0):
-    """(params, tokens) -> run(fns, params, inputs, targets) on each device, inside the
+              run, split: bool, cpu: bool = False, z_loss: float = 0.0,
+              documents: DocumentMask | None = None):
+    """(params, tokens) -> run(fns, params, inputs, targets, docs) on each device, inside the
     step's `shard_map`: the per-device setup every use of the executors shares (the
     model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
     microbatches). The step runs the executor in it; the memory model traces the
@@ -153,19 +163,21 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
-        inputs, targets, n_tokens = split_batch(tokens, m, parallel.data, cp)
+        inputs, targets, n_tokens, docs = split_batch(tokens, m, parallel.data, cp, documents)
         fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use,
                         z_loss=z_loss)
         return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
-                   inputs, targets)
+                   inputs, targets, docs)
 
     return body
 
 
 def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, prog: Program,
-                         param_specs, zero1_dims, forward_only=False, z_loss: float = 0.0):
+                         param_specs, zero1_dims, forward_only=False, z_loss: float = 0.0,
+                         documents: DocumentMask | None = None):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
-    (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term)."""
+    (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term).
+    `documents`: attention within each row's documents (data.document_mask)."""
     sp = parallel.sequence_parallel and parallel.tensor > 1
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
@@ -173,24 +185,25 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
     tensor_replicated = jax.tree.map(lambda s: TENSOR not in s, param_specs,
                                      is_leaf=lambda s: isinstance(s, P))
 
-    def evaluate(fns, params, inputs, targets):
+    def evaluate(fns, params, inputs, targets, docs):
         # Forward only: a forward table over the same stages (nothing to interleave).
-        loss = autodiff.forward(forward_program(prog), fns, params, inputs, targets)
+        loss = autodiff.forward(forward_program(prog), fns, params, inputs, targets, docs)
         return jax.lax.psum(loss, manual(parallel))
 
-    def train(fns, params, inputs, targets):
+    def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
-        loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets)
+        loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
         grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims,
                                  data_parallel.gathers_per_use(parallel), parallel.context)
         return jax.lax.psum(loss, manual(parallel)), grads
 
     cpu = mesh.devices.flat[0].platform == "cpu"
     if forward_only:
-        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu),
+        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu,
+                                       documents=documents),
                              mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
     body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward,
-                     cpu, z_loss)
+                     cpu, z_loss, documents)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

@@ -27,6 +27,7 @@ class CorpusDataset(Dataset):
         super().__init__(train, vocab_size)
         self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
                                                         vocab_size, cfg.verify)
+        self.separator = self.manifest.get("eos_id")
         total = self.shards[-1].start + len(self.shards[-1].tokens)
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
         held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
@@ -81,6 +82,8 @@ class MixtureDataset(Dataset):
         counts[np.argsort(counts - share)[:self.BLOCK - counts.sum()]] += 1
         self.counts, self.starts = counts, np.concatenate([[0], np.cumsum(counts)[:-1]])
         self.has_eval = all(p.has_eval for p in self.parts)
+        ends = {p.separator for p in self.parts}  # one end-of-document token, or none
+        self.separator = ends.pop() if len(ends) == 1 else None
 
     def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
         g = index * self.global_batch + row_indices(rows, self.global_batch)

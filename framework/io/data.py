@@ -29,6 +29,7 @@ import numpy as np
 
 from framework.errors import ConfigError
 from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
+from framework.model.documents import DocumentMask
 
 KINDS = CHOICES["data.kind"]
 VERIFY = CHOICES["data.verify"]
@@ -42,6 +43,10 @@ class Dataset:
 
     entropy_floor: float | None = None  # nats/token; known only for `markov`
     has_eval: bool = True  # False when there is no held-out split
+
+    # The token that ends each packed document (a corpus's eos_id), or None: what
+    # data.document_mask masks by (`document_mask`).
+    separator: int | None = None
 
     def __init__(self, train: TrainConfig, vocab_size: int):
         self.seq_len = train.seq_len
@@ -222,17 +227,19 @@ def _vocab_hint(path: str, cfg: DataConfig, top: int, vocab_size: int) -> str:
     return f"set model.vocab_size >= {top + 1}"
 
 
-def _check_sidecar(path: str, cfg: DataConfig) -> None:
-    """tools/prepare_data.py writes <file>.json; when present its dtype must match."""
+def _check_sidecar(path: str, cfg: DataConfig) -> dict:
+    """tools/prepare_data.py writes <file>.json; when present its dtype must match.
+    Returns what it says ({} without one)."""
     meta_path = path + ".json"
     if not os.path.isfile(meta_path):
-        return
+        return {}
     with open(meta_path) as f:
         meta = json.load(f)
     if meta.get("dtype", cfg.token_dtype) != cfg.token_dtype:
         raise ConfigError(f"data.path={cfg.path} was written as {meta['dtype']} "
                           f"(see {meta_path}) but data.token_dtype={cfg.token_dtype}: "
                           f"set data.token_dtype={meta['dtype']}")
+    return meta
 
 
 def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
@@ -262,8 +269,10 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
         return FileDataset(train, vocab_size, open_text(cfg, vocab_size), cfg.holdout_fraction,
                            f"data.path={cfg.path}")
     if cfg.kind == "tokens":
-        return FileDataset(train, vocab_size, open_tokens(cfg, vocab_size),
-                           cfg.holdout_fraction, f"data.path={cfg.path}")
+        dataset = FileDataset(train, vocab_size, open_tokens(cfg, vocab_size),
+                              cfg.holdout_fraction, f"data.path={cfg.path}")
+        dataset.separator = _check_sidecar(os.path.expanduser(cfg.path), cfg).get("eos_id")
+        return dataset
     if cfg.mixture is not None and cfg.kind != "corpus":
         raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
                           f"(not {cfg.kind})")
@@ -320,3 +329,26 @@ def sharded_batch(fetch: Callable[[int, np.ndarray], np.ndarray], index: int,
     dataset.global_shape)."""
     rows = process_rows(sharding, global_shape)
     return assemble(fetch(index, rows), rows, sharding, global_shape)
+
+
+def document_mask(cfg: DataConfig, dataset: Dataset, sets: dict) -> DocumentMask | None:
+    """What `data.document_mask` masks by (None when off): the training data's end-of-
+    document token, which every named validation set must share. ConfigError (one
+    line) when the data has no such token or a setting can't apply."""
+    if cfg.reset_positions and not cfg.document_mask:
+        raise ConfigError("data.reset_positions=true restarts positions at document "
+                          "boundaries: it needs data.document_mask=true")
+    if not cfg.document_mask:
+        return None
+    if dataset.separator is None:
+        source = (f"data.kind={cfg.kind}" if cfg.kind in ("synthetic", "markov", "text")
+                  else f"data.path={cfg.path}" if cfg.mixture is None else "data.mixture")
+        raise ConfigError(f"data.document_mask=true needs documents that end in an "
+                          f"end-of-document token, and {source} has none (or its corpora "
+                          f"disagree on it): prepare it with tools/prepare_data.py --eos-id")
+    for name, held in sets.items():
+        if held.separator != dataset.separator:
+            raise ConfigError(f"eval.sets.{name} ends documents with token {held.separator}, "
+                              f"the training data with {dataset.separator}: "
+                              f"data.document_mask needs one end-of-document token")
+    return DocumentMask(int(dataset.separator), cfg.reset_positions)

@@ -73,11 +73,27 @@ def of_token_file(path: str) -> str | None:
     return beside if os.path.isfile(beside) else recorded if os.path.isfile(recorded) else None
 
 
+def of_corpus(folder: str) -> str | None:
+    """What a prepared corpus folder's manifest records (framework/io/corpus.py):
+    "bytes", its tokenizer.json copy's path, or None."""
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            recorded = json.load(f).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    beside = os.path.join(folder, recorded) if recorded and recorded != BYTES else None
+    return recorded if recorded == BYTES else beside if beside and os.path.isfile(beside) else None
+
+
 def for_run(data_kind: str, data_path: str | None, vocab_size: int,
-            init_from: str | None) -> str | None:
-    """The tokenizer a training run's ids mean: the token file's (tokens), bytes (text;
-    markov/synthetic with a vocabulary of at most 256), else the init_from folder's
-    tokenizer.json (tokens without a sidecar), else None."""
+            init_from: str | None, mixture=None) -> str | None:
+    """The tokenizer a training run's ids mean: the token file's or corpus's (tokens,
+    corpus: the first of a mixture's), bytes (text; markov/synthetic with a vocabulary
+    of at most 256), else the init_from folder's tokenizer.json (tokens without a
+    sidecar), else None."""
+    folder = mixture[0].get("path") if mixture and isinstance(mixture[0], dict) else data_path
+    if data_kind in ("tokens", "corpus") and folder and os.path.isdir(os.path.expanduser(folder)):
+        return of_corpus(os.path.expanduser(folder))
     if data_kind != "tokens":
         return BYTES if data_kind == "text" or vocab_size <= 256 else None
     recorded = of_token_file(os.path.expanduser(data_path)) if data_path else None

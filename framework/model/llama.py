@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from framework.model.attention import attend
+from framework.model.documents import Documents
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.config import ModelConfig
@@ -149,11 +150,12 @@ class Attention(nn.Module):
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None = None, start=0):
+    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None):
         """x: [batch, seq (/tensor with SP), embed] -> the same shape.
 
         Training (cache None): causal attention among the rows of x, positions 0..seq-1
-        (context parallelism: this device's chunks of them, over the whole sequence).
+        (context parallelism: this device's chunks of them, over the whole sequence);
+        with `docs`, only within each row's documents (framework/model/documents.py).
         Decoding: x holds the rows at positions start..start+seq-1; their keys and values
         are written into `cache` at those positions and the rows attend to every cached
         position up to their own. Returns (out, updated cache)."""
@@ -169,6 +171,8 @@ class Attention(nn.Module):
         # parallelism, framework/parallel/context.py)
         positions = start + (jnp.arange(qkv.shape[1]) if cache is not None
                              else self.tp.context.positions(qkv.shape[1]))
+        if docs is not None and docs.position is not None:  # [b, s]: within documents
+            positions = docs.position
         q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
         k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
         v = qkv[:, :, :, r + 1]
@@ -178,10 +182,12 @@ class Attention(nn.Module):
                                                            (0, start, 0, 0))
                               for whole, new in ((cache.k, k), (cache.v, v))))
             k, v = cache.k.astype(dt), cache.v.astype(dt)
+        segment = None if docs is None else docs.segment  # [b, seq] whole sequence
         if cache is None and self.tp.context.size > 1:  # the sequence split over `context`
-            out = ring_attention(q, k, v, c, self.tp.context)
-        else:
-            out = attend(q, k, v, c, q_offset=start)  # [b, s, kv@tensor, r, hd]
+            out = ring_attention(q, k, v, c, self.tp.context, segment)
+        else:  # [b, s, kv@tensor, r, hd]
+            out = attend(q, k, v, c, q_offset=start,
+                         segments=None if segment is None else (segment, segment))
         out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
         out = scattered_weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt), "heads",
                                   whole_sequence=True)  # [b, s (/tensor with SP), embed]
@@ -214,13 +220,13 @@ class Block(nn.Module):
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None = None, start=0):
+    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None):
         """x: [batch, seq (/tensor with SP), embed]; with a cache (decoding, see
-        Attention) returns (out, updated cache)."""
+        Attention) returns (out, updated cache); `docs`: training's document masks."""
         attn = Attention(self.cfg, self.tp, name="attn")
         normed = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)
         if cache is None:
-            h = x + attn(normed)
+            h = x + attn(normed, docs=docs)
         else:
             attended, cache = attn(normed, cache, start)
             h = x + attended
@@ -370,18 +376,23 @@ def checkpointed(layer, remat: str, gather):
     return layer if remat == "none" else jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
 
-def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False):
-    """scan of `layer(x, params) -> y` (or (y, aux)) over params stacked on axis 0.
-    With `n_real` (traced int) the layers from index n_real on are padding (uneven
-    pipeline stages): `skip(real, fn, params, x, has_aux=...)`, which the pipeline
-    hands over (`framework/parallel/pipeline/stage.py`, `skip_unless`), runs a layer
-    where it is real and passes x through where not, forward and backward."""
+def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
+                extra: tuple = ()):
+    """scan of `layer(x, params, *extra) -> y` (or (y, aux)) over params stacked on axis
+    0 (`extra`: the same for every layer, e.g. document masks). With `n_real` (traced
+    int) the layers from index n_real on are padding (uneven pipeline stages):
+    `skip(real, fn, params, x, *extra, has_aux=...)`, which the pipeline hands over
+    (`framework/parallel/pipeline/stage.py`, `skip_unless`: a custom VJP, which takes
+    traced values as arguments, never from a closure), runs a layer where it is real
+    and passes x through where not, forward and backward."""
     if n_real is None:
-        return jax.lax.scan(layer if has_aux else lambda h, p: (layer(h, p), None), x, layers)
+        one = lambda h, p: layer(h, p, *extra)
+        return jax.lax.scan(one if has_aux else lambda h, p: (one(h, p), None), x, layers)
 
     def step(h, scanned):
         params, i = scanned
-        out = skip(i < n_real, lambda p, h: layer(h, p), params, h, has_aux=has_aux)
+        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra,
+                   has_aux=has_aux)
         return out if has_aux else (out, None)
 
     n = jax.tree.leaves(layers)[0].shape[0]
@@ -389,17 +400,18 @@ def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False)
 
 
 def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
-                 n_real=None, skip=None, gather=None):
+                 n_real=None, skip=None, gather=None, docs: Documents | None = None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
     all. `gather`: one layer's stored params -> the params it runs with (FSDP's gather,
-    which the engine hands over), None: as stored."""
+    which the engine hands over), None: as stored. `docs`: document masks, or None."""
 
-    def layer(x, layer_params):
-        return Block(cfg, tp).apply({"params": layer_params}, x)
+    def layer(x, layer_params, docs):
+        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs)
 
-    return scan_layers(checkpointed(layer, remat, gather), x, layers, n_real, skip)[0]
+    return scan_layers(checkpointed(layer, remat, gather), x, layers, n_real, skip,
+                       extra=(docs,))[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,

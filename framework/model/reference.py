@@ -9,28 +9,33 @@ import jax.numpy as jnp
 import optax
 
 from framework.config import ModelConfig
+from framework.model.documents import DocumentMask, documents_of
 from framework.model.llama import Block, Embed, Head, cross_entropy_sum
 
 
-def forward(params, inputs, cfg: ModelConfig):
-    """inputs: [batch, seq] int32 -> logits [batch, seq, vocab] float32."""
+def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = None):
+    """inputs: [batch, seq] int32 -> logits [batch, seq, vocab] float32 (`documents`:
+    attention within the documents of each row, framework/model/documents.py)."""
     x = Embed(cfg).apply({"params": params["embed"]}, inputs)
+    docs = documents_of(inputs, documents)
 
     def layer(x, layer_params):
-        return Block(cfg).apply({"params": layer_params}, x), None
+        return Block(cfg).apply({"params": layer_params}, x, docs=docs), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
     return Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
 
 
-def loss_fn(params, tokens, cfg: ModelConfig, z_loss: float = 0.0):
+def loss_fn(params, tokens, cfg: ModelConfig, z_loss: float = 0.0,
+            documents: DocumentMask | None = None):
     """Mean next-token cross-entropy (+ the z-loss term). tokens: [batch, seq + 1]."""
-    logits = forward(params, tokens[:, :-1], cfg)
+    logits = forward(params, tokens[:, :-1], cfg, documents)
     return cross_entropy_sum(logits, tokens[:, 1:], z_loss=z_loss) / tokens[:, 1:].size
 
 
-def loss_and_grads(params, tokens, cfg: ModelConfig, z_loss: float = 0.0):
-    return jax.value_and_grad(loss_fn)(params, tokens, cfg, z_loss)
+def loss_and_grads(params, tokens, cfg: ModelConfig, z_loss: float = 0.0,
+                   documents: DocumentMask | None = None):
+    return jax.value_and_grad(loss_fn)(params, tokens, cfg, z_loss, documents)
 
 
 def reference_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):

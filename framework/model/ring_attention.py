@@ -18,7 +18,9 @@ with their float32 gradients accumulating beside them, and after c shifts each d
 holds the gradients of its own.
 
 Shapes: q [b, 2h, g, r, hd], k, v [b, 2h, g, hd] (h: a chunk's tokens; g kv heads of
-r queries each, as in attention.py).
+r queries each, as in attention.py). Document masks: every device has the whole
+sequence's segment ids [b, 2ch] (framework/model/documents.py, a few bytes a token) and
+cuts each pair's out by chunk, so nothing more travels round the ring.
 """
 
 from __future__ import annotations
@@ -28,20 +30,21 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from framework.model.attention import flash_piece, flash_piece_grads
+from framework.model.blockwise import flash_piece, flash_piece_grads
 
 SEQ = 1  # activations are [batch, seq, ...]
 
 
-def ring_attention(q, k, v, cfg, cp):
+def ring_attention(q, k, v, cfg, cp, segments=None):
     """Causal attention of this device's queries over the whole sequence, blockwise
     with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
-    `attention=dense`, one block per chunk pair."""
+    `attention=dense`, one block per chunk pair. `segments`: the whole sequence's
+    document ids [b, n], or None."""
     h = q.shape[SEQ] // 2
     blocks = (_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
     if cfg.attention == "dense":
         blocks = (h, h)
-    return _ring(cp, blocks, q, k, v)
+    return _ring(cp, blocks, q, k, v, segments)
 
 
 def _divisor(n: int, at_most: int) -> int:
@@ -52,6 +55,15 @@ def _divisor(n: int, at_most: int) -> int:
 def _halves(x):
     h = x.shape[SEQ] // 2
     return x[:, :h], x[:, h:]
+
+
+def _pair_segments(segments, qc, kc, h):
+    """The document ids of query chunk qc and key chunk kc (chunk c: positions c h ..
+    c h + h - 1), or None."""
+    if segments is None:
+        return None
+    cut = lambda c: jax.lax.dynamic_slice_in_dim(segments, c * h, h, axis=SEQ)
+    return cut(qc), cut(kc)
 
 
 def _pairs(cp, step: int):
@@ -78,11 +90,11 @@ def _merge(out, lse, piece_out, piece_lse):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(cp, blocks, q, k, v):
-    return _ring_forward(cp, blocks, q, k, v)[0]
+def _ring(cp, blocks, q, k, v, segments=None):
+    return _ring_forward(cp, blocks, q, k, v, segments)[0]
 
 
-def _ring_forward(cp, blocks, q, k, v):
+def _ring_forward(cp, blocks, q, k, v, segments=None):
     """(out like q, log-sum-exp [b, 2h, g, r] float32)."""
     h = q.shape[SEQ] // 2
     qs = _halves(q)
@@ -94,7 +106,8 @@ def _ring_forward(cp, blocks, q, k, v):
             outs, lses = list(outs), list(lses)
             ks, vs = _halves(kv[0]), _halves(kv[1])
             for a, b, qc, kc in _pairs(cp, step):
-                o, lse = flash_piece(qs[a], ks[b], vs[b], *blocks, qc * h, kc * h)
+                o, lse = flash_piece(qs[a], ks[b], vs[b], *blocks, qc * h, kc * h,
+                                     _pair_segments(segments, qc, kc, h))
                 outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
             return outs, lses
 
@@ -105,9 +118,9 @@ def _ring_forward(cp, blocks, q, k, v):
             jnp.concatenate(lses, axis=SEQ))
 
 
-def _ring_fwd(cp, blocks, q, k, v):
-    out, lse = _ring_forward(cp, blocks, q, k, v)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(cp, blocks, q, k, v, segments=None):
+    out, lse = _ring_forward(cp, blocks, q, k, v, segments)
+    return out, (q, k, v, out, lse, segments)
 
 
 def _ring_bwd(cp, blocks, residuals, d_out):
@@ -116,7 +129,7 @@ def _ring_bwd(cp, blocks, residuals, d_out):
     gradients so far (passed on from device i - 1), and adds its queries' share; one
     more shift after the last step brings each device its own. Each step's shifts (the
     keys and values on, the last step's sum) travel while its blocks run."""
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, segments = residuals
     h = q.shape[SEQ] // 2
     qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
@@ -128,7 +141,8 @@ def _ring_bwd(cp, blocks, residuals, d_out):
         ks, vs = _halves(kv[0]), _halves(kv[1])
         for a, b, qc, kc in _pairs(cp, step):
             dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                 d_outs[a], *blocks, qc * h, kc * h)
+                                                 d_outs[a], *blocks, qc * h, kc * h,
+                                                 _pair_segments(segments, qc, kc, h))
             dq[a] = dq[a] + dq_a
             parts[0][b] = parts[0][b] + dk_b.astype(jnp.float32)
             parts[1][b] = parts[1][b] + dv_b.astype(jnp.float32)
@@ -144,7 +158,7 @@ def _ring_bwd(cp, blocks, residuals, d_out):
         summed = mine if arrived is None else tuple(a + m for a, m in zip(arrived, mine))
     dk, dv = cp.shift(summed)
     return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dk.astype(k.dtype),
-            dv.astype(v.dtype))
+            dv.astype(v.dtype), None)
 
 
 def _beside(sent, compute):

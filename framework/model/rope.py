@@ -34,11 +34,13 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None)
 def rotary(x, theta: float, positions, scaling: RopeScaling | None = None):
     """Rotary position embedding (Su et al. 2021), rotate-half form.
     x: [batch, seq, ..., head_dim]; positions: [seq] int, the absolute position of each
-    row (0..seq-1 in training; offset by the cache length when decoding)."""
+    row (0..seq-1 in training; offset by the cache length when decoding), or [batch,
+    seq] per row (positions within each document, framework/model/documents.py)."""
     dim = x.shape[-1]
     inv_freq = rope_frequencies(dim, theta, scaling)  # [dim/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [seq, dim/2]
-    angles = angles.reshape((1, x.shape[1]) + (1,) * (x.ndim - 3) + (dim // 2,))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(batch,) seq, dim/2]
+    lead = angles.shape[0] if positions.ndim == 2 else 1
+    angles = angles.reshape((lead, x.shape[1]) + (1,) * (x.ndim - 3) + (dim // 2,))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -34,7 +34,7 @@ from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import COMPLETE_MARKERS
 from framework.io.corpus_dataset import eval_sets
-from framework.io.data import Dataset, make_dataset
+from framework.io.data import Dataset, document_mask, make_dataset
 from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
@@ -70,7 +70,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict,
     if warning and _process_index_before_start(distributed.plan(cfg.distributed)) in (0, None):
         print(warning, file=sys.stderr, flush=True)
     tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
-                                      cfg.train.init_from)
+                                      cfg.train.init_from, cfg.data.mixture)
     codec = None
     if cfg.eval.sample_prompt is not None:
         codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
@@ -116,6 +116,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     started = time.perf_counter()
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
     sets = eval_sets(cfg.eval, cfg.data, cfg.train, cfg.model.vocab_size)
+    documents = document_mask(cfg.data, dataset, sets)
     if cfg.eval.every and not dataset.has_eval:
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
                           f"data.holdout_fraction={cfg.data.holdout_fraction}: set it > 0 "
@@ -133,7 +134,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
             "seq_len": cfg.train.seq_len, "init_from": cfg.train.init_from,
             "hf_config": model_io["hf_config"],
             "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
-    engine = _build(cfg, devset)
+    engine = _build(cfg, devset, documents)
     meta["layout"] = mesh_name(engine.parallel)  # said when a resume reshards
     ckpt = Checkpointer(_checkpoint_folder(cfg, run_dir), keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
@@ -162,14 +163,14 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     return summary
 
 
-def _build(cfg: RunConfig, devset):
+def _build(cfg: RunConfig, devset, documents=None):
     """The engine for these devices, once the layout is valid for them, the attention
     kernel runs on their platform and the run is predicted to fit their memory."""
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
     attention.check_platform(cfg.model, devset.platform)
     memory_check.check(cfg, parallel, devset)  # CPU: predicted, before anything is compiled
     mesh = make_mesh(parallel, devset.devices)
-    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh, documents)
     memory_check.check_compiled(cfg, engine, devset)  # GPU/TPU: compiled, nothing allocated
     return engine
 

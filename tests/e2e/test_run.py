@@ -207,18 +207,20 @@ def test_generate_help_lists_its_settings(tmp_path, env):
 
 
 def test_a_run_on_a_prepared_corpus_logs_its_named_validation_set(tmp_path, env):
-    """tools/prepare_data.py <folder>, then data=corpus with eval.sets: the named set's
-    loss in every evaluation's record; a damaged shard: one line, exit 2, nothing run."""
+    """tools/prepare_data.py <folder>, then data=corpus with eval.sets and document masks
+    (each line a document: byte 10 ends them): the named set's loss in every
+    evaluation's record; a damaged shard: one line, exit 2, nothing run."""
     text = "".join(f"line {i} of a small corpus for this test.\n" for i in range(4000))
     (tmp_path / "a.txt").write_text(text[: len(text) // 2])
     (tmp_path / "b.txt").write_text(text[len(text) // 2:])
     prepare = load_tool("prepare_data").main
     prepare([str(tmp_path / "c"), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
-             "--processes", "2", "--shard-tokens", "20000"])
-    prepare([str(tmp_path / "v"), str(tmp_path / "b.txt"), "--processes", "1"])
+             "--processes", "2", "--shard-tokens", "20000", "--eos-id", "10"])
+    prepare([str(tmp_path / "v"), str(tmp_path / "b.txt"), "--processes", "1", "--eos-id", "10"])
     args = ("recipe=llama_tiny_debug", "train.steps=4", "eval.every=2", "logging=no_wandb",
             "profile.steps=0", "data=corpus", f"data.path={tmp_path / 'c'}",
-            f"eval.sets={{held: {tmp_path / 'v'}}}")
+            f"eval.sets={{held: {tmp_path / 'v'}}}", "data.document_mask=true",
+            "data.reset_positions=true")
     proc = framework_run(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in read_metrics(tmp_path / "run") if "eval/loss" in r]

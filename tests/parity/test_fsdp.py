@@ -78,6 +78,7 @@ def test_fsdp_holds_a_data_share_of_the_weights_through_the_step():
     assert got["fsdp"][1] < 0.6 * got["zero1"][1] and got["fsdp"][1] < got["plain"][1], got
 
 
+@SLOW  # 15 s (the fast tier's time)
 def test_bfloat16_matrices_travel_in_bfloat16_and_their_gradients_sum_in_float32():
     """A bfloat16 model: FSDP gathers the layers' and the head's matrices already cast
     (half the bytes; the lowered program's all-gathers), the norm scales and the

@@ -198,3 +198,27 @@ def test_a_prepared_folder_as_data_path_of_tokens_reads_as_a_corpus(tmp_path):
     ds = data.make_dataset(DataConfig(kind="tokens", path=str(folder), holdout_fraction=0.0),
                            TRAIN, 2**16)
     assert ds.n_train == 24 and (np.diff(ds.train_batch(0), axis=1) == 1).all()
+
+
+def test_a_trained_tokenizer_ends_documents_with_id_0_and_masks_by_it(tmp_path):
+    """tools/train_tokenizer.py, then prepare_data --eos-id 0: text round-trips through
+    the byte-level BPE, and the corpus's separator is what data.document_mask uses."""
+    from tokenizers import Tokenizer
+
+    docs = [{"text": f"document {i}: the pipeline sends its activations on.\n"}
+            for i in range(300)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tool = load_tool("train_tokenizer").main
+    assert tool([str(tmp_path / "tok.json"), str(tmp_path / "d.jsonl"), "--vocab-size", "300"]) == 0
+    tok = Tokenizer.from_file(str(tmp_path / "tok.json"))
+    assert tok.token_to_id("<|endoftext|>") == 0
+    text = "Grüße: the pipeline"
+    assert tok.decode(tok.encode(text).ids) == text
+    assert tool([str(tmp_path / "x.json"), str(tmp_path / "nothing.txt")]) == 2
+    load_tool("prepare_data").main([str(tmp_path / "c"), str(tmp_path / "d.jsonl"),
+                                    "--tokenizer", str(tmp_path / "tok.json"), "--eos-id", "0"])
+    train = TrainConfig(seq_len=16, global_batch_size=2)
+    dataset = data.make_dataset(DataConfig(kind="corpus", path=str(tmp_path / "c")), train, 512)
+    cfg = DataConfig(kind="corpus", document_mask=True)
+    assert data.document_mask(cfg, dataset, {}).separator == 0
+    assert (dataset.train_batch(0) == 0).any()  # documents end inside the rows

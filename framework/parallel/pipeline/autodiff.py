@@ -19,14 +19,15 @@ from framework.parallel.pipeline.comm import (manual_axes, only_on, send, slots,
                                               zeros_typed_like)
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, LOOP, ON_FIRST, ON_LAST, STAGE
-from framework.parallel.pipeline.stage import StageFns, skip_unless
+from framework.parallel.pipeline.stage import StageFns, of_microbatch, skip_unless
 from framework.parallel.pipeline.table import ACT, F
 
 
-def forward(prog: Program, fns: StageFns, params, inputs, targets):
+def forward(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     """This rank's share of the mean loss (nonzero on the last rank), by running the
     forward rows. params: {'embed', 'head', 'chunks' [v, Lc, ...]}; inputs, targets:
-    [microbatches, mb, seq]."""
+    [microbatches, mb, seq]; docs: the microbatches' document masks (leaves
+    [microbatches, mb, ...], framework/model/documents.py) or None."""
     buffers, v = prog.buffers, prog.schedule.n_chunks
     p, S = prog.schedule.n_stages, prog.schedule.n_global_stages
     rank = jax.lax.axis_index(PIPE)
@@ -52,8 +53,9 @@ def forward(prog: Program, fns: StageFns, params, inputs, targets):
         weights = jax.tree.map(lambda a: a[0] if v == 1 else a[c], params["chunks"])
         with jax.named_scope(CELL):
             n_real = prog.real(row["stage"][rank])  # uneven stages, else None
-            y = (stage_or_skip(fns.layers, weights, x, busy, n_real) if S > 1
-                 else fns.layers(weights, x, n_real=n_real))
+            docs_mb = of_microbatch(docs, mb)
+            y = (stage_or_skip(fns.layers, weights, x, busy, n_real, docs_mb) if S > 1
+                 else fns.layers(weights, x, n_real=n_real, docs=docs_mb))
         done = busy & row["last"][rank]
         outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
@@ -83,14 +85,14 @@ def head_loss_by_microbatch(fns: StageFns, params, y_mb, targets_mb):
     return total
 
 
-def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets):
+def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     """(this rank's loss share, gradients like params) by autodiff of `forward`."""
-    return jax.value_and_grad(forward, argnums=2)(prog, fns, params, inputs, targets)
+    return jax.value_and_grad(forward, argnums=2)(prog, fns, params, inputs, targets, docs)
 
 
-def stage_or_skip(layers, weights, x, busy, n_real=None):
-    """layers(weights, x, n_real=n_real) on a busy tick, x unchanged on a bubble tick,
-    forward and backward (`skip_unless`): idle ranks skip the layers and their
-    tensor-parallel collectives; only the activations are saved per tick."""
-    return skip_unless(busy, lambda w, x, n: layers(w, x, n_real=n), weights, x, n_real,
-                       scope=STAGE)
+def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None):
+    """layers(weights, x, n_real=n_real, docs=docs) on a busy tick, x unchanged on a
+    bubble tick, forward and backward (`skip_unless`): idle ranks skip the layers and
+    their tensor-parallel collectives; only the activations are saved per tick."""
+    return skip_unless(busy, lambda w, x, n, d: layers(w, x, n_real=n, docs=d), weights, x,
+                       n_real, docs, scope=STAGE)

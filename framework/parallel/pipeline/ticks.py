@@ -54,7 +54,7 @@ from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_o
                                               slots, store, zeros_typed_like)
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
-from framework.parallel.pipeline.stage import StageFns, join_vjp, split_vjp
+from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
 from framework.parallel.pipeline.stash import Packing
 from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W
 
@@ -126,13 +126,14 @@ def _part_real(n_real, lo: int, hi: int):
     return None if n_real is None else jnp.clip(n_real - lo, 0, hi - lo)
 
 
-def forward_in_parts(fns: StageFns, w, x, n_real, parts: int):
+def forward_in_parts(fns: StageFns, w, x, n_real, parts: int, docs=None):
     """The chunk's forward as its parts, bottom first: (y, residuals of every part in
     one list, the `Piece`s)."""
     residuals, pieces = [], []
     for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
         part = _layers(w, lo, hi)
-        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi)), part, x)
+        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi), docs=docs),
+                            part, x)
         acts, vjp_def, param_slot = split_vjp(vjp_fn, part)
         pieces.append(Piece(lo, hi, len(residuals), len(acts), vjp_def, param_slot))
         residuals += acts
@@ -155,22 +156,24 @@ class Types(NamedTuple):
     pieces: tuple = ()  # a BW cut into parts: each part's `Piece`, bottom first
 
 
-def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage) -> Types:
+def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage,
+                docs=None) -> Types:
     """`stage`: any global stage typed like the table's (varying over `pipe`)."""
     split = prog.schedule.split_backward
-    chunk = partial(fns.layers, n_real=prog.real(stage))
+    docs = of_microbatch(docs, 0)
+    chunk = partial(fns.layers, n_real=prog.real(stage), docs=docs)
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     x = fns.embed(params["embed"], inputs[0])
     if prog.schedule.parts > 1:  # the stash holds every part's residuals, one list
         _, residuals, pieces = forward_in_parts(fns, w0, x, prog.real(stage),
-                                                prog.schedule.parts)
+                                                prog.schedule.parts, docs)
         none = jax.tree.structure([])
         return Types(x, residuals, None, None, [], none, [], none, Packing.of(residuals),
                      tuple(pieces))
     if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
         vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
     elif split:
-        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage))
+        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs)
         douts_tree = vjp_fn(x)[1]
     else:
         vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [], []
@@ -197,6 +200,7 @@ class Cells:
     manual: tuple  # mesh axes every carried value varies over
     split: bool  # the backward is split into B and W cells
     recompute: bool = False  # ... each pulling dy through the full VJP (SplitBackward)
+    docs: object = None  # the microbatches' document masks (leaves [microbatches, ...])
 
     def zeros(self, like, n=None):
         """Zeros like `like` (n slots of it), varying at least over `manual`."""
@@ -232,16 +236,17 @@ class Cells:
         fns, p = self.fns, self.params
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
-        w = self.weights(cell.chunk)
+        w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
         if self.types.pieces:  # a BW cut into parts: one VJP per part
             y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
-                                               len(self.types.pieces))
+                                               len(self.types.pieces), docs)
             kept = None
         elif self.split and not self.recompute:
-            y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage))
+            y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
+                                                docs=docs)
             kept, residuals = jax.tree.leaves(kept), split_vjp(vjp_fn, w)[0]
         else:  # (recompute: B writes the saved buffer, F leaves zeros)
-            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage))
+            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs)
             (y, vjp_fn), kept = jax.vjp(chunk, w, x), None
             residuals = split_vjp(vjp_fn, w)[0]
 
@@ -388,7 +393,8 @@ def _step(cells: Cells, rank):
     return step
 
 
-def make_cells(prog: Program, fns: StageFns, params, inputs, targets, rank) -> Cells:
+def make_cells(prog: Program, fns: StageFns, params, inputs, targets, rank,
+               docs=None) -> Cells:
     """The branches of this rank's ticks (`rank`: its pipeline rank, traced), with the
     types of what they keep."""
     split = prog.schedule.split_backward
@@ -396,9 +402,9 @@ def make_cells(prog: Program, fns: StageFns, params, inputs, targets, rank) -> C
         raise ValueError(f"schedule {prog.schedule.name} splits the backward: "
                          f"StageFns.split is needed")
     recompute = split and fns.split.recompute
-    types = trace_types(fns, prog, params, inputs, recompute, rank)
+    types = trace_types(fns, prog, params, inputs, recompute, rank, docs)
     return Cells(fns, prog, params, inputs, targets, types, manual_axes(inputs), split,
-                 recompute)
+                 recompute, docs)
 
 
 def initial_carry(cells: Cells) -> Carry:
@@ -413,12 +419,12 @@ def initial_carry(cells: Cells) -> Carry:
                  pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap})
 
 
-def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets):
+def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     """params: {'embed', 'head', 'chunks' [v, Lc, ...] of this rank}, varying over the
-    manual axes. inputs, targets: [microbatches, mb, seq]. Returns (this rank's loss
-    share, gradients like params)."""
+    manual axes. inputs, targets: [microbatches, mb, seq]; docs: their document masks
+    or None. Returns (this rank's loss share, gradients like params)."""
     rank = jax.lax.axis_index(PIPE)
-    cells = make_cells(prog, fns, params, inputs, targets, rank)
+    cells = make_cells(prog, fns, params, inputs, targets, rank, docs)
     init = initial_carry(cells)
     k = prog.schedule.ticks_per_step  # the loop's step: k ticks, [steps, k, ranks]
     xs = jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]),
