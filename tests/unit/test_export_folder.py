@@ -143,3 +143,16 @@ def test_a_failed_export_leaves_the_previous_one_as_it_was(exporter, tmp_path, m
     (tmp_path / "left" / export_folder.STAGING).mkdir(parents=True)
     assert sorted(exporter.export(str(UNTIED), str(tmp_path / "left"))) == ONE_FILE
     assert sorted(os.listdir(tmp_path / "left")) == ONE_FILE
+
+
+def test_the_models_positions_and_where_they_come_from():
+    """One number bounds generation and becomes the export's max_position_embeddings."""
+    model = hf.model_config(hf.read_config(UNTIED))
+    source = lambda kind, hf_config, meta: weights.Source(kind, "x", None, model, None,
+                                                          hf_config, meta)
+    assert source("checkpoint", {"max_position_embeddings": 131072}, {"seq_len": 2048}
+                  ).positions() == (131072, "max_position_embeddings of the folder it was "
+                                            "initialised from")
+    assert source("checkpoint", None, {"seq_len": 32}).positions() == (
+        32, "the run's train.seq_len")
+    assert source("hf", {"max_position_embeddings": "many"}, {}).positions()[0] == 2048
