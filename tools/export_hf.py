@@ -1,7 +1,7 @@
 """Export a checkpoint as a Hugging Face Llama folder that transformers loads:
 
     python tools/export_hf.py <run folder | checkpoint folder | step folder> <out folder>
-        [--step N] [--dtype float32|bfloat16] [--max-shard-size 5GB]
+        [--step N] [--dtype float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
 
 Writes config.json (LlamaForCausalLM), the weights as safetensors (one
 model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
@@ -10,7 +10,12 @@ past --max-shard-size) and, when the run's tokenizer is known, its tokenizer.jso
 may come from any layout (checkpoints are layout-independent); only its parameters are
 read, onto one CPU device. Default dtype: that of the folder the run was initialised
 from (train.init_from), else float32 (the parameters as trained). A Hugging Face
-folder is accepted too (a re-export). Then, in Python:
+folder is accepted too (a re-export).
+
+The output folder is new, empty, or a previous export (its export_hf.json lists its
+files), which is replaced whole; any other folder with files is refused unless
+--overwrite is given, and a folder holding checkpoints always is
+(framework/io/hf/export_folder.py). Then, in Python:
 
     transformers.AutoModelForCausalLM.from_pretrained("<out folder>")
 """
@@ -42,31 +47,31 @@ def parse_size(text: str) -> int:
 
 
 def export(source_path: str, out: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str = "5GB") -> list[str]:
-    """Returns the files written into `out`."""
+           max_shard_size: str = "5GB", overwrite: bool = False) -> list[str]:
+    """Returns the files written into `out`. The folder is checked before anything is
+    loaded; what it held goes only once the new export is complete."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from framework.io import weights as artifacts
-    from framework.io.hf import llama as hf
+    from framework.io.hf import export_folder, llama as hf
     from framework.io.tokenizer import BYTES
 
     max_bytes = parse_size(max_shard_size)
     source = artifacts.open_source(source_path, step, setting="source")
+    dest = export_folder.check_destination(out, source.path, overwrite)
     original = source.hf_config or {}
     if dtype is None:
         stored = original.get("torch_dtype", original.get("dtype"))
         dtype = stored if stored in hf.EXPORT_DTYPES else "float32"
-    if os.path.abspath(out) == os.path.abspath(source.path):
-        raise ConfigError(f"the output folder {out} is the source: choose another")
     mesh = jax.make_mesh((1,), ("one",), devices=jax.devices("cpu")[:1])
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), hf.canonical_shapes(source.model))
-    params = source.load(shardings)
-    max_positions = (original.get("max_position_embeddings") or source.metadata.get("seq_len")
-                     or 2048)
+    params = source.load(shardings)  # after the step fallback, source.step is the one read
     tokenizer = source.tokenizer if source.tokenizer not in (None, BYTES) else None
-    return hf.export(out, source.model, params, dtype, original, max_positions, max_bytes,
-                     tokenizer)
+    write = lambda folder: hf.export(folder, source.model, params, dtype, original,
+                                     source.positions()[0], max_bytes, tokenizer)
+    return export_folder.write(dest, write, {"source": source.path, "step": source.step,
+                                             "dtype": dtype})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,14 +87,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty folder of files that is not a previous "
+                             "export (a previous export is replaced without it)")
     args = parser.parse_args(argv)
+    from framework.io.hf.export_folder import entries
+
     try:
-        files = export(args.source, args.out, args.step, args.dtype, args.max_shard_size)
+        before = entries(args.out) if os.path.isdir(args.out) else []
+    except OSError:  # unreadable: export() says so in one line
+        before = []
+    try:
+        files = export(args.source, args.out, args.step, args.dtype, args.max_shard_size,
+                       args.overwrite)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the previous contents of the folder are still there
+        print("error: interrupted", file=sys.stderr)
+        return 130
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
-    print(f"wrote {', '.join(files)} ({size / 1e6:.1f} MB) to {args.out}: "
+    gone = sorted(set(before) - set(files))
+    replaced = (f", replacing the {len(before)} files it held"
+                + (f" ({len(gone)} not rewritten, now gone)" if gone else "")) if before else ""
+    print(f"wrote {', '.join(files)} ({size / 1e6:.1f} MB) to {args.out}{replaced}: "
           f"AutoModelForCausalLM.from_pretrained({args.out!r}) loads it", file=sys.stderr)
     return 0
 

@@ -9,6 +9,18 @@ else byte-level when the run trained on bytes (`data` text/markov/synthetic with
 vocabulary of at most 256), else unknown (ids only). For a HF folder: its
 tokenizer.json if present, else byte-level when its vocabulary is 256 (what
 tools/export_hf.py writes for a byte-level run), else unknown.
+
+Which wins when a folder is both: a folder holding checkpoints (a run folder, a
+checkpoint folder or a step folder: `paths.holds_checkpoints`) is read as checkpoints,
+even with a Hugging Face config.json in it. The checkpoints are what the run trains;
+an export lying beside them (older versions of tools/export_hf.py wrote into any
+folder) is a copy of one past step, so reading it would give an older model without a
+word. A folder holding only a Hugging Face export is read as one.
+
+The model's positions (`Source.positions`): config.json's max_position_embeddings (the
+HF folder's, or that of the folder the run was initialised from), else the run's
+train.seq_len. Generation refuses a prompt and continuation longer than that (it sizes
+the KV cache), and export writes it as max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -24,12 +36,15 @@ import jax
 from framework.io.hf import llama as hf
 from framework.io.checkpoint.integrity import short_reason
 from framework.io.checkpoint.manager import Checkpointer
-from framework.io.checkpoint.paths import locate
+from framework.io.checkpoint.paths import holds_checkpoints, locate
 from framework.errors import ConfigError, DamagedCheckpoint
 from framework.config import ModelConfig, RopeScaling
 from framework.io.tokenizer import BYTES
 
 BYTE_LEVEL_DATA = ("text", "markov", "synthetic")
+# Positions of a checkpoint that records neither max_position_embeddings nor seq_len
+# (none written by this version: train.py records seq_len in every checkpoint).
+DEFAULT_POSITIONS = 2048
 
 
 @dataclass
@@ -47,6 +62,18 @@ class Source:
     def eos_ids(self) -> tuple[int, ...]:
         eos = (self.hf_config or {}).get("eos_token_id")
         return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+    def positions(self) -> tuple[int, str]:
+        """(positions the model was made for, where that number comes from, in words)."""
+        given = (self.hf_config or {}).get("max_position_embeddings")
+        if isinstance(given, int) and not isinstance(given, bool) and given >= 1:
+            return given, ("max_position_embeddings in its config.json" if self.kind == "hf"
+                           else "max_position_embeddings of the folder it was initialised from")
+        seq_len = self.metadata.get("seq_len")
+        if isinstance(seq_len, int) and seq_len >= 1:
+            return seq_len, "the run's train.seq_len"
+        return DEFAULT_POSITIONS, ("assumed: the folder records neither max_position_embeddings "
+                                   "nor train.seq_len")
 
     def describe(self) -> str:
         if self.kind == "hf":
@@ -103,13 +130,13 @@ def open_source(path: str, step: int | None = None, setting: str = "checkpoint")
     where = Path(os.path.expanduser(path)).absolute()
     if not where.exists():
         raise ConfigError(f"{setting}={path} does not exist")
-    if hf.is_hf_folder(where):
-        config = hf.read_config(where)
-        tok = where / hf.TOKENIZER_FILE
-        model = hf.model_config(config, str(where / hf.CONFIG_FILE))
-        tokenizer = str(tok) if tok.is_file() else BYTES if model.vocab_size == 256 else None
-        return Source("hf", str(where), None, model, tokenizer, config, {})
+    holder = holds_checkpoints(str(where))
+    if hf.is_hf_folder(where) and holder is None:  # checkpoints win (module docstring)
+        return _hf_source(where)
     found = locate(str(where))
+    if holder == "a run folder" and not os.path.isdir(found.folder):
+        raise ConfigError(f"{setting}={path} is a run folder without checkpoints (no "
+                          f"{found.folder}): name a run that has saved one")
     if found is None or not os.path.isdir(found.folder):
         raise ConfigError(f"{setting}={path} is neither a Hugging Face folder (config.json) "
                           f"nor a run or checkpoint folder")
@@ -129,6 +156,14 @@ def open_source(path: str, step: int | None = None, setting: str = "checkpoint")
     model = model_config_from_dict(meta["model"])
     return Source("checkpoint", str(folder), step, model,
                   _checkpoint_tokenizer(meta, run_dir, model), meta.get("hf_config"), meta, named)
+
+
+def _hf_source(where: Path) -> Source:
+    config = hf.read_config(where)
+    tok = where / hf.TOKENIZER_FILE
+    model = hf.model_config(config, str(where / hf.CONFIG_FILE))
+    tokenizer = str(tok) if tok.is_file() else BYTES if model.vocab_size == 256 else None
+    return Source("hf", str(where), None, model, tokenizer, config, {})
 
 
 def model_config_from_dict(values: dict) -> ModelConfig:

@@ -9,11 +9,17 @@ Settings are `key=value` (framework.config.GenerateConfig: temperature 0 = greed
 with the tokenizer the run's data was prepared with (byte-level runs: UTF-8 with
 replacement; see framework/io/weights.py for the lookup); a line on stderr says what
 was loaded and how fast the tokens came. Bad input: `error: ...` on one line, exit 2.
+
+Settings are checked in two places, both before anything is compiled or loaded:
+`check_settings` (each value against its range, as soon as the arguments are read)
+and `check_length` (the prompt and the continuation against the model's positions,
+once the folder's model is known; it bounds max_new_tokens, and with it the KV cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -26,6 +32,9 @@ from framework.runtime import faults
 from framework.engine.validate import check
 
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# The decoding step takes the seed as a uint32 and top_k as an int32
+# (framework/engine/decode.py, Decoder.generate): larger values cannot reach it.
+SEED_MAX, TOP_K_MAX = 2**32 - 1, 2**31 - 1
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
@@ -41,22 +50,50 @@ def parse_args(argv: list[str]) -> GenerateConfig:
             raise ConfigError(f"unknown setting {key!r} (valid: {', '.join(fields)})")
         values[key] = _convert(key, raw, hints[key])
     cfg = GenerateConfig(**values)
+    errs = check_settings(cfg)
+    if errs:
+        raise ConfigError("; ".join(errs))
+    return cfg
+
+
+def check_settings(cfg: GenerateConfig) -> list[str]:
+    """One line per setting outside its range (what the model allows, e.g. the length,
+    is `check_length`'s)."""
     errs = []
     if not cfg.checkpoint:
         errs.append("checkpoint=<run folder | checkpoint folder | Hugging Face folder> is required")
-    for key, ok, want in (("max_new_tokens", cfg.max_new_tokens >= 1, ">= 1"),
-                          ("temperature", cfg.temperature >= 0, ">= 0 (0: greedy)"),
-                          ("top_k", cfg.top_k >= 0, ">= 0 (0: off)"),
-                          ("top_p", 0 < cfg.top_p <= 1, "in (0, 1] (1: off)"),
-                          ("tensor", cfg.tensor >= 1, ">= 1")):
+    for key, ok, want in (
+            ("max_new_tokens", cfg.max_new_tokens >= 1,
+             ">= 1 (and fit the model's positions with the prompt)"),
+            ("temperature", math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+             "a finite number >= 0 (0: greedy)"),
+            ("top_k", 0 <= cfg.top_k <= TOP_K_MAX, f"in [0, {TOP_K_MAX}] (0: off)"),
+            ("top_p", 0 < cfg.top_p <= 1, "in (0, 1] (1: off)"),
+            ("seed", 0 <= cfg.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (a uint32)"),
+            ("tensor", cfg.tensor >= 1, ">= 1"),
+            ("step", cfg.step is None or cfg.step >= 0, ">= 0")):
         if not ok:
             errs.append(f"{key}={getattr(cfg, key)} must be {want}")
     dtypes = CHOICES["model.dtype"]
     if cfg.dtype is not None and cfg.dtype not in dtypes:
         errs.append(f"dtype={cfg.dtype!r} is not one of {', '.join(dtypes)}")
-    if errs:
-        raise ConfigError("; ".join(errs))
-    return cfg
+    return errs
+
+
+def check_length(prompt_len: int, max_new_tokens: int, positions: int, origin: str) -> None:
+    """ConfigError unless the prompt and its continuation fit the model's positions
+    (`origin`: where that number comes from, framework/io/weights.py Source.positions).
+    The KV cache holds prompt_len + max_new_tokens positions: this bound is what keeps
+    a huge max_new_tokens from asking for more memory than any device has."""
+    if prompt_len >= positions:
+        raise ConfigError(f"the prompt is {prompt_len} tokens but the model has {positions} "
+                          f"positions ({origin}): give at most {positions - 1}, so that a "
+                          f"new token fits")
+    if prompt_len + max_new_tokens > positions:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} after a {prompt_len}-token prompt "
+                          f"needs {prompt_len + max_new_tokens} positions but the model has "
+                          f"{positions} ({origin}): max_new_tokens must be <= "
+                          f"{positions - prompt_len}")
 
 
 def _convert(key: str, raw: str, hint):
@@ -111,6 +148,7 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr, devices=None) -> di
     if not ids or max(ids) >= model.vocab_size or min(ids) < 0:
         raise ConfigError(f"the prompt must be 1 or more token ids in [0, {model.vocab_size})"
                           f" (got {ids[:8]}{'...' if len(ids) > 8 else ''})")
+    check_length(len(ids), cfg.max_new_tokens, *source.positions())
     from framework.engine.decode import Decoder, Sampling
     from framework.parallel.mesh import describe, make_mesh
 

@@ -52,6 +52,22 @@ def test_generate_on_a_hf_folder_with_tensor_parallelism(env):
     assert "tensor=2" in proc.stderr and "tokens/s" in proc.stderr
 
 
+def test_export_into_a_run_folder_and_a_seed_beyond_uint32_are_one_line_errors(tmp_path, env):
+    """The command lines' exit 2 and one line (the rules themselves:
+    tests/unit/test_export_folder.py, tests/parity/test_generate.py). The export wrote
+    into the run folder before, and the seed was an OverflowError traceback."""
+    folder = FIXTURES / "hf" / "untied_gqa"
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "summary.json").write_text("{}")
+    proc = cli.tool("export_hf", str(folder), str(run_dir), "--overwrite", env=env)
+    assert cli.one_error_line(proc).startswith(f"the output folder {run_dir} is a run folder")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "summary.json"]
+    proc = cli.framework("generate", f"checkpoint={folder}", "prompt_ids=1", "seed=4294967296",
+                         cwd=tmp_path, env=env)
+    assert cli.one_error_line(proc) == "seed=4294967296 must be in [0, 4294967295] (a uint32)"
+
+
 def test_comm_audit_command_line_lists_collectives_and_axes(env):
     proc = cli.ok(cli.tool("comm_audit", "recipe=llama_tiny_debug", env=env))
     lines = proc.stdout.splitlines()

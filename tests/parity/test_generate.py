@@ -97,3 +97,41 @@ def test_bad_settings_are_one_line_errors():
     with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by tensor=4"):
         generate.run(generate.parse_args([f"checkpoint={FIXTURE}", "prompt_ids=1", "tensor=4"]),
                      devices=jax.devices())
+
+
+@pytest.mark.parametrize("arg, want", [
+    ("seed=4294967296", "seed=4294967296 must be in [0, 4294967295] (a uint32)"),
+    ("seed=-1", "seed=-1 must be in [0, 4294967295] (a uint32)"),
+    ("temperature=inf", "temperature=inf must be a finite number >= 0 (0: greedy)"),
+    ("temperature=nan", "temperature=nan must be a finite number >= 0 (0: greedy)"),
+    ("top_k=2147483648", "top_k=2147483648 must be in [0, 2147483647] (0: off)"),
+    ("step=-1", "step=-1 must be >= 0")])
+def test_settings_outside_what_decoding_takes_are_one_line_errors(arg, want):
+    """Each was a traceback (OverflowError) or accepted silently (temperature=inf)."""
+    with pytest.raises(ConfigError) as err:
+        generate.parse_args([f"checkpoint={FIXTURE}", "prompt_ids=1", arg])
+    assert str(err.value) == want
+    generate.parse_args([f"checkpoint={FIXTURE}", "seed=4294967295", "top_k=2147483647"])
+
+
+def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
+    """The fixture's config.json has max_position_embeddings 128: the KV cache of a huge
+    max_new_tokens (an out-of-memory traceback before) and a longer prompt (accepted
+    silently before) are refused before the weights are read or anything compiles."""
+    generate.check_length(100, 28, 128, "here")  # exactly full
+    with pytest.raises(ConfigError, match=r"^max_new_tokens=29 after a 100-token prompt needs "
+                                          r"129 positions but the model has 128 \(here\): "
+                                          r"max_new_tokens must be <= 28$"):
+        generate.check_length(100, 29, 128, "here")
+    from framework.io import weights
+    monkeypatch.setattr(weights.Source, "load", lambda *_: pytest.fail("the weights were read"))
+    origin = r"\(max_position_embeddings in its config.json\)"
+    for args, match in ((["prompt_ids=1,2,3", "max_new_tokens=100000000000"],
+                         f"needs 100000000003 positions but the model has 128 {origin}: "
+                         f"max_new_tokens must be <= 125"),
+                        (["prompt_ids=" + ",".join(["1"] * 128), "max_new_tokens=1"],
+                         f"^the prompt is 128 tokens but the model has 128 positions {origin}: "
+                         f"give at most 127")):
+        with pytest.raises(ConfigError, match=match):
+            generate.run(generate.parse_args([f"checkpoint={FIXTURE}", *args]),
+                         devices=jax.devices())

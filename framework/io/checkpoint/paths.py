@@ -8,6 +8,10 @@ takes such a path (`train.resume_from`, `framework.generate checkpoint=`,
     <run>/checkpoints/        the newest complete step in it
     <run>/checkpoints/<step>/ that step
 Remote paths (gs://...) are kept as given: a folder, or a step folder by its number.
+
+`holds_checkpoints` says whether a local folder is one of these three (a run folder
+counts even before its first save): such a folder is read as checkpoints even when a
+Hugging Face config.json lies in it too, and tools/export_hf.py never writes into one.
 """
 
 from __future__ import annotations
@@ -47,15 +51,40 @@ def locate(path: str) -> Located | None:
             path.rstrip("/"), None, None)
     path = absolute(path)
     parent, name = os.path.split(path)
-    looks_like_step = any(os.path.exists(os.path.join(path, m)) for m in (STATE, *COMPLETE_MARKERS))
-    if name.isdigit() and os.path.isdir(parent) and (looks_like_step or not os.path.exists(path)):
+    if name.isdigit() and os.path.isdir(parent) and (_looks_like_step(path)
+                                                      or not os.path.exists(path)):
         return Located(parent, int(name), os.path.dirname(parent))
     if not os.path.isdir(path):
         return None
-    if os.path.exists(os.path.join(path, "summary.json")) or \
-            os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)):
+    if _is_run_folder(path):
         return Located(_run_checkpoints(path), None, path)
     return Located(path, None, parent)
+
+
+def _looks_like_step(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, m)) for m in (STATE, *COMPLETE_MARKERS))
+
+
+def _is_run_folder(path: str) -> bool:
+    """summary.json is written when a run starts, checkpoints/ at its first save."""
+    return os.path.exists(os.path.join(path, "summary.json")) or \
+        os.path.isdir(os.path.join(path, RUN_CHECKPOINTS))
+
+
+def holds_checkpoints(path: str) -> str | None:
+    """What a local folder is checkpoint-wise, in words ("a run folder", "a checkpoint
+    folder", "a checkpoint step folder"), or None when it is none of these."""
+    path = absolute(path)
+    if not os.path.isdir(path):
+        return None
+    if _is_run_folder(path):
+        return "a run folder"
+    if os.path.basename(path).isdigit() and _looks_like_step(path):
+        return "a checkpoint step folder"
+    with os.scandir(path) as entries:
+        if any(e.name.isdigit() and e.is_dir() and _looks_like_step(e.path) for e in entries):
+            return "a checkpoint folder"
+    return None
 
 
 def _run_checkpoints(run_dir: str) -> str:
