@@ -134,7 +134,7 @@ def open_source(path: str, step: int | None = None, setting: str = "checkpoint")
     if hf.is_hf_folder(where) and holder is None:  # checkpoints win (module docstring)
         return _hf_source(where)
     found = locate(str(where))
-    if holder == "a run folder" and not os.path.isdir(found.folder):
+    if found is not None and holder == "a run folder" and not os.path.isdir(found.folder):
         raise ConfigError(f"{setting}={path} is a run folder without checkpoints (no "
                           f"{found.folder}): name a run that has saved one")
     if found is None or not os.path.isdir(found.folder):
