@@ -40,6 +40,11 @@ class StorageError(RuntimeError):
     checkpoint."""
 
 
+class DataError(RuntimeError):
+    """Training data damaged or changed after the run started (a shard truncated or
+    rewritten). `str(err)` is one line: the file and what is wrong with it."""
+
+
 class Diverged(RuntimeError):
     """A non-finite loss or gradient norm (or train state) at `step`."""
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -58,6 +58,20 @@ def sha256(path: str, chunk: int = 1 << 24) -> str:
 class Shard:
     tokens: np.ndarray  # [n_tokens] memory-mapped ids
     start: int  # its first token's position in the whole stream
+    path: str = ""  # its file, and that file's size in the manifest (checked per read)
+    nbytes: int = 0
+
+    def check(self) -> None:
+        """DataError unless the file still has its manifest's size: a shard truncated
+        after the start would be read past its end (SIGBUS through the memory map)."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as err:
+            raise DataError(f"{self.path} can no longer be read ({err.strerror}): the corpus "
+                            f"changed during the run") from None
+        if size != self.nbytes:
+            raise DataError(f"{self.path} is now {size} bytes, its manifest says "
+                            f"{self.nbytes}: the corpus changed during the run")
 
 
 def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[list[Shard], dict]:
@@ -89,7 +103,8 @@ def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[l
             _check_file(os.path.join(folder, meta[key]), meta[f"{key}_bytes"],
                         meta[f"{key}_sha256"], verify)
         tokens = np.memmap(os.path.join(folder, meta["file"]), dtype=dtype, mode="r")
-        shards.append(Shard(tokens, start))
+        shards.append(Shard(tokens, start, os.path.join(folder, meta["file"]),
+                            meta["file_bytes"]))
         start += len(tokens)
     if not shards or start == 0:
         raise ConfigError(f"{manifest_path} lists no tokens")
@@ -154,6 +169,8 @@ def read_window(shards: list[Shard], start: int, n: int) -> np.ndarray:
     i = int(np.searchsorted(starts, start, side="right")) - 1
     while pos < start + n:
         shard = shards[i]
+        if shard.path:
+            shard.check()
         lo = pos - shard.start
         piece = np.asarray(shard.tokens[lo:lo + (start + n - pos)])
         out.append(piece)

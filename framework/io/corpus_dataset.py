@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from framework.config import DataConfig, EvalConfig, TrainConfig
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DataError
 from framework.io import corpus
 from framework.io.data import TRAIN, Dataset, Rows, row_indices
 
@@ -27,7 +27,7 @@ class CorpusDataset(Dataset):
         super().__init__(train, vocab_size)
         self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
                                                         vocab_size, cfg.verify)
-        self.separator = self.manifest.get("eos_id")
+        self.separator, self.path = self.manifest.get("eos_id"), cfg.path
         total = self.shards[-1].start + len(self.shards[-1].tokens)
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
         held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
@@ -56,8 +56,12 @@ class CorpusDataset(Dataset):
                 seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
         else:  # the held-out sequences after the training ones, cycled
             seqs = self.n_train + g % self.n_eval
-        return np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
+        rows = np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
                                             self.seq_len + 1) for i in seqs]).astype(np.int32)
+        if rows.size and rows.max() >= self.vocab_size:  # a shard rewritten mid-run
+            raise DataError(f"data.path={self.path} now holds token id {rows.max()} (model."
+                            f"vocab_size={self.vocab_size}): the corpus changed during the run")
+        return rows
 
 
 class MixtureDataset(Dataset):

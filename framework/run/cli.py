@@ -35,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import (CompileConfig, DevicesConfig, ParallelConfig, RunConfig,
                               setting_names)
-from framework.errors import ConfigError, Diverged, StorageError
+from framework.errors import ConfigError, DataError, Diverged, StorageError
 from framework.parallel.mesh import resolve_data_degree
 from framework.run import sweep
 from framework.runtime import devices, faults
@@ -184,6 +184,8 @@ def _main(cfg: DictConfig) -> None:
         _fault(err, faults.DIVERGED_EXIT)
     except StorageError as err:  # summary.json (if it could be written): "failed"
         _fault(err, faults.STORAGE_EXIT)
+    except DataError as err:  # a shard damaged mid-run; the last checkpoint is intact
+        _fault(err, faults.DATA_EXIT)
 
 
 HYDRA_FILES = ".hydra"  # what Hydra writes itself unless hydra.output_subdir is null

@@ -47,6 +47,7 @@ from typing import Callable
 
 DIVERGED_EXIT = 3  # exit status of a run stopped by a non-finite loss or gradient norm
 STORAGE_EXIT = 4  # a checkpoint (or metrics.jsonl) could not be written
+DATA_EXIT = 5  # the training data was damaged during the run (errors.DataError)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
 SIGTERM_BEFORE_START_EXIT = 143  # 128 + SIGTERM: stopped before the run held its folder
 WATCHED = ("train/loss", "train/grad_norm")

@@ -543,3 +543,40 @@ def test_the_whole_run_folder_on_a_full_disk_ends_in_one_line_and_resumes(full, 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     got = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
     assert_same(got, losses(full), range(1, STEPS + 1))
+
+
+def test_a_shard_damaged_during_the_run_stops_it_in_one_line_with_its_checkpoints(tmp_path,
+                                                                                 env):
+    """A corpus shard truncated while the run trains: the next read of it is one line
+    naming the file (exit 5, DataError), summary.json says failed, and the checkpoints
+    saved before are intact: with the shard restored the run resumes from the last."""
+    folder = tmp_path / "c"
+    load_tool("prepare_data").main([str(folder), str(corpus(tmp_path)), "--processes", "1"])
+    shard = next(folder.glob("shard-*.bin"))
+    whole = shard.read_bytes()
+    run_dir = tmp_path / "run"
+    base = tuple(a for a in BASE if not a.startswith(("train.steps=", "eval.every=")))
+    args = (*base, "data=corpus", f"data.path={folder}", "eval.every=0",
+            "checkpoint.every=1", "checkpoint.async_save=false", "data.prefetch=0")
+    proc = subprocess.Popen(command(run_dir, *args, "train.steps=400"), cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        with open(shard, "r+b") as f:
+            f.truncate(len(whole) // 2)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 5 and len(lines) == 1, err[-3000:]
+    assert shard.name in lines[0] and "changed during the run" in lines[0]
+    info = summary(run_dir)
+    assert info["status"] == "failed" and complete_steps(run_dir)[-1] >= 2
+    shard.write_bytes(whole)
+    last = complete_steps(run_dir)[-1]
+    ok(framework_run(run_dir, *args, f"train.steps={last + 1}", env=env))
+    assert summary(run_dir)["step"] == last + 1
