@@ -222,3 +222,7 @@ def test_a_trained_tokenizer_ends_documents_with_id_0_and_masks_by_it(tmp_path):
     cfg = DataConfig(kind="corpus", document_mask=True)
     assert data.document_mask(cfg, dataset, {}).separator == 0
     assert (dataset.train_batch(0) == 0).any()  # documents end inside the rows
+    from framework.io import tokenizer  # a run on the corpus decodes with its tokenizer
+    copy = str(tmp_path / "c" / "tokenizer.json")
+    assert tokenizer.for_run("corpus", str(tmp_path / "c"), 512, None) == copy
+    assert tokenizer.for_run("corpus", None, 512, None, [{"path": str(tmp_path / "c")}]) == copy
