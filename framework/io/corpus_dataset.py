@@ -7,6 +7,7 @@ dataset of framework/io/data.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -23,8 +24,12 @@ class CorpusDataset(Dataset):
     training sample g = step x batch + row is sequence permute(g mod n) of epoch g // n;
     the last holdout_fraction of the sequences are the held-out ones, in order."""
 
-    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig):
+    def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig,
+                 least: int | None = None):
+        """`least`: the fewest training and held-out sequences it must hold (default one
+        batch; a mixture's corpus needs only one: a batch draws from every corpus)."""
         super().__init__(train, vocab_size)
+        least = self.global_batch if least is None else least
         self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
                                                         vocab_size, cfg.verify)
         self.separator, self.path = self.manifest.get("eos_id"), cfg.path
@@ -32,16 +37,16 @@ class CorpusDataset(Dataset):
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
         held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
         self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
-        if cfg.holdout_fraction < 1 and self.n_train < self.global_batch:
+        need = f"one batch of train.global_batch_size={least}" if least > 1 else "one"
+        if cfg.holdout_fraction < 1 and self.n_train < least:
             raise ConfigError(
                 f"data.path={cfg.path} holds {self.n_train} training sequences of "
                 f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
-                f"{cfg.holdout_fraction}), fewer than one batch of "
-                f"train.global_batch_size={self.global_batch}")
-        if self.has_eval and held < self.global_batch:
+                f"{cfg.holdout_fraction}), fewer than {need}")
+        if self.has_eval and held < least:
             raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
                               f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
-                              f"than one batch of {self.global_batch}: raise it, or set 0")
+                              f"than {need}: raise it, or set 0")
 
     def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
         return self.samples(split, index * self.global_batch + row_indices(rows, self.global_batch))
@@ -79,8 +84,9 @@ class MixtureDataset(Dataset):
         super().__init__(train, vocab_size)
         paths, weights = _mixture(cfg.mixture)
         self.parts = [CorpusDataset(train, vocab_size, DataConfig(
-            kind="corpus", path=p, holdout_fraction=cfg.holdout_fraction, verify=cfg.verify))
-            for p in paths]
+            kind="corpus", path=p, holdout_fraction=cfg.holdout_fraction, verify=cfg.verify),
+            least=1) for p in paths]
+        _one_tokenizer(paths, self.parts)
         share = np.asarray(weights) / sum(weights) * self.BLOCK
         counts = np.floor(share).astype(np.int64)
         counts[np.argsort(counts - share)[:self.BLOCK - counts.sum()]] += 1
@@ -123,6 +129,23 @@ def _mixture(given) -> tuple[list[str], list[float]]:
     if sum(weights) <= 0:
         raise ConfigError(f"data.mixture's weights add up to 0: give some corpus a weight > 0")
     return paths, weights
+
+
+def _one_tokenizer(paths: list[str], parts: list[CorpusDataset]) -> None:
+    """ConfigError unless every corpus of a mixture was prepared with one tokenizer
+    (byte-level, or tokenizer.json copies with the same bytes): ids mean one thing."""
+    def which(path, part):
+        name = part.manifest.get("tokenizer")
+        if not name or name == "bytes":
+            return name
+        with open(os.path.join(os.path.expanduser(path), name), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    seen = [which(p, part) for p, part in zip(paths, parts)]
+    for path, tok in zip(paths[1:], seen[1:]):
+        if tok != seen[0]:
+            raise ConfigError(f"data.mixture: {paths[0]} and {path} were prepared with "
+                              f"different tokenizers (their ids mean different tokens): "
+                              f"prepare them with one --tokenizer")
 
 
 def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,

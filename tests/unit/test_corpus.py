@@ -185,6 +185,11 @@ def test_a_mixture_takes_each_corpus_in_its_share_each_in_its_own_epochs(tmp_pat
     again = data.make_dataset(DataConfig(kind="corpus", mixture=mix, holdout_fraction=0.0),
                               train, 2**16)
     assert (again.train_batch(5, rows=[3, 60]) == ds.train_batch(5)[[3, 60]]).all()
+    (tmp_path / "small").mkdir()  # 10 sequences, fewer than a batch: a small share is fine
+    small = numbered_corpus(tmp_path / "small", 8 * 10 + 1, 400)
+    few = data.make_dataset(DataConfig(kind="corpus", holdout_fraction=0.0, mixture=[
+        {"path": str(a), "weight": 0.99}, {"path": str(small), "weight": 0.01}]), train, 2**16)
+    assert few.train_batch(0).shape == (64, 9)
     for bad, says in [([{"path": str(a), "weight": -1}], "must be a number >= 0"),
                       ([{"weight": 1}], "names no corpus"), ("web/", "is not a list"),
                       ([{"path": str(a), "weight": 0}], "add up to 0")]:
@@ -222,6 +227,10 @@ def test_a_trained_tokenizer_ends_documents_with_id_0_and_masks_by_it(tmp_path):
     cfg = DataConfig(kind="corpus", document_mask=True)
     assert data.document_mask(cfg, dataset, {}).separator == 0
     assert (dataset.train_batch(0) == 0).any()  # documents end inside the rows
+    load_tool("prepare_data").main([str(tmp_path / "b"), str(tmp_path / "d.jsonl")])  # bytes
+    mix = [{"path": str(tmp_path / "c"), "weight": 1}, {"path": str(tmp_path / "b"), "weight": 1}]
+    with pytest.raises(ConfigError, match="different tokenizers"):
+        data.make_dataset(DataConfig(kind="corpus", mixture=mix), train, 512)
     from framework.io import tokenizer  # a run on the corpus decodes with its tokenizer
     copy = str(tmp_path / "c" / "tokenizer.json")
     assert tokenizer.for_run("corpus", str(tmp_path / "c"), 512, None) == copy
