@@ -162,15 +162,19 @@ def write_manifest(folder: str, shards: list[dict], **fields) -> dict:
 
 # --- Reading ------------------------------------------------------------------------------
 
-def read_window(shards: list[Shard], start: int, n: int) -> np.ndarray:
-    """Tokens [start, start + n) of the stream, across shard boundaries."""
+def read_window(shards: list[Shard], start: int, n: int, checked: set | None = None) -> np.ndarray:
+    """Tokens [start, start + n) of the stream, across shard boundaries; each shard
+    read is checked first (`Shard.check`) unless its index is in `checked` (a batch's
+    reads share one check per shard: a stat is 2 us, 256 of them a fifth of a batch)."""
     starts = np.array([s.start for s in shards])
     out, pos = [], start
     i = int(np.searchsorted(starts, start, side="right")) - 1
     while pos < start + n:
         shard = shards[i]
-        if shard.path:
+        if shard.path and (checked is None or i not in checked):
             shard.check()
+            if checked is not None:
+                checked.add(i)
         lo = pos - shard.start
         piece = np.asarray(shard.tokens[lo:lo + (start + n - pos)])
         out.append(piece)

@@ -61,8 +61,10 @@ class CorpusDataset(Dataset):
                 seqs[mine] = corpus.permute(within[mine], self.n_train, (self.seed, int(e)))
         else:  # the held-out sequences after the training ones, cycled
             seqs = self.n_train + g % self.n_eval
+        checked: set = set()  # shards whose size this batch has checked
         rows = np.stack([corpus.read_window(self.shards, int(i) * self.seq_len,
-                                            self.seq_len + 1) for i in seqs]).astype(np.int32)
+                                            self.seq_len + 1, checked)
+                         for i in seqs]).astype(np.int32)
         if rows.size and rows.max() >= self.vocab_size:  # a shard rewritten mid-run
             raise DataError(f"data.path={self.path} now holds token id {rows.max()} (model."
                             f"vocab_size={self.vocab_size}): the corpus changed during the run")
