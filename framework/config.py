@@ -253,8 +253,9 @@ class TrainConfig:
     # End this invocation after this step, with a checkpoint (status "stopped"); the LR
     # schedule still spans train.steps, and the same command without it continues.
     stop_at: Optional[int] = None
-    # A Hugging Face Llama folder (config.json + safetensors): start at step 0 from its
-    # weights; the model settings are read from its config.json (framework/io/hf/llama.py).
+    # A Hugging Face folder of a Llama, Qwen2, Qwen3 or Mistral (config.json +
+    # safetensors): start at step 0 from its weights; the model settings are read from
+    # its config.json (framework/io/hf/family.py).
     init_from: Optional[str] = None
 
 

@@ -55,7 +55,7 @@ Point = tuple[str, int]  # (checkpoint folder, step)
 # Model settings a checkpoint must share with the run restoring it (dtype is only the
 # compute dtype: parameters are float32 whatever it is).
 MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                    "tie_embeddings")
+                    "tie_embeddings", "qkv_bias", "qk_norm", "explicit_head_dim")
 
 
 # --- train.init_from: the model settings --------------------------------------------

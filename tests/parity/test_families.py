@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from framework.analysis import audit, comm_model, flops, memory_model
 from framework.model import reference
 from framework.model.llama import count_params
-from tests.helpers import MODEL, engine, max_rel_err, params, tokens, worst
+from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, tokens, worst
 
 # Qwen2's biases and Qwen3's q/k norm at once, with 8 heads of 12 (d_model 64).
 FAMILY = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True, explicit_head_dim=12)
@@ -79,6 +80,25 @@ def test_biases_and_qk_norm_train_exactly_on_every_path(name, ref):
     check(engine(pp, dp, tp, mb, model=model, **kw), ref)
 
 
-def test_count_params_counts_biases_norms_and_head_width():
+def test_count_params_and_flops_count_biases_norms_and_head_width():
     leaves = jax.eval_shape(lambda: params(FAMILY))
     assert count_params(FAMILY) == sum(x.size for x in jax.tree.leaves(leaves))
+    attention = 12 * FAMILY.n_layers * FAMILY.n_heads * 12 * 16  # PaLM's 12 L H Q T, Q = 12
+    assert flops.flops_per_token(FAMILY, 16) == 6 * flops.matmul_params(FAMILY) + attention
+
+
+@pytest.mark.slow
+def test_communication_and_memory_models_count_the_family_settings():
+    """The compiled (2, 2, 2) step with sequence parallelism against the models: bytes
+    per mesh axis (the q/k norm scales' gradients summed over `tensor`) and memory (the
+    biases and norm scales are in the traced layout; KV heads of head_dim 12)."""
+    train = dataclasses.replace(TRAIN, global_batch_size=32)
+    eng = engine(2, 2, 2, 4, model=FAMILY, train=train, schedule="1f1b",
+                 sequence_parallel=True)
+    stats = audit.step_stats(eng, *eng.abstract_inputs(train.global_batch_size, train.seq_len))
+    expected = comm_model.expected_bytes(FAMILY, eng.parallel, train)
+    for axis in ("pipe", "data", "tensor"):
+        assert 0.99 <= stats[f"comm/bytes_per_step/{axis}"] / expected[axis] <= 1.1, axis
+    predicted = memory_model.predict_memory(FAMILY, eng.parallel, train)["total"]
+    measured = stats["memory/peak_bytes_per_device"]
+    assert abs(predicted / measured - 1) <= 0.15
