@@ -18,8 +18,13 @@ Decoding (framework/engine/decode.py) uses the same modules and weights: `Attent
 `Block` take an optional KV cache and the position of their first row
 (`apply_layers_cached`), and `rotary` takes explicit positions.
 
+The other families are settings of the same layers (`model.family` presets them,
+framework/config.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
+(Qwen3); the model reads the settings, never the family's name.
+
 Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
-GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
+GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020. Qwen2: Yang et al. 2024. Qwen3: Yang
+et al. 2025 (its q/k norm: transformers' modeling_qwen3.py).
 """
 
 from __future__ import annotations
@@ -101,7 +106,10 @@ class Attention(nn.Module):
     its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
     (column-parallel), and the fused matmul needs one reduction in the backward instead
     of three. The output projection is row-parallel: one reduction in the forward. The
-    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/model/attention.py`."""
+    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/model/attention.py`.
+    The families' settings: q/k/v biases laid out like wqkv's output (`model.qkv_bias`,
+    Qwen2), an RMSNorm over each q and k head before RoPE (`model.qk_norm`, Qwen3), and
+    heads of `model.head_dim` (`model.explicit_head_dim`, else d_model / n_heads)."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
