@@ -87,7 +87,10 @@ FAMILY_PRESETS: dict[str, dict[str, bool]] = {
 @dataclass(unsafe_hash=True)
 class ModelConfig:
     """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype.
-    `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS)."""
+    `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS):
+    read them as `has_qkv_bias`, `has_qk_norm`. (Resolved when read, not stored: a
+    preset stored at construction would stay behind when Hydra or `replace` changes
+    the family.)"""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -112,10 +115,18 @@ class ModelConfig:
     # heads, 128 each); null: d_model / n_heads. Read it as `head_dim`.
     explicit_head_dim: Optional[int] = None
 
-    def __post_init__(self):
-        for name, value in FAMILY_PRESETS.get(self.family, {}).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+    def family_setting(self, name: str) -> bool:
+        """qkv_bias or qk_norm as given, else the family's preset (unknown family: off)."""
+        given = getattr(self, name)
+        return bool(FAMILY_PRESETS.get(self.family, {}).get(name) if given is None else given)
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.family_setting("qkv_bias")
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.family_setting("qk_norm")
 
     @property
     def head_dim(self) -> int:

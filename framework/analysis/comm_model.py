@@ -183,8 +183,8 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     if parallel.sequence_parallel:
         # the scales replicated over `tensor`: 2 per layer + the final one, and q/k
         # norm's two of head_dim (the q/k/v biases are split with their heads)
-        norms = (2 * layers + 1) * model.d_model + 2 * layers * model.head_dim * bool(
-            model.qk_norm)
+        norms = (2 * layers + 1) * model.d_model + 2 * layers * model.head_dim * (
+            model.has_qk_norm)
         tensor += _ring_all_reduce(tp) * norms * FP32
 
     pipe = stage_sends(model, parallel, train)

@@ -131,12 +131,12 @@ class Attention(nn.Module):
         # x [b, s (/tensor with SP), embed] -> qkv [b, s, kv@tensor, r+2, hd]
         qkv = gathered_weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x.astype(dt),
                                  wqkv.astype(dt), "kv_heads", whole_sequence=True)
-        if c.qkv_bias:  # Qwen2's q/k/v_proj biases, laid out like wqkv's output
+        if c.has_qkv_bias:  # Qwen2's q/k/v_proj biases, laid out like wqkv's output
             qkv = bias_op(self, "qkv_bias", qkv, _param(  # [kv@tensor, r+2, hd]
                 self, "qkv_bias", (c.n_kv_heads, r + 2, hd), ("kv_heads", "qkv", "head_dim"),
                 nn.initializers.zeros))
         q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]
-        if c.qk_norm:  # Qwen3: RMSNorm over each q and k head's dims, before RoPE
+        if c.has_qk_norm:  # Qwen3: RMSNorm over each q and k head's dims, before RoPE
             q, k = (RMSNorm(c.norm_eps, name=f"{n}_norm")(y) for n, y in (("q", q), ("k", k)))
         # [s]: global positions (this device's chunks of the sequence under context
         # parallelism, framework/parallel/context.py)
@@ -303,8 +303,8 @@ def param_logical_axes(cfg: ModelConfig):
 def count_params(cfg: ModelConfig) -> int:
     c = cfg
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
-    attn += (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * bool(c.qkv_bias)  # qkv_bias
-    attn += 2 * c.head_dim * bool(c.qk_norm)  # q_norm, k_norm scales
+    attn += (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
+    attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
     layer = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     return c.vocab_size * c.d_model + c.n_layers * layer + head

@@ -102,3 +102,33 @@ def test_communication_and_memory_models_count_the_family_settings():
     predicted = memory_model.predict_memory(FAMILY, eng.parallel, train)["total"]
     measured = stats["memory/peak_bytes_per_device"]
     assert abs(predicted / measured - 1) <= 0.15
+
+
+def test_family_presets_through_hydra_and_checkpoints():
+    """`model.family` presets the settings left null, also when Hydra composes it over
+    the defaults; a setting given wins; a checkpoint of another family's layer is
+    refused on resume in one line (an older checkpoint without the settings: a Llama)."""
+    from framework.errors import ConfigError
+    from framework.run.start import check_same_model
+    from tests.helpers import compose_recipe
+
+    qwen3 = compose_recipe("llama_tiny_debug", "model.family=qwen3").model
+    assert qwen3.has_qk_norm and not qwen3.has_qkv_bias
+    plain = compose_recipe("llama_tiny_debug", "model.family=qwen2", "model.qkv_bias=false")
+    assert not plain.model.has_qkv_bias and plain.model.family == "qwen2"
+
+    class Saved:  # a checkpointer whose metadata says which model it holds
+        directory = "ckpt"
+
+        def __init__(self, model: dict):
+            self.model = model
+
+        def metadata(self, step):
+            return {"model": self.model}
+
+    llama = dataclasses.asdict(MODEL)
+    older = {k: v for k, v in llama.items() if k not in ("family", "qkv_bias", "qk_norm")}
+    check_same_model(MODEL, Saved(older), ("ckpt", 1))
+    with pytest.raises(ConfigError, match="model.qkv_bias True there, False here") as err:
+        check_same_model(MODEL, Saved({**llama, "family": "qwen2"}), ("ckpt", 1))
+    assert "\n" not in str(err.value)

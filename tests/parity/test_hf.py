@@ -235,12 +235,12 @@ def test_unsupported_architectures_and_fields_are_one_line(tmp_path, capsys):
     # A window as long as the context, or one switched off, cuts nothing.
     assert hf.model_config({**mistral, "sliding_window": 128}).family == "mistral"
     assert hf.model_config({**qwen2, "use_sliding_window": True, "sliding_window": 32,
-                            "max_window_layers": 2}).qkv_bias
+                            "max_window_layers": 2}).has_qkv_bias
     folder_cfg = hf.model_config(qwen2)
     with pytest.raises(ConfigError, match=r"model.qk_norm=True but x has model_type=qwen2 "
                                           r"\(so qk_norm=False\)"):
         hf.merge_model({"qk_norm": True, "family": "qwen2"}, folder_cfg, "x")
-    llama_with_bias = dataclasses.replace(folder_cfg, family="llama")  # qkv_bias stays true
+    llama_with_bias = dataclasses.replace(folder_cfg, family="llama", qkv_bias=True)
     with pytest.raises(ConfigError, match="model.qkv_bias=True cannot be written as a llama "
                                           ".*: export it as model.family=qwen2"):
         hf.export(tmp_path / "out", llama_with_bias, load("qwen2_tied")[1])

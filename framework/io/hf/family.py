@@ -196,6 +196,10 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
                 continue  # the other fields mean nothing without scaling
         if key == "explicit_head_dim" and (value or folder_cfg.head_dim) == folder_cfg.head_dim:
             continue  # the same width, said or implied
+        if key in ("qkv_bias", "qk_norm"):
+            if value is None:
+                continue  # the family's, whichever it is
+            theirs = folder_cfg.family_setting(key)
         if value != theirs:
             said = (f"model_type={folder_cfg.family} (so {key}={theirs})"
                     if HF_KEYS[key] == "model_type" and key != "family"
@@ -214,11 +218,11 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face architecture "
                           f"(only {', '.join(FAMILIES)})")
     for name, preset in FAMILY_PRESETS[cfg.family].items():
-        if getattr(cfg, name) != preset:
+        if cfg.family_setting(name) != preset:
             fits = [k for k, p in FAMILY_PRESETS.items()
-                    if all(getattr(cfg, n) == v for n, v in p.items())]
+                    if all(cfg.family_setting(n) == v for n, v in p.items())]
             raise ConfigError(
-                f"model.{name}={getattr(cfg, name)} cannot be written as a {cfg.family} "
+                f"model.{name}={cfg.family_setting(name)} cannot be written as a {cfg.family} "
                 f"({FAMILIES[cfg.family].architecture}) folder, whose {name} is {preset}"
                 + (f": export it as model.family={fits[0]}" if fits else ""))
 

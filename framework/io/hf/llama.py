@@ -78,11 +78,11 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "post_attention_layernorm.weight": (d,),
                     p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                     p + "mlp.down_proj.weight": (d, f)})
-        if cfg.qkv_bias:
+        if cfg.has_qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
                         p + "self_attn.k_proj.bias": (cfg.n_kv_heads * hd,),
                         p + "self_attn.v_proj.bias": (cfg.n_kv_heads * hd,)})
-        if cfg.qk_norm:
+        if cfg.has_qk_norm:
             out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
@@ -150,9 +150,9 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         ("layers", "mlp_norm", "scale"): per_layer(norm("post_attention_layernorm.weight")),
         ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
     }
-    if cfg.qkv_bias:
+    if cfg.has_qkv_bias:
         readers[("layers", "attn", "qkv_bias")] = per_layer(qkv_bias)
-    if cfg.qk_norm:
+    if cfg.has_qk_norm:
         for w in "qk":
             readers[("layers", "attn", f"{w}_norm", "scale")] = per_layer(
                 norm(f"self_attn.{w}_norm.weight"))
@@ -236,10 +236,10 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
             p + "mlp.up_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 1].T,
             p + "mlp.down_proj.weight": lambda n=n: get(layers["mlp"]["w_down"], n).T})
         for w, j in (("q", slice(0, r)), ("k", slice(r, r + 1)), ("v", slice(r + 1, r + 2))):
-            if cfg.qkv_bias:  # [kv, r+2, hd] -> rows (group, head, hd) as the weights'
+            if cfg.has_qkv_bias:  # [kv, r+2, hd] -> rows (group, head, hd) as the weights'
                 makers[p + f"self_attn.{w}_proj.bias"] = lambda n=n, j=j: get(
                     layers["attn"]["qkv_bias"], n)[:, j].reshape(-1)
-            if cfg.qk_norm and w != "v":
+            if cfg.has_qk_norm and w != "v":
                 makers[p + f"self_attn.{w}_norm.weight"] = lambda n=n, w=w: get(
                     layers["attn"][f"{w}_norm"]["scale"], n)
     return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
