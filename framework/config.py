@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters stay float32
     "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
     "model.rope_scaling.rope_type": ("none", "llama3"),
+    "model.family": ("llama", "qwen2", "qwen3", "mistral"),  # FAMILY_PRESETS below
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
@@ -70,9 +71,26 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# What each model family presets (model.family): the settings that set it apart from
+# Llama, per the families' modeling code in transformers (Qwen2: biases on q_proj,
+# k_proj, v_proj, not o_proj; Qwen3: an RMSNorm over each q and k head before RoPE,
+# no biases; Mistral: Llama's layer). The model reads the settings, never the name; a
+# family's Hugging Face names are in framework/io/hf/family.py.
+FAMILY_PRESETS: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "mistral": {"qkv_bias": False, "qk_norm": False},
+}
+
+
 @dataclass(unsafe_hash=True)
 class ModelConfig:
-    """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype."""
+    """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype.
+    `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS):
+    read them as `has_qkv_bias`, `has_qk_norm`. (Resolved when read, not stored: a
+    preset stored at construction would stay behind when Hydra or `replace` changes
+    the family.)"""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -88,10 +106,31 @@ class ModelConfig:
     attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
     attention_block_q: int = 512  # blockwise: queries per block
     attention_block_kv: int = 512  # blockwise: keys per block
+    # The family (llama | qwen2 | qwen3 | mistral): the Hugging Face architecture export
+    # writes, and the preset of the two settings below where they are null.
+    family: str = "llama"
+    qkv_bias: Optional[bool] = None  # biases on the q, k, v projections (Qwen2)
+    qk_norm: Optional[bool] = None  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Width of one attention head when not d_model / n_heads (Qwen3-0.6B: 1024 / 16
+    # heads, 128 each); null: d_model / n_heads. Read it as `head_dim`.
+    explicit_head_dim: Optional[int] = None
+
+    def family_setting(self, name: str) -> bool:
+        """qkv_bias or qk_norm as given, else the family's preset (unknown family: off)."""
+        given = getattr(self, name)
+        return bool(FAMILY_PRESETS.get(self.family, {}).get(name) if given is None else given)
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.family_setting("qkv_bias")
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.family_setting("qk_norm")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
 
 
 def shown(value) -> str:
@@ -225,8 +264,9 @@ class TrainConfig:
     # End this invocation after this step, with a checkpoint (status "stopped"); the LR
     # schedule still spans train.steps, and the same command without it continues.
     stop_at: Optional[int] = None
-    # A Hugging Face Llama folder (config.json + safetensors): start at step 0 from its
-    # weights; the model settings are read from its config.json (framework/io/hf/llama.py).
+    # A Hugging Face folder of a Llama, Qwen2, Qwen3 or Mistral (config.json +
+    # safetensors): start at step 0 from its weights; the model settings are read from
+    # its config.json (framework/io/hf/family.py).
     init_from: Optional[str] = None
 
 
@@ -408,6 +448,7 @@ RANGES: dict[str, Range] = {
     "model.n_layers": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
     "model.n_kv_heads": AT_LEAST_1, "model.d_ff": AT_LEAST_1,
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
+    "model.explicit_head_dim": AT_LEAST_1,
     "optim.lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.weight_decay": AT_LEAST_0,
     "optim.grad_clip": AT_LEAST_0,  # 0: no clipping

@@ -1,11 +1,13 @@
-"""Export a checkpoint as a Hugging Face Llama folder that transformers loads:
+"""Export a checkpoint as a Hugging Face folder of its model family (model.family: Llama,
+Qwen2, Qwen3 or Mistral) that transformers loads:
 
     python tools/export_hf.py <run folder | checkpoint folder | step folder> <out folder>
         [--step N] [--dtype float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
 
-Writes config.json (LlamaForCausalLM), the weights as safetensors (one
-model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
-past --max-shard-size) and, when the run's tokenizer is known, its tokenizer.json
+Writes config.json (LlamaForCausalLM, Qwen2ForCausalLM, ...), generation_config.json
+(the token ids), the weights as safetensors (one model.safetensors, or
+model-0000i-of-0000n.safetensors + model.safetensors.index.json past
+--max-shard-size) and, when the run's tokenizer is known, its tokenizer.json
 (byte-level runs have none: their vocabulary is the 256 byte values). The checkpoint
 may come from any layout (checkpoints are layout-independent); only its parameters are
 read, onto one CPU device. Default dtype: that of the folder the run was initialised

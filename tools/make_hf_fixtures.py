@@ -6,15 +6,18 @@ run in CI. Run it in a separate virtual environment, e.g.
     python3.11 -m venv /tmp/venv_hf
     /tmp/venv_hf/bin/pip install torch==2.13.0   # the CPU build; then:
     /tmp/venv_hf/bin/pip install transformers numpy
-    /tmp/venv_hf/bin/python tools/make_hf_fixtures.py tests/fixtures/hf
+    /tmp/venv_hf/bin/python tools/make_hf_fixtures.py tests/fixtures/hf [NAME ...]
     /tmp/venv_hf/bin/python tools/make_hf_fixtures.py --check EXPORTED [FIXTURE]
+
+With NAMEs, only those fixtures are (re)written.
 
 `--check` loads a folder written by tools/export_hf.py with transformers
 (AutoModelForCausalLM.from_pretrained), prints what it loaded and, given a fixture
 whose weights it should hold, compares its logits with the fixture's.
 
-Each fixture is a tiny Llama written by `save_pretrained` (config.json + safetensors)
-plus what transformers computes from that folder, reloaded in float32:
+Each fixture is a tiny model of one family written by `save_pretrained` (config.json,
+generation_config.json + safetensors) plus what transformers computes from that
+folder, reloaded in float32:
 `logits.npy` for the token ids in `ids.npy` and `greedy.npy`, its greedy continuation
 (`generate(do_sample=False)`) of the first row's first PROMPT tokens.
 
@@ -23,9 +26,15 @@ plus what transformers computes from that folder, reloaded in float32:
                         `rope_theta` key that published Llama folders use
     llama3_bf16_sharded untied, Llama 3 RoPE scaling (every branch: high, medium and
                         low frequencies), bfloat16, in 3 safetensors files + index
+    qwen2_tied          Qwen2: q/k/v biases, tied embeddings, rope_theta 1e6, float32
+    qwen3_head_dim      Qwen3: q/k norm, head_dim 16 where hidden/heads is 8, untied,
+                        rope_theta 1e6, float32
+    mistral_untied      Mistral: untied, sliding_window null (v0.2 on), rope_theta 1e6,
+                        float32
 
-Weights are drawn with a larger spread than transformers' default and the norm scales
-are random, so that a mix-up of any two tensors changes the logits visibly.
+Weights and biases are drawn with a larger spread than transformers' default and the
+norm scales (q/k norm's too) are random, so that a mix-up of any two tensors changes the
+logits visibly.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -47,10 +57,13 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def build(seed: int, **overrides) -> LlamaForCausalLM:
+ROPE_1E6 = {"rope_theta": 1e6, "rope_type": "default"}  # Qwen2.5's, Qwen3's, Mistral v0.3's
+
+
+def build(seed: int, config_class=LlamaConfig, **overrides):
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**SHAPE, **overrides})
-    model = LlamaForCausalLM(config).eval()
+    config = config_class(**{**SHAPE, **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -85,24 +98,39 @@ def to_legacy_rope_keys(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def main(out: str) -> None:
+def saved(model, shard: str | None = None, then=None):
+    """(folder -> None): writes the model there with save_pretrained, then `then`."""
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        if then:
+            then(folder)
+    return write
+
+
+FIXTURES = {  # name -> writer of the folder (models built when chosen)
+    "tied_gqa": lambda: saved(build(1, tie_word_embeddings=True, rope_theta=10000.0)),
+    "untied_gqa": lambda: saved(build(2, tie_word_embeddings=False, rope_theta=500.0),
+                                then=to_legacy_rope_keys),
+    "llama3_bf16_sharded": lambda: saved(build(
+        3, tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, **LLAMA3})
+        .to(torch.bfloat16), shard="14KB"),
+    "qwen2_tied": lambda: saved(build(4, Qwen2Config, tie_word_embeddings=True,
+                                      rope_parameters=ROPE_1E6)),
+    "qwen3_head_dim": lambda: saved(build(5, Qwen3Config, tie_word_embeddings=False,
+                                          head_dim=16, rope_parameters=ROPE_1E6)),
+    "mistral_untied": lambda: saved(build(6, MistralConfig, tie_word_embeddings=False,
+                                          sliding_window=None, rope_parameters=ROPE_1E6)),
+}
+
+
+def main(out: str, names: list[str]) -> None:
     root = Path(out)
     ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], IDS_SHAPE)
-
-    tied = build(1, tie_word_embeddings=True, rope_theta=10000.0)
-    tied.save_pretrained(root / "tied_gqa")
-    record(root / "tied_gqa", ids)
-
-    untied = build(2, tie_word_embeddings=False, rope_theta=500.0)
-    untied.save_pretrained(root / "untied_gqa")
-    to_legacy_rope_keys(root / "untied_gqa")
-    record(root / "untied_gqa", ids)
-
-    scaled = build(3, tie_word_embeddings=False,
-                   rope_parameters={"rope_theta": 10000.0, **LLAMA3}).to(torch.bfloat16)
-    scaled.save_pretrained(root / "llama3_bf16_sharded", max_shard_size="14KB")
-    record(root / "llama3_bf16_sharded", ids)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}: wrote {root}")
+    for name in names or FIXTURES:
+        FIXTURES[name]()(root / name)
+        record(root / name, ids)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: wrote "
+          f"{', '.join(names or FIXTURES)} in {root}")
 
 
 def check(exported: str, fixture: str | None = None) -> None:
@@ -123,4 +151,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
         check(*sys.argv[2:4])
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
+        main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf", sys.argv[2:])

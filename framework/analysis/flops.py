@@ -8,7 +8,8 @@ Model FLOPs per trained token, PaLM (Chowdhery et al. 2022), appendix B:
 backward (N here: all layer weights plus the LM head; the embedding lookup is a
 gather, not a matmul; a tied table counts once, as the head). 12*L*H*Q*T: attention
 scores and the weighted sum of values (2 matmuls of T x Q per head per token, forward
-and backward), L layers, H heads of size Q, sequence length T; H*Q = d_model here.
+and backward), L layers, H heads of size Q (`model.head_dim`: d_model / H unless
+`model.explicit_head_dim` sets it, as Qwen3 does), sequence length T.
 Like PaLM we count the full T x T score matrix, not the causal half, and count no
 rematerialisation: these are *model* FLOPs, so MFU compares layouts fairly.
 

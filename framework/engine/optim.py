@@ -12,9 +12,9 @@ al.'s best). Because the stable phase does not depend on the run's length, a coo
 can branch off any checkpoint: resume it with train.steps = its step + decay_steps.
 
 Weight decay applies to the matrices only, as nanoGPT and Megatron-LM do: never to the
-RMSNorm scales (decaying a gain pulls it towards 0, not towards "no effect"), to the
-embedding table unless `optim.decay_embeddings=false` (default true, as in both), and
-never to the parameters `optim.no_decay`'s patterns name. The mask is read from
+biases nor to the RMSNorm scales (decaying a gain pulls it towards 0, not towards "no
+effect"), to the embedding table unless `optim.decay_embeddings=false` (default true,
+as in both), and never to the parameters `optim.no_decay`'s patterns name. The mask is read from
 parameter names, so it holds for the canonical and the train (stage) layouts alike.
 
 `optim.name=muon` (Jordan et al. 2024; optax's `scale_by_muon`): the layers' weight
@@ -81,11 +81,12 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(params, decay_embeddings: bool = True, no_decay: tuple[str, ...] = ()):
     """True for the parameters AdamW decays: not the norm scales (`*_norm/scale`,
-    `head/norm/scale`), not `embed/table` unless decay_embeddings, and not the paths
-    `no_decay`'s shell patterns match (the train layout's `stages` read as `layers`)."""
+    `head/norm/scale`), not the biases (`*_bias`, as Megatron-LM and nanoGPT), not
+    `embed/table` unless decay_embeddings, and not the paths `no_decay`'s shell
+    patterns match (the train layout's `stages` read as `layers`)."""
     def decayed(path, _):
         names = [str(getattr(k, "key", k)) for k in path]
-        if any(n == "norm" or n.endswith("_norm") for n in names):
+        if any(n == "norm" or n.endswith(("_norm", "_bias")) for n in names):
             return False
         name = "/".join(["layers" if names[0] == "stages" else names[0]] + names[1:])
         if any(fnmatchcase(name, pattern) for pattern in no_decay):

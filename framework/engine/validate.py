@@ -132,10 +132,11 @@ def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, floa
     """Training FLOPs per token (forward + backward, 3x the forward's matmuls) of one
     layer, of the embedding (a lookup: none) and of the head (the vocabulary projection;
     the norm and cross-entropy are elementwise). Attention: causal, so half of the
-    2 x 2 x seq x d of QK^T and AV (Kaplan et al. 2020 count the same terms)."""
+    2 x 2 x seq x heads x head_dim of QK^T and AV (Kaplan et al. 2020 count the same
+    terms; heads x head_dim is d_model unless model.explicit_head_dim says otherwise)."""
     d, hd = model.d_model, model.head_dim
     weights = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.d_ff
-    layer = 3 * (2 * weights + 2 * seq_len * d)
+    layer = 3 * (2 * weights + 2 * seq_len * model.n_heads * hd)
     return float(layer), 0.0, float(3 * 2 * d * model.vocab_size)
 
 

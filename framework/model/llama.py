@@ -18,8 +18,13 @@ Decoding (framework/engine/decode.py) uses the same modules and weights: `Attent
 `Block` take an optional KV cache and the position of their first row
 (`apply_layers_cached`), and `rotary` takes explicit positions.
 
+The other families are settings of the same layers (`model.family` presets them,
+framework/config.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
+(Qwen3); the model reads the settings, never the family's name.
+
 Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
-GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020.
+GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020. Qwen2: Yang et al. 2024. Qwen3: Yang
+et al. 2025 (its q/k norm: transformers' modeling_qwen3.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from framework.model.attention import attend
 from framework.model.documents import Documents
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
-from framework.config import ModelConfig
+from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
+                                        bias_op, gathered_weight_op, scattered_weight_op,
+                                        weight_op)
+from framework.config import ModelConfig, not_one_of
 from framework.parallel.tensor import TensorParallel
 
 NO_TP = TensorParallel()
@@ -47,51 +55,6 @@ def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
     plan makes it this device's shard."""
     shape = getattr(module, "tp", NO_TP).local_shape(shape, axes)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
-
-
-# Collections of the split backward (`framework/engine/split.py`), read only when present.
-TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
-
-
-def weight_op(module: nn.Module, name: str, eq: str, x, w):
-    """y = einsum(eq, x, w): every use of a layer weight goes through here. Normally just
-    that; for the zero-bubble split backward (framework/engine/split.py) it records x
-    (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
-    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
-    if module.has_variable(GIVEN, name):
-        x = module.get_variable(GIVEN, name)
-    if module.is_mutable_collection(SAVED):
-        module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
-    y = jnp.einsum(eq, x, w)
-    if module.is_mutable_collection(PRODUCTS):
-        module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
-    return module.perturb(name, y, collection=TAPS)
-
-
-def _recording(module: nn.Module, name: str) -> bool:
-    """Whether a zero-bubble split backward's pass records or replays this weight op."""
-    return module.has_variable(GIVEN, name) or any(
-        module.is_mutable_collection(c) for c in (SAVED, TAPS, PRODUCTS))
-
-
-def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
-                       whole_sequence: bool = False):
-    """weight_op after the tensor-parallel plan's f (`enter`): one collective matmul
-    where the plan fuses them (framework/parallel/tensor.py), outside the split
-    backward's recording passes."""
-    tp = module.tp
-    if tp.fuses(split) and not _recording(module, name):
-        return tp.gather_matmul(eq, x, w)
-    return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
-
-
-def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
-                        whole_sequence: bool = False):
-    """weight_op followed by the plan's g (`exit`), fused likewise."""
-    tp = module.tp
-    if tp.fuses(split) and not _recording(module, name):
-        return tp.matmul_scatter(eq, x, w)
-    return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
 
 
 def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
@@ -144,7 +107,10 @@ class Attention(nn.Module):
     its value head. Sharding `kv_heads` over `tensor` gives every device whole groups
     (column-parallel), and the fused matmul needs one reduction in the backward instead
     of three. The output projection is row-parallel: one reduction in the forward. The
-    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/model/attention.py`."""
+    kernel (dense, blockwise, cudnn) is `model.attention`, see `framework/model/attention.py`.
+    The families' settings: q/k/v biases laid out like wqkv's output (`model.qkv_bias`,
+    Qwen2), an RMSNorm over each q and k head before RoPE (`model.qk_norm`, Qwen3), and
+    heads of `model.head_dim` (`model.explicit_head_dim`, else d_model / n_heads)."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -167,15 +133,21 @@ class Attention(nn.Module):
         # x [b, s (/tensor with SP), embed] -> qkv [b, s, kv@tensor, r+2, hd]
         qkv = gathered_weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x.astype(dt),
                                  wqkv.astype(dt), "kv_heads", whole_sequence=True)
+        if c.has_qkv_bias:  # Qwen2's q/k/v_proj biases, laid out like wqkv's output
+            qkv = bias_op(self, "qkv_bias", qkv, _param(  # [kv@tensor, r+2, hd]
+                self, "qkv_bias", (c.n_kv_heads, r + 2, hd), ("kv_heads", "qkv", "head_dim"),
+                nn.initializers.zeros))
+        q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]
+        if c.has_qk_norm:  # Qwen3: RMSNorm over each q and k head's dims, before RoPE
+            q, k = (RMSNorm(c.norm_eps, name=f"{n}_norm")(y) for n, y in (("q", q), ("k", k)))
         # [s]: global positions (this device's chunks of the sequence under context
         # parallelism, framework/parallel/context.py)
         positions = start + (jnp.arange(qkv.shape[1]) if cache is not None
                              else self.tp.context.positions(qkv.shape[1]))
         if docs is not None and docs.position is not None:  # [b, s]: within documents
             positions = docs.position
-        q = rotary(qkv[:, :, :, :r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,r,hd]
-        k = rotary(qkv[:, :, :, r], c.rope_theta, positions, c.rope_scaling)  # [b,s,kv,hd]
-        v = qkv[:, :, :, r + 1]
+        q = rotary(q, c.rope_theta, positions, c.rope_scaling)  # [b, s, kv, r, hd]
+        k = rotary(k, c.rope_theta, positions, c.rope_scaling)  # [b, s, kv, hd]
         if cache is not None:  # keys/values: [b, max_len, kv@tensor, hd]; the rows after
             # the cached length are stale and causally masked (later positions)
             cache = KVCache(*(jax.lax.dynamic_update_slice(whole, new.astype(whole.dtype),
@@ -337,6 +309,8 @@ def param_logical_axes(cfg: ModelConfig):
 def count_params(cfg: ModelConfig) -> int:
     c = cfg
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
+    attn += (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
+    attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
     layer = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     return c.vocab_size * c.d_model + c.n_layers * layer + head
@@ -344,15 +318,16 @@ def count_params(cfg: ModelConfig) -> int:
 
 def check_model(model: ModelConfig) -> list[str]:
     """Problems of the model's own shape (whatever the layout)."""
-    errs = []
-    if model.d_model % model.n_heads:
+    errs = [e for e in [not_one_of("model.family", model.family)] if e]
+    if model.d_model % model.n_heads and not model.explicit_head_dim:
         errs.append(f"model.d_model={model.d_model} is not divisible by model.n_heads="
-                    f"{model.n_heads}")
+                    f"{model.n_heads} (or set model.explicit_head_dim)")
     if model.n_heads % model.n_kv_heads:
         errs.append(f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads="
                     f"{model.n_kv_heads}: grouped-query attention needs whole groups")
     if model.head_dim % 2:
-        errs.append(f"model.d_model/n_heads={model.head_dim} must be even for rotary embeddings")
+        errs.append(f"the head width {model.head_dim} (model.explicit_head_dim, else "
+                    f"d_model/n_heads) must be even for rotary embeddings")
     return errs + check_rope_scaling(model.rope_scaling)
 
 

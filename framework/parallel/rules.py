@@ -4,6 +4,8 @@
     heads, kv_heads, mlp, vocab -> tensor      (Megatron column/row-parallel weights;
                                                 `parallel.tensor_split` picks which)
     everything else (embed, head_dim, norm, layers, chunk, qkv, gate_up) -> replicated
+        (so Qwen2's q/k/v biases [kv_heads, qkv, head_dim] split with their heads, and
+        Qwen3's q/k norm scales [norm] are replicated: framework/model/llama.py)
 
 `data` is not in the table: parameters are replicated over `data` (or, with ZeRO-1,
 sharded along one free dimension per leaf, chosen in `framework/parallel/data.py`),

@@ -47,6 +47,7 @@ from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import absolute, locate
 from framework.io.hf import llama as hf
 from framework.io.hf.safetensors import Tensors
+from framework.io.weights import model_config_from_dict
 from framework.model.llama import init_params
 from framework.parallel.mesh import mesh_name
 from framework.runtime import distributed
@@ -56,6 +57,10 @@ Point = tuple[str, int]  # (checkpoint folder, step)
 # compute dtype: parameters are float32 whatever it is).
 MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                     "tie_embeddings")
+# ... and what the family settings make of them (read from a ModelConfig: a checkpoint
+# from before the families holds none of the settings, and was a Llama)
+FAMILY_SHAPE_KEYS = {"has_qkv_bias": "model.qkv_bias", "has_qk_norm": "model.qk_norm",
+                     "head_dim": "the head width (model.explicit_head_dim)"}
 
 
 # --- train.init_from: the model settings --------------------------------------------
@@ -224,6 +229,11 @@ def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> di
     mine = dataclasses.asdict(model)
     differ = [f"model.{k}={saved[k]} there, {mine[k]} here" for k in MODEL_SHAPE_KEYS
               if k in saved and saved[k] != mine[k]]
+    if not differ and "d_model" in saved:
+        theirs = model_config_from_dict(saved)
+        differ = [f"{said} {getattr(theirs, k)} there, {getattr(model, k)} here"
+                  for k, said in FAMILY_SHAPE_KEYS.items()
+                  if getattr(theirs, k) != getattr(model, k)]
     if differ:
         raise ConfigError(f"the checkpoint of step {step} in {folder} is of another model "
                           f"({'; '.join(differ)}): use its model settings, or another "

@@ -1,5 +1,6 @@
 """Decoding: the KV cache against recomputing the full forward (one device and tensor
-parallel), transformers' own greedy continuation, seeded sampling, the command line."""
+parallel), transformers' own greedy continuation (a Llama, and each model family),
+seeded sampling, the command line."""
 
 
 import jax
@@ -135,3 +136,22 @@ def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
         with pytest.raises(ConfigError, match=match):
             generate.run(generate.parse_args([f"checkpoint={FIXTURE}", *args]),
                          devices=jax.devices())
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_head_dim", "mistral_untied"])
+def test_families_kv_cache_greedy_is_transformers_greedy(name):
+    """Each family's fixture (q/k/v biases, q/k norm with head_dim 16, Mistral): greedy
+    decoding with the KV cache, on one device and at tensor=2, is transformers' own
+    greedy continuation, and the full forward's; no near-tie decides a token."""
+    folder = FIXTURES / "hf" / name
+    cfg = hf.model_config(hf.read_config(folder))
+    prompt, want = np.load(folder / "ids.npy")[:1, :4], np.load(folder / "greedy.npy")
+    for tensor in (1, 2):
+        dec = decode.Decoder(cfg, make_mesh(ParallelConfig(tensor=tensor)))
+        params = hf.load_params(folder, cfg, dec.param_shardings)
+        np.testing.assert_array_equal(dec.generate(params, prompt, len(want))[0], want)
+    full = np.concatenate([prompt, want[None]], axis=1)
+    logits = np.asarray(jax.jit(lambda p, t: reference.forward(p, t, cfg))(params, full))
+    top2 = np.sort(logits[0, prompt.shape[1] - 1:-1], axis=-1)[:, -2:]
+    assert np.array_equal(np.argmax(logits[0, prompt.shape[1] - 1:-1], -1), want)
+    assert np.min(top2[:, 1] - top2[:, 0]) > 1e-4

@@ -1,10 +1,14 @@
-"""Hugging Face Llama folders: logits parity with transformers, config.json mapping and
-its errors, bit-exact import -> export, and what a process reads of a sharded import.
+"""Hugging Face folders (Llama, Qwen2, Qwen3, Mistral): logits parity with transformers
+on one device and on (2, 2, 2) with 1F1B, config.json mapping and its errors,
+bit-exact import -> export (and import -> train -> export), and what a process reads
+of a sharded import.
 
 The fixtures (tests/fixtures/hf/, written once by tools/make_hf_fixtures.py with
-transformers; see its docstring) hold tiny GQA Llamas and transformers' own float32
-logits for fixed ids: tied + plain RoPE, untied + plain RoPE (legacy `rope_theta` key),
-untied + Llama 3 RoPE scaling in bfloat16 across three safetensors files.
+transformers; see its docstring) hold tiny GQA models and transformers' own float32
+logits for fixed ids: Llamas tied + plain RoPE, untied + plain RoPE (legacy
+`rope_theta` key), untied + Llama 3 RoPE scaling in bfloat16 across three safetensors
+files; Qwen2 (q/k/v biases, tied), Qwen3 (q/k norm, head_dim 16 = 2 x hidden/heads),
+Mistral (untied).
 """
 
 import dataclasses
@@ -21,10 +25,11 @@ from framework.model import reference
 from framework.errors import ConfigError
 from framework.config import ModelConfig, RopeScaling, TrainConfig
 from framework.io.hf.safetensors import Tensors
-from tests.helpers import FIXTURES, compose_recipe, engine
+from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 
 HF = FIXTURES / "hf"
-NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded")
+FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied")
+NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
 def single_device(cfg: ModelConfig):
@@ -33,7 +38,7 @@ def single_device(cfg: ModelConfig):
 
 
 def load(name: str, shardings=None):
-    folder = HF / name
+    folder = HF / name  # (an absolute path stays itself)
     cfg = hf.model_config(hf.read_config(folder))
     return cfg, hf.load_params(folder, cfg, shardings or single_device(cfg))
 
@@ -99,7 +104,8 @@ def test_config_json_errors_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("name,dtype", [("llama3_bf16_sharded", "bfloat16"),
-                                        ("tied_gqa", "float32")])
+                                        ("tied_gqa", "float32")]
+                         + [(name, "float32") for name in FAMILIES])
 def test_import_then_export_is_bit_exact(name, dtype, tmp_path):
     """Imported onto a (2, 2, 2) layout's shardings, exported, read back: the same
     tensors, bit for bit (and sharded like the original past a size limit)."""
@@ -162,3 +168,87 @@ def test_exported_config_is_what_transformers_reads():
     assert out["rope_scaling"]["rope_type"] == "llama3" and out["head_dim"] == 8
     assert out["max_position_embeddings"] == 256 and out["torch_dtype"] == "bfloat16"
     assert hf.model_config(json.loads(json.dumps(out))) == cfg
+
+
+def fixture_batch(name: str):
+    """The fixture's ids as a training batch of 8 rows (its 2 rows, 4 times: the mean
+    loss is theirs) and the mean cross-entropy of transformers' logits on them."""
+    ids, logits = np.load(HF / name / "ids.npy"), np.load(HF / name / "logits.npy")
+    shifted = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+    return np.tile(ids, (4, 1)), float(nll)
+
+
+@pytest.mark.parametrize("name", [n if n != "mistral_untied" else  # Llama's own layer
+                                  pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_families_on_pp2_dp2_tp2_1f1b_then_train_and_export_unchanged(name, tmp_path):
+    """On (2, 2, 2) with 1F1B: the loss of the fixture's ids is the cross-entropy of
+    transformers' logits (1e-5) and every gradient the single-device one of the same
+    weights (1e-4); then two AdamW steps there (the first at warm-up's learning rate
+    0), export, import: the trained weights, bit for bit, under the same family."""
+    cfg = hf.model_config(hf.read_config(HF / name))
+    batch, want = fixture_batch(name)
+    train = TrainConfig(seq_len=batch.shape[1] - 1, global_batch_size=8)
+    eng = engine(2, 2, 2, 4, model=cfg, train=train, schedule="1f1b")
+    params = hf.load_params(HF / name, cfg, eng.layout.canonical_shardings["params"])
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params), eng.shard_batch(batch))
+    assert abs(float(loss) - want) <= 1e-5 * want
+    ref_loss, ref_grads = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg))(
+        load(name)[1], batch)
+    assert worst(max_rel_err(eng.canonical_params(grads), ref_grads)) <= 1e-4
+    state = eng.init_state(params)
+    for _ in range(2):
+        state, _ = eng.step(state, eng.shard_batch(batch))
+    trained = jax.device_get(eng.canonical_params(state["params"]))
+    hf.export(tmp_path, cfg, trained, "float32", hf.read_config(HF / name))
+    exported = hf.read_config(tmp_path)
+    assert exported["model_type"] == cfg.family and hf.model_config(exported) == cfg
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 2
+    back = jax.device_get(load(str(tmp_path))[1])
+    same = jax.tree.map(lambda a, b: a.tobytes() == b.tobytes(), back, trained)
+    assert all(jax.tree.leaves(same)), same
+    assert not np.array_equal(trained["embed"]["table"], jax.device_get(params["embed"]["table"]))
+
+
+def test_unsupported_architectures_and_fields_are_one_line(tmp_path, capsys):
+    """Each refusal names the field or architecture, on one line: another model_type,
+    a sliding window that cuts attention short, Qwen3's attention_bias; the export of
+    settings the family cannot hold; the command lines exit with status 2."""
+    mistral, qwen2 = hf.read_config(HF / "mistral_untied"), hf.read_config(HF / "qwen2_tied")
+    refused = {
+        "model_type 'gemma' / architectures ['GemmaForCausalLM'] is not supported":
+            {**mistral, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
+        "sliding_window=64 (below max_position_embeddings=128) is not supported":
+            {**mistral, "sliding_window": 64},
+        "layer_types holds 'sliding_attention'":
+            {**qwen2, "layer_types": ["full_attention", "sliding_attention"]},
+        "sliding_window=32 (below": {**qwen2, "layer_types": None, "use_sliding_window": True,
+                                     "sliding_window": 32, "max_window_layers": 1},
+        "attention_bias=True is not supported": {
+            **hf.read_config(HF / "qwen3_head_dim"), "attention_bias": True},
+    }
+    for message, config in refused.items():
+        with pytest.raises(ConfigError) as err:
+            hf.model_config(config, "x/config.json")
+        assert message in str(err.value) and "\n" not in str(err.value)
+    # A window as long as the context, or one switched off, cuts nothing.
+    assert hf.model_config({**mistral, "sliding_window": 128}).family == "mistral"
+    assert hf.model_config({**qwen2, "use_sliding_window": True, "sliding_window": 32,
+                            "max_window_layers": 2}).has_qkv_bias
+    folder_cfg = hf.model_config(qwen2)
+    with pytest.raises(ConfigError, match=r"model.qk_norm=True but x has model_type=qwen2 "
+                                          r"\(so qk_norm=False\)"):
+        hf.merge_model({"qk_norm": True, "family": "qwen2"}, folder_cfg, "x")
+    llama_with_bias = dataclasses.replace(folder_cfg, family="llama", qkv_bias=True)
+    with pytest.raises(ConfigError, match="model.qkv_bias=True cannot be written as a llama "
+                                          ".*: export it as model.family=qwen2"):
+        hf.export(tmp_path / "out", llama_with_bias, load("qwen2_tied")[1])
+    assert not (tmp_path / "out").exists()  # refused before writing anything
+    gemma = tmp_path / "gemma"
+    shutil.copytree(HF / "mistral_untied", gemma)
+    (gemma / "config.json").write_text(json.dumps({**mistral, "model_type": "gemma"}))
+    from tests.helpers import load_tool
+    assert load_tool("export_hf").main([str(gemma), str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "model_type 'gemma'" in err and "\n" not in err

@@ -21,7 +21,7 @@ from tests.helpers import FIXTURES, engine, load_tool
 
 SHARDED = FIXTURES / "hf" / "llama3_bf16_sharded"  # 3 shards, bfloat16
 UNTIED, TIED = FIXTURES / "hf" / "untied_gqa", FIXTURES / "hf" / "tied_gqa"
-ONE_FILE = ["config.json", "export_hf.json", "model.safetensors"]
+ONE_FILE = ["config.json", "export_hf.json", "generation_config.json", "model.safetensors"]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,18 @@
-"""Hugging Face Llama folders in and out: config.json <-> ModelConfig, and the weights
-<-> the canonical parameter tree (framework/model/llama.py).
+"""Hugging Face folders of the Llama layout in and out (Llama, Qwen2, Qwen3, Mistral:
+their config.json in framework/io/hf/family.py): the weights <-> the canonical
+parameter tree (framework/model/llama.py).
 
-Name and layout map (transformers' LlamaForCausalLM; nn.Linear weights are [out, in]):
+Name and layout map (transformers' LlamaForCausalLM and its families' classes, which
+name their tensors alike; nn.Linear weights are [out, in]):
 
     model.embed_tokens.weight [vocab, d]          -> embed/table [vocab, d]
     model.layers.N.self_attn.q_proj.weight [h*hd, d] \\
                            k_proj.weight [kv*hd, d]   > layers/attn/wqkv[N] [d, kv, r+2, hd]:
                            v_proj.weight [kv*hd, d] /   group g = q heads g*r..g*r+r-1, k_g, v_g
+    model.layers.N.self_attn.q/k/v_proj.bias         -> layers/attn/qkv_bias[N] [kv, r+2, hd]
+        [h*hd], [kv*hd], [kv*hd] (model.qkv_bias)       grouped as wqkv's output
+    model.layers.N.self_attn.q_norm/k_norm.weight    -> layers/attn/q_norm, k_norm/scale[N]
+        [hd] (model.qk_norm)                            [hd]
     model.layers.N.self_attn.o_proj.weight [d, h*hd] -> layers/attn/wo[N] [h, hd, d]
     model.layers.N.mlp.gate_proj / up_proj [f, d]    -> layers/mlp/w_gate_up[N] [d, 2, f]
     model.layers.N.mlp.down_proj.weight [d, f]       -> layers/mlp/w_down[N] [f, d]
@@ -29,7 +35,6 @@ the model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -39,160 +44,16 @@ import ml_dtypes
 import numpy as np
 
 from framework.errors import ConfigError
-from framework.config import ModelConfig, RopeScaling
+from framework.config import ModelConfig
 from framework.model.llama import init_params
-from framework.model.rope import check_rope_scaling
+from framework.io.hf.family import (CONFIG_FILE, GENERATION_FILE,  # noqa: F401 (re-export)
+                                    export_config, generation_config, is_hf_folder,
+                                    merge_model, model_config, read_config)
 from framework.io.hf.safetensors import Tensors, write_folder
 
-CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
-# config.json key of each ModelConfig field the folder decides.
-HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-           "d_ff": "intermediate_size", "rope_theta": "rope_theta",
-           "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
-           "tie_embeddings": "tie_word_embeddings"}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 LAYER = "model.layers.{}."
-
-
-# --- config.json ----------------------------------------------------------------------
-
-def is_hf_folder(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
-
-
-def read_config(folder: str | Path) -> dict:
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{folder} is not a Hugging Face model folder (no {CONFIG_FILE})")
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
-    return cfg
-
-
-def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling]:
-    """(rope_theta, scaling: none or llama3) from either spelling: `rope_theta` +
-    `rope_scaling` (published Llama 3 folders) or `rope_parameters` (newer transformers)."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"{where}: per-layer rope_parameters are not supported (Llama uses one)")
-    if isinstance(params, dict) and params:
-        theta, scaling = params.get("rope_theta", hf.get("rope_theta", 10000.0)), params
-    else:
-        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return float(theta), RopeScaling()
-    if kind != "llama3":
-        raise ConfigError(f"{where}: rope_type {kind!r} is not supported (default or llama3)")
-    try:
-        rope = RopeScaling(rope_type="llama3", factor=float(scaling["factor"]),
-                           low_freq_factor=float(scaling["low_freq_factor"]),
-                           high_freq_factor=float(scaling["high_freq_factor"]),
-                           original_max_position_embeddings=int(scaling.get(
-                               "original_max_position_embeddings",
-                               hf.get("max_position_embeddings", 8192))))
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"{where}: llama3 rope scaling lacks or mangles {err}") from None
-    errs = check_rope_scaling(rope)
-    if errs:
-        raise ConfigError(f"{where}: {errs[0]}")
-    return float(theta), rope
-
-
-def _whole(hf: dict, key: str, where: str, default=None) -> int:
-    """config.json's `key` as a whole number >= 1 (ConfigError naming it otherwise)."""
-    value = hf.get(key) if hf.get(key) is not None else default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-            or value < 1:
-        raise ConfigError(f"{where}: {key}={value!r} is not a whole number >= 1")
-    return int(value)
-
-
-def _positive(hf: dict, key: str, where: str, default: float = 1e-6) -> float:
-    value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{where}: {key}={value!r} is not a number > 0")
-    return float(value)
-
-
-def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> ModelConfig:
-    """The ModelConfig of a transformers Llama config.json (dtype: our compute dtype)."""
-    arch = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
-        raise ConfigError(f"{where}: model_type {hf.get('model_type')!r} / architectures "
-                          f"{arch} is not a Llama (LlamaForCausalLM)")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, want) != want:
-            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {want!r})")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                           "num_attention_heads", "intermediate_size") if k not in hf]
-    if missing:
-        raise ConfigError(f"{where}: missing {', '.join(missing)}")
-    theta, scaling = rope_settings(hf, where)
-    count = lambda key, default=None: _whole(hf, key, where, default)
-    cfg = ModelConfig(
-        vocab_size=count("vocab_size"), d_model=count("hidden_size"),
-        n_layers=count("num_hidden_layers"), n_heads=count("num_attention_heads"),
-        n_kv_heads=count("num_key_value_heads", count("num_attention_heads")),
-        d_ff=count("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=_positive(hf, "rms_norm_eps", where),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype)
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != cfg.head_dim:
-        raise ConfigError(f"{where}: head_dim={head_dim} differs from hidden_size/"
-                          f"num_attention_heads={cfg.head_dim}, which this model requires")
-    return cfg
-
-
-def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig:
-    """The folder's model settings, with the compute dtype from `given` (the model.*
-    values the user or recipe set). Any other given value that differs from the
-    folder's is a ConfigError naming both."""
-    mine = dataclasses.asdict(folder_cfg)
-    clashes = []
-    for key, value in given.items():
-        if key == "dtype" or key not in HF_KEYS:
-            continue
-        theirs = mine[key]
-        if isinstance(value, RopeScaling):
-            value = dataclasses.asdict(value)
-            if value["rope_type"] == theirs["rope_type"] == "none":
-                continue  # the other fields mean nothing without scaling
-        if value != theirs:
-            clashes.append(f"model.{key}={value} but {where} has {HF_KEYS[key]}={theirs}")
-    if clashes:
-        raise ConfigError("; ".join(clashes) + ": drop these settings (train.init_from "
-                          "reads the model from config.json) or use another folder")
-    return dataclasses.replace(folder_cfg, dtype=given.get("dtype", folder_cfg.dtype))
-
-
-def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
-                  max_positions: int = 2048) -> dict:
-    """config.json for transformers' LlamaForCausalLM. `extras`: the config.json the
-    weights were imported from, if any (keeps its token ids, context length, ...)."""
-    out = {k: v for k, v in (extras or {}).items()
-           if k not in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype",
-                        "transformers_version", "_name_or_path", "head_dim")}
-    out.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype})
-    out.setdefault("max_position_embeddings", max_positions)
-    out.setdefault("bos_token_id", None)
-    out.setdefault("eos_token_id", None)
-    if cfg.rope_scaling.rope_type != "none":
-        out["rope_scaling"] = dataclasses.asdict(cfg.rope_scaling)
-    return dict(sorted(out.items()))
 
 
 # --- Weights: HF tensors -> canonical leaves --------------------------------------------
@@ -217,6 +78,12 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "post_attention_layernorm.weight": (d,),
                     p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                     p + "mlp.down_proj.weight": (d, f)})
+        if cfg.has_qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
+                        p + "self_attn.k_proj.bias": (cfg.n_kv_heads * hd,),
+                        p + "self_attn.v_proj.bias": (cfg.n_kv_heads * hd,)})
+        if cfg.has_qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, d)
@@ -246,14 +113,20 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
             return np.stack([one(LAYER.format(n), index[1:]) for n in range(lo, hi)])
         return block
 
+    def groups(p, kind, g_sl, rest=()):  # q/k/v_proj.{kind} of kv groups g_sl
+        g0, g1 = _bounds(g_sl, kv)  # rows of group g: q heads g*r..g*r+r-1, k_g, v_g
+        parts = [read(p + f"self_attn.{w}_proj.{kind}", (slice(g0 * n * hd, g1 * n * hd),)
+                      + rest).reshape(g1 - g0, n, hd, -1) for w, n in (("q", r), ("k", 1),
+                                                                       ("v", 1))]
+        return np.moveaxis(np.concatenate(parts, axis=1), 3, 0)  # [d' or 1, g, r+2, hd]
+
     def wqkv(p, index):  # [d, kv, r+2, hd]
         d_sl, g_sl, j_sl, h_sl = index
-        g0, g1 = _bounds(g_sl, kv)
-        q = read(p + "self_attn.q_proj.weight", (slice(g0 * r * hd, g1 * r * hd), d_sl))
-        q = q.reshape(g1 - g0, r, hd, -1).transpose(3, 0, 1, 2)  # [d', g, r, hd]
-        kvs = [read(p + f"self_attn.{w}_proj.weight", (slice(g0 * hd, g1 * hd), d_sl))
-               .reshape(g1 - g0, 1, hd, -1).transpose(3, 0, 1, 2) for w in "kv"]
-        return np.concatenate([q, *kvs], axis=2)[:, :, j_sl, h_sl]
+        return groups(p, "weight", g_sl, (d_sl,))[:, :, j_sl, h_sl]
+
+    def qkv_bias(p, index):  # [kv, r+2, hd]
+        g_sl, j_sl, h_sl = index
+        return groups(p, "bias", g_sl)[0][:, j_sl, h_sl]
 
     def wo(p, index):  # [h, hd, d]
         h0, h1 = _bounds(index[0], cfg.n_heads)
@@ -277,6 +150,12 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         ("layers", "mlp_norm", "scale"): per_layer(norm("post_attention_layernorm.weight")),
         ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
     }
+    if cfg.has_qkv_bias:
+        readers[("layers", "attn", "qkv_bias")] = per_layer(qkv_bias)
+    if cfg.has_qk_norm:
+        for w in "qk":
+            readers[("layers", "attn", f"{w}_norm", "scale")] = per_layer(
+                norm(f"self_attn.{w}_norm.weight"))
     if not cfg.tie_embeddings:
         readers[("head", "w")] = lambda index: read("lm_head.weight", index[::-1]).T
     return readers
@@ -356,6 +235,13 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
             p + "mlp.gate_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 0].T,
             p + "mlp.up_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 1].T,
             p + "mlp.down_proj.weight": lambda n=n: get(layers["mlp"]["w_down"], n).T})
+        for w, j in (("q", slice(0, r)), ("k", slice(r, r + 1)), ("v", slice(r + 1, r + 2))):
+            if cfg.has_qkv_bias:  # [kv, r+2, hd] -> rows (group, head, hd) as the weights'
+                makers[p + f"self_attn.{w}_proj.bias"] = lambda n=n, j=j: get(
+                    layers["attn"]["qkv_bias"], n)[:, j].reshape(-1)
+            if cfg.has_qk_norm and w != "v":
+                makers[p + f"self_attn.{w}_norm.weight"] = lambda n=n, w=w: get(
+                    layers["attn"][f"{w}_norm"]["scale"], n)
     return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
             for name, shape in expected_tensors(cfg).items()]
 
@@ -363,23 +249,26 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
 def export(out: str | Path, cfg: ModelConfig, params, dtype: str = "float32",
            extras: dict | None = None, max_positions: int = 2048,
            max_shard_bytes: int = 5 * 10**9, tokenizer: str | None = None) -> list[str]:
-    """Writes a transformers-loadable folder: config.json, model.safetensors (or shards
-    + index past `max_shard_bytes`) and, if given, a copy of `tokenizer` (tokenizer.json).
-    Returns the files written."""
+    """Writes a transformers-loadable folder of the model's family: config.json,
+    generation_config.json, model.safetensors (or shards + index past
+    `max_shard_bytes`) and, if given, a copy of `tokenizer` (tokenizer.json). Returns
+    the files written."""
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    config = export_config(cfg, dtype, extras, max_positions)  # refuses before writing
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot create {out}: {err.strerror or err}") from None
     files = write_folder(out, hf_tensors(cfg, params, dtype), max_shard_bytes)
-    config = export_config(cfg, dtype, extras, max_positions)
     try:
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (out / GENERATION_FILE).write_text(json.dumps(generation_config(config), indent=2)
+                                           + "\n")
         if tokenizer:
             (out / TOKENIZER_FILE).write_bytes(Path(tokenizer).read_bytes())
             files.append(TOKENIZER_FILE)
     except OSError as err:
         raise ConfigError(f"could not write into {out}: {err.strerror or err}") from None
-    return [CONFIG_FILE, *files]
+    return [CONFIG_FILE, GENERATION_FILE, *files]

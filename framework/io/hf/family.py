@@ -1,0 +1,264 @@
+"""Hugging Face config.json <-> ModelConfig, for each model family: the one place that
+maps a family's config.json fields onto our settings and back.
+
+Every family here is Llama's decoder (pre-norm RMSNorm, GQA with rotate-half RoPE,
+SwiGLU), told apart by settings (`FAMILY_PRESETS` in framework/config.py) and by its
+config.json, as transformers' modeling code reads it (checked against transformers
+5.24's `modeling_{llama,qwen2,qwen3,mistral}.py`):
+
+    llama    LlamaForCausalLM    `attention_bias` would bias o_proj too, `mlp_bias`
+                                 the MLP: both must be false
+    qwen2    Qwen2ForCausalLM    q/k/v_proj always biased, o_proj never (qkv_bias);
+                                 `use_sliding_window` (false in the published folders)
+    qwen3    Qwen3ForCausalLM    q_norm/k_norm RMSNorms of head_dim before RoPE
+                                 (qk_norm); `attention_bias` (all four) must be false;
+                                 `head_dim` is its own (Qwen3-0.6B: 128, 1024 / 16 heads)
+    mistral  MistralForCausalLM  Llama's layer; `sliding_window` null from v0.2 on
+
+`head_dim` is read in every family (transformers falls back to hidden_size /
+num_attention_heads). Sliding-window attention is not supported: a window that would
+cut a layer's attention short of max_position_embeddings is refused, as is any other
+field that changes the computation (a one-line ConfigError naming it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from framework.config import FAMILY_PRESETS, ModelConfig, RopeScaling
+from framework.errors import ConfigError
+from framework.model.rope import check_rope_scaling
+
+CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # config.json's `architectures`
+    fixed: dict = field(default_factory=dict)  # keys that must hold these values (absent: ok)
+    window_switch: str | None = None  # the key that turns a sliding window on (qwen)
+    has_window: bool = False  # `sliding_window` is read at all
+
+
+# model_type -> its family; model.family names the key. A new family: one entry here
+# and its settings in framework/config.py's FAMILY_PRESETS.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+    "qwen2": Family("Qwen2ForCausalLM", {}, "use_sliding_window", True),
+    "qwen3": Family("Qwen3ForCausalLM", {"attention_bias": False}, "use_sliding_window", True),
+    "mistral": Family("MistralForCausalLM", {}, None, True),
+}
+# config.json key of each ModelConfig field the folder decides (the family's settings:
+# its model_type).
+HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+           "d_ff": "intermediate_size", "rope_theta": "rope_theta",
+           "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
+           "tie_embeddings": "tie_word_embeddings", "family": "model_type",
+           "qkv_bias": "model_type", "qk_norm": "model_type", "explicit_head_dim": "head_dim"}
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{folder} is not a Hugging Face model folder (no {CONFIG_FILE})")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return cfg
+
+
+def family_of(hf: dict, where: str) -> str:
+    """The family of a config.json, by `model_type` (as transformers' Auto classes
+    choose), else by `architectures`."""
+    arch = hf.get("architectures") or []
+    kind = hf.get("model_type")
+    if kind is None:
+        kind = next((k for k, f in FAMILIES.items() if f.architecture in arch), None)
+    if kind not in FAMILIES:
+        raise ConfigError(f"{where}: model_type {hf.get('model_type')!r} / architectures {arch} "
+                          f"is not supported (only {', '.join(FAMILIES)})")
+    return kind
+
+
+def check_fields(hf: dict, kind: str, where: str) -> None:
+    """ConfigError naming the first field whose value this model cannot run."""
+    family = FAMILIES[kind]
+    for key, want in (("hidden_act", "silu"), *family.fixed.items()):
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {want!r})")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise ConfigError(f"{where}: layer_types holds {sliding[0]!r}: only full attention is "
+                          f"supported (no sliding-window attention)")
+    window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    on = hf.get(family.window_switch, False) if family.window_switch else family.has_window
+    if family.window_switch:  # qwen: the window is on the layers from max_window_layers on
+        on = on and hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
+    if on and window is not None and (positions is None or window < positions):
+        raise ConfigError(f"{where}: sliding_window={window} (below max_position_embeddings="
+                          f"{positions}) is not supported: only full attention (no "
+                          f"sliding-window attention)")
+
+
+def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling: none or llama3) from either spelling: `rope_theta` +
+    `rope_scaling` (published Llama 3 folders) or `rope_parameters` (newer transformers)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{where}: per-layer rope_parameters are not supported (Llama uses one)")
+    if isinstance(params, dict) and params:
+        theta, scaling = params.get("rope_theta", hf.get("rope_theta", 10000.0)), params
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), RopeScaling()
+    if kind != "llama3":
+        raise ConfigError(f"{where}: rope_type {kind!r} is not supported (default or llama3)")
+    try:
+        rope = RopeScaling(rope_type="llama3", factor=float(scaling["factor"]),
+                           low_freq_factor=float(scaling["low_freq_factor"]),
+                           high_freq_factor=float(scaling["high_freq_factor"]),
+                           original_max_position_embeddings=int(scaling.get(
+                               "original_max_position_embeddings",
+                               hf.get("max_position_embeddings", 8192))))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: llama3 rope scaling lacks or mangles {err}") from None
+    errs = check_rope_scaling(rope)
+    if errs:
+        raise ConfigError(f"{where}: {errs[0]}")
+    return float(theta), rope
+
+
+def _whole(hf: dict, key: str, where: str, default=None) -> int:
+    """config.json's `key` as a whole number >= 1 (ConfigError naming it otherwise)."""
+    value = hf.get(key) if hf.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+            or value < 1:
+        raise ConfigError(f"{where}: {key}={value!r} is not a whole number >= 1")
+    return int(value)
+
+
+def _positive(hf: dict, key: str, where: str, default: float = 1e-6) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{where}: {key}={value!r} is not a number > 0")
+    return float(value)
+
+
+def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of a transformers config.json of one of FAMILIES (dtype: our
+    compute dtype); the family's settings come from its preset."""
+    kind = family_of(hf, where)
+    check_fields(hf, kind, where)
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "intermediate_size") if k not in hf]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    theta, scaling = rope_settings(hf, where)
+    count = lambda key, default=None: _whole(hf, key, where, default)
+    d, heads = count("hidden_size"), count("num_attention_heads")
+    head_dim = count("head_dim", d // heads or 1)
+    return ModelConfig(
+        vocab_size=count("vocab_size"), d_model=d, n_layers=count("num_hidden_layers"),
+        n_heads=heads, n_kv_heads=count("num_key_value_heads", heads),
+        d_ff=count("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=_positive(hf, "rms_norm_eps", where),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, family=kind,
+        explicit_head_dim=None if head_dim * heads == d else head_dim)
+
+
+def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig:
+    """The folder's model settings, with the compute dtype from `given` (the model.*
+    values the user or recipe set). Any other given value that differs from the
+    folder's is a ConfigError naming both."""
+    mine = dataclasses.asdict(folder_cfg)
+    clashes = []
+    for key, value in given.items():
+        if key == "dtype" or key not in HF_KEYS:
+            continue
+        theirs = mine[key]
+        if isinstance(value, RopeScaling):
+            value = dataclasses.asdict(value)
+            if value["rope_type"] == theirs["rope_type"] == "none":
+                continue  # the other fields mean nothing without scaling
+        if key == "explicit_head_dim" and (value or folder_cfg.head_dim) == folder_cfg.head_dim:
+            continue  # the same width, said or implied
+        if key in ("qkv_bias", "qk_norm"):
+            if value is None:
+                continue  # the family's, whichever it is
+            theirs = folder_cfg.family_setting(key)
+        if value != theirs:
+            said = (f"model_type={folder_cfg.family} (so {key}={theirs})"
+                    if HF_KEYS[key] == "model_type" and key != "family"
+                    else f"{HF_KEYS[key]}={theirs}")
+            clashes.append(f"model.{key}={value} but {where} has {said}")
+    if clashes:
+        raise ConfigError("; ".join(clashes) + ": drop these settings (train.init_from "
+                          "reads the model from config.json) or use another folder")
+    return dataclasses.replace(folder_cfg, dtype=given.get("dtype", folder_cfg.dtype))
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """ConfigError when the settings differ from what the family's config.json can say
+    (e.g. q/k/v biases on a Llama: its attention_bias would bias o_proj too)."""
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face architecture "
+                          f"(only {', '.join(FAMILIES)})")
+    for name, preset in FAMILY_PRESETS[cfg.family].items():
+        if cfg.family_setting(name) != preset:
+            fits = [k for k, p in FAMILY_PRESETS.items()
+                    if all(cfg.family_setting(n) == v for n, v in p.items())]
+            raise ConfigError(
+                f"model.{name}={cfg.family_setting(name)} cannot be written as a {cfg.family} "
+                f"({FAMILIES[cfg.family].architecture}) folder, whose {name} is {preset}"
+                + (f": export it as model.family={fits[0]}" if fits else ""))
+
+
+def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
+                  max_positions: int = 2048) -> dict:
+    """config.json for the family's transformers class. `extras`: the config.json the
+    weights were imported from, if any (keeps its token ids, context length, ...)."""
+    check_exportable(cfg)
+    family = FAMILIES[cfg.family]
+    out = {k: v for k, v in (extras or {}).items()
+           if k not in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype",
+                        "transformers_version", "_name_or_path", "head_dim")}
+    out.update({
+        "architectures": [family.architecture], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype, **family.fixed})
+    if family.has_window:  # full attention everywhere
+        out.update({"sliding_window": None, **({family.window_switch: False}
+                                               if family.window_switch else {})})
+    out.setdefault("max_position_embeddings", max_positions)
+    out.setdefault("bos_token_id", None)
+    out.setdefault("eos_token_id", None)
+    if cfg.rope_scaling.rope_type != "none":
+        out["rope_scaling"] = dataclasses.asdict(cfg.rope_scaling)
+    return dict(sorted(out.items()))
+
+
+def generation_config(config: dict) -> dict:
+    """generation_config.json beside an exported config.json: its token ids (what
+    transformers' `save_pretrained` derives from the model config)."""
+    out = {"_from_model_config": True}
+    out.update({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if config.get(k) is not None})
+    return out

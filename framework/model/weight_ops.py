@@ -1,0 +1,74 @@
+"""The one hook every use of a layer weight goes through (`weight_op`), and its forms
+around the tensor-parallel plan's collectives and for a bias.
+
+Normally a weight op is just its einsum. The zero-bubble split backward
+(framework/engine/split.py) runs a layer under Flax collections that make the same
+call record its input (SAVED), add a zero tap whose gradient is dL/dy (TAPS), or, in
+the weight-gradient pass, read the input back (GIVEN) and record the output
+(PRODUCTS): dW then comes from each op's input and output gradient alone. A weight
+used any other way would get a zero gradient there (`weights_outside_weight_op` in
+framework/model/llama.py finds such weights).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Collections of the split backward (`framework/engine/split.py`), read only when present.
+TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
+
+
+def weight_op(module: nn.Module, name: str, eq: str, x, w):
+    """y = einsum(eq, x, w): every use of a layer weight goes through here. Normally just
+    that; for the zero-bubble split backward (framework/engine/split.py) it records x
+    (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
+    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
+    if module.has_variable(GIVEN, name):
+        x = module.get_variable(GIVEN, name)
+    if module.is_mutable_collection(SAVED):
+        module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    y = jnp.einsum(eq, x, w)
+    if module.is_mutable_collection(PRODUCTS):
+        module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    return module.perturb(name, y, collection=TAPS)
+
+
+def _recording(module: nn.Module, name: str) -> bool:
+    """Whether a zero-bubble split backward's pass records or replays this weight op."""
+    return module.has_variable(GIVEN, name) or any(
+        module.is_mutable_collection(c) for c in (SAVED, TAPS, PRODUCTS))
+
+
+def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
+                       whole_sequence: bool = False):
+    """weight_op after the tensor-parallel plan's f (`enter`): one collective matmul
+    where the plan fuses them (framework/parallel/tensor.py), outside the split
+    backward's recording passes."""
+    tp = module.tp
+    if tp.fuses(split) and not _recording(module, name):
+        return tp.gather_matmul(eq, x, w)
+    return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
+
+
+def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
+                        whole_sequence: bool = False):
+    """weight_op followed by the plan's g (`exit`), fused likewise."""
+    tp = module.tp
+    if tp.fuses(split) and not _recording(module, name):
+        return tp.matmul_scatter(eq, x, w)
+    return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
+
+
+
+def bias_op(module: nn.Module, name: str, y, b):
+    """y + b, b broadcast over y's leading [batch, seq]: y [b, s, *b.shape]. b's use is a
+    weight op, einsum('bs,...->bs...', ones [b, s], b), so the split backward's weight
+    pass gives dL/db = the sum of dL/dy over batch and sequence, as autodiff does. The
+    ones vary over the mesh axes y varies over (inside a shard_map): the split backward
+    stashes them beside y, and the pipeline's branches must agree on their types."""
+    ones = jnp.ones(y.shape[:2], y.dtype)
+    axes = tuple(sorted(jax.typeof(y).manual_axis_type.varying))
+    ones = jax.lax.pcast(ones, axes, to="varying") if axes else ones
+    return y + weight_op(module, name, "bs,...->bs...", ones, b.astype(y.dtype))
