@@ -354,12 +354,10 @@ def checkpointed(layer, remat: str, gather):
 def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
                 extra: tuple = ()):
     """scan of `layer(x, params, *extra) -> y` (or (y, aux)) over params stacked on axis
-    0 (`extra`: the same for every layer, e.g. document masks). With `n_real` (traced
-    int) the layers from index n_real on are padding (uneven pipeline stages):
-    `skip(real, fn, params, x, *extra, has_aux=...)`, which the pipeline hands over
-    (`framework/parallel/pipeline/stage.py`, `skip_unless`: a custom VJP, which takes
-    traced values as arguments, never from a closure), runs a layer where it is real
-    and passes x through where not, forward and backward."""
+    0 (`extra`: the same for every layer, e.g. document masks). With `n_real` (traced)
+    the layers from index n_real on are padding (uneven stages): `skip(real, fn, params,
+    x, *extra, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`, a custom VJP: traced
+    values as arguments, never closed over) runs a layer only where it is real."""
     if n_real is None:
         one = lambda h, p: layer(h, p, *extra)
         return jax.lax.scan(one if has_aux else lambda h, p: (one(h, p), None), x, layers)
