@@ -138,7 +138,9 @@ def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
                          devices=jax.devices())
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_head_dim", "mistral_untied"])
+@pytest.mark.parametrize("name", [pytest.param("qwen2_tied", marks=pytest.mark.slow),
+                                  "qwen3_head_dim",  # the fast tier's: the most apart
+                                  pytest.param("mistral_untied", marks=pytest.mark.slow)])
 def test_families_kv_cache_greedy_is_transformers_greedy(name):
     """Each family's fixture (q/k/v biases, q/k norm with head_dim 16, Mistral): greedy
     decoding with the KV cache, on one device and at tensor=2, is transformers' own
