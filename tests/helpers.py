@@ -67,11 +67,23 @@ def params(model: ModelConfig = MODEL):
 
 
 def engine(pipeline=1, data=1, tensor=1, microbatches=1, model=MODEL, train=TRAIN,
-           optim=OPTIM, **parallel_kw):
+           optim=OPTIM, documents=None, **parallel_kw):
     par = ParallelConfig(pipeline=pipeline, data=data, tensor=tensor,
                          microbatches=microbatches, **parallel_kw)
     par = validate(model, par, train, par.n_devices)
-    return build_engine(model, par, optim, train.steps, make_mesh(par))
+    return build_engine(model, par, optim, train.steps, make_mesh(par), documents)
+
+
+def stub_cudnn_checks(monkeypatch) -> None:
+    """cuDNN's kernel cannot run here, but its JAX side traces with its GPU checks
+    stubbed (skips where this JAX checks cuDNN otherwise)."""
+    import pytest
+
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not hasattr(fused, "check_cudnn_version"):
+        pytest.skip("this JAX checks cuDNN differently")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
 
 
 _REFERENCE = {}

@@ -14,7 +14,8 @@ from framework.model import attention
 from framework.errors import ConfigError
 from framework.config import ParallelConfig, TrainConfig
 from framework.engine.validate import check
-from tests.helpers import MODEL, engine, engine_grads, max_rel_err, reference_grads, worst
+from tests.helpers import (MODEL, engine, engine_grads, max_rel_err, reference_grads,
+                           stub_cudnn_checks, worst)
 
 
 def _qkv(b, sq, sk, g, r, hd, dtype=jnp.float32, seed=0):
@@ -87,11 +88,7 @@ def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     checks stubbed: gradients of the engine's step trace through every pipeline
     executor (which differentiate stages inside an outer differentiation and stash
     residuals by type) and under sequence parallelism."""
-    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    if not hasattr(fused, "check_cudnn_version"):
-        pytest.skip("this JAX checks cuDNN differently")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    stub_cudnn_checks(monkeypatch)
     model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16")
     eng = engine(model=model, data=2, **kw)
     state, tokens = eng.abstract_inputs(16, 16)

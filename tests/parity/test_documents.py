@@ -18,8 +18,7 @@ from framework.io.data import Dataset, document_mask
 from framework.model import attention, reference
 from framework.model.documents import DocumentMask, positions_in_document, segment_ids
 from framework.model.llama import cross_entropy_sum
-from tests.helpers import (MODEL, OPTIM, TRAIN, engine, max_rel_err, params, tokens,
-                           worst)
+from tests.helpers import MODEL, engine, max_rel_err, params, stub_cudnn_checks, tokens, worst
 
 SEP = 0  # the end-of-document token of these tests
 
@@ -84,8 +83,7 @@ def test_cudnn_wrapper_and_ring_masks_match_the_dense_kernel():
 
 
 def _engine_vs_reference(mask: DocumentMask, model=MODEL, **layout):
-    eng = dataclasses.replace(engine(model=model, **layout), documents=mask)
-    eng.__post_init__()  # the step again, with the masks
+    eng = engine(model=model, documents=mask, **layout)
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params(model)),
                                             eng.shard_batch(packed()))
     ref_loss, ref_grads = jax.jit(lambda p, t: reference.loss_and_grads(
@@ -118,15 +116,10 @@ def test_masked_layouts_are_the_reference(layout):
 def test_cudnn_model_with_document_masks_traces(monkeypatch):
     """cuDNN's JAX side with its GPU checks stubbed, as tests/parity/test_attention.py:
     the masked step's gradients trace through the tick executor."""
-    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    if not hasattr(fused, "check_cudnn_version"):
-        pytest.skip("this JAX checks cuDNN differently")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    stub_cudnn_checks(monkeypatch)
     model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16")
-    eng = dataclasses.replace(engine(model=model, pipeline=2, data=2, microbatches=2,
-                                     schedule="1f1b"), documents=DocumentMask(SEP))
-    eng.__post_init__()
+    eng = engine(model=model, pipeline=2, data=2, microbatches=2, schedule="1f1b",
+                 documents=DocumentMask(SEP))
     state, batch = eng.abstract_inputs(16, 16)
     jaxpr = str(jax.make_jaxpr(eng.loss_and_grads_fn())(state["params"], batch))
     assert "dot_product_attention" in jaxpr and "cumsum" in jaxpr
