@@ -53,6 +53,49 @@ def test_blockwise_equals_dense_values_and_gradients(shape, blocks, offsets):
     assert _rel(traced(q, k, v, jnp.int32(qo)), dense(q, k, v)) < 1e-5
 
 
+def _plain_attention(q, k, v, q_offset, window, scale, cap):
+    """Sliding-window, soft-capped GQA attention written out in numpy, float64: the
+    reference of the kernels' window and soft-cap (a key visible iff q - k < window)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bsgrd,btgd->bgrst", q, k) * scale
+    s = cap * np.tanh(s / cap)
+    q_pos = q_offset + np.arange(q.shape[1])[:, None]
+    k_pos = np.arange(k.shape[1])[None, :]
+    s = np.where((k_pos <= q_pos) & (q_pos - k_pos < window), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bgrst,btgd->bsgrd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("shape,blocks,offset,window", [
+    ((2, 16, 16, 2, 2, 8), (4, 4), 0, 5),  # key blocks wholly outside the window skipped
+    ((2, 17, 17, 2, 3, 8), (4, 5), 0, 3),  # ragged blocks
+    ((1, 5, 20, 2, 2, 8), (2, 4), 15, 7),  # decode-like: queries 15..19 see keys > q - 7
+], ids=["divisible", "ragged", "offset"])
+def test_window_and_softcap_kernels_values_and_gradients(shape, blocks, offset, window):
+    q, k, v, w = _qkv(*shape)
+    q, k = 3 * q, 3 * k  # scores beyond the cap, so that tanh bends them
+    form = attention.ScoreForm(scale=0.3, softcap=5.0)
+    plain = _plain_attention(q, k, v, offset, window, 0.3, 5.0)
+    kw = dict(q_offset=offset, window=window, form=form)
+    dense = lambda q, k, v: attention.dense_attention(q, k, v, **kw)
+    block = lambda q, k, v: attention.blockwise_attention(
+        q, k, v, block_q=blocks[0], block_kv=blocks[1], **kw)
+    assert _rel(dense(q, k, v), plain) < 1e-5 and _rel(block(q, k, v), plain) < 1e-5
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
+    (ld, gd), (lb, gb) = loss(dense)(q, k, v), loss(block)(q, k, v)
+    assert abs(float(lb) - float(ld)) < 1e-5 * abs(float(ld))
+    for a, b in zip(gb, gd):
+        assert _rel(a, b) < 1e-5
+    # A traced window (one scanned with the layers) and traced offsets: the same.
+    traced = jax.jit(lambda q, k, v, o, win: attention.blockwise_attention(
+        q, k, v, block_q=blocks[0], block_kv=blocks[1], q_offset=o, window=win, form=form))
+    assert _rel(traced(q, k, v, jnp.int32(offset), jnp.int32(window)), plain) < 1e-5
+    # The cuDNN wrapper's window (no soft-cap there), through XLA's kernel.
+    cudnn = attention.cudnn_attention(q, k, v, q_offset=offset, window=window, scale=0.3,
+                                      implementation="xla")
+    assert _rel(cudnn, _plain_attention(q, k, v, offset, window, 0.3, 1e9)) < 1e-5
+
+
 def test_blockwise_bfloat16_keeps_float32_statistics():
     q, k, v, _ = _qkv(2, 64, 64, 2, 2, 16, jnp.bfloat16)
     exact = attention.dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
