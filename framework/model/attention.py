@@ -95,6 +95,15 @@ def check_settings(model) -> list[str]:
         errs.append(f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused "
                     f"attention has no {model.dtype} kernel): use model.attention=auto, "
                     f"dense or blockwise")
+    if model.attention == "cudnn" and getattr(model, "attn_softcap", None) is not None:
+        errs.append(f"model.attention=cudnn cannot soft-cap scores (model.attn_softcap="
+                    f"{model.attn_softcap}; cuDNN's fused attention has no soft-cap): use "
+                    f"model.attention=auto, dense or blockwise")
+    if model.attention == "cudnn" and getattr(model, "sliding_window_pattern", 0) \
+            and getattr(model, "sliding_window", None):
+        errs.append(f"model.attention=cudnn needs one window on every layer (cuDNN's window "
+                    f"is static), not model.sliding_window_pattern="
+                    f"{model.sliding_window_pattern}: use model.attention=auto or blockwise")
     if model.attention == "cudnn" and model.n_heads and model.d_model % model.n_heads == 0 \
             and (model.head_dim % 8 or model.head_dim > 128):
         errs.append(f"model.attention=cudnn needs d_model/n_heads={model.head_dim} to be a "
@@ -102,11 +111,11 @@ def check_settings(model) -> list[str]:
     return errs
 
 
-def choose(platform: str, dtype, kv_len: int, head_dim: int, softcap: bool = False) -> str:
-    """What `auto` runs: cudnn on NVIDIA GPUs when supported (not with a soft-cap, which
-    cuDNN's kernel lacks), else dense for short sequences and blockwise (linear memory)
-    for long ones."""
-    if (_gpu_platform(platform) and not softcap
+def choose(platform: str, dtype, kv_len: int, head_dim: int, no_cudnn: bool = False) -> str:
+    """What `auto` runs: cudnn on NVIDIA GPUs when supported (not `no_cudnn`: a soft-cap
+    or a per-layer (traced) window, which cuDNN's kernel lacks), else dense for short
+    sequences and blockwise (linear memory) for long ones."""
+    if (_gpu_platform(platform) and not no_cudnn
             and cudnn_unsupported(dtype, head_dim) is None):
         return "cudnn"
     return "dense" if kv_len <= DENSE_MAX_SEQ else "blockwise"
@@ -130,7 +139,8 @@ def attend(q, k, v, model: ModelConfig, *, q_offset=0, kv_offset=0,
     implementation, form = model.attention, score_form(model)
     if implementation == "auto":
         implementation = choose(platform or jax.default_backend(), q.dtype, k.shape[1],
-                                q.shape[-1], form.softcap is not None)
+                                q.shape[-1], form.softcap is not None
+                                or not (window is None or isinstance(window, int)))
     if implementation == "dense":
         return dense_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,
                                segments=segments, window=window, form=form)

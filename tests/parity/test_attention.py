@@ -157,6 +157,23 @@ def test_auto_choice_and_settings_validation():
         "model.attention_block_q=0 must be >= 1"]
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
         attention.check_platform(dataclasses.replace(MODEL, attention="cudnn"), "cpu")
+    # A soft-cap: cuDNN has none, `auto` passes it by, `cudnn` is refused in one line;
+    # so is a window that differs between layers (cuDNN's is static).
+    assert attention.choose("gpu", jnp.bfloat16, 2048, 64, no_cudnn=True) == "blockwise"
+    bf16 = dict(attention="cudnn", dtype="bfloat16")
+    assert errs(**bf16, attn_softcap=50.0) == [
+        "model.attention=cudnn cannot soft-cap scores (model.attn_softcap=50.0; cuDNN's fused "
+        "attention has no soft-cap): use model.attention=auto, dense or blockwise"]
+    assert "one window on every layer" in errs(**bf16, sliding_window=4,
+                                               sliding_window_pattern=2)[0]
+    assert errs(**bf16, sliding_window=4) == []  # Mistral's: one window, cuDNN's own
+    assert errs(sliding_window_pattern=2) == [
+        "model.sliding_window_pattern=2 needs model.sliding_window (the local layers' window)"]
+    assert errs(activation="relu") == ["model.activation='relu' is not one of silu, gelu_tanh"]
+    from framework.config import RunConfig, check_ranges
+    bad = RunConfig(model=dataclasses.replace(MODEL, sliding_window=0, attn_softcap=-1.0))
+    assert [e.split(" ")[0] for e in check_ranges(bad)] == ["model.sliding_window=0",
+                                                             "model.attn_softcap=-1.0"]
 
 
 # Block sizes that split the test sequence (16) into several, unevenly.
