@@ -87,19 +87,31 @@ def test_count_params_and_flops_count_biases_norms_and_head_width():
     assert flops.flops_per_token(FAMILY, 16) == 6 * flops.matmul_params(FAMILY) + attention
 
 
+def test_count_params_and_flops_count_gemmas_norms_and_windows():
+    """Four norms a layer; attention FLOPs of the 4 local layers over their window of 5
+    keys, of the 4 global ones over all 16 (head_dim 8)."""
+    leaves = jax.eval_shape(lambda: params(GEMMA))
+    assert count_params(GEMMA) == sum(x.size for x in jax.tree.leaves(leaves))
+    attention = 12 * GEMMA.n_heads * 8 * (4 * 16 + 4 * 5)
+    assert flops.flops_per_token(GEMMA, 16) == 6 * flops.matmul_params(GEMMA) + attention
+
+
 @pytest.mark.slow
-def test_communication_and_memory_models_count_the_family_settings():
+@pytest.mark.parametrize("name", ["qwen", "gemma2"])
+def test_communication_and_memory_models_count_the_family_settings(name):
     """The compiled (2, 2, 2) step with sequence parallelism against the models: bytes
-    per mesh axis (the q/k norm scales' gradients summed over `tensor`) and memory (the
-    biases and norm scales are in the traced layout; KV heads of head_dim 12)."""
+    per mesh axis (the q/k norm scales' gradients summed over `tensor`, Gemma's four
+    norms a layer) and memory (the biases and norm scales are in the traced layout; KV
+    heads of head_dim 12; Gemma's windows and soft-caps)."""
+    model = {"qwen": FAMILY, "gemma2": GEMMA}[name]
     train = dataclasses.replace(TRAIN, global_batch_size=32)
-    eng = engine(2, 2, 2, 4, model=FAMILY, train=train, schedule="1f1b",
+    eng = engine(2, 2, 2, 4, model=model, train=train, schedule="1f1b",
                  sequence_parallel=True)
     stats = audit.step_stats(eng, *eng.abstract_inputs(train.global_batch_size, train.seq_len))
-    expected = comm_model.expected_bytes(FAMILY, eng.parallel, train)
+    expected = comm_model.expected_bytes(model, eng.parallel, train)
     for axis in ("pipe", "data", "tensor"):
         assert 0.99 <= stats[f"comm/bytes_per_step/{axis}"] / expected[axis] <= 1.1, axis
-    predicted = memory_model.predict_memory(FAMILY, eng.parallel, train)["total"]
+    predicted = memory_model.predict_memory(model, eng.parallel, train)["total"]
     measured = stats["memory/peak_bytes_per_device"]
     assert abs(predicted / measured - 1) <= 0.15
 
