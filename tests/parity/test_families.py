@@ -11,7 +11,7 @@ import pytest
 
 from framework.analysis import audit, comm_model, flops, memory_model
 from framework.model import reference
-from framework.model.llama import count_params
+from framework.model.llama import count_params, init_params
 from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, tokens, worst
 
 # Qwen2's biases and Qwen3's q/k norm at once, with 8 heads of 12 (d_model 64).
@@ -90,7 +90,7 @@ def test_count_params_and_flops_count_biases_norms_and_head_width():
 def test_count_params_and_flops_count_gemmas_norms_and_windows():
     """Four norms a layer; attention FLOPs of the 4 local layers over their window of 5
     keys, of the 4 global ones over all 16 (head_dim 8)."""
-    leaves = jax.eval_shape(lambda: params(GEMMA))
+    leaves = jax.eval_shape(lambda: init_params(GEMMA, jax.random.key(0)))  # (not cached)
     assert count_params(GEMMA) == sum(x.size for x in jax.tree.leaves(leaves))
     attention = 12 * GEMMA.n_heads * 8 * (4 * 16 + 4 * 5)
     assert flops.flops_per_token(GEMMA, 16) == 6 * flops.matmul_params(GEMMA) + attention

@@ -139,7 +139,8 @@ def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_head_dim", "mistral_untied",
-                                  "mistral_window", "gemma2_window_softcap"])
+                                  pytest.param("mistral_window", marks=pytest.mark.slow),
+                                  "gemma2_window_softcap"])
 def test_families_kv_cache_greedy_is_transformers_greedy(name):
     """Each family's fixture (q/k/v biases, q/k norm with head_dim 16, Mistral, Mistral
     with a window of 5, Gemma 2 with a window of 5 on every other layer and soft-caps):
