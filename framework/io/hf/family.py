@@ -78,7 +78,7 @@ HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "nu
            "tie_embeddings": "tie_word_embeddings", "family": "model_type",
            "qkv_bias": "model_type", "qk_norm": "model_type", "explicit_head_dim": "head_dim",
            "norm_plus_one": "model_type", "post_norms": "model_type",
-           "activation": "hidden_activation", "embed_scale": "model_type",
+           "activation": "model_type", "embed_scale": "model_type",
            "sliding_window": "sliding_window", "sliding_window_pattern": "layer_types",
            "query_pre_attn_scalar": "query_pre_attn_scalar",
            "attn_softcap": "attn_logit_softcapping",
