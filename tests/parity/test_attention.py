@@ -123,8 +123,9 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
 @pytest.mark.parametrize("kw", [dict(pipeline=2, microbatches=2), dict(
     pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), dict(
     pipeline=2, microbatches=2, schedule="1f1b"), dict(pipeline=2, microbatches=2,
-    schedule="zb_h1"), dict(tensor=2, sequence_parallel=True)],
-    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp"])
+    schedule="zb_h1"), dict(tensor=2, sequence_parallel=True), dict(
+    pipeline=2, microbatches=2, schedule="1f1b", model=dict(sliding_window=5))],
+    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp", "window"])
 def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     """cuDNN's kernel cannot run here, but its JAX side can be traced with its GPU
     checks stubbed: gradients of the engine's step trace through every pipeline
@@ -135,11 +136,14 @@ def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
         pytest.skip("this JAX checks cuDNN differently")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
-    model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16")
+    kw = dict(kw)  # window: one on every layer, cuDNN's own (local_window_size)
+    model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16", **kw.pop("model", {}))
     eng = engine(model=model, data=2, **kw)
     state, tokens = eng.abstract_inputs(16, 16)
     jaxpr = jax.make_jaxpr(eng.loss_and_grads_fn())(state["params"], tokens)
     assert "dot_product_attention" in str(jaxpr)
+    if model.sliding_window:  # JAX hands cuDNN the window: the query and 4 keys before it
+        assert "sliding_window_length=5" in str(jaxpr)
 
 
 def test_auto_choice_and_settings_validation():
