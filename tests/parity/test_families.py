@@ -201,6 +201,7 @@ GEMMA_LAYOUTS = {  # (pipeline, data, tensor, microbatches), settings
     "zb_v": ((2, 1, 1, 4), dict(schedule="zb_v", stage_layers=(1, 2, 3, 2))),
     "context_blockwise": ((1, 2, 2, 1), dict(context=2)),
     "fsdp": ((1, 4, 2, 2), dict(fsdp=True)),
+    "blockwise_save_dots": ((2, 1, 2, 2), dict(remat="save_dots")),
 }
 
 
@@ -209,7 +210,7 @@ GEMMA_LAYOUTS = {  # (pipeline, data, tensor, microbatches), settings
 def test_gemma_settings_train_exactly_on_every_path(name, gemma_ref):
     (pp, dp, tp, mb), kw = GEMMA_LAYOUTS[name]
     model = GEMMA
-    if name == "context_blockwise":
+    if name.startswith(("context_blockwise", "blockwise")):  # blocks of 2: some wholly
         model = dataclasses.replace(GEMMA, attention="blockwise", attention_block_q=2,
-                                    attention_block_kv=2)
+                                    attention_block_kv=2)  # outside the window of 5
     gemma_check(engine(pp, dp, tp, mb, model=model, **kw), gemma_ref)
