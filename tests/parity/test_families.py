@@ -144,6 +144,9 @@ def test_family_presets_through_hydra_and_checkpoints():
     with pytest.raises(ConfigError, match="model.qkv_bias True there, False here") as err:
         check_same_model(MODEL, Saved({**llama, "family": "qwen2"}), ("ckpt", 1))
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="model.post_norms True there, False here; "
+                                          "model.norm_plus_one True there, False here"):
+        check_same_model(MODEL, Saved({**llama, "family": "gemma2"}), ("ckpt", 1))
 
 
 # Gemma 2's settings at once: (1 + w) norms before and after each sublayer, GeGLU,
