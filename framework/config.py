@@ -29,7 +29,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters stay float32
     "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
     "model.rope_scaling.rope_type": ("none", "llama3"),
-    "model.family": ("llama", "qwen2", "qwen3", "mistral"),  # FAMILY_PRESETS below
+    "model.family": ("llama", "qwen2", "qwen3", "mistral", "gemma2"),  # FAMILY_PRESETS below
+    "model.activation": ("silu", "gelu_tanh"),  # the gated MLP's, framework/model/layers.py
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
@@ -74,13 +75,21 @@ class RopeScaling:
 # What each model family presets (model.family): the settings that set it apart from
 # Llama, per the families' modeling code in transformers (Qwen2: biases on q_proj,
 # k_proj, v_proj, not o_proj; Qwen3: an RMSNorm over each q and k head before RoPE,
-# no biases; Mistral: Llama's layer). The model reads the settings, never the name; a
-# family's Hugging Face names are in framework/io/hf/family.py.
-FAMILY_PRESETS: dict[str, dict[str, bool]] = {
-    "llama": {"qkv_bias": False, "qk_norm": False},
-    "qwen2": {"qkv_bias": True, "qk_norm": False},
-    "qwen3": {"qkv_bias": False, "qk_norm": True},
-    "mistral": {"qkv_bias": False, "qk_norm": False},
+# no biases; Mistral: Llama's layer; Gemma 2, modeling_gemma2.py: RMSNorm scaled by
+# (1 + w), a norm after each sublayer as well as before, GeGLU with the tanh GELU
+# (`gelu_pytorch_tanh`), embeddings times sqrt(hidden_size)). The model reads the
+# settings, never the name; a family's Hugging Face names are in framework/io/hf/family.py.
+# Unset everywhere: PRESET_DEFAULTS, Llama's layer.
+PRESET_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_plus_one": False,
+                                   "post_norms": False, "activation": "silu",
+                                   "embed_scale": False}
+FAMILY_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "mistral": {},
+    "gemma2": {"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
+               "embed_scale": True},
 }
 
 
@@ -114,19 +123,53 @@ class ModelConfig:
     # Width of one attention head when not d_model / n_heads (Qwen3-0.6B: 1024 / 16
     # heads, 128 each); null: d_model / n_heads. Read it as `head_dim`.
     explicit_head_dim: Optional[int] = None
+    # Gemma 2's layer (presets where null; read them as the properties below):
+    norm_plus_one: Optional[bool] = None  # RMSNorm scaled by (1 + w), w initialised to 0
+    post_norms: Optional[bool] = None  # an RMSNorm on each sublayer's output too (4 a layer)
+    activation: Optional[str] = None  # the gated MLP's: silu (SwiGLU) | gelu_tanh (GeGLU)
+    embed_scale: Optional[bool] = None  # embeddings times sqrt(d_model)
+    # Attention (framework/model/attention.py): a key is visible iff fewer than
+    # sliding_window positions before the query (null: no window), on every layer
+    # (sliding_window_pattern 0, Mistral) or on all but every k-th (k: layer i is
+    # global iff (i + 1) % k == 0; Gemma 2: 2, transformers' layer_types). Scores
+    # scaled by query_pre_attn_scalar^-1/2 (null: head_dim^-1/2) and soft-capped
+    # c tanh(s / c) with c = attn_softcap (null: not); the logits with final_softcap.
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: int = 0
+    query_pre_attn_scalar: Optional[float] = None
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
 
-    def family_setting(self, name: str) -> bool:
-        """qkv_bias or qk_norm as given, else the family's preset (unknown family: off)."""
+    def family_setting(self, name: str):
+        """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""
         given = getattr(self, name)
-        return bool(FAMILY_PRESETS.get(self.family, {}).get(name) if given is None else given)
+        if given is not None:
+            return given
+        return FAMILY_PRESETS.get(self.family, {}).get(name, PRESET_DEFAULTS[name])
 
     @property
     def has_qkv_bias(self) -> bool:
-        return self.family_setting("qkv_bias")
+        return bool(self.family_setting("qkv_bias"))
 
     @property
     def has_qk_norm(self) -> bool:
-        return self.family_setting("qk_norm")
+        return bool(self.family_setting("qk_norm"))
+
+    @property
+    def has_norm_plus_one(self) -> bool:
+        return bool(self.family_setting("norm_plus_one"))
+
+    @property
+    def has_post_norms(self) -> bool:
+        return bool(self.family_setting("post_norms"))
+
+    @property
+    def mlp_activation(self) -> str:
+        return self.family_setting("activation")
+
+    @property
+    def has_embed_scale(self) -> bool:
+        return bool(self.family_setting("embed_scale"))
 
     @property
     def head_dim(self) -> int:
@@ -448,7 +491,9 @@ RANGES: dict[str, Range] = {
     "model.n_layers": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
     "model.n_kv_heads": AT_LEAST_1, "model.d_ff": AT_LEAST_1,
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
-    "model.explicit_head_dim": AT_LEAST_1,
+    "model.explicit_head_dim": AT_LEAST_1, "model.sliding_window": AT_LEAST_1,
+    "model.sliding_window_pattern": AT_LEAST_0, "model.query_pre_attn_scalar": POSITIVE,
+    "model.attn_softcap": POSITIVE, "model.final_softcap": POSITIVE,
     "optim.lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.weight_decay": AT_LEAST_0,
     "optim.grad_clip": AT_LEAST_0,  # 0: no clipping

@@ -31,6 +31,15 @@ folder, reloaded in float32:
                         rope_theta 1e6, float32
     mistral_untied      Mistral: untied, sliding_window null (v0.2 on), rope_theta 1e6,
                         float32
+    mistral_window      Mistral v0.1's form: a sliding window (5) on every layer, tied,
+                        float32
+    gemma2_window_softcap  Gemma 2: 4 layers (local, global, local, global), window 5,
+                        attention and final soft-caps that bend the scores and logits,
+                        query_pre_attn_scalar 12 (not head_dim 16), head_dim 16 where
+                        hidden/heads is 8, tied (as Gemma 2), float32
+
+The windows (5) are shorter than the ids (12 tokens) and than prompt + continuation
+(4 + 16), so that they cut attention in both the logits and the greedy tokens.
 
 Weights and biases are drawn with a larger spread than transformers' default and the
 norm scales (q/k norm's too) are random, so that a mix-up of any two tensors changes the
@@ -46,8 +55,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig,
+                          Qwen2Config, Qwen3Config)
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -63,7 +72,7 @@ ROPE_1E6 = {"rope_theta": 1e6, "rope_type": "default"}  # Qwen2.5's, Qwen3's, Mi
 def build(seed: int, config_class=LlamaConfig, **overrides):
     torch.manual_seed(seed)
     config = config_class(**{**SHAPE, **overrides})
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -120,6 +129,12 @@ FIXTURES = {  # name -> writer of the folder (models built when chosen)
                                           head_dim=16, rope_parameters=ROPE_1E6)),
     "mistral_untied": lambda: saved(build(6, MistralConfig, tie_word_embeddings=False,
                                           sliding_window=None, rope_parameters=ROPE_1E6)),
+    "mistral_window": lambda: saved(build(7, MistralConfig, tie_word_embeddings=True,
+                                          sliding_window=5)),
+    "gemma2_window_softcap": lambda: saved(build(
+        8, Gemma2Config, num_hidden_layers=4, head_dim=16, tie_word_embeddings=True,
+        sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0)),
 }
 
 

@@ -11,7 +11,9 @@ scores and the weighted sum of values (2 matmuls of T x Q per head per token, fo
 and backward), L layers, H heads of size Q (`model.head_dim`: d_model / H unless
 `model.explicit_head_dim` sets it, as Qwen3 does), sequence length T.
 Like PaLM we count the full T x T score matrix, not the causal half, and count no
-rematerialisation: these are *model* FLOPs, so MFU compares layouts fairly.
+rematerialisation: these are *model* FLOPs, so MFU compares layouts fairly. A layer
+with a sliding window w (Mistral, Gemma 2's local layers) counts T x min(w, T): each
+query's window of keys in place of all T.
 
 MFU = achieved model FLOP/s per device / the device's peak dense FLOP/s for the
 compute dtype. The peaks are vendors' dense (no sparsity) figures per chip; float32
@@ -45,9 +47,20 @@ def matmul_params(model: ModelConfig) -> int:
     return count_params(model) - embedding_lookup
 
 
+def local_layers(model: ModelConfig) -> int:
+    """How many layers attend through the sliding window (framework/model/layers.py)."""
+    if model.sliding_window is None:
+        return 0
+    k = model.sliding_window_pattern
+    return model.n_layers - (model.n_layers // k if k else 0)
+
+
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) model FLOPs per token, PaLM appendix B."""
-    attention = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    """Training (forward + backward) model FLOPs per token, PaLM appendix B; keys per
+    query: seq_len, or the window on local layers."""
+    local = local_layers(model)
+    keys = (model.n_layers - local) * seq_len + local * min(model.sliding_window or 0, seq_len)
+    attention = 12 * model.n_heads * model.head_dim * keys
     return float(6 * matmul_params(model) + attention)
 
 

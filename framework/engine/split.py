@@ -17,8 +17,9 @@ from functools import lru_cache
 import jax
 
 from framework.errors import PlanError
-from framework.model.llama import (NO_TP, SAVED, TAPS, Block, checkpointed,
-                                   replay_weight_ops, scan_layers, weights_outside_weight_op)
+from framework.model.llama import (NO_TP, SAVED, TAPS, Block, checkpointed, layer_windows,
+                                   replay_weight_ops, scan_layers, split_windows,
+                                   weights_outside_weight_op)
 from framework.config import ModelConfig
 from framework.parallel.pipeline.stage import SplitBackward
 from framework.parallel.tensor import TensorParallel
@@ -31,32 +32,36 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
     and its output gradient dy (taken by B): dW = x^T dy, one matmul per weight.
 
-    forward(layers, x, n_real=None, docs=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B
+    forward(layers, x, n_real=None, docs=None, first=None) -> (y, vjp, saved): vjp(dy) -> (dx, douts) runs B
     (the VJP w.r.t. the input and the zero taps on every weight op's output; the weights
     are constants to it, so no weight gradient is computed); saved: the weight ops'
     inputs [L, ...]. With `n_real` the layers after the first n_real are padding (uneven
-    stages), passed over by `skip` (`framework/model/llama.py`, `scan_layers`).
+    stages), passed over by `skip` (`framework/model/llama.py`, `scan_layers`); `first`:
+    the global index of the first layer (`apply_layers`'s).
     weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
     applied to their saved inputs (everything else in the layer is dead code), pulled
     back through their output gradients. `gather`: as `apply_layers`'s (FSDP)."""
     identity = lambda params: params
     gather = identity if gather is None else gather
 
-    def block(variables, x, mutable, docs=None):
-        return Block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs)
+    def block(variables, x, mutable, docs=None, window=None):
+        return Block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs, window=window)
 
-    def layer(x, params, taps, docs):  # one layer, recording its weight ops' inputs
-        y, state = block({"params": params, TAPS: taps}, x, [SAVED], docs)
+    def layer(x, params, taps, docs, window):  # one layer, recording its weight ops' inputs
+        y, state = block({"params": params, TAPS: taps}, x, [SAVED], docs, window)
         return y, state[SAVED]
 
     layer = checkpointed(layer, remat, None if gather is identity else gather)
-    scanned = lambda x, params_and_taps, docs: layer(x, *params_and_taps, docs)
 
-    def forward(layers, x, n_real=None, docs=None):
+    def forward(layers, x, n_real=None, docs=None, first=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
         taps = jax.vmap(lambda p: block({"params": gather(p)}, x, [TAPS])[1][TAPS])(layers)
+        fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
+                                                     first), x)
+        scanned = lambda x, params_and_taps, docs, window: layer(
+            x, *params_and_taps, docs, fixed if window is None else window)
         run = lambda x, taps: scan_layers(scanned, x, (layers, taps), n_real, skip,
-                                          has_aux=True, extra=(docs,))
+                                          has_aux=True, extra=(docs,), windows=windows)
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):

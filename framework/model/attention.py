@@ -12,7 +12,13 @@ one key/value head, which is never repeated):
 Positions: query i sits at q_offset + i, key j at kv_offset + j, and a query attends
 the keys at or before its position (causal). Training uses 0 and 0; a decode step with
 a cache passes the cache position as q_offset. Offsets may be Python ints or traced int32
-scalars. Scores are scaled by 1/sqrt(head_dim) (Vaswani et al. 2017).
+scalars. Scores are scaled by 1/sqrt(head_dim) (Vaswani et al. 2017), or by the
+model's own scale, and soft-capped where the model says (`ScoreForm`, `score_form`).
+
+Sliding window (Mistral, Gemma 2's local layers; transformers' masking_utils.py:
+`kv_idx > q_idx - sliding_window`): with `window` w a query sees only the keys fewer
+than w positions before it, besides causality and documents. `window` may be a traced
+int32 scalar (a per-layer window scanned with the layers); None: no window.
 
 Document masks (framework/model/documents.py): `segments=(seg_q [b, q_len], seg_k
 [b, kv_len])` int32 makes a key visible only to the queries of its own segment as well.
@@ -36,14 +42,14 @@ Document masks (framework/model/documents.py): `segments=(seg_q [b, q_len], seg_
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from framework.config import CHOICES, ModelConfig, not_one_of
 from framework.errors import ConfigError
-from framework.model.blockwise import blockwise_attention, zeros_varying_like
+from framework.model.blockwise import PLAIN, ScoreForm, blockwise_attention, zeros_varying_like
 from framework.model.documents import visible
 
 IMPLEMENTATIONS = CHOICES["model.attention"]
@@ -89,6 +95,15 @@ def check_settings(model) -> list[str]:
         errs.append(f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused "
                     f"attention has no {model.dtype} kernel): use model.attention=auto, "
                     f"dense or blockwise")
+    if model.attention == "cudnn" and getattr(model, "attn_softcap", None) is not None:
+        errs.append(f"model.attention=cudnn cannot soft-cap scores (model.attn_softcap="
+                    f"{model.attn_softcap}; cuDNN's fused attention has no soft-cap): use "
+                    f"model.attention=auto, dense or blockwise")
+    if model.attention == "cudnn" and getattr(model, "sliding_window_pattern", 0) \
+            and getattr(model, "sliding_window", None):
+        errs.append(f"model.attention=cudnn needs one window on every layer (cuDNN's window "
+                    f"is static), not model.sliding_window_pattern="
+                    f"{model.sliding_window_pattern}: use model.attention=auto or blockwise")
     if model.attention == "cudnn" and model.n_heads and model.d_model % model.n_heads == 0 \
             and (model.head_dim % 8 or model.head_dim > 128):
         errs.append(f"model.attention=cudnn needs d_model/n_heads={model.head_dim} to be a "
@@ -96,44 +111,60 @@ def check_settings(model) -> list[str]:
     return errs
 
 
-def choose(platform: str, dtype, kv_len: int, head_dim: int) -> str:
-    """What `auto` runs: cudnn on NVIDIA GPUs when supported, else dense for short
+def choose(platform: str, dtype, kv_len: int, head_dim: int, no_cudnn: bool = False) -> str:
+    """What `auto` runs: cudnn on NVIDIA GPUs when supported (not `no_cudnn`: a soft-cap
+    or a per-layer (traced) window, which cuDNN's kernel lacks), else dense for short
     sequences and blockwise (linear memory) for long ones."""
-    if _gpu_platform(platform) and cudnn_unsupported(dtype, head_dim) is None:
+    if (_gpu_platform(platform) and not no_cudnn
+            and cudnn_unsupported(dtype, head_dim) is None):
         return "cudnn"
     return "dense" if kv_len <= DENSE_MAX_SEQ else "blockwise"
 
 
+def score_form(model: ModelConfig) -> ScoreForm:
+    """The model's scores: scaled by query_pre_attn_scalar^-1/2 where it is set (Gemma 2's
+    `scaling`, transformers' modeling_gemma2.py), soft-capped by model.attn_softcap."""
+    scalar = getattr(model, "query_pre_attn_scalar", None)
+    return ScoreForm(None if scalar is None else float(scalar) ** -0.5,
+                     getattr(model, "attn_softcap", None))
+
+
 def attend(q, k, v, model: ModelConfig, *, q_offset=0, kv_offset=0,
-           platform: str | None = None, segments=None):
+           platform: str | None = None, segments=None, window=None):
     """Causal attention by `model.attention` (one of IMPLEMENTATIONS), blockwise with
     `model.attention_block_q` queries and `model.attention_block_kv` keys per block.
     `platform` resolves `auto` (default: JAX's default backend); `segments`: the
-    queries' and keys' document ids, or None (module docstring)."""
-    implementation = model.attention
+    queries' and keys' document ids, or None; `window`: the sliding window, or None
+    (module docstring)."""
+    implementation, form = model.attention, score_form(model)
     if implementation == "auto":
         implementation = choose(platform or jax.default_backend(), q.dtype, k.shape[1],
-                                q.shape[-1])
+                                q.shape[-1], form.softcap is not None
+                                or not (window is None or isinstance(window, int)))
     if implementation == "dense":
         return dense_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,
-                               segments=segments)
+                               segments=segments, window=window, form=form)
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, block_q=model.attention_block_q,
                                    block_kv=model.attention_block_kv, q_offset=q_offset,
-                                   kv_offset=kv_offset, segments=segments)
+                                   kv_offset=kv_offset, segments=segments, window=window,
+                                   form=form)
     if implementation == "cudnn":
         return cudnn_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,
-                               segments=segments)
+                               segments=segments, window=window, scale=form.scale)
     raise ValueError(f"attention implementation {implementation!r} is not one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
 
 
-def _causal_mask(q_len: int, kv_len: int, q_offset, kv_offset, segments=None):
-    """[q_len, kv_len] bool: key position <= query position; with `segments`
-    [b, q_len, kv_len], and the key in the query's document."""
+def _causal_mask(q_len: int, kv_len: int, q_offset, kv_offset, segments=None, window=None):
+    """[q_len, kv_len] bool: key position <= query position (and, with `window`, fewer
+    than `window` before it); with `segments` [b, q_len, kv_len], and the key in the
+    query's document."""
     q_pos = q_offset + jnp.arange(q_len, dtype=jnp.int32)
     kv_pos = kv_offset + jnp.arange(kv_len, dtype=jnp.int32)
     causal = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        causal = causal & (q_pos[:, None] - kv_pos[None, :] < window)
     return causal if segments is None else causal[None] & visible(*segments)
 
 
@@ -141,12 +172,15 @@ def _causal_mask(q_len: int, kv_len: int, q_offset, kv_offset, segments=None):
 # dense: the reference.
 
 
-def dense_attention(q, k, v, *, q_offset=0, kv_offset=0, segments=None):
-    """All scores at once: [batch, kv_heads, r, q_len, kv_len] float32, masked with the
-    smallest finite float (a query with no visible key averages every value)."""
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) * scale
-    mask = _causal_mask(q.shape[1], k.shape[1], q_offset, kv_offset, segments)
+def dense_attention(q, k, v, *, q_offset=0, kv_offset=0, segments=None, window=None,
+                    form: ScoreForm = PLAIN):
+    """All scores at once: [batch, kv_heads, r, q_len, kv_len] float32, in `form`,
+    masked with the smallest finite float (a query with no visible key averages every
+    value)."""
+    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) * form.of(q.shape[-1])
+    if form.softcap is not None:  # c tanh(s / c), Gemma 2 (transformers' modeling_gemma2.py)
+        scores = form.softcap * jnp.tanh(scores / form.softcap)
+    mask = _causal_mask(q.shape[1], k.shape[1], q_offset, kv_offset, segments, window)
     mask = mask if segments is None else mask[:, None, None]  # [b, 1, 1, s, t]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -158,49 +192,65 @@ def dense_attention(q, k, v, *, q_offset=0, kv_offset=0, segments=None):
 
 
 def cudnn_attention(q, k, v, *, q_offset=0, kv_offset=0, implementation: str = "cudnn",
-                    segments=None):
+                    segments=None, window=None, scale=None):
     """cuDNN flash attention. GQA is native (query heads [kv_heads * r] in group-major
     order, keys and values with kv_heads heads). With equal static offsets and lengths
-    (training) the causal mask is cuDNN's own, which skips the masked blocks; other
-    offsets pass the mask explicitly, and so do document masks ([b, 1, s, t], which
-    JAX hands cuDNN as an additive bias beside its causal mask).
+    (training) the causal mask is cuDNN's own, which skips the masked blocks, and so is
+    a static window (`local_window_size`, (window - 1) keys back, 0 ahead); other
+    offsets and traced windows pass the mask explicitly, and so do document masks
+    ([b, 1, s, t], which JAX hands cuDNN as an additive bias beside its causal mask).
+    No soft-cap: cuDNN's kernel has none (`check_settings` refuses it). `scale`: the
+    scores' (None: 1/sqrt(head_dim)).
     `implementation="xla"` runs the same call with XLA's kernel (how the tests check
     this wrapper on CPU)."""
     b, s, g, r, hd = q.shape
     flat = q.reshape(b, s, g * r, hd)  # head g*r + j: query j of group g, as JAX's GQA expects
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
-               and q_offset == kv_offset and s == k.shape[1])
+               and q_offset == kv_offset and s == k.shape[1]
+               and (window is None or isinstance(window, int)))
     if aligned:
         mask = None if segments is None else visible(*segments)[:, None]
     else:
-        mask = _causal_mask(s, k.shape[1], q_offset, kv_offset, segments)
+        mask = _causal_mask(s, k.shape[1], q_offset, kv_offset, segments, window)
         mask = mask[None, None] if segments is None else mask[:, None]
-    return _fused(implementation, aligned, flat, k, v, mask).reshape(b, s, g, r, hd)
+    fused = _Fused(implementation, aligned, window - 1 if aligned and window else None, scale)
+    return _fused(fused, flat, k, v, mask).reshape(b, s, g, r, hd)
 
 
-def _fused_call(implementation, is_causal, q, k, v, mask):
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
-                                       implementation=implementation)
+class _Fused(NamedTuple):
+    """The fused call's static settings."""
+
+    implementation: str
+    is_causal: bool
+    back: int | None  # keys visible before the query's own (cuDNN's window), or None
+    scale: float | None
+
+
+def _fused_call(fused: _Fused, q, k, v, mask):
+    window = None if fused.back is None else (fused.back, 0)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=fused.is_causal,
+                                       scale=fused.scale, local_window_size=window,
+                                       implementation=fused.implementation)
     return out + zeros_varying_like((), q, k, v).astype(out.dtype)  # typed like q, k, v in a shard_map
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(implementation, is_causal, q, k, v, mask):
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(fused, q, k, v, mask):
     """The fused kernel behind a VJP of our own: its residuals are q, k, v (typed like
     the inputs inside a shard_map) and its backward differentiates the fused call
     again (cuDNN's backward kernel, after one more forward). The pipeline executors
     trace `jax.vjp` of a stage inside an outer differentiation and stash the
     residuals of a stage by type, which cuDNN's own residuals do not survive."""
-    return _fused_call(implementation, is_causal, q, k, v, mask)
+    return _fused_call(fused, q, k, v, mask)
 
 
-def _fused_fwd(implementation, is_causal, q, k, v, mask):
-    return _fused_call(implementation, is_causal, q, k, v, mask), (q, k, v, mask)
+def _fused_fwd(fused, q, k, v, mask):
+    return _fused_call(fused, q, k, v, mask), (q, k, v, mask)
 
 
-def _fused_bwd(implementation, is_causal, residuals, d_out):
+def _fused_bwd(fused, residuals, d_out):
     q, k, v, mask = residuals
-    call = lambda q, k, v: _fused_call(implementation, is_causal, q, k, v, mask)
+    call = lambda q, k, v: _fused_call(fused, q, k, v, mask)
     return (*jax.vjp(call, q, k, v)[1](d_out), None)
 
 

@@ -3,7 +3,9 @@
 Gimelshein 2018; Rabe & Staats 2021; FlashAttention, Dao et al. 2022) with a
 recomputing backward (FlashAttention-2, Dao 2023), and the same pieces for ring
 attention (framework/model/ring_attention.py). Shapes and positions as in attention.py;
-`segments` (document ids of the queries and the keys) as there.
+`segments` (document ids of the queries and the keys), the sliding `window` and the
+score `form` (scale, soft-cap) as there: key blocks wholly outside the window are
+never visited, and the soft-cap's derivative, 1 - tanh^2, enters the backward's ds.
 """
 
 from __future__ import annotations
@@ -17,11 +19,30 @@ import numpy as np
 
 from framework.model.documents import visible
 
+
+@dataclass(frozen=True)
+class ScoreForm:
+    """How a score is made of q.k (static): s = scale q.k, then with `softcap` c,
+    s = c tanh(s / c) (Gemma 2's attention logit soft-capping, transformers'
+    modeling_gemma2.py). scale None: 1/sqrt(head_dim) (Vaswani et al. 2017)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def of(self, head_dim: int) -> float:
+        return 1.0 / np.sqrt(head_dim) if self.scale is None else self.scale
+
+
+PLAIN = ScoreForm()
+
+
 def blockwise_attention(q, k, v, *, block_q: int = 512, block_kv: int = 512, q_offset=0,
-                        kv_offset=0, segments=None):
+                        kv_offset=0, segments=None, window=None, form: ScoreForm = PLAIN):
     """Flash-style attention in plain JAX (see the module docstring). Memory: the
     inputs, the output, a float32 log-sum-exp per query and one [block_q, block_kv]
-    score block per (batch, head); never [q_len, kv_len]."""
+    score block per (batch, head); never [q_len, kv_len]. `window`: a key is visible
+    only to queries fewer than `window` positions after it (int or traced int32;
+    None: no window)."""
     q_len, kv_len = q.shape[1], k.shape[1]
     bq, bk = min(block_q, q_len), min(block_kv, kv_len)
     if bq < 1 or bk < 1:
@@ -31,8 +52,9 @@ def blockwise_attention(q, k, v, *, block_q: int = 512, block_kv: int = 512, q_o
     # pipeline executor stashes residuals by type (constants would stand apart)
     typed = zeros_varying_like((), q, k, v).astype(jnp.int32)
     offsets = jnp.asarray(q_offset, jnp.int32) + typed, jnp.asarray(kv_offset, jnp.int32) + typed
-    out = _flash(bq, bk, kv_len, pad(q, bq), pad(k, bk), pad(v, bk), *offsets,
-                 _padded_segments(segments, bq, bk))
+    window = None if window is None else jnp.asarray(window, jnp.int32) + typed
+    out = _flash(bq, bk, kv_len, form, pad(q, bq), pad(k, bk), pad(v, bk), *offsets,
+                 _padded_segments(segments, bq, bk), window)
     return out[:, :q_len]
 
 
@@ -64,7 +86,8 @@ def zeros_varying_like(shape, *like):
 class _Tiling:
     """How the padded queries and keys are cut into blocks and where they sit: bq queries
     and bk keys per block, kv_len real keys (those after it are padding), and the
-    positions of the first query and the first key (int32 scalars, maybe traced)."""
+    positions of the first query and the first key (int32 scalars, maybe traced), the
+    sliding window (None: none) and the score form."""
 
     bq: int
     bk: int
@@ -72,55 +95,71 @@ class _Tiling:
     q_offset: jax.Array
     kv_offset: jax.Array
     segments: tuple | None = None  # document ids, blocked: ([nq, b, bq], [nk, b, bk])
+    window: jax.Array | None = None
+    form: ScoreForm = PLAIN
 
     @staticmethod
-    def of(bq, bk, kv_len, q_offset, kv_offset, segments) -> "_Tiling":
+    def of(bq, bk, kv_len, q_offset, kv_offset, segments, window=None,
+           form: ScoreForm = PLAIN) -> "_Tiling":
         blocked = None if segments is None else (
             _blocks(segments[0], bq), _blocks(segments[1], bk))
-        return _Tiling(bq, bk, kv_len, q_offset, kv_offset, blocked)
+        return _Tiling(bq, bk, kv_len, q_offset, kv_offset, blocked, window, form)
+
+    def kv_blocks(self, i, nk):
+        """Key blocks query block i can see: [lo, hi), from the first within the window of
+        its first query to the last starting at or before its last query (blocks above
+        the causal diagonal or wholly outside the window are skipped)."""
+        first_query = self.q_offset + i * self.bq
+        hi = jnp.clip((first_query + self.bq - 1 - self.kv_offset) // self.bk + 1, 0, nk)
+        if self.window is None:
+            return 0, hi
+        return jnp.clip((first_query - self.window + 1 - self.kv_offset) // self.bk, 0, hi), hi
+
+    def q_blocks(self, j, nq):
+        """Query blocks that see key block j: [lo, hi) (the backward's bounds)."""
+        first_key = self.kv_offset + j * self.bk
+        lo = jnp.clip((first_key - self.q_offset) // self.bq, 0, nq)
+        if self.window is None:
+            return lo, nq
+        last_query = first_key + self.bk - 1 + self.window - 1  # the last that sees a key
+        return lo, jnp.clip((last_query - self.q_offset) // self.bq + 1, lo, nq)
 
 
 def _block_scores(q_blk, k_blk, i, j, tiling: _Tiling):
-    """Scaled scores of query block i against key block j, masked entries -inf.
+    """Scores of query block i against key block j in `tiling.form`, masked entries
+    -inf, and the soft-cap's tanh (None without one), for the backward.
     q_blk: [b, bq, g, r, hd], k_blk: [b, bk, g, hd] -> [b, bq, g, r, bk] float32."""
-    bq, bk = tiling.bq, tiling.bk
-    scale = 1.0 / np.sqrt(q_blk.shape[-1])
+    bq, bk, cap = tiling.bq, tiling.bk, tiling.form.softcap
     s = jnp.einsum("bqgrd,bkgd->bqgrk", q_blk, k_blk,
-                   preferred_element_type=jnp.float32) * scale
+                   preferred_element_type=jnp.float32) * tiling.form.of(q_blk.shape[-1])
+    tanh = None if cap is None else jnp.tanh(s / cap)
+    s = s if cap is None else cap * tanh
     key = j * bk + jnp.arange(bk, dtype=jnp.int32)  # index into the (padded) keys
     q_pos = tiling.q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
     seen = (tiling.kv_offset + key[None, :] <= q_pos[:, None]) & (key < tiling.kv_len)[None, :]
+    if tiling.window is not None:  # and fewer than `window` positions before the query
+        seen = seen & (q_pos[:, None] - tiling.kv_offset - key[None, :] < tiling.window)
     if tiling.segments is not None:  # [b, bq, bk]: and in the query's document
         seen = seen[None] & visible(tiling.segments[0][i], tiling.segments[1][j])
     seen = seen[:, :, None, None, :] if seen.ndim == 3 else seen[None, :, None, None, :]
-    return jnp.where(seen, s, -jnp.inf)
+    return jnp.where(seen, s, -jnp.inf), tanh
 
 
-def _kv_blocks_needed(i, bq, bk, nk, q_offset, kv_offset):
-    """Key blocks query block i can see: [0, hi), those starting at or before its last
-    query (blocks above the causal diagonal are skipped)."""
-    last_query = q_offset + (i + 1) * bq - 1
-    return jnp.clip((last_query - kv_offset) // bk + 1, 0, nk)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None, window=None):
+    return _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments,
+                          window)[0]
 
 
-def _first_q_block(j, bq, bk, nq, q_offset, kv_offset):
-    """The first query block that sees key block j (the backward's lower bound)."""
-    return jnp.clip((kv_offset + j * bk - q_offset) // bq, 0, nq)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
-    return _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments)[0]
-
-
-def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
+def _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None,
+                   window=None):
     """(out [b, sq, g, r, hd], log-sum-exp [nq, b, bq, g, r] float32). Per query block,
     a loop over the key blocks it can see with the online-softmax update
         m' = max(m, rowmax(s)),  l' = e^(m - m') l + rowsum(e^(s - m')),
         acc' = e^(m - m') acc + e^(s - m') v."""
     nk = k.shape[1] // bk
     kb, vb = _blocks(k, bk), _blocks(v, bk)
-    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments)
+    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments, window, form)
 
     def query_block(args):
         i, q_blk = args  # q_blk: [b, bq, g, r, hd]
@@ -128,7 +167,7 @@ def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
 
         def key_block(j, carry):
             m, l, acc = carry
-            s = _block_scores(q_blk, kb[j], i, j, tiling)
+            s = _block_scores(q_blk, kb[j], i, j, tiling)[0]
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
             p = jnp.exp(s - m_safe[..., None])
@@ -139,8 +178,7 @@ def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
 
         init = (zeros_varying_like(stats, q_blk, k, v) - jnp.inf, zeros_varying_like(stats, q_blk, k, v),
                 zeros_varying_like(q_blk.shape, q_blk, k, v))
-        hi = _kv_blocks_needed(i, bq, bk, nk, q_offset, kv_offset)
-        m, l, acc = jax.lax.fori_loop(0, hi, key_block, init)
+        m, l, acc = jax.lax.fori_loop(*tiling.kv_blocks(i, nk), key_block, init)
         out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
         return out.astype(q.dtype), lse
@@ -150,21 +188,24 @@ def _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
     return _unblocks(out), lse
 
 
-def _flash_fwd(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments=None):
-    out, lse = _flash_forward(bq, bk, kv_len, q, k, v, q_offset, kv_offset, segments)
-    return out, (q, k, v, out, lse, q_offset, kv_offset, segments)
+def _flash_fwd(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None,
+               window=None):
+    out, lse = _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments,
+                              window)
+    return out, (q, k, v, out, lse, q_offset, kv_offset, segments, window)
 
 
-def _flash_bwd(bq, bk, kv_len, residuals, d_out):
+def _flash_bwd(bq, bk, kv_len, form, residuals, d_out):
     """FlashAttention-2's backward, outer loop over key blocks: for key block j and each
     query block i that sees it, p = e^(s - lse) (recomputed), dv_j += p^T do,
-    ds = p * (do v_j^T - D) with D = rowsum(do * out), dk_j += ds^T q, dq_i += ds k_j."""
-    q, k, v, out, lse, q_offset, kv_offset, segments = residuals
-    scale = 1.0 / np.sqrt(q.shape[-1])
+    ds = p * (do v_j^T - D) with D = rowsum(do * out), dk_j += ds^T q, dq_i += ds k_j;
+    with a soft-cap, ds *= 1 - tanh^2 (d/dx c tanh(x / c))."""
+    q, k, v, out, lse, q_offset, kv_offset, segments, window = residuals
+    scale = form.of(q.shape[-1])
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb, dob = _blocks(q, bq), _blocks(d_out, bq)
     delta = _blocks(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), bq)
-    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments)
+    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments, window, form)
 
     def key_block(dq, args):
         j, k_blk, v_blk = args
@@ -172,26 +213,28 @@ def _flash_bwd(bq, bk, kv_len, residuals, d_out):
         def query_block(i, carry):
             dq, dk, dv = carry
             q_blk, do_blk = qb[i], dob[i]
-            s = _block_scores(q_blk, k_blk, i, j, tiling)
+            s, tanh = _block_scores(q_blk, k_blk, i, j, tiling)
             p = jnp.exp(s - lse[i][..., None])  # [b, bq, g, r, bk]; masked entries 0
             dv = dv + jnp.einsum("bqgrk,bqgrd->bkgd", p.astype(v.dtype), do_blk,
                                  preferred_element_type=jnp.float32)
             dp = jnp.einsum("bqgrd,bkgd->bqgrk", do_blk, v_blk, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta[i][..., None]) * scale).astype(q.dtype)
+            ds = p * (dp - delta[i][..., None]) * scale
+            ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(q.dtype)
             dk = dk + jnp.einsum("bqgrk,bqgrd->bkgd", ds, q_blk, preferred_element_type=jnp.float32)
             dq_i = jnp.einsum("bqgrk,bkgd->bqgrd", ds, k_blk, preferred_element_type=jnp.float32)
             return dq.at[i].add(dq_i), dk, dv
 
-        lo = _first_q_block(j, bq, bk, nq, q_offset, kv_offset)
         zero_kv = zeros_varying_like(k_blk.shape, q, k, v, d_out)
-        dq, dk, dv = jax.lax.fori_loop(lo, nq, query_block, (dq, zero_kv, zero_kv))
+        dq, dk, dv = jax.lax.fori_loop(*tiling.q_blocks(j, nq), query_block,
+                                       (dq, zero_kv, zero_kv))
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq0 = zeros_varying_like(qb.shape, q, k, v, d_out)  # [nq, b, bq, g, r, hd] float32
     dq, (dk, dv) = jax.lax.scan(
         key_block, dq0, (jnp.arange(nk, dtype=jnp.int32), _blocks(k, bk), _blocks(v, bk)))
     no_grad = jax.tree.map(lambda _: None, segments)  # integer ids: no cotangent
-    return _unblocks(dq).astype(q.dtype), _unblocks(dk), _unblocks(dv), None, None, no_grad
+    return (_unblocks(dq).astype(q.dtype), _unblocks(dk), _unblocks(dv), None, None, no_grad,
+            None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -200,19 +243,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Pieces for ring attention (framework/parallel/context.py), which merges the partial
 # attentions of the key chunks it is passed and takes their gradients itself.
 
-def flash_piece(q, k, v, bq: int, bk: int, q_offset, kv_offset, segments=None):
+def flash_piece(q, k, v, bq: int, bk: int, q_offset, kv_offset, segments=None, window=None,
+                form: ScoreForm = PLAIN):
     """The blockwise forward on lengths that bq and bk tile: (out like q, log-sum-exp
     [b, sq, g, r] float32, -inf where a query sees no key)."""
     offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
-    out, lse = _flash_forward(bq, bk, k.shape[1], q, k, v, *offsets, segments)
+    out, lse = _flash_forward(bq, bk, k.shape[1], form, q, k, v, *offsets, segments, window)
     lse = _unblocks(lse)
     return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
 
 
 def flash_piece_grads(q, k, v, out, lse, d_out, bq: int, bk: int, q_offset, kv_offset,
-                      segments=None):
+                      segments=None, window=None, form: ScoreForm = PLAIN):
     """(dq, dk, dv) of this piece, from the *whole* attention's output and log-sum-exp
     of the queries (FlashAttention-2's backward restricted to these keys)."""
     offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
-    residuals = (q, k, v, out, _blocks(lse, bq), *offsets, segments)
-    return _flash_bwd(bq, bk, k.shape[1], residuals, d_out)[:3]
+    residuals = (q, k, v, out, _blocks(lse, bq), *offsets, segments, window)
+    return _flash_bwd(bq, bk, k.shape[1], form, residuals, d_out)[:3]

@@ -20,7 +20,10 @@ Decoding (framework/engine/decode.py) uses the same modules and weights: `Attent
 
 The other families are settings of the same layers (`model.family` presets them,
 framework/config.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
-(Qwen3); the model reads the settings, never the family's name.
+(Qwen3), Gemma 2's (1 + w) norms after each sublayer too, GeGLU, scaled embeddings,
+soft-capped scores and logits and sliding-window layers (framework/model/layers.py:
+a layer's window comes from its global index, which a stage's layer scan is handed
+as `first`); the model reads the settings, never the family's name.
 
 Llama: Touvron et al. 2023. RMSNorm: Zhang & Sennrich 2019. RoPE: Su et al. 2021.
 GQA: Ainslie et al. 2023. SwiGLU: Shazeer 2020. Qwen2: Yang et al. 2024. Qwen3: Yang
@@ -36,25 +39,16 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from framework.model.attention import attend
+from framework.model.attention import attend, score_form
 from framework.model.documents import Documents
+from framework.model.layers import (MLP, NO_TP, RMSNorm, _param, layer_windows, norm,  # noqa: F401
+                                    softcap, split_windows)
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
-                                        bias_op, gathered_weight_op, scattered_weight_op,
-                                        weight_op)
+                                        bias_op, gathered_weight_op, scattered_weight_op)
 from framework.config import ModelConfig, not_one_of
 from framework.parallel.tensor import TensorParallel
-
-NO_TP = TensorParallel()
-init_normal = nn.initializers.normal(stddev=0.02)
-
-
-def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
-    """A float32 weight of global `shape` with logical `axes`; the module's tensor-parallel
-    plan makes it this device's shard."""
-    shape = getattr(module, "tp", NO_TP).local_shape(shape, axes)
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
 def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
@@ -77,17 +71,6 @@ def weights_outside_weight_op(cfg: ModelConfig) -> list[str]:
     leaves = lambda tree: jax.tree_util.tree_leaves_with_path(nn.meta.unbox(tree))
     tapped = {path(keys) for keys, _ in leaves(variables.get(TAPS, {}))}
     return [path(keys) for keys, _ in leaves(variables["params"]) if path(keys) not in tapped]
-
-
-class RMSNorm(nn.Module):
-    eps: float
-
-    @nn.compact
-    def __call__(self, x):  # x: [..., embed]
-        scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
 
 
 class KVCache(NamedTuple):
@@ -116,8 +99,10 @@ class Attention(nn.Module):
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None):
-        """x: [batch, seq (/tensor with SP), embed] -> the same shape.
+    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None,
+                 window=None):
+        """x: [batch, seq (/tensor with SP), embed] -> the same shape. `window`: this
+        layer's sliding window (int or traced int32), None: none.
 
         Training (cache None): causal attention among the rows of x, positions 0..seq-1
         (context parallelism: this device's chunks of them, over the whole sequence);
@@ -139,7 +124,7 @@ class Attention(nn.Module):
                 nn.initializers.zeros))
         q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if c.has_qk_norm:  # Qwen3: RMSNorm over each q and k head's dims, before RoPE
-            q, k = (RMSNorm(c.norm_eps, name=f"{n}_norm")(y) for n, y in (("q", q), ("k", k)))
+            q, k = (norm(c, f"{n}_norm")(y) for n, y in (("q", q), ("k", k)))
         # [s]: global positions (this device's chunks of the sequence under context
         # parallelism, framework/parallel/context.py)
         positions = start + (jnp.arange(qkv.shape[1]) if cache is not None
@@ -156,9 +141,9 @@ class Attention(nn.Module):
             k, v = cache.k.astype(dt), cache.v.astype(dt)
         segment = None if docs is None else docs.segment  # [b, seq] whole sequence
         if cache is None and self.tp.context.size > 1:  # the sequence split over `context`
-            out = ring_attention(q, k, v, c, self.tp.context, segment)
+            out = ring_attention(q, k, v, c, self.tp.context, segment, window, score_form(c))
         else:  # [b, s, kv@tensor, r, hd]
-            out = attend(q, k, v, c, q_offset=start,
+            out = attend(q, k, v, c, q_offset=start, window=window,
                          segments=None if segment is None else (segment, segment))
         out = out.reshape(out.shape[:2] + (-1, hd))  # [b, s, heads@tensor, hd]
         out = scattered_weight_op(self, "wo", "bshk,hkd->bsd", out, wo.astype(dt), "heads",
@@ -166,43 +151,30 @@ class Attention(nn.Module):
         return out if cache is None else (out, cache)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: gate and up fused in one column-parallel weight
-    [embed, 2, mlp] (one backward reduction), row-parallel down projection."""
-
-    cfg: ModelConfig
-    tp: TensorParallel = NO_TP
-
-    @nn.compact
-    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
-        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
-        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
-        gate_up = gathered_weight_op(self, "w_gate_up", "bsd,dcf->bscf", x.astype(dt),
-                                     w_in.astype(dt), "mlp")  # [b, s, 2, mlp@tensor]
-        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return scattered_weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt),
-                                   "mlp")
-
-
 class Block(nn.Module):
-    """One pre-norm decoder layer: h = x + attn(norm(x)), out = h + mlp(norm(h))."""
+    """One pre-norm decoder layer: h = x + attn(norm(x)), out = h + mlp(norm(h)); with
+    `model.post_norms` (Gemma 2) each sublayer's output is normed too:
+    h = x + norm(attn(norm(x)))."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None):
+    def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None,
+                 window=None):
         """x: [batch, seq (/tensor with SP), embed]; with a cache (decoding, see
-        Attention) returns (out, updated cache); `docs`: training's document masks."""
-        attn = Attention(self.cfg, self.tp, name="attn")
-        normed = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x)
+        Attention) returns (out, updated cache); `docs`: training's document masks;
+        `window`: this layer's sliding window (layers.layer_windows), None: none."""
+        c = self.cfg
+        post = (lambda name: norm(c, name)) if c.has_post_norms else (lambda name: lambda y: y)
+        attn = Attention(c, self.tp, name="attn")
+        normed = norm(c, "attn_norm")(x)
         if cache is None:
-            h = x + attn(normed, docs=docs)
+            h = x + post("attn_post_norm")(attn(normed, docs=docs, window=window))
         else:
-            attended, cache = attn(normed, cache, start)
-            h = x + attended
-        out = h + MLP(self.cfg, self.tp, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
+            attended, cache = attn(normed, cache, start, window=window)
+            h = x + post("attn_post_norm")(attended)
+        out = h + post("mlp_post_norm")(MLP(c, self.tp, name="mlp")(norm(c, "mlp_norm")(h)))
         return out if cache is None else (out, cache)
 
 
@@ -220,13 +192,16 @@ class Embed(nn.Module):
         local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
         mine = (local >= 0) & (local < table.shape[0])
         x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
+        if c.has_embed_scale:  # Gemma 2: x sqrt(hidden_size), in the weights' dtype (float32)
+            x = x * jnp.float32(c.d_model ** 0.5)
         return self.tp.exit(x.astype(jnp.dtype(c.dtype)), "vocab", whole_sequence=True)
 
 
 class Head(nn.Module):
     """Final RMSNorm + LM head (vocabulary-parallel). With tied embeddings the caller
     passes the embedding table as `tied_table`. Returns this device's vocabulary slice
-    of the logits, [batch, seq, vocab@tensor] float32."""
+    of the logits, [batch, seq, vocab@tensor] float32, soft-capped by
+    `model.final_softcap` where set (Gemma 2)."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -234,12 +209,12 @@ class Head(nn.Module):
     @nn.compact
     def __call__(self, x, tied_table=None):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = self.tp.enter(RMSNorm(c.norm_eps, name="norm")(x), "vocab").astype(dt)
+        x = self.tp.enter(norm(c, "norm")(x), "vocab").astype(dt)
         if c.tie_embeddings:
             w = tied_table.T  # [embed, vocab@tensor]
         else:
             w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
-        return (x @ w.astype(dt)).astype(jnp.float32)
+        return softcap((x @ w.astype(dt)).astype(jnp.float32), c.final_softcap)
 
 
 def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP, z_loss: float = 0.0):
@@ -311,7 +286,7 @@ def count_params(cfg: ModelConfig) -> int:
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
     attn += (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
     attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
-    layer = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    layer = attn + 3 * c.d_model * c.d_ff + (4 if c.has_post_norms else 2) * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     return c.vocab_size * c.d_model + c.n_layers * layer + head
 
@@ -319,6 +294,14 @@ def count_params(cfg: ModelConfig) -> int:
 def check_model(model: ModelConfig) -> list[str]:
     """Problems of the model's own shape (whatever the layout)."""
     errs = [e for e in [not_one_of("model.family", model.family)] if e]
+    if model.activation is not None and not_one_of("model.activation", model.activation):
+        errs.append(not_one_of("model.activation", model.activation))
+    if model.sliding_window_pattern and model.sliding_window is None:
+        errs.append(f"model.sliding_window_pattern={model.sliding_window_pattern} needs "
+                    f"model.sliding_window (the local layers' window)")
+    if model.sliding_window_pattern == 1:
+        errs.append("model.sliding_window_pattern=1 makes every layer global: use 0 (every "
+                    "layer local) or >= 2, or drop model.sliding_window")
     if model.d_model % model.n_heads and not model.explicit_head_dim:
         errs.append(f"model.d_model={model.d_model} is not divisible by model.n_heads="
                     f"{model.n_heads} (or set model.explicit_head_dim)")
@@ -352,49 +335,61 @@ def checkpointed(layer, remat: str, gather):
 
 
 def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
-                extra: tuple = ()):
-    """scan of `layer(x, params, *extra) -> y` (or (y, aux)) over params stacked on axis
-    0 (`extra`: the same for every layer, e.g. document masks). With `n_real` (traced)
-    the layers from index n_real on are padding (uneven stages): `skip(real, fn, params,
-    x, *extra, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`, a custom VJP: traced
-    values as arguments, never closed over) runs a layer only where it is real."""
+                extra: tuple = (), windows=None):
+    """scan of `layer(x, params, *extra, window) -> y` (or (y, aux)) over params stacked
+    on axis 0 (`extra`: the same for every layer, e.g. document masks; `windows`: each
+    layer's sliding window [n], scanned with them, else window None). With `n_real`
+    (traced) the layers from index n_real on are padding (uneven stages): `skip(real,
+    fn, params, x, *extra, window, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`,
+    a custom VJP: traced values as arguments, never closed over) runs a layer only
+    where it is real."""
     if n_real is None:
-        one = lambda h, p: layer(h, p, *extra)
-        return jax.lax.scan(one if has_aux else lambda h, p: (one(h, p), None), x, layers)
+        one = lambda h, pw: layer(h, pw[0], *extra, pw[1])
+        return jax.lax.scan(one if has_aux else lambda h, pw: (one(h, pw), None), x,
+                            (layers, windows))
 
     def step(h, scanned):
-        params, i = scanned
-        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra,
+        params, window, i = scanned
+        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra, window,
                    has_aux=has_aux)
         return out if has_aux else (out, None)
 
     n = jax.tree.leaves(layers)[0].shape[0]
-    return jax.lax.scan(step, x, (layers, jnp.arange(n)))
+    return jax.lax.scan(step, x, (layers, windows, jnp.arange(n)))
 
 
 def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
-                 n_real=None, skip=None, gather=None, docs: Documents | None = None):
+                 n_real=None, skip=None, gather=None, docs: Documents | None = None,
+                 first=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
     all. `gather`: one layer's stored params -> the params it runs with (FSDP's gather,
-    which the engine hands over), None: as stored. `docs`: document masks, or None."""
+    which the engine hands over), None: as stored. `docs`: document masks, or None.
+    `first`: the global index of the first layer (a pipeline stage's, maybe traced;
+    None: 0), which says which layers slide (layers.layer_windows)."""
+    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
+                                                 first), x)
 
-    def layer(x, layer_params, docs):
-        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs)
+    def layer(x, layer_params, docs, window):
+        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
+                                    window=fixed if window is None else window)
 
     return scan_layers(checkpointed(layer, remat, gather), x, layers, n_real, skip,
-                       extra=(docs,))[0]
+                       extra=(docs,), windows=windows)[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
                         tp: TensorParallel = NO_TP):
     """The decode path of `apply_layers`: the same layers, each reading and extending its
     KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
-    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]."""
+    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]. The sliding
+    windows mask the cached keys older than each layer's window."""
+    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0]), x)
 
     def layer(x, scanned):
-        layer_params, cache = scanned
-        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start)
+        layer_params, cache, window = scanned
+        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start,
+                                    window=fixed if window is None else window)
 
-    return jax.lax.scan(layer, x, (layers, tuple(caches)))
+    return jax.lax.scan(layer, x, (layers, tuple(caches), windows))

@@ -19,11 +19,23 @@ def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = N
     x = Embed(cfg).apply({"params": params["embed"]}, inputs)
     docs = documents_of(inputs, documents)
 
-    def layer(x, layer_params):
-        return Block(cfg).apply({"params": layer_params}, x, docs=docs), None
+    def layer(x, layer_params, window=None):
+        return Block(cfg).apply({"params": layer_params}, x, docs=docs, window=window), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    if cfg.sliding_window_pattern and cfg.sliding_window:  # layer by layer, in Python
+        for i in range(cfg.n_layers):
+            layer_params = jax.tree.map(lambda a: a[i], params["layers"])
+            x, _ = layer(x, layer_params, window_of(cfg, i))
+    else:
+        x, _ = jax.lax.scan(lambda x, p: layer(x, p, cfg.sliding_window), x, params["layers"])
     return Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
+
+
+def window_of(cfg: ModelConfig, i: int):
+    """Layer i's sliding window (None: full attention), as Gemma 2's config says it
+    (transformers' configuration_gemma2.py: layer i slides iff (i + 1) % 2)."""
+    pattern = cfg.sliding_window_pattern
+    return cfg.sliding_window if not pattern or (i + 1) % pattern else None
 
 
 def loss_fn(params, tokens, cfg: ModelConfig, z_loss: float = 0.0,

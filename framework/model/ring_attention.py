@@ -20,7 +20,9 @@ holds the gradients of its own.
 Shapes: q [b, 2h, g, r, hd], k, v [b, 2h, g, hd] (h: a chunk's tokens; g kv heads of
 r queries each, as in attention.py). Document masks: every device has the whole
 sequence's segment ids [b, 2ch] (framework/model/documents.py, a few bytes a token) and
-cuts each pair's out by chunk, so nothing more travels round the ring.
+cuts each pair's out by chunk, so nothing more travels round the ring. A sliding
+window and the score form (framework/model/attention.py) go to every pair at the
+pair's global positions; a pair wholly outside the window visits no key block.
 """
 
 from __future__ import annotations
@@ -35,16 +37,18 @@ from framework.model.blockwise import flash_piece, flash_piece_grads
 SEQ = 1  # activations are [batch, seq, ...]
 
 
-def ring_attention(q, k, v, cfg, cp, segments=None):
+def ring_attention(q, k, v, cfg, cp, segments=None, window=None, form=None):
     """Causal attention of this device's queries over the whole sequence, blockwise
     with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
     `attention=dense`, one block per chunk pair. `segments`: the whole sequence's
-    document ids [b, n], or None."""
+    document ids [b, n], or None; `window`: the sliding window (int or traced), or
+    None; `form`: the scores' ScoreForm (None: plain)."""
     h = q.shape[SEQ] // 2
     blocks = (_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
     if cfg.attention == "dense":
         blocks = (h, h)
-    return _ring(cp, blocks, q, k, v, segments)
+    window = None if window is None else jnp.asarray(window, jnp.int32)
+    return _ring(cp, (blocks, form), q, k, v, segments, window)
 
 
 def _divisor(n: int, at_most: int) -> int:
@@ -89,13 +93,20 @@ def _merge(out, lse, piece_out, piece_lse):
     return out, jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
 
 
+def _piece_args(how, window):
+    """flash_piece's keyword arguments: the window and the score form (`how`: (blocks,
+    form), static)."""
+    return dict(window=window) | ({} if how[1] is None else dict(form=how[1]))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(cp, blocks, q, k, v, segments=None):
-    return _ring_forward(cp, blocks, q, k, v, segments)[0]
+def _ring(cp, how, q, k, v, segments=None, window=None):
+    return _ring_forward(cp, how, q, k, v, segments, window)[0]
 
 
-def _ring_forward(cp, blocks, q, k, v, segments=None):
-    """(out like q, log-sum-exp [b, 2h, g, r] float32)."""
+def _ring_forward(cp, how, q, k, v, segments=None, window=None):
+    """(out like q, log-sum-exp [b, 2h, g, r] float32). how: (block sizes, score form)."""
+    blocks = how[0]
     h = q.shape[SEQ] // 2
     qs = _halves(q)
     outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]  # [b, h, g, r, hd] per half
@@ -107,7 +118,8 @@ def _ring_forward(cp, blocks, q, k, v, segments=None):
             ks, vs = _halves(kv[0]), _halves(kv[1])
             for a, b, qc, kc in _pairs(cp, step):
                 o, lse = flash_piece(qs[a], ks[b], vs[b], *blocks, qc * h, kc * h,
-                                     _pair_segments(segments, qc, kc, h))
+                                     _pair_segments(segments, qc, kc, h),
+                                     **_piece_args(how, window))
                 outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
             return outs, lses
 
@@ -118,19 +130,19 @@ def _ring_forward(cp, blocks, q, k, v, segments=None):
             jnp.concatenate(lses, axis=SEQ))
 
 
-def _ring_fwd(cp, blocks, q, k, v, segments=None):
-    out, lse = _ring_forward(cp, blocks, q, k, v, segments)
-    return out, (q, k, v, out, lse, segments)
+def _ring_fwd(cp, how, q, k, v, segments=None, window=None):
+    out, lse = _ring_forward(cp, how, q, k, v, segments, window)
+    return out, (q, k, v, out, lse, segments, window)
 
 
-def _ring_bwd(cp, blocks, residuals, d_out):
+def _ring_bwd(cp, how, residuals, d_out):
     """The keys and values go around the ring again, their gradients beside them: at
     step j device i holds device (i - j)'s keys and values and the sum of their
     gradients so far (passed on from device i - 1), and adds its queries' share; one
     more shift after the last step brings each device its own. Each step's shifts (the
     keys and values on, the last step's sum) travel while its blocks run."""
-    q, k, v, out, lse, segments = residuals
-    h = q.shape[SEQ] // 2
+    q, k, v, out, lse, segments, window = residuals
+    h, blocks = q.shape[SEQ] // 2, how[0]
     qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     kv, summed = (k, v), None  # summed: the gradients of the keys/values held, so far
@@ -142,7 +154,8 @@ def _ring_bwd(cp, blocks, residuals, d_out):
         for a, b, qc, kc in _pairs(cp, step):
             dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], outs[a], lses[a],
                                                  d_outs[a], *blocks, qc * h, kc * h,
-                                                 _pair_segments(segments, qc, kc, h))
+                                                 _pair_segments(segments, qc, kc, h),
+                                                 **_piece_args(how, window))
             dq[a] = dq[a] + dq_a
             parts[0][b] = parts[0][b] + dk_b.astype(jnp.float32)
             parts[1][b] = parts[1][b] + dv_b.astype(jnp.float32)
@@ -158,7 +171,7 @@ def _ring_bwd(cp, blocks, residuals, d_out):
         summed = mine if arrived is None else tuple(a + m for a, m in zip(arrived, mine))
     dk, dv = cp.shift(summed)
     return (jnp.concatenate(dq, axis=SEQ).astype(q.dtype), dk.astype(k.dtype),
-            dv.astype(v.dtype), None)
+            dv.astype(v.dtype), None, None)
 
 
 def _beside(sent, compute):

@@ -60,7 +60,9 @@ MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
 # ... and what the family settings make of them (read from a ModelConfig: a checkpoint
 # from before the families holds none of the settings, and was a Llama)
 FAMILY_SHAPE_KEYS = {"has_qkv_bias": "model.qkv_bias", "has_qk_norm": "model.qk_norm",
-                     "head_dim": "the head width (model.explicit_head_dim)"}
+                     "head_dim": "the head width (model.explicit_head_dim)",
+                     "has_post_norms": "model.post_norms",
+                     "has_norm_plus_one": "model.norm_plus_one"}
 
 
 # --- train.init_from: the model settings --------------------------------------------

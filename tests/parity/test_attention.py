@@ -54,6 +54,49 @@ def test_blockwise_equals_dense_values_and_gradients(shape, blocks, offsets):
     assert _rel(traced(q, k, v, jnp.int32(qo)), dense(q, k, v)) < 1e-5
 
 
+def _plain_attention(q, k, v, q_offset, window, scale, cap):
+    """Sliding-window, soft-capped GQA attention written out in numpy, float64: the
+    reference of the kernels' window and soft-cap (a key visible iff q - k < window)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bsgrd,btgd->bgrst", q, k) * scale
+    s = cap * np.tanh(s / cap)
+    q_pos = q_offset + np.arange(q.shape[1])[:, None]
+    k_pos = np.arange(k.shape[1])[None, :]
+    s = np.where((k_pos <= q_pos) & (q_pos - k_pos < window), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bgrst,btgd->bsgrd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("shape,blocks,offset,window", [
+    ((2, 16, 16, 2, 2, 8), (4, 4), 0, 5),  # key blocks wholly outside the window skipped
+    pytest.param((2, 17, 17, 2, 3, 8), (4, 5), 0, 3, marks=pytest.mark.slow),  # ragged
+    ((1, 5, 20, 2, 2, 8), (2, 4), 15, 7),  # decode-like: queries 15..19 see keys > q - 7
+], ids=["divisible", "ragged", "offset"])
+def test_window_and_softcap_kernels_values_and_gradients(shape, blocks, offset, window):
+    q, k, v, w = _qkv(*shape)
+    q, k = 3 * q, 3 * k  # scores beyond the cap, so that tanh bends them
+    form = attention.ScoreForm(scale=0.3, softcap=5.0)
+    plain = _plain_attention(q, k, v, offset, window, 0.3, 5.0)
+    kw = dict(q_offset=offset, window=window, form=form)
+    dense = lambda q, k, v: attention.dense_attention(q, k, v, **kw)
+    block = lambda q, k, v: attention.blockwise_attention(
+        q, k, v, block_q=blocks[0], block_kv=blocks[1], **kw)
+    assert _rel(dense(q, k, v), plain) < 1e-5 and _rel(block(q, k, v), plain) < 1e-5
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
+    (ld, gd), (lb, gb) = loss(dense)(q, k, v), loss(block)(q, k, v)
+    assert abs(float(lb) - float(ld)) < 1e-5 * abs(float(ld))
+    for a, b in zip(gb, gd):
+        assert _rel(a, b) < 1e-5
+    # A traced window (one scanned with the layers) and traced offsets: the same.
+    traced = jax.jit(lambda q, k, v, o, win: attention.blockwise_attention(
+        q, k, v, block_q=blocks[0], block_kv=blocks[1], q_offset=o, window=win, form=form))
+    assert _rel(traced(q, k, v, jnp.int32(offset), jnp.int32(window)), plain) < 1e-5
+    # The cuDNN wrapper's window (no soft-cap there), through XLA's kernel.
+    cudnn = attention.cudnn_attention(q, k, v, q_offset=offset, window=window, scale=0.3,
+                                      implementation="xla")
+    assert _rel(cudnn, _plain_attention(q, k, v, offset, window, 0.3, 1e9)) < 1e-5
+
+
 def test_blockwise_bfloat16_keeps_float32_statistics():
     q, k, v, _ = _qkv(2, 64, 64, 2, 2, 16, jnp.bfloat16)
     exact = attention.dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
@@ -81,19 +124,23 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
 @pytest.mark.parametrize("kw", [dict(pipeline=2, microbatches=2), dict(
     pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), dict(
     pipeline=2, microbatches=2, schedule="1f1b"), dict(pipeline=2, microbatches=2,
-    schedule="zb_h1"), dict(tensor=2, sequence_parallel=True)],
-    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp"])
+    schedule="zb_h1"), dict(tensor=2, sequence_parallel=True), dict(
+    pipeline=2, microbatches=2, schedule="1f1b", model=dict(sliding_window=5))],
+    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp", "window"])
 def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     """cuDNN's kernel cannot run here, but its JAX side can be traced with its GPU
     checks stubbed: gradients of the engine's step trace through every pipeline
     executor (which differentiate stages inside an outer differentiation and stash
     residuals by type) and under sequence parallelism."""
     stub_cudnn_checks(monkeypatch)
-    model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16")
+    kw = dict(kw)  # window: one on every layer, cuDNN's own (local_window_size)
+    model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16", **kw.pop("model", {}))
     eng = engine(model=model, data=2, **kw)
     state, tokens = eng.abstract_inputs(16, 16)
     jaxpr = jax.make_jaxpr(eng.loss_and_grads_fn())(state["params"], tokens)
     assert "dot_product_attention" in str(jaxpr)
+    if model.sliding_window:  # JAX hands cuDNN the window: the query and 4 keys before it
+        assert "sliding_window_length=5" in str(jaxpr)
 
 
 def test_auto_choice_and_settings_validation():
@@ -111,6 +158,23 @@ def test_auto_choice_and_settings_validation():
         "model.attention_block_q=0 must be >= 1"]
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
         attention.check_platform(dataclasses.replace(MODEL, attention="cudnn"), "cpu")
+    # A soft-cap: cuDNN has none, `auto` passes it by, `cudnn` is refused in one line;
+    # so is a window that differs between layers (cuDNN's is static).
+    assert attention.choose("gpu", jnp.bfloat16, 2048, 64, no_cudnn=True) == "blockwise"
+    bf16 = dict(attention="cudnn", dtype="bfloat16")
+    assert errs(**bf16, attn_softcap=50.0) == [
+        "model.attention=cudnn cannot soft-cap scores (model.attn_softcap=50.0; cuDNN's fused "
+        "attention has no soft-cap): use model.attention=auto, dense or blockwise"]
+    assert "one window on every layer" in errs(**bf16, sliding_window=4,
+                                               sliding_window_pattern=2)[0]
+    assert errs(**bf16, sliding_window=4) == []  # Mistral's: one window, cuDNN's own
+    assert errs(sliding_window_pattern=2) == [
+        "model.sliding_window_pattern=2 needs model.sliding_window (the local layers' window)"]
+    assert errs(activation="relu") == ["model.activation='relu' is not one of silu, gelu_tanh"]
+    from framework.config import RunConfig, check_ranges
+    bad = RunConfig(model=dataclasses.replace(MODEL, sliding_window=0, attn_softcap=-1.0))
+    assert [e.split(" ")[0] for e in check_ranges(bad)] == ["model.sliding_window=0",
+                                                             "model.attn_softcap=-1.0"]
 
 
 # Block sizes that split the test sequence (16) into several, unevenly.

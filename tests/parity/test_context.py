@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from framework.analysis import audit, comm_model
 from framework.config import ModelConfig
 from framework.model.attention import dense_attention
+from framework.model.blockwise import ScoreForm
 from framework.model.ring_attention import ring_attention
 from framework.parallel.context import ContextParallel
 from tests.helpers import REPO, TRAIN, engine, engine_grads, max_rel_err, reference_grads, worst
@@ -25,9 +26,10 @@ from tests.helpers import REPO, TRAIN, engine, engine_grads, max_rel_err, refere
 SLOW = pytest.mark.slow
 
 
-def _ring_and_dense(c: int, permute: bool, attention: str, block: int):
+def _ring_and_dense(c: int, permute: bool, attention: str, block: int, window=None,
+                    form=None):
     """(ring's loss and q/k/v gradients, dense attention's) for a weighted sum of the
-    outputs of a 32-token sequence."""
+    outputs of a 32-token sequence; `window`, `form`: a sliding window and a ScoreForm."""
     b, n, g, r, hd = 2, 32, 2, 2, 8
     keys = jax.random.split(jax.random.key(0), 4)
     q, w = (jax.random.normal(k_, (b, n, g, r, hd)) for k_ in keys[:2])
@@ -40,11 +42,12 @@ def _ring_and_dense(c: int, permute: bool, attention: str, block: int):
 
     def local(q, k, v):
         mine = lambda x: cp.split(x, axis=1)
-        return jax.lax.psum(jnp.sum(ring_attention(mine(q), mine(k), mine(v), cfg, cp) * mine(w)),
-                            "context")
+        out = ring_attention(mine(q), mine(k), mine(v), cfg, cp, window=window, form=form)
+        return jax.lax.psum(jnp.sum(out * mine(w)), "context")
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 3, out_specs=P())
-    dense = lambda q, k, v: jnp.sum(dense_attention(q, k, v) * w)
+    plain = {} if form is None else dict(form=form)
+    dense = lambda q, k, v: jnp.sum(dense_attention(q, k, v, window=window, **plain) * w)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
     return grad(ring), grad(dense)
 
@@ -54,6 +57,16 @@ def _ring_and_dense(c: int, permute: bool, attention: str, block: int):
     (2, False, "dense", 512)])
 def test_ring_attention_is_dense_attention_on_the_whole_sequence(c, permute, attention, block):
     (loss, grads), (ref_loss, ref_grads) = _ring_and_dense(c, permute, attention, block)
+    assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) + 1e-4
+    for got, want in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+
+
+def test_ring_attention_with_a_window_and_a_softcap():
+    """Each chunk pair at its global positions: a window of 5 over chunks of 4 leaves
+    some pairs wholly outside it; soft-capped scores (the backward's 1 - tanh^2)."""
+    form = ScoreForm(scale=0.5, softcap=2.0)
+    (loss, grads), (ref_loss, ref_grads) = _ring_and_dense(4, True, "blockwise", 2, 5, form)
     assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) + 1e-4
     for got, want in zip(grads, ref_grads):
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))

@@ -28,7 +28,8 @@ from framework.io.hf.safetensors import Tensors
 from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 
 HF = FIXTURES / "hf"
-FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied")
+FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied", "mistral_window",
+            "gemma2_window_softcap")
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
@@ -56,6 +57,16 @@ def test_logits_match_transformers(name):
     if name == "llama3_bf16_sharded":  # the scaling is what makes it match
         assert cfg.rope_scaling.rope_type == "llama3"
         assert rel(forward(dataclasses.replace(cfg, rope_scaling=RopeScaling())), want) > 0.1
+    for change in WHAT_MATTERS.get(name, ()):  # the window, the pattern, each soft-cap
+        assert rel(forward(dataclasses.replace(cfg, **change)), want) > 1e-3, change
+
+
+WHAT_MATTERS = {
+    "mistral_window": [dict(sliding_window=None)],
+    "gemma2_window_softcap": [dict(sliding_window=None), dict(sliding_window_pattern=0),
+                              dict(attn_softcap=None), dict(final_softcap=None),
+                              dict(query_pre_attn_scalar=None)],
+}
 
 
 def test_both_rope_spellings_and_the_llama_1b_group():
@@ -216,11 +227,15 @@ def test_unsupported_architectures_and_fields_are_one_line(tmp_path, capsys):
     a sliding window that cuts attention short, Qwen3's attention_bias; the export of
     settings the family cannot hold; the command lines exit with status 2."""
     mistral, qwen2 = hf.read_config(HF / "mistral_untied"), hf.read_config(HF / "qwen2_tied")
+    gemma2 = hf.read_config(HF / "gemma2_window_softcap")
     refused = {
         "model_type 'gemma' / architectures ['GemmaForCausalLM'] is not supported":
             {**mistral, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
-        "sliding_window=64 (below max_position_embeddings=128) is not supported":
-            {**mistral, "sliding_window": 64},
+        "layer_types ['sliding_attention', 'full_attention', 'full_attention', "
+        "'sliding_attention'] is not supported": {**gemma2, "layer_types": [
+            "sliding_attention", "full_attention", "full_attention", "sliding_attention"]},
+        "hidden_activation='gelu' is not supported (only 'gelu_pytorch_tanh')":
+            {**gemma2, "hidden_activation": "gelu"},
         "layer_types holds 'sliding_attention'":
             {**qwen2, "layer_types": ["full_attention", "sliding_attention"]},
         "sliding_window=32 (below": {**qwen2, "layer_types": None, "use_sliding_window": True,
@@ -232,8 +247,13 @@ def test_unsupported_architectures_and_fields_are_one_line(tmp_path, capsys):
         with pytest.raises(ConfigError) as err:
             hf.model_config(config, "x/config.json")
         assert message in str(err.value) and "\n" not in str(err.value)
-    # A window as long as the context, or one switched off, cuts nothing.
-    assert hf.model_config({**mistral, "sliding_window": 128}).family == "mistral"
+    # Mistral's window is on every layer; Gemma 2's layer_types a pattern (absent:
+    # transformers' default, every other layer); Qwen's window switched off cuts nothing.
+    assert hf.model_config({**mistral, "sliding_window": 64}).sliding_window == 64
+    plain = {k: v for k, v in gemma2.items() if k != "layer_types"}
+    assert hf.model_config(plain).sliding_window_pattern == 2
+    every = {**gemma2, "layer_types": ["sliding_attention"] * 4}
+    assert hf.model_config(every).sliding_window_pattern == 0
     assert hf.model_config({**qwen2, "use_sliding_window": True, "sliding_window": 32,
                             "max_window_layers": 2}).has_qkv_bias
     folder_cfg = hf.model_config(qwen2)
@@ -245,6 +265,11 @@ def test_unsupported_architectures_and_fields_are_one_line(tmp_path, capsys):
                                           ".*: export it as model.family=qwen2"):
         hf.export(tmp_path / "out", llama_with_bias, load("qwen2_tied")[1])
     assert not (tmp_path / "out").exists()  # refused before writing anything
+    windowed_llama = dataclasses.replace(hf.model_config(mistral), family="llama",
+                                         sliding_window=64)
+    with pytest.raises(ConfigError, match="model.sliding_window=64 cannot be written as a "
+                                          "llama .LlamaForCausalLM. folder"):
+        hf.export_config(windowed_llama, "float32")
     gemma = tmp_path / "gemma"
     shutil.copytree(HF / "mistral_untied", gemma)
     (gemma / "config.json").write_text(json.dumps({**mistral, "model_type": "gemma"}))

@@ -2,9 +2,9 @@
 maps a family's config.json fields onto our settings and back.
 
 Every family here is Llama's decoder (pre-norm RMSNorm, GQA with rotate-half RoPE,
-SwiGLU), told apart by settings (`FAMILY_PRESETS` in framework/config.py) and by its
-config.json, as transformers' modeling code reads it (checked against transformers
-5.24's `modeling_{llama,qwen2,qwen3,mistral}.py`):
+a gated MLP), told apart by settings (`FAMILY_PRESETS` in framework/config.py) and by
+its config.json, as transformers' modeling code reads it (checked against transformers
+5.24's `modeling_{llama,qwen2,qwen3,mistral,gemma2}.py`):
 
     llama    LlamaForCausalLM    `attention_bias` would bias o_proj too, `mlp_bias`
                                  the MLP: both must be false
@@ -13,12 +13,20 @@ config.json, as transformers' modeling code reads it (checked against transforme
     qwen3    Qwen3ForCausalLM    q_norm/k_norm RMSNorms of head_dim before RoPE
                                  (qk_norm); `attention_bias` (all four) must be false;
                                  `head_dim` is its own (Qwen3-0.6B: 128, 1024 / 16 heads)
-    mistral  MistralForCausalLM  Llama's layer; `sliding_window` null from v0.2 on
+    mistral  MistralForCausalLM  Llama's layer; `sliding_window` on every layer (v0.1:
+                                 4096), null from v0.2 on
+    gemma2   Gemma2ForCausalLM   (1 + w) norms before and after each sublayer, GeGLU
+                                 (`hidden_activation` gelu_pytorch_tanh), embeddings x
+                                 sqrt(hidden_size), `query_pre_attn_scalar`,
+                                 `attn_logit_softcapping`, `final_logit_softcapping`,
+                                 `sliding_window` on the layers `layer_types` calls
+                                 sliding (every layer but each k-th: a pattern)
 
 `head_dim` is read in every family (transformers falls back to hidden_size /
-num_attention_heads). Sliding-window attention is not supported: a window that would
-cut a layer's attention short of max_position_embeddings is refused, as is any other
-field that changes the computation (a one-line ConfigError naming it).
+num_attention_heads). Qwen's sliding window (on the layers from max_window_layers on)
+is refused where it would cut attention short, and so is a `layer_types` that is not
+a pattern, or any other field that changes the computation (a one-line ConfigError
+naming it).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framework.config import FAMILY_PRESETS, ModelConfig, RopeScaling
+from framework.config import FAMILY_PRESETS, PRESET_DEFAULTS, ModelConfig, RopeScaling
 from framework.errors import ConfigError
 from framework.model.rope import check_rope_scaling
 
@@ -42,6 +50,10 @@ class Family:
     fixed: dict = field(default_factory=dict)  # keys that must hold these values (absent: ok)
     window_switch: str | None = None  # the key that turns a sliding window on (qwen)
     has_window: bool = False  # `sliding_window` is read at all
+    window_layers: str = "switch"  # which layers slide: switch (qwen: refused), all
+    # (mistral) or layer_types (gemma2: a pattern)
+    activation_key: str = "hidden_act"  # the config.json key of the MLP's activation
+    gemma_scores: bool = False  # query_pre_attn_scalar and the two soft-caps are read
 
 
 # model_type -> its family; model.family names the key. A new family: one entry here
@@ -50,8 +62,13 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
     "qwen2": Family("Qwen2ForCausalLM", {}, "use_sliding_window", True),
     "qwen3": Family("Qwen3ForCausalLM", {"attention_bias": False}, "use_sliding_window", True),
-    "mistral": Family("MistralForCausalLM", {}, None, True),
+    "mistral": Family("MistralForCausalLM", {}, None, True, "all"),
+    "gemma2": Family("Gemma2ForCausalLM", {"attention_bias": False}, None, True, "layer_types",
+                     "hidden_activation", True),
 }
+# transformers' activation names -> model.activation
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 # config.json key of each ModelConfig field the folder decides (the family's settings:
 # its model_type).
 HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
@@ -59,7 +76,14 @@ HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "nu
            "d_ff": "intermediate_size", "rope_theta": "rope_theta",
            "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
            "tie_embeddings": "tie_word_embeddings", "family": "model_type",
-           "qkv_bias": "model_type", "qk_norm": "model_type", "explicit_head_dim": "head_dim"}
+           "qkv_bias": "model_type", "qk_norm": "model_type", "explicit_head_dim": "head_dim",
+           "norm_plus_one": "model_type", "post_norms": "model_type",
+           "activation": "model_type", "embed_scale": "model_type",
+           "sliding_window": "sliding_window", "sliding_window_pattern": "layer_types",
+           "query_pre_attn_scalar": "query_pre_attn_scalar",
+           "attn_softcap": "attn_logit_softcapping",
+           "final_softcap": "final_logit_softcapping"}
+PRESETS = ("qkv_bias", "qk_norm", "norm_plus_one", "post_norms", "activation", "embed_scale")
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -95,10 +119,14 @@ def family_of(hf: dict, where: str) -> str:
 def check_fields(hf: dict, kind: str, where: str) -> None:
     """ConfigError naming the first field whose value this model cannot run."""
     family = FAMILIES[kind]
-    for key, want in (("hidden_act", "silu"), *family.fixed.items()):
+    act = {v: k for k, v in HF_ACTIVATIONS.items()}[FAMILY_PRESETS[kind].get("activation",
+                                                                            "silu")]
+    for key, want in ((family.activation_key, act), *family.fixed.items()):
         if hf.get(key, want) != want:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {want!r})")
-    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if family.window_layers != "switch":
+        return
+    sliding = [t for t in hf.get("layer_types") or [] if t != FULL]
     if sliding:
         raise ConfigError(f"{where}: layer_types holds {sliding[0]!r}: only full attention is "
                           f"supported (no sliding-window attention)")
@@ -110,6 +138,31 @@ def check_fields(hf: dict, kind: str, where: str) -> None:
         raise ConfigError(f"{where}: sliding_window={window} (below max_position_embeddings="
                           f"{positions}) is not supported: only full attention (no "
                           f"sliding-window attention)")
+
+
+def window_settings(hf: dict, kind: str, where: str) -> tuple:
+    """(model.sliding_window, model.sliding_window_pattern) of a config.json: Mistral's
+    window on every layer; Gemma 2's on the layers `layer_types` calls sliding (absent:
+    transformers' default, layer i slides iff (i + 1) % 2), which must be all of them
+    or all but every k-th; (None, 0) elsewhere (Qwen's window: check_fields)."""
+    family, window = FAMILIES[kind], hf.get("sliding_window")
+    if family.window_layers == "switch" or window is None:
+        return None, 0
+    window = _whole(hf, "sliding_window", where)
+    if family.window_layers == "all":
+        return window, 0
+    n = _whole(hf, "num_hidden_layers", where)
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    full = [i for i, t in enumerate(types) if t == FULL]
+    if len(full) == n:
+        return None, 0
+    odd = [t for t in types if t not in (SLIDING, FULL)]
+    k = full[0] + 1 if full else 0
+    if odd or len(types) != n or full != [i for i in range(n) if k and (i + 1) % k == 0] \
+            or k == 1:
+        raise ConfigError(f"{where}: layer_types {types} is not supported: every layer "
+                          f"{SLIDING}, or all but every k-th (k >= 2) {FULL}")
+    return window, k
 
 
 def rope_settings(hf: dict, where: str) -> tuple[float, RopeScaling]:
@@ -171,13 +224,22 @@ def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> 
     count = lambda key, default=None: _whole(hf, key, where, default)
     d, heads = count("hidden_size"), count("num_attention_heads")
     head_dim = count("head_dim", d // heads or 1)
+    window, pattern = window_settings(hf, kind, where)
+    scores = {}
+    if FAMILIES[kind].gemma_scores:  # (null soft-caps: none; transformers' defaults else)
+        cap = lambda key, default: None if hf.get(key, default) is None else _positive(
+            hf, key, where, default)
+        scores = dict(query_pre_attn_scalar=_positive(hf, "query_pre_attn_scalar", where, 256),
+                      attn_softcap=cap("attn_logit_softcapping", 50.0),
+                      final_softcap=cap("final_logit_softcapping", 30.0))
     return ModelConfig(
         vocab_size=count("vocab_size"), d_model=d, n_layers=count("num_hidden_layers"),
         n_heads=heads, n_kv_heads=count("num_key_value_heads", heads),
         d_ff=count("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         norm_eps=_positive(hf, "rms_norm_eps", where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, family=kind,
-        explicit_head_dim=None if head_dim * heads == d else head_dim)
+        explicit_head_dim=None if head_dim * heads == d else head_dim,
+        sliding_window=window, sliding_window_pattern=pattern, **scores)
 
 
 def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig:
@@ -196,7 +258,7 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
                 continue  # the other fields mean nothing without scaling
         if key == "explicit_head_dim" and (value or folder_cfg.head_dim) == folder_cfg.head_dim:
             continue  # the same width, said or implied
-        if key in ("qkv_bias", "qk_norm"):
+        if key in PRESETS:
             if value is None:
                 continue  # the family's, whichever it is
             theirs = folder_cfg.family_setting(key)
@@ -217,14 +279,25 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.family not in FAMILIES:
         raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face architecture "
                           f"(only {', '.join(FAMILIES)})")
-    for name, preset in FAMILY_PRESETS[cfg.family].items():
+    full = lambda family: {**PRESET_DEFAULTS, **FAMILY_PRESETS[family]}
+    for name, preset in full(cfg.family).items():
         if cfg.family_setting(name) != preset:
-            fits = [k for k, p in FAMILY_PRESETS.items()
-                    if all(cfg.family_setting(n) == v for n, v in p.items())]
+            fits = [k for k in FAMILY_PRESETS
+                    if all(cfg.family_setting(n) == v for n, v in full(k).items())]
             raise ConfigError(
                 f"model.{name}={cfg.family_setting(name)} cannot be written as a {cfg.family} "
                 f"({FAMILIES[cfg.family].architecture}) folder, whose {name} is {preset}"
                 + (f": export it as model.family={fits[0]}" if fits else ""))
+    family = FAMILIES[cfg.family]
+    said = [f"model.{k}={getattr(cfg, k)}" for k in ("sliding_window", "sliding_window_pattern")
+            if getattr(cfg, k) and (family.window_layers == "switch" or (
+                family.window_layers == "all" and k == "sliding_window_pattern"))]
+    said += [f"model.{k}={getattr(cfg, k)}" for k in ("query_pre_attn_scalar",
+                                                      "attn_softcap", "final_softcap")
+             if getattr(cfg, k) is not None and not family.gemma_scores]
+    if said:
+        raise ConfigError(f"{said[0]} cannot be written as a {cfg.family} "
+                          f"({family.architecture}) folder, which has no such setting")
 
 
 def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
@@ -241,12 +314,22 @@ def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": dtype, **family.fixed})
-    if family.has_window:  # full attention everywhere
-        out.update({"sliding_window": None, **({family.window_switch: False}
-                                               if family.window_switch else {})})
+    out[family.activation_key] = {v: k for k, v in HF_ACTIVATIONS.items()}[cfg.mlp_activation]
+    if family.has_window:  # (qwen: full attention everywhere)
+        out.update({"sliding_window": cfg.sliding_window, **({family.window_switch: False}
+                                                            if family.window_switch else {})})
+    if family.window_layers == "layer_types":
+        k = cfg.sliding_window_pattern
+        out["layer_types"] = [FULL if cfg.sliding_window is None or k and (i + 1) % k == 0
+                              else SLIDING for i in range(cfg.n_layers)]
+    if family.gemma_scores:
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # null: head_dim^-1/2, the same
+        out.update({"query_pre_attn_scalar": int(scalar) if scalar and scalar == int(scalar)
+                    else scalar, "attn_logit_softcapping": cfg.attn_softcap,
+                    "final_logit_softcapping": cfg.final_softcap})
     out.setdefault("max_position_embeddings", max_positions)
     out.setdefault("bos_token_id", None)
     out.setdefault("eos_token_id", None)

@@ -1,4 +1,4 @@
-"""Hugging Face folders of the Llama layout in and out (Llama, Qwen2, Qwen3, Mistral:
+"""Hugging Face folders of the Llama layout in and out (Llama, Qwen2, Qwen3, Mistral, Gemma 2:
 their config.json in framework/io/hf/family.py): the weights <-> the canonical
 parameter tree (framework/model/llama.py).
 
@@ -18,6 +18,10 @@ name their tensors alike; nn.Linear weights are [out, in]):
     model.layers.N.mlp.down_proj.weight [d, f]       -> layers/mlp/w_down[N] [f, d]
     model.layers.N.input_layernorm.weight            -> layers/attn_norm/scale[N]
     model.layers.N.post_attention_layernorm.weight   -> layers/mlp_norm/scale[N]
+      with model.post_norms (Gemma 2, modeling_gemma2.py), four norms a layer:
+    model.layers.N.post_attention_layernorm.weight   -> layers/attn_post_norm/scale[N]
+    model.layers.N.pre_feedforward_layernorm.weight  -> layers/mlp_norm/scale[N]
+    model.layers.N.post_feedforward_layernorm.weight -> layers/mlp_post_norm/scale[N]
     model.norm.weight                                -> head/norm/scale
     lm_head.weight [vocab, d] (absent when tied)     -> head/w [d, vocab]
 
@@ -64,18 +68,28 @@ def _bounds(sl: slice, n: int) -> tuple[int, int]:
     return start, stop
 
 
+def layer_norms(cfg: ModelConfig) -> dict[str, str]:
+    """Each layer norm of ours -> its HF name after `model.layers.N.` (module docstring)."""
+    if cfg.has_post_norms:
+        return {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm",
+                "mlp_post_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the HF layout with its shape, in file order."""
     d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for n in range(cfg.n_layers):
         p = LAYER.format(n)
-        out.update({p + "input_layernorm.weight": (d,),
+        norms = [p + f"{hf_name}.weight" for hf_name in layer_norms(cfg).values()]
+        out.update({norms[0]: (d,),  # in the order Llama's folders hold them
                     p + "self_attn.q_proj.weight": (cfg.n_heads * hd, d),
                     p + "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
-                    p + "post_attention_layernorm.weight": (d,),
+                    **{name: (d,) for name in norms[1:]},
                     p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                     p + "mlp.down_proj.weight": (d, f)})
         if cfg.has_qkv_bias:
@@ -143,13 +157,13 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         ("embed", "table"): lambda index: read("model.embed_tokens.weight", index),
         ("layers", "attn", "wqkv"): per_layer(wqkv),
         ("layers", "attn", "wo"): per_layer(wo),
-        ("layers", "attn_norm", "scale"): per_layer(norm("input_layernorm.weight")),
         ("layers", "mlp", "w_gate_up"): per_layer(w_gate_up),
         ("layers", "mlp", "w_down"): per_layer(
             lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T),
-        ("layers", "mlp_norm", "scale"): per_layer(norm("post_attention_layernorm.weight")),
         ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
     }
+    for mine, theirs in layer_norms(cfg).items():
+        readers[("layers", mine, "scale")] = per_layer(norm(f"{theirs}.weight"))
     if cfg.has_qkv_bias:
         readers[("layers", "attn", "qkv_bias")] = per_layer(qkv_bias)
     if cfg.has_qk_norm:
@@ -224,14 +238,14 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
         makers["lm_head.weight"] = lambda: np.asarray(params["head"]["w"], np.float32).T
     for n in range(cfg.n_layers):
         p = LAYER.format(n)
+        makers.update({p + f"{theirs}.weight": lambda n=n, mine=mine: get(
+            layers[mine]["scale"], n) for mine, theirs in layer_norms(cfg).items()})
         makers.update({
-            p + "input_layernorm.weight": lambda n=n: get(layers["attn_norm"]["scale"], n),
             p + "self_attn.q_proj.weight": lambda n=n: qkv(n, slice(0, r)),
             p + "self_attn.k_proj.weight": lambda n=n: qkv(n, slice(r, r + 1)),
             p + "self_attn.v_proj.weight": lambda n=n: qkv(n, slice(r + 1, r + 2)),
             p + "self_attn.o_proj.weight":
                 lambda n=n: get(layers["attn"]["wo"], n).reshape(-1, cfg.d_model).T,
-            p + "post_attention_layernorm.weight": lambda n=n: get(layers["mlp_norm"]["scale"], n),
             p + "mlp.gate_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 0].T,
             p + "mlp.up_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 1].T,
             p + "mlp.down_proj.weight": lambda n=n: get(layers["mlp"]["w_down"], n).T})

@@ -53,9 +53,10 @@ def forward(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
         weights = jax.tree.map(lambda a: a[0] if v == 1 else a[c], params["chunks"])
         with jax.named_scope(CELL):
             n_real = prog.real(row["stage"][rank])  # uneven stages, else None
+            first = prog.first(row["stage"][rank], jax.tree.leaves(weights)[0].shape[0])
             docs_mb = of_microbatch(docs, mb)
-            y = (stage_or_skip(fns.layers, weights, x, busy, n_real, docs_mb) if S > 1
-                 else fns.layers(weights, x, n_real=n_real, docs=docs_mb))
+            y = (stage_or_skip(fns.layers, weights, x, busy, n_real, docs_mb, first) if S > 1
+                 else fns.layers(weights, x, n_real=n_real, docs=docs_mb, first=first))
         done = busy & row["last"][rank]
         outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
@@ -90,9 +91,9 @@ def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=N
     return jax.value_and_grad(forward, argnums=2)(prog, fns, params, inputs, targets, docs)
 
 
-def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None):
-    """layers(weights, x, n_real=n_real, docs=docs) on a busy tick, x unchanged on a
+def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None, first=None):
+    """layers(weights, x, n_real=n_real, docs=docs, first=first) on a busy tick, x unchanged on a
     bubble tick, forward and backward (`skip_unless`): idle ranks skip the layers and
     their tensor-parallel collectives; only the activations are saved per tick."""
-    return skip_unless(busy, lambda w, x, n, d: layers(w, x, n_real=n, docs=d), weights, x,
-                       n_real, docs, scope=STAGE)
+    return skip_unless(busy, lambda w, x, n, d, f: layers(w, x, n_real=n, docs=d, first=f),
+                       weights, x, n_real, docs, first, scope=STAGE)

@@ -11,6 +11,7 @@
                        executions that run it (the communication audit weighs by it)
       .sends_per_step  messages put on the wire per step (the comm model, the planner)
       .real(stage)     uneven stages: how many of a chunk's layers are real
+      .first(stage, n) the global index of a stage's first layer (sliding-window layers)
 
 Both executors (`autodiff.py`, `ticks.py`), the memory and comm models, the audit, the
 planner and the charts read a Program; nothing else derives any of these. Programs are
@@ -64,6 +65,15 @@ class Program:
         if self.stage_layers is None:
             return None
         return jnp.asarray(self.stage_layers, jnp.int32)[stage]
+
+    def first(self, stage, per_chunk: int):
+        """The global index of global stage `stage`'s first layer (traced): stage x
+        per_chunk (the layers a chunk holds) when even, else the real layers of the
+        stages before it (the stage layout's, layout.py)."""
+        if self.stage_layers is None:
+            return jnp.asarray(stage, jnp.int32) * per_chunk
+        starts = np.concatenate([[0], np.cumsum(self.stage_layers)[:-1]])
+        return jnp.asarray(starts, jnp.int32)[stage]
 
     def kinds(self, phase: int) -> set:
         """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""

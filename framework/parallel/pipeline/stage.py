@@ -26,7 +26,7 @@ from framework.parallel.pipeline.comm import only_on, zeros_typed_like
 @dataclass(frozen=True)
 class SplitBackward:
     """The backward of a layer chunk in two halves (zero-bubble schedules, Qi et al. 2024):
-    `forward(w, x, n_real=None, docs=None) -> (y, vjp, saved)`, where `vjp(dy) -> (dx, dout)` is the B half
+    `forward(w, x, n_real=None, docs=None, first=None) -> (y, vjp, saved)`, where `vjp(dy) -> (dx, dout)` is the B half
     (a `jax.vjp` function of the input and of the weight matmuls' outputs) and `saved`
     the matmul inputs; `weight_grads(w, saved, dout) -> dw` is the W half.
 
@@ -47,7 +47,8 @@ class StageFns:
     """What an executor needs from the model, on one device (tensor-parallel inside)."""
 
     embed: Callable  # (embed params, ids [mb, seq]) -> x [mb, seq (/tensor with SP), d]
-    # (chunk params [Lc, ...], x, n_real=None, docs=None) -> y, like x; docs: the
+    # (chunk params [Lc, ...], x, n_real=None, docs=None, first=None) -> y, like x; first:
+    # the global index of the chunk's first layer (Program.first); docs: the
     # microbatch's document masks (`of_microbatch`), which every stage reads
     layers: Callable
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share

@@ -126,14 +126,14 @@ def _part_real(n_real, lo: int, hi: int):
     return None if n_real is None else jnp.clip(n_real - lo, 0, hi - lo)
 
 
-def forward_in_parts(fns: StageFns, w, x, n_real, parts: int, docs=None):
+def forward_in_parts(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None):
     """The chunk's forward as its parts, bottom first: (y, residuals of every part in
-    one list, the `Piece`s)."""
+    one list, the `Piece`s). `first`: the global index of the chunk's first layer."""
     residuals, pieces = [], []
     for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
         part = _layers(w, lo, hi)
-        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi), docs=docs),
-                            part, x)
+        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi), docs=docs,
+                                    first=None if first is None else first + lo), part, x)
         acts, vjp_def, param_slot = split_vjp(vjp_fn, part)
         pieces.append(Piece(lo, hi, len(residuals), len(acts), vjp_def, param_slot))
         residuals += acts
@@ -161,19 +161,21 @@ def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, s
     """`stage`: any global stage typed like the table's (varying over `pipe`)."""
     split = prog.schedule.split_backward
     docs = of_microbatch(docs, 0)
-    chunk = partial(fns.layers, n_real=prog.real(stage), docs=docs)
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
+    first = prog.first(stage, jax.tree.leaves(w0)[0].shape[0])
+    chunk = partial(fns.layers, n_real=prog.real(stage), docs=docs, first=first)
     x = fns.embed(params["embed"], inputs[0])
     if prog.schedule.parts > 1:  # the stash holds every part's residuals, one list
         _, residuals, pieces = forward_in_parts(fns, w0, x, prog.real(stage),
-                                                prog.schedule.parts, docs)
+                                                prog.schedule.parts, docs, first)
         none = jax.tree.structure([])
         return Types(x, residuals, None, None, [], none, [], none, Packing.of(residuals),
                      tuple(pieces))
     if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
         vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
     elif split:
-        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs)
+        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs,
+                                             first=first)
         douts_tree = vjp_fn(x)[1]
     else:
         vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [], []
@@ -237,16 +239,18 @@ class Cells:
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
+        first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
         if self.types.pieces:  # a BW cut into parts: one VJP per part
             y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
-                                               len(self.types.pieces), docs)
+                                               len(self.types.pieces), docs, first)
             kept = None
         elif self.split and not self.recompute:
             y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
-                                                docs=docs)
+                                                docs=docs, first=first)
             kept, residuals = jax.tree.leaves(kept), split_vjp(vjp_fn, w)[0]
         else:  # (recompute: B writes the saved buffer, F leaves zeros)
-            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs)
+            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
+                            first=first)
             (y, vjp_fn), kept = jax.vjp(chunk, w, x), None
             residuals = split_vjp(vjp_fn, w)[0]
 
