@@ -57,6 +57,7 @@ def _tensor_collectives(cm: bool, target: str = "gpu:h100x8"):
             if c.axes == ("tensor",) and "/Block/" in c.op_name]
 
 
+@pytest.mark.slow  # 11 s: the fast tier's time
 def test_the_rings_replace_the_all_gathers_and_reduce_scatters():
     """On the GPU compiler: in the layers no all-gather or reduce-scatter over `tensor`
     is left, the rings' permutes send the same bytes per step (so the comm model holds

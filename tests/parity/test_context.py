@@ -90,7 +90,7 @@ def ref():
 @pytest.mark.parametrize("kw", [
     dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b", remat="full",
          sequence_parallel=True),
-    dict(pipeline=1, data=2, context=4, tensor=1, microbatches=2),
+    pytest.param(dict(pipeline=1, data=2, context=4, tensor=1, microbatches=2), marks=SLOW),
     pytest.param(dict(pipeline=2, data=2, context=2, tensor=1, microbatches=4, zero1=True),
                  marks=SLOW),
     pytest.param(dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="circular",
@@ -134,6 +134,7 @@ def test_a_2x2x2x2_mesh_on_16_devices_is_exact():
     assert loss_err <= 1e-5 and grad_err <= 1e-4, line
 
 
+@SLOW  # 9 s: the fast tier's time
 def test_activations_per_device_shrink_with_the_context_degree():
     """The compiler's temporaries of one step (CPU) at a sequence long enough for the
     activations to dominate: context 4 holds about a quarter of context 1's."""

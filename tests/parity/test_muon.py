@@ -30,6 +30,7 @@ def test_muon_trains_like_the_reference(kw):
     assert worst(max_rel_err(final, ref_params)) <= 1e-4
 
 
+@pytest.mark.slow  # 11 s: the fast tier's time
 def test_muon_state_restores_into_another_layout(tmp_path):
     """With a bfloat16 momentum (optim.mu_dtype): it is saved and restored as such."""
     optim = dataclasses.replace(MUON, mu_dtype="bfloat16")
