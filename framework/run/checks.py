@@ -68,3 +68,16 @@ def clamp_warmup(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     return dataclasses.replace(cfg, optim=optim), (
         f"warning: optim.warmup_steps={warmup} is more than train.steps={steps}: the "
         f"learning rate warms up over all {steps} steps (it reaches optim.lr at the last)")
+
+
+def check_sample(cfg: RunConfig, prompt_tokens: int, hf_config: dict | None) -> None:
+    """The training-time sample fits the model's positions, as `framework.generate`
+    requires (framework/run/generate.py, check_length): the initial folder's
+    max_position_embeddings, else train.seq_len."""
+    positions = (hf_config or {}).get("max_position_embeddings") or cfg.train.seq_len
+    need = prompt_tokens + cfg.eval.sample_tokens
+    if need > positions:
+        raise ConfigError(f"eval.sample_prompt ({prompt_tokens} tokens) and eval.sample_tokens="
+                          f"{cfg.eval.sample_tokens} need {need} positions but the model has "
+                          f"{positions}: set eval.sample_tokens <= "
+                          f"{max(positions - prompt_tokens, 0)} or a shorter prompt")

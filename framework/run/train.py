@@ -39,7 +39,7 @@ from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
-from framework.run.checks import check_run, clamp_warmup
+from framework.run.checks import check_run, check_sample, clamp_warmup
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
@@ -78,6 +78,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict,
             raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
                               "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
                               "unset eval.sample_prompt")
+        check_sample(cfg, len(codec.encode(cfg.eval.sample_prompt)), hf_config)
     launch = distributed.plan(cfg.distributed)
     guard = runlock.Guard(held_folders(cfg, run_dir))
     if _process_index_before_start(launch) == 0:

@@ -273,6 +273,9 @@ def test_every_impossible_number_is_one_line_and_exit_2(monkeypatch, tmp_path):
     (("hydra.run.dir=",), "hydra.run.dir is empty: name the run's folder"),
     (("data.path=/tmp/données.txt",), "cannot read the override data.path=/tmp/données.txt: "
                                        "quote the value, as in \"data.path='/tmp/données.txt'\""),
+    (("eval.every=2", "eval.sample_prompt=abcd", "eval.sample_tokens=40"),  # 32 positions
+     "eval.sample_prompt (4 tokens) and eval.sample_tokens=40 need 44 positions but the model "
+     "has 32: set eval.sample_tokens <= 28"),
 ])
 def test_a_key_hydra_would_add_or_an_empty_folder_is_one_line(monkeypatch, tmp_path, args,
                                                               message):
