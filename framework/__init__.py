@@ -3,7 +3,7 @@
 Packages, in the order a run uses them (docs/architecture.md has the picture and the
 import rules, which tests/unit/test_architecture.py enforces):
 
-    config.py   errors.py   the typed settings and every error a user can be shown
+    config/     errors.py   the typed settings and every error a user can be shown
     runtime/    devices, processes, signals, the run lock: the machine a run is on
     parallel/   the mesh and the three parallelisms: rules, tensor, data, pipeline/
     model/      the Llama, in logical axes; attention kernels; the naive reference

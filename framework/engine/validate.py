@@ -98,7 +98,7 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [] if L >= n_chunks else [
             f"parallel.stage_layers=auto needs model.n_layers={L} >= {what}={n_chunks} "
             f"(one layer per stage at least)"]
-    # A tuple of positive layer counts: ParallelConfig refuses any other form (config.py).
+    # A tuple of positive layer counts: ParallelConfig refuses any other form (framework/config/).
     if len(given) != n_chunks:
         return [f"parallel.stage_layers={shown(given)} has {len(given)} stages but "
                 f"{what}={n_chunks}: give {n_chunks} layer counts, or auto"]

@@ -1,5 +1,5 @@
 """The small layers the decoder (framework/model/llama.py) is built of, and the settings
-that vary them between families (framework/config.py, FAMILY_PRESETS): RMSNorm, plain
+that vary them between families (framework/config/model.py, FAMILY_PRESETS): RMSNorm, plain
 (Llama) or scaled by (1 + w) (Gemma 2), and the gated MLP, SwiGLU (Llama) or GeGLU
 with the tanh GELU (Gemma 2). Also which layers attend through a sliding window.
 

@@ -19,7 +19,7 @@ Decoding (framework/engine/decode.py) uses the same modules and weights: `Attent
 (`apply_layers_cached`), and `rotary` takes explicit positions.
 
 The other families are settings of the same layers (`model.family` presets them,
-framework/config.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
+framework/config/model.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
 (Qwen3), Gemma 2's (1 + w) norms after each sublayer too, GeGLU, scaled embeddings,
 soft-capped scores and logits and sliding-window layers (framework/model/layers.py:
 a layer's window comes from its global index, which a stage's layer scan is handed

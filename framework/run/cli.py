@@ -134,7 +134,7 @@ def _job_dirname(*, _root_: DictConfig) -> str:
 
 def typed_config(cfg: DictConfig):
     """The composed config as the schema's dataclasses (RunConfig, CompileConfig). A value
-    the schema itself refuses (e.g. parallel.stage_layers=4: framework/config.py) is one
+    the schema itself refuses (e.g. parallel.stage_layers=4: framework/config/) is one
     line and exit status 2, said here: raised into Hydra, it would add a line of its own."""
     try:
         return OmegaConf.to_object(cfg)

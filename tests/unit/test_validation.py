@@ -79,7 +79,7 @@ def test_invalid_combinations_are_one_line_errors():
 
 
 # parallel.stage_layers of a form no model could use: refused when ParallelConfig is
-# built (framework/config.py), as given on the command line (Hydra's values).
+# built (framework/config/), as given on the command line (Hydra's values).
 WRONG_FORMS = [(4, "=4 is a number, not a list"), (True, "=true is true/false, not a list"),
                ([2, "2"], "=[2,'2'] holds '2' (a string) where a number of layers belongs"),
                ([2, 2.5], "=[2,2.5] holds 2.5 (a decimal number)"),

@@ -2,7 +2,7 @@
 maps a family's config.json fields onto our settings and back.
 
 Every family here is Llama's decoder (pre-norm RMSNorm, GQA with rotate-half RoPE,
-a gated MLP), told apart by settings (`FAMILY_PRESETS` in framework/config.py) and by
+a gated MLP), told apart by settings (`FAMILY_PRESETS` in framework/config/model.py) and by
 its config.json, as transformers' modeling code reads it (checked against transformers
 5.24's `modeling_{llama,qwen2,qwen3,mistral,gemma2}.py`):
 
@@ -57,7 +57,7 @@ class Family:
 
 
 # model_type -> its family; model.family names the key. A new family: one entry here
-# and its settings in framework/config.py's FAMILY_PRESETS.
+# and its settings in framework/config/model.py's FAMILY_PRESETS.
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
     "qwen2": Family("Qwen2ForCausalLM", {}, "use_sliding_window", True),

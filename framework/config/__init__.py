@@ -9,6 +9,8 @@ package reads its slice of these. The valid values of each setting with a fixed 
 them are `CHOICES`, the valid range of each number `RANGES`; `not_one_of` and
 `check_ranges` return one line per problem, naming the setting and what is valid, and
 `stage_layers_value` reads `parallel.stage_layers` (a list of counts or a word).
+`ModelConfig` and the families' presets are in `config/model.py`, the ranges in
+`config/ranges.py`; everyone imports them from `framework.config`.
 Whether a whole configuration can be built on some devices (degrees, divisibility,
 the schedule) is decided in `framework/engine/validate.py`; the schedules themselves
 are a registry (`framework/parallel/pipeline/schedule.py`).
@@ -16,12 +18,14 @@ are a registry (`framework/parallel/pipeline/schedule.py`).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from framework.errors import ConfigError
+from framework.config.model import (FAMILY_PRESETS, PRESET_DEFAULTS,  # noqa: F401 (the
+                                    ModelConfig, RopeScaling)        # package's names)
+from framework.config.ranges import (AT_LEAST_0, AT_LEAST_1, POSITIVE,  # noqa: F401
+                                     RANGES, Range, check_ranges, setting_names)
 
 
 # The valid values of every setting that has a fixed set of them.
@@ -55,125 +59,6 @@ def not_one_of(key: str, value) -> str | None:
 # Logical axes of the model that tensor parallelism may split (framework/model/llama.py
 # declares them; framework/parallel/rules.py maps them onto the `tensor` mesh axis).
 TENSOR_SPLITTABLE = ("heads", "kv_heads", "mlp", "vocab")
-
-
-@dataclass(unsafe_hash=True)  # hashable: the planner's caches key on it
-class RopeScaling:
-    """RoPE frequency scaling. rope_type none: plain RoPE (the other fields unused).
-    llama3 (`rope_type: llama3` in Hugging Face configs): wavelengths longer than
-    original_max_position_embeddings / low_freq_factor are stretched `factor` times,
-    those shorter than .../high_freq_factor are kept, and the band between is
-    interpolated (Llama 3, Dubey et al. 2024; framework/model/llama.py)."""
-
-    rope_type: str = "none"  # none | llama3
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-# What each model family presets (model.family): the settings that set it apart from
-# Llama, per the families' modeling code in transformers (Qwen2: biases on q_proj,
-# k_proj, v_proj, not o_proj; Qwen3: an RMSNorm over each q and k head before RoPE,
-# no biases; Mistral: Llama's layer; Gemma 2, modeling_gemma2.py: RMSNorm scaled by
-# (1 + w), a norm after each sublayer as well as before, GeGLU with the tanh GELU
-# (`gelu_pytorch_tanh`), embeddings times sqrt(hidden_size)). The model reads the
-# settings, never the name; a family's Hugging Face names are in framework/io/hf/family.py.
-# Unset everywhere: PRESET_DEFAULTS, Llama's layer.
-PRESET_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_plus_one": False,
-                                   "post_norms": False, "activation": "silu",
-                                   "embed_scale": False}
-FAMILY_PRESETS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "mistral": {},
-    "gemma2": {"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
-               "embed_scale": True},
-}
-
-
-@dataclass(unsafe_hash=True)
-class ModelConfig:
-    """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype.
-    `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS):
-    read them as `has_qkv_bias`, `has_qk_norm`. (Resolved when read, not stored: a
-    preset stored at construction would stay behind when Hydra or `replace` changes
-    the family.)"""
-
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 352
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-    attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
-    attention_block_q: int = 512  # blockwise: queries per block
-    attention_block_kv: int = 512  # blockwise: keys per block
-    # The family (llama | qwen2 | qwen3 | mistral): the Hugging Face architecture export
-    # writes, and the preset of the two settings below where they are null.
-    family: str = "llama"
-    qkv_bias: Optional[bool] = None  # biases on the q, k, v projections (Qwen2)
-    qk_norm: Optional[bool] = None  # RMSNorm over each q and k head before RoPE (Qwen3)
-    # Width of one attention head when not d_model / n_heads (Qwen3-0.6B: 1024 / 16
-    # heads, 128 each); null: d_model / n_heads. Read it as `head_dim`.
-    explicit_head_dim: Optional[int] = None
-    # Gemma 2's layer (presets where null; read them as the properties below):
-    norm_plus_one: Optional[bool] = None  # RMSNorm scaled by (1 + w), w initialised to 0
-    post_norms: Optional[bool] = None  # an RMSNorm on each sublayer's output too (4 a layer)
-    activation: Optional[str] = None  # the gated MLP's: silu (SwiGLU) | gelu_tanh (GeGLU)
-    embed_scale: Optional[bool] = None  # embeddings times sqrt(d_model)
-    # Attention (framework/model/attention.py): a key is visible iff fewer than
-    # sliding_window positions before the query (null: no window), on every layer
-    # (sliding_window_pattern 0, Mistral) or on all but every k-th (k: layer i is
-    # global iff (i + 1) % k == 0; Gemma 2: 2, transformers' layer_types). Scores
-    # scaled by query_pre_attn_scalar^-1/2 (null: head_dim^-1/2) and soft-capped
-    # c tanh(s / c) with c = attn_softcap (null: not); the logits with final_softcap.
-    sliding_window: Optional[int] = None
-    sliding_window_pattern: int = 0
-    query_pre_attn_scalar: Optional[float] = None
-    attn_softcap: Optional[float] = None
-    final_softcap: Optional[float] = None
-
-    def family_setting(self, name: str):
-        """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""
-        given = getattr(self, name)
-        if given is not None:
-            return given
-        return FAMILY_PRESETS.get(self.family, {}).get(name, PRESET_DEFAULTS[name])
-
-    @property
-    def has_qkv_bias(self) -> bool:
-        return bool(self.family_setting("qkv_bias"))
-
-    @property
-    def has_qk_norm(self) -> bool:
-        return bool(self.family_setting("qk_norm"))
-
-    @property
-    def has_norm_plus_one(self) -> bool:
-        return bool(self.family_setting("norm_plus_one"))
-
-    @property
-    def has_post_norms(self) -> bool:
-        return bool(self.family_setting("post_norms"))
-
-    @property
-    def mlp_activation(self) -> str:
-        return self.family_setting("activation")
-
-    @property
-    def has_embed_scale(self) -> bool:
-        return bool(self.family_setting("embed_scale"))
-
-    @property
-    def head_dim(self) -> int:
-        return self.explicit_head_dim or self.d_model // self.n_heads
 
 
 def shown(value) -> str:
@@ -449,93 +334,3 @@ class CompileConfig(RunConfig):
     compiled for (framework/compile/targets.py): local, tpu:v5p-256, gpu:h100x64, ..."""
 
     target: str = "local"
-
-
-@dataclass(frozen=True)
-class Range:
-    """Valid values of a numeric setting: low/high bounds (None: unbounded), each
-    inclusive unless marked open. None values (optional settings) are always valid."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def text(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.low is None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-                f"{')' if self.high_open else ']'}")
-
-    def problem(self, key: str, value) -> str | None:
-        if value is None or isinstance(value, bool):
-            return None
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{key}={value} must be a finite number {self.text()}"
-        too_low = self.low is not None and (value <= self.low if self.low_open
-                                            else value < self.low)
-        too_high = self.high is not None and (value >= self.high if self.high_open
-                                              else value > self.high)
-        return f"{key}={value} must be {self.text()}" if too_low or too_high else None
-
-
-AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
-FRACTION_BELOW_1 = Range(0, 1, high_open=True)
-# Every numeric setting outside `parallel` (whose degrees framework/engine/validate.py
-# checks) and `distributed` (framework/runtime/distributed.py). New numeric settings
-# belong here too.
-RANGES: dict[str, Range] = {
-    "model.vocab_size": AT_LEAST_1, "model.d_model": AT_LEAST_1,
-    "model.n_layers": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
-    "model.n_kv_heads": AT_LEAST_1, "model.d_ff": AT_LEAST_1,
-    "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
-    "model.explicit_head_dim": AT_LEAST_1, "model.sliding_window": AT_LEAST_1,
-    "model.sliding_window_pattern": AT_LEAST_0, "model.query_pre_attn_scalar": POSITIVE,
-    "model.attn_softcap": POSITIVE, "model.final_softcap": POSITIVE,
-    "optim.lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
-    "optim.weight_decay": AT_LEAST_0,
-    "optim.grad_clip": AT_LEAST_0,  # 0: no clipping
-    "optim.b1": FRACTION_BELOW_1, "optim.b2": FRACTION_BELOW_1, "optim.eps": POSITIVE,
-    "optim.min_lr_ratio": Range(0, 1), "optim.z_loss": AT_LEAST_0,
-    "optim.decay_steps": AT_LEAST_1, "optim.muon_momentum": FRACTION_BELOW_1,
-    "train.seq_len": AT_LEAST_1, "train.global_batch_size": AT_LEAST_1,
-    "train.steps": AT_LEAST_1,
-    "train.seed": Range(0, 2**32 - 1),  # JAX keys hold 32 bits; numpy needs >= 0
-    "train.stop_at": AT_LEAST_1,
-    "data.holdout_fraction": FRACTION_BELOW_1, "data.markov_concentration": POSITIVE,
-    "data.prefetch": AT_LEAST_0,
-    "eval.every": AT_LEAST_0, "eval.batches": AT_LEAST_1, "eval.sample_tokens": AT_LEAST_1,
-    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
-    "logging.every": AT_LEAST_1,
-    "devices.local_device_count": AT_LEAST_1,
-    "profile.steps": AT_LEAST_0, "profile.start_step": Range(2, None),
-    "profile.keep_trace_mb": AT_LEAST_0,
-}
-
-
-def check_ranges(cfg: "RunConfig") -> list[str]:
-    """Every numeric setting outside its range (one line each, naming the setting and
-    what is valid), plus the relations between them; empty when all are valid."""
-    errs = []
-    for key, valid in RANGES.items():
-        section, name = key.split(".")
-        holder = getattr(cfg, section, None)
-        if holder is not None and hasattr(holder, name):
-            problem = valid.problem(key, getattr(holder, name))
-            if problem:
-                errs.append(problem)
-    return errs
-
-
-def setting_names(cls, prefix: str = "") -> list[str]:
-    """Every leaf setting of a config dataclass, as its dotted name (e.g. train.steps)."""
-    import typing
-
-    out = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind, name = hints[f.name], prefix + f.name
-        out += setting_names(kind, name + ".") if dataclasses.is_dataclass(kind) else [name]
-    return out

@@ -1,0 +1,129 @@
+"""The model's settings (`ModelConfig`), and what each model family presets.
+
+Part of `framework.config` (import them from there); nothing here imports JAX or any
+other part of the framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(unsafe_hash=True)  # hashable: the planner's caches key on it
+class RopeScaling:
+    """RoPE frequency scaling. rope_type none: plain RoPE (the other fields unused).
+    llama3 (`rope_type: llama3` in Hugging Face configs): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched `factor` times,
+    those shorter than .../high_freq_factor are kept, and the band between is
+    interpolated (Llama 3, Dubey et al. 2024; framework/model/llama.py)."""
+
+    rope_type: str = "none"  # none | llama3
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+# What each model family presets (model.family): the settings that set it apart from
+# Llama, per the families' modeling code in transformers (Qwen2: biases on q_proj,
+# k_proj, v_proj, not o_proj; Qwen3: an RMSNorm over each q and k head before RoPE,
+# no biases; Mistral: Llama's layer; Gemma 2, modeling_gemma2.py: RMSNorm scaled by
+# (1 + w), a norm after each sublayer as well as before, GeGLU with the tanh GELU
+# (`gelu_pytorch_tanh`), embeddings times sqrt(hidden_size)). The model reads the
+# settings, never the name; a family's Hugging Face names are in framework/io/hf/family.py.
+# Unset everywhere: PRESET_DEFAULTS, Llama's layer.
+PRESET_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_plus_one": False,
+                                   "post_norms": False, "activation": "silu",
+                                   "embed_scale": False}
+FAMILY_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "mistral": {},
+    "gemma2": {"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
+               "embed_scale": True},
+}
+
+
+@dataclass(unsafe_hash=True)
+class ModelConfig:
+    """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype.
+    `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS):
+    read them as `has_qkv_bias`, `has_qk_norm`. (Resolved when read, not stored: a
+    preset stored at construction would stay behind when Hydra or `replace` changes
+    the family.)"""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 352
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
+    attention_block_q: int = 512  # blockwise: queries per block
+    attention_block_kv: int = 512  # blockwise: keys per block
+    # The family (llama | qwen2 | qwen3 | mistral): the Hugging Face architecture export
+    # writes, and the preset of the two settings below where they are null.
+    family: str = "llama"
+    qkv_bias: Optional[bool] = None  # biases on the q, k, v projections (Qwen2)
+    qk_norm: Optional[bool] = None  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Width of one attention head when not d_model / n_heads (Qwen3-0.6B: 1024 / 16
+    # heads, 128 each); null: d_model / n_heads. Read it as `head_dim`.
+    explicit_head_dim: Optional[int] = None
+    # Gemma 2's layer (presets where null; read them as the properties below):
+    norm_plus_one: Optional[bool] = None  # RMSNorm scaled by (1 + w), w initialised to 0
+    post_norms: Optional[bool] = None  # an RMSNorm on each sublayer's output too (4 a layer)
+    activation: Optional[str] = None  # the gated MLP's: silu (SwiGLU) | gelu_tanh (GeGLU)
+    embed_scale: Optional[bool] = None  # embeddings times sqrt(d_model)
+    # Attention (framework/model/attention.py): a key is visible iff fewer than
+    # sliding_window positions before the query (null: no window), on every layer
+    # (sliding_window_pattern 0, Mistral) or on all but every k-th (k: layer i is
+    # global iff (i + 1) % k == 0; Gemma 2: 2, transformers' layer_types). Scores
+    # scaled by query_pre_attn_scalar^-1/2 (null: head_dim^-1/2) and soft-capped
+    # c tanh(s / c) with c = attn_softcap (null: not); the logits with final_softcap.
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: int = 0
+    query_pre_attn_scalar: Optional[float] = None
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+
+    def family_setting(self, name: str):
+        """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""
+        given = getattr(self, name)
+        if given is not None:
+            return given
+        return FAMILY_PRESETS.get(self.family, {}).get(name, PRESET_DEFAULTS[name])
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return bool(self.family_setting("qkv_bias"))
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return bool(self.family_setting("qk_norm"))
+
+    @property
+    def has_norm_plus_one(self) -> bool:
+        return bool(self.family_setting("norm_plus_one"))
+
+    @property
+    def has_post_norms(self) -> bool:
+        return bool(self.family_setting("post_norms"))
+
+    @property
+    def mlp_activation(self) -> str:
+        return self.family_setting("activation")
+
+    @property
+    def has_embed_scale(self) -> bool:
+        return bool(self.family_setting("embed_scale"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.d_model // self.n_heads
