@@ -1,0 +1,147 @@
+"""What flows through the tick executor's loop (framework/parallel/pipeline/ticks.py):
+the carry, a cell's inputs and outputs, a BW cut into parts, and the types of what a
+cell keeps, traced once from one forward (`trace_types`).
+
+Shapes: mb = rows of a microbatch, seq = its tokens (/tensor with sequence
+parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework.parallel.pipeline.program import Program
+from framework.parallel.pipeline.stage import StageFns, of_microbatch, split_vjp
+from framework.parallel.pipeline.stash import Packing
+
+
+# --- What flows through a tick --------------------------------------------------------
+
+class Carry(NamedTuple):
+    """The tick loop's state on one device (all varying over the manual mesh axes)."""
+
+    recv: dict  # {"act", "grad"}: [n + 1, mb, seq, d] messages waiting to be read
+    stash: dict  # {dtype|axes: [n + 1, rows, LANE]}: each in-flight microbatch's slot
+    saved: list  # per weight op: [n + 1, mb, seq, in] its inputs (split backward only;
+    #              recompute: one [n + 1, mb, seq, d], the incoming gradient, B to W)
+    grads: dict  # like the params: {'embed', 'head', 'chunks' [v, Lc, ...]}
+    loss: jax.Array  # f32 []: this rank's loss share so far
+    pending: dict  # overlapped sends: {"act", "grad"}: [mb, seq, d] the last tick's
+    #                messages, sent to the other ranks during this tick ({} if synchronous)
+
+
+class CellIn(NamedTuple):
+    """What the cell of this rank reads this tick (one slot each, not the buffers)."""
+
+    x: jax.Array  # [mb, seq, d] the `act` message (F), zeros if none
+    dy: jax.Array  # [mb, seq, d] the `grad` message (B, BW), zeros if none
+    slot: jax.Array  # int: the microbatch's stash slot
+    mb: jax.Array  # int: the microbatch
+    chunk: jax.Array  # int: this rank's layer chunk
+    stage: jax.Array  # int: its global stage (uneven stages: how many layers are real)
+    first: jax.Array  # bool: global stage 0 (embeds its input)
+    last: jax.Array  # bool: the last global stage (head + loss)
+
+
+class CellOut(NamedTuple):
+    """What a cell hands to the writes and sends after the switch (zeros where unused)."""
+
+    act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output)
+    grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)
+    residuals: list  # F: the VJP's residuals, for the stash slot
+    douts: list  # B: the weight ops' output gradients, for the stash slot
+    saved: list  # F (split backward): the weight ops' inputs; B (recompute): [dy]
+
+
+class Piece(NamedTuple):
+    """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):
+    layers [lo, hi) of the chunk, its VJP's residuals at [start, start + n) of the
+    stash slot's list, and how to rebuild the VJP from them (`stage.join_vjp`)."""
+
+    lo: int
+    hi: int
+    start: int
+    n: int
+    vjp_def: object
+    param_slot: list
+
+
+def part_bounds(n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each part of a chunk's `n_layers` layers, bottom first, as even as
+    whole layers allow."""
+    edges = np.linspace(0, n_layers, parts + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def layer_slice(tree, lo: int, hi: int):
+    return jax.tree.map(lambda a: a[lo:hi], tree)
+
+
+def _part_real(n_real, lo: int, hi: int):
+    """Uneven stages: how many of the part's layers are real (None: all)."""
+    return None if n_real is None else jnp.clip(n_real - lo, 0, hi - lo)
+
+
+def forward_in_parts(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None):
+    """The chunk's forward as its parts, bottom first: (y, residuals of every part in
+    one list, the `Piece`s). `first`: the global index of the chunk's first layer."""
+    residuals, pieces = [], []
+    for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
+        part = layer_slice(w, lo, hi)
+        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi), docs=docs,
+                                    first=None if first is None else first + lo), part, x)
+        acts, vjp_def, param_slot = split_vjp(vjp_fn, part)
+        pieces.append(Piece(lo, hi, len(residuals), len(acts), vjp_def, param_slot))
+        residuals += acts
+    return x, residuals, pieces
+
+
+class Types(NamedTuple):
+    """Types of a message and of a stash slot's contents: one forward traced for its
+    shapes only (dead code the compiler drops)."""
+
+    x: jax.Array  # [mb, seq, d]
+    residuals: list  # leaves of a chunk's VJP, the weights left out
+    vjp_def: object  # the VJP's treedef, and which of its leaves are weights
+    param_slot: list
+    saved: list  # split backward: the weight ops' inputs, and their tree
+    saved_def: object
+    douts: list  # split backward: the weight ops' output gradients, and their tree
+    dout_def: object
+    packing: Packing  # the stash row holding either residuals or douts
+    pieces: tuple = ()  # a BW cut into parts: each part's `Piece`, bottom first
+
+
+def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage,
+                docs=None) -> Types:
+    """`stage`: any global stage typed like the table's (varying over `pipe`)."""
+    split = prog.schedule.split_backward
+    docs = of_microbatch(docs, 0)
+    w0 = jax.tree.map(lambda a: a[0], params["chunks"])
+    first = prog.first(stage, jax.tree.leaves(w0)[0].shape[0])
+    chunk = partial(fns.layers, n_real=prog.real(stage), docs=docs, first=first)
+    x = fns.embed(params["embed"], inputs[0])
+    if prog.schedule.parts > 1:  # the stash holds every part's residuals, one list
+        _, residuals, pieces = forward_in_parts(fns, w0, x, prog.real(stage),
+                                                prog.schedule.parts, docs, first)
+        none = jax.tree.structure([])
+        return Types(x, residuals, None, None, [], none, [], none, Packing.of(residuals),
+                     tuple(pieces))
+    if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
+        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
+    elif split:
+        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs,
+                                             first=first)
+        douts_tree = vjp_fn(x)[1]
+    else:
+        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [], []
+    residuals, vjp_def, param_slot = split_vjp(vjp_fn, w0)
+    douts = jax.tree.leaves(douts_tree)
+    return Types(x, residuals, vjp_def, param_slot, jax.tree.leaves(saved),
+                 jax.tree.structure(saved), douts, jax.tree.structure(douts_tree),
+                 Packing.of(residuals, douts))
