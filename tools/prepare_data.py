@@ -96,7 +96,12 @@ def prepare(output: str, inputs: list[str], tokenizer: str | None = None,
     for path in inputs:
         if not os.path.isfile(path):
             raise SystemExit(f"{path}: no such file")
-    if tokenizer is None:
+    if tokenizer is None and eos_id is not None:  # byte-level documents ending in it
+        if not 0 <= eos_id < 256:
+            raise SystemExit(f"--eos-id {eos_id} is not a byte (byte-level: 0..255)")
+        encode, vocab_size = None, 256
+        sep = np.asarray([eos_id], dtype=np.uint8)
+    elif tokenizer is None:
         encode, vocab_size = None, 256
         sep = np.frombuffer(separator.encode("utf-8"), dtype=np.uint8)
     else:
@@ -107,9 +112,11 @@ def prepare(output: str, inputs: list[str], tokenizer: str | None = None,
                              f"of {vocab_size}")
     dtype = dtype_for(vocab_size)
     with open(output, "wb") as out:
-        n_tokens = write_tokens(out, inputs, dtype, sep, encode, after_last=tokenizer is not None)
+        n_tokens = write_tokens(out, inputs, dtype, sep, encode,
+                                after_last=tokenizer is not None or eos_id is not None)
     meta = {"dtype": dtype, "vocab_size": vocab_size, "n_tokens": n_tokens,
-            "tokenizer": "bytes", "inputs": [os.path.abspath(p) for p in inputs]}
+            "tokenizer": "bytes", "eos_id": eos_id,  # data.document_mask masks by it
+            "inputs": [os.path.abspath(p) for p in inputs]}
     if tokenizer is not None:  # a copy beside the data: training and generation find it
         copy = output + ".tokenizer.json"
         shutil.copyfile(tokenizer, copy)

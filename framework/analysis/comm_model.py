@@ -181,10 +181,10 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
     tensor += 3 * _ring_all_reduce(tp) * rows * tokens * FP32 / p  # loss
     if parallel.sequence_parallel:
-        # the scales replicated over `tensor`: 2 per layer + the final one, and q/k
-        # norm's two of head_dim (the q/k/v biases are split with their heads)
-        norms = (2 * layers + 1) * model.d_model + 2 * layers * model.head_dim * (
-            model.has_qk_norm)
+        # the scales replicated over `tensor`: 2 per layer (4 with Gemma's post-norms) +
+        # the final one, and q/k norm's two of head_dim (biases are split with their heads)
+        norms = ((2 + 2 * model.has_post_norms) * layers + 1) * model.d_model + \
+            2 * layers * model.head_dim * model.has_qk_norm
         tensor += _ring_all_reduce(tp) * norms * FP32
 
     pipe = stage_sends(model, parallel, train)

@@ -68,7 +68,7 @@ class ModelConfig:
     attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
     attention_block_q: int = 512  # blockwise: queries per block
     attention_block_kv: int = 512  # blockwise: keys per block
-    # The family (llama | qwen2 | qwen3 | mistral): the Hugging Face architecture export
+    # The family (llama | qwen2 | qwen3 | mistral | gemma2): the Hugging Face architecture export
     # writes, and the preset of the two settings below where they are null.
     family: str = "llama"
     qkv_bias: Optional[bool] = None  # biases on the q, k, v projections (Qwen2)

@@ -104,10 +104,14 @@ def check_settings(model) -> list[str]:
         errs.append(f"model.attention=cudnn needs one window on every layer (cuDNN's window "
                     f"is static), not model.sliding_window_pattern="
                     f"{model.sliding_window_pattern}: use model.attention=auto or blockwise")
-    if model.attention == "cudnn" and model.n_heads and model.d_model % model.n_heads == 0 \
-            and (model.head_dim % 8 or model.head_dim > 128):
-        errs.append(f"model.attention=cudnn needs d_model/n_heads={model.head_dim} to be a "
-                    f"multiple of 8 and at most 128: use model.attention=auto or blockwise")
+    width_known = model.explicit_head_dim or (model.n_heads and
+                                              model.d_model % model.n_heads == 0)
+    if model.attention == "cudnn" and width_known and (model.head_dim % 8 or
+                                                       model.head_dim > CUDNN_MAX_HEAD_DIM):
+        errs.append(f"model.attention=cudnn needs a head width (model.explicit_head_dim, else "
+                    f"d_model/n_heads) that is a multiple of 8 and at most "
+                    f"{CUDNN_MAX_HEAD_DIM}, not {model.head_dim}: use model.attention=auto "
+                    f"or blockwise")
     return errs
 
 

@@ -77,7 +77,25 @@ def check_sample(cfg: RunConfig, prompt_tokens: int, hf_config: dict | None) -> 
     positions = (hf_config or {}).get("max_position_embeddings") or cfg.train.seq_len
     need = prompt_tokens + cfg.eval.sample_tokens
     if need > positions:
+        fix = (f"set eval.sample_tokens <= {positions - prompt_tokens}"
+               if prompt_tokens < positions else
+               f"give a prompt shorter than {positions} tokens")
         raise ConfigError(f"eval.sample_prompt ({prompt_tokens} tokens) and eval.sample_tokens="
                           f"{cfg.eval.sample_tokens} need {need} positions but the model has "
-                          f"{positions}: set eval.sample_tokens <= "
-                          f"{max(positions - prompt_tokens, 0)} or a shorter prompt")
+                          f"{positions}: {fix}")
+
+
+def sample_codec(cfg: RunConfig, tokenizer: str | None, hf_config: dict | None):
+    """The codec of the training-time sample (eval.sample_prompt; None without one),
+    checked: the data's tokenizer is known, and the sample fits the model's positions."""
+    if cfg.eval.sample_prompt is None:
+        return None
+    from framework.io import tokenizer as tokenizer_lib
+
+    codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
+    if codec is None:
+        raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
+                          "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
+                          "unset eval.sample_prompt")
+    check_sample(cfg, len(codec.encode(cfg.eval.sample_prompt)), hf_config)
+    return codec

@@ -39,7 +39,7 @@ from framework.model import attention
 from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
-from framework.run.checks import check_run, check_sample, clamp_warmup
+from framework.run.checks import check_run, clamp_warmup, sample_codec
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
@@ -71,14 +71,7 @@ def run(cfg: RunConfig, run_dir: Path, run_config: dict,
         print(warning, file=sys.stderr, flush=True)
     tokenizer = tokenizer_lib.for_run(cfg.data.kind, cfg.data.path, cfg.model.vocab_size,
                                       cfg.train.init_from, cfg.data.mixture)
-    codec = None
-    if cfg.eval.sample_prompt is not None:
-        codec = tokenizer_lib.load(tokenizer, cfg.model.vocab_size)
-        if codec is None:
-            raise ConfigError("eval.sample_prompt needs to know the data's tokenizer: prepare "
-                              "data.kind=tokens with tools/prepare_data.py --tokenizer, or "
-                              "unset eval.sample_prompt")
-        check_sample(cfg, len(codec.encode(cfg.eval.sample_prompt)), hf_config)
+    codec = sample_codec(cfg, tokenizer, hf_config)
     launch = distributed.plan(cfg.distributed)
     guard = runlock.Guard(held_folders(cfg, run_dir))
     if _process_index_before_start(launch) == 0:

@@ -66,9 +66,10 @@ def test_a_masked_packed_batch_is_its_documents_one_by_one(kernel, reset):
     assert worst(max_rel_err(grads, ref_grads)) < 1e-5
 
 
-def test_cudnn_wrapper_and_ring_masks_match_the_dense_kernel():
-    """The cuDNN wrapper (run with XLA's kernel: cuDNN needs a GPU) and the ring's cut of
-    the whole sequence's segment ids by chunk, against the dense kernel's mask."""
+def test_cudnn_wrappers_masks_match_the_dense_kernels():
+    """The cuDNN wrapper's document masks (run with XLA's kernel: cuDNN needs a GPU), with
+    equal and with shifted positions, against the dense kernel's (the ring's: the slow
+    `test_masked_layouts_are_the_reference[ring...]`)."""
     b, n, g, r, hd = 2, 16, 2, 2, 8
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (b, n, g, r, hd))

@@ -235,3 +235,24 @@ def test_a_trained_tokenizer_ends_documents_with_id_0_and_masks_by_it(tmp_path):
     copy = str(tmp_path / "c" / "tokenizer.json")
     assert tokenizer.for_run("corpus", str(tmp_path / "c"), 512, None) == copy
     assert tokenizer.for_run("corpus", None, 512, None, [{"path": str(tmp_path / "c")}]) == copy
+
+
+def test_a_flat_token_file_records_its_end_of_document_token(tmp_path):
+    """prepare_data OUT.bin --eos-id: byte-level too, the id follows every file and the
+    sidecar records it, so data=tokens can mask documents; without it, one line."""
+    (tmp_path / "a.txt").write_text("one document")
+    (tmp_path / "b.txt").write_text("another one")
+    prepare = load_tool("prepare_data").main
+    prepare([str(tmp_path / "t.bin"), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
+             "--eos-id", "0"])
+    ids = np.fromfile(tmp_path / "t.bin", np.uint16)
+    assert ids.tolist().count(0) == 2 and ids[-1] == 0 and ids[12] == 0
+    cfg = DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), holdout_fraction=0.0,
+                     document_mask=True)
+    train = TrainConfig(seq_len=4, global_batch_size=2)
+    assert data.document_mask(cfg, data.make_dataset(cfg, train, 256), {}).separator == 0
+    prepare([str(tmp_path / "u.bin"), str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    cfg = DataConfig(kind="tokens", path=str(tmp_path / "u.bin"), document_mask=True,
+                     holdout_fraction=0.0)
+    with pytest.raises(ConfigError, match="has none"):
+        data.document_mask(cfg, data.make_dataset(cfg, train, 256), {})

@@ -20,6 +20,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from framework.errors import ConfigError
+
 RUN_CHECKPOINTS = "checkpoints"  # a run folder's checkpoint folder
 STATE, METADATA = "state", "metadata"  # the two items of every checkpoint step
 # Written by Orbax (the step's own metadata) and by us, inside the atomic step folder:
@@ -81,9 +83,13 @@ def holds_checkpoints(path: str) -> str | None:
         return "a run folder"
     if os.path.basename(path).isdigit() and _looks_like_step(path):
         return "a checkpoint step folder"
-    with os.scandir(path) as entries:
-        if any(e.name.isdigit() and e.is_dir() and _looks_like_step(e.path) for e in entries):
-            return "a checkpoint folder"
+    try:
+        with os.scandir(path) as entries:
+            if any(e.name.isdigit() and e.is_dir() and _looks_like_step(e.path)
+                   for e in entries):
+                return "a checkpoint folder"
+    except OSError as err:  # unreadable: one line, not a traceback
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}") from None
     return None
 
 

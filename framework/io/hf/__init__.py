@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out (Llama, Qwen2, Qwen3, Mistral).
+"""Hugging Face weights in and out (Llama, Qwen2, Qwen3, Mistral, Gemma 2).
 
   family.py         config.json <-> ModelConfig for each model family; what is refused
   llama.py          the Llama layout's tensor names (all four families), import and export
