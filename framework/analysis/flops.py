@@ -49,10 +49,7 @@ def matmul_params(model: ModelConfig) -> int:
 
 def local_layers(model: ModelConfig) -> int:
     """How many layers attend through the sliding window (framework/model/layers.py)."""
-    if model.sliding_window is None:
-        return 0
-    k = model.sliding_window_pattern
-    return model.n_layers - (model.n_layers // k if k else 0)
+    return sum(not model.global_layer(i) for i in range(model.n_layers))
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:

@@ -124,6 +124,17 @@ class ModelConfig:
     def has_embed_scale(self) -> bool:
         return bool(self.family_setting("embed_scale"))
 
+    def global_layer(self, index):
+        """Whether layer `index` (an int, or an int array: then elementwise) attends to
+        every earlier position: all do without a window; with one, those with
+        (index + 1) % sliding_window_pattern == 0 (0: none, Mistral; Gemma 2's
+        layer_types, transformers' configuration_gemma2.py: layers 1, 3, ...). The
+        model, the FLOP count and the Hugging Face export read this one rule."""
+        if self.sliding_window is None:
+            return True
+        k = self.sliding_window_pattern
+        return (index + 1) % k == 0 if k else False
+
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.d_model // self.n_heads

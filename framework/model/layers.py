@@ -81,16 +81,14 @@ class MLP(nn.Module):
 def layer_windows(cfg: ModelConfig, n: int, first=None):
     """The sliding windows of n consecutive layers from global layer `first` (an int or
     traced; None: 0): None without a window; an int when every layer has the same
-    (sliding_window_pattern 0, Mistral); else [n] int32, NO_WINDOW on the global layers,
-    those with (index + 1) % pattern == 0 (Gemma 2's layer_types, transformers'
-    configuration_gemma2.py: layers 0, 2, ... slide)."""
+    (sliding_window_pattern 0, Mistral); else [n] int32, NO_WINDOW on the global layers
+    (`ModelConfig.global_layer`)."""
     if cfg.sliding_window is None:
         return None
     if not cfg.sliding_window_pattern:
         return cfg.sliding_window
     index = (0 if first is None else first) + jnp.arange(n, dtype=jnp.int32)
-    is_global = (index + 1) % cfg.sliding_window_pattern == 0
-    return jnp.where(is_global, NO_WINDOW, cfg.sliding_window).astype(jnp.int32)
+    return jnp.where(cfg.global_layer(index), NO_WINDOW, cfg.sliding_window).astype(jnp.int32)
 
 
 def split_windows(windows, like):

@@ -322,9 +322,8 @@ def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
         out.update({"sliding_window": cfg.sliding_window, **({family.window_switch: False}
                                                             if family.window_switch else {})})
     if family.window_layers == "layer_types":
-        k = cfg.sliding_window_pattern
-        out["layer_types"] = [FULL if cfg.sliding_window is None or k and (i + 1) % k == 0
-                              else SLIDING for i in range(cfg.n_layers)]
+        out["layer_types"] = [FULL if cfg.global_layer(i) else SLIDING
+                              for i in range(cfg.n_layers)]
     if family.gemma_scores:
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # null: head_dim^-1/2, the same
         out.update({"query_pre_attn_scalar": int(scalar) if scalar and scalar == int(scalar)
