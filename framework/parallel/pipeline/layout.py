@@ -25,12 +25,18 @@ def _stages(n_stages: int, n_chunks: int, v_shape: bool) -> StageMap:
     return stage_map(V_SHAPE if v_shape else INTERLEAVED, n_stages, n_chunks)
 
 
+def stage_starts(stage_layers) -> np.ndarray:
+    """Uneven stages: [S] the canonical index of each global stage's first layer,
+    sum(stage_layers[:g])."""
+    return np.concatenate([[0], np.cumsum(np.asarray(stage_layers))[:-1]])
+
+
 def _padding(stage_layers) -> tuple[np.ndarray, np.ndarray]:
     """Uneven stages: (index into the canonical layers [S, Lc], real [S, Lc]) where
     Lc = max(stage_layers) and global stage g holds layers sum(stage_layers[:g]) + i
     for i < stage_layers[g], padding after."""
     n = np.asarray(stage_layers)
-    lc, start = int(n.max()), np.concatenate([[0], np.cumsum(n)[:-1]])
+    lc, start = int(n.max()), stage_starts(n)
     i = np.arange(lc)[None, :]
     real = i < n[:, None]
     return np.where(real, start[:, None] + i, 0), real

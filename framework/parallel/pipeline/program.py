@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.parallel.pipeline import buffers as buffer_plan
+from framework.parallel.pipeline.layout import stage_starts
 from framework.parallel.pipeline.schedule import (chunks_per_rank, forward_only, make_schedule,
                                                   overlaps_by_default)
 from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
@@ -72,8 +73,7 @@ class Program:
         stages before it (the stage layout's, layout.py)."""
         if self.stage_layers is None:
             return jnp.asarray(stage, jnp.int32) * per_chunk
-        starts = np.concatenate([[0], np.cumsum(self.stage_layers)[:-1]])
-        return jnp.asarray(starts, jnp.int32)[stage]
+        return jnp.asarray(stage_starts(self.stage_layers), jnp.int32)[stage]
 
     def kinds(self, phase: int) -> set:
         """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""

@@ -26,7 +26,8 @@ from framework.parallel.pipeline.comm import only_on, zeros_typed_like
 @dataclass(frozen=True)
 class SplitBackward:
     """The backward of a layer chunk in two halves (zero-bubble schedules, Qi et al. 2024):
-    `forward(w, x, n_real=None, docs=None, first=None) -> (y, vjp, saved)`, where `vjp(dy) -> (dx, dout)` is the B half
+    `forward(w, x, n_real=None, docs=None, first=None) -> (y, vjp, saved)`, where
+    `vjp(dy) -> (dx, dout)` is the B half
     (a `jax.vjp` function of the input and of the weight matmuls' outputs) and `saved`
     the matmul inputs; `weight_grads(w, saved, dout) -> dw` is the W half.
 
