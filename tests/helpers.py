@@ -13,6 +13,7 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConf
 from framework.engine.build import build_engine
 from framework.engine.optim import make_optimizer
 from framework.engine.validate import validate
+from framework.engine.state import as_dtype
 from framework.model import reference
 from framework.model.llama import init_params
 from framework.parallel.mesh import make_mesh
@@ -111,7 +112,7 @@ def reference_losses(n_steps, model=MODEL, optim=OPTIM, train=TRAIN):
 
 def _reference_losses(n_steps, model, optim, train):
     opt = make_optimizer(optim, train.steps)
-    p = params(model)
+    p = as_dtype(params(model), optim.param_dtype)
     state = opt.init(p)
     step = reference.reference_train_step(model, opt)
     losses = []

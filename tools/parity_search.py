@@ -8,9 +8,13 @@ tensor, microbatches, virtual stages, uneven stages (a third of them), overlappe
 synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
 tied embeddings, the dense or blockwise attention kernel and its block sizes, document
 masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
-small model shapes), runs each one's loss and gradients twice on the same inputs, and
-compares the loss and every gradient leaf of both runs with the single-device reference
-(framework/model/reference.py): relative error at most 1e-4. A failing configuration
+the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer), sliding
+windows (a third; on every layer or every other), attention and logit soft-caps, the
+stored parameter dtype (bfloat16 in a quarter), small model shapes), runs each one's
+loss and gradients twice on the same inputs, and compares the loss and every gradient
+leaf of both runs with the single-device reference (framework/model/reference.py):
+relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients rounded per
+microbatch rather than once). A failing configuration
 is printed as one line of `python -m framework.run` settings, e.g.
 
     FAIL zb_h1 pp4 dp1 tp2 mb8: 19.6 (run 2) ... | parallel.pipeline=4 parallel.data=1 ...
@@ -35,12 +39,14 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 TOLERANCE = 1e-4
+BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradient sum
 
 
 def draw(rng: np.random.Generator, n_devices: int = 8):
-    """(model, parallel, train, data) of one valid random configuration on at most
-    n_devices (data: its document masks)."""
-    from framework.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    """(model, parallel, train, data, param_dtype) of one valid random configuration on
+    at most n_devices (data: its document masks)."""
+    from framework.config import (CHOICES, DataConfig, ModelConfig, ParallelConfig,
+                                  TrainConfig)
     from framework.engine.validate import check
     from framework.parallel.pipeline import schedule as schedules
 
@@ -54,6 +60,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         m = pick([1, 2, 4, 8])
         kv = pick([k for k in (1, 2, 4) if k % t == 0] or [t])
         heads = kv * pick([1, 2])
+        windowed = rng.integers(3) == 0
         stages = p * schedules.chunks_per_rank(name, v)
         uneven = stages > 1 and rng.integers(3) == 0  # random layers per stage, each >= 1
         # (3 layers a stage: synchronous 1F1B cuts its BWs in 3 parts under full remat)
@@ -66,7 +73,11 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             n_kv_heads=kv,
             d_ff=16 * pick([2, 3, 4]), tie_embeddings=bool(rng.integers(2)),
             attention=pick(["dense", "blockwise"]), attention_block_q=pick([2, 4, 512]),
-            attention_block_kv=pick([2, 4, 512]), dtype="float32")
+            attention_block_kv=pick([2, 4, 512]), dtype="float32",
+            family=pick(list(CHOICES["model.family"])),
+            sliding_window=int(rng.integers(2, 8)) if windowed else None,
+            sliding_window_pattern=pick([0, 2]) if windowed else 0,
+            attn_softcap=pick([None, 20.0]), final_softcap=pick([None, 30.0]))
         sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, context=c, microbatches=m,
                              schedule=name,
@@ -80,11 +91,12 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         masked = rng.integers(3) == 0
         data = DataConfig(document_mask=bool(masked),
                           reset_positions=bool(masked and rng.integers(2)))
+        param_dtype = "bfloat16" if rng.integers(4) == 0 else "float32"
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
-            return model, par, train, data
+            return model, par, train, data, param_dtype
 
 
-def overrides(model, par, train, data=None) -> str:
+def overrides(model, par, train, data=None, param_dtype="float32") -> str:
     """The configuration as `python -m framework.run` settings (one line)."""
     items = [("model", model), ("parallel", par), ("train", train)]
     out = []
@@ -98,8 +110,8 @@ def overrides(model, par, train, data=None) -> str:
             value = str(value).lower() if isinstance(value, bool) else value
             if isinstance(value, tuple):  # Hydra's list syntax
                 value = "[" + ",".join(map(str, value)) + "]"
-            out.append(f"{group}.{f.name}={value}")
-    return " ".join(out)
+            out.append(f"{group}.{f.name}={'null' if value is None else value}")
+    return " ".join(out + [f"optim.param_dtype={param_dtype}"])
 
 
 def _relative_errors(grads, ref) -> list[float]:
@@ -112,7 +124,7 @@ def _relative_errors(grads, ref) -> list[float]:
     return jax.tree.leaves(jax.tree.map(one, grads, ref))
 
 
-def run_case(model, par, train, devices, data=None) -> str | None:
+def run_case(model, par, train, devices, data=None, param_dtype="float32") -> str | None:
     """None when both runs match the reference, else why not (one line)."""
     import jax
     import jax.numpy as jnp
@@ -124,7 +136,10 @@ def run_case(model, par, train, devices, data=None) -> str | None:
     from framework.model.llama import init_params
     from framework.parallel.mesh import make_mesh
 
-    params = jax.jit(lambda k: init_params(model, k))(jax.random.key(train.seed))
+    from framework.engine.state import as_dtype
+
+    params = jax.jit(lambda k: as_dtype(init_params(model, k), param_dtype))(
+        jax.random.key(train.seed))
     tokens = reference.tokens_for_step(train.seed, 0, train.global_batch_size,
                                        train.seq_len, model.vocab_size)
     docs = None
@@ -133,22 +148,29 @@ def run_case(model, par, train, devices, data=None) -> str | None:
         tokens = jnp.where(tokens < model.vocab_size // 8, 0, tokens)
     ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(
         p, x, model, documents=docs))(params, tokens)
-    eng = build_engine(model, par, OptimConfig(), 1, make_mesh(par, devices), docs)
+    eng = build_engine(model, par, OptimConfig(param_dtype=param_dtype), 1,
+                       make_mesh(par, devices), docs)
+    tolerance = TOLERANCE if param_dtype == "float32" else BF16_TOLERANCE
     fn = eng.loss_and_grads_fn()
     args = eng.shard_params(params), eng.shard_batch(tokens)
     for attempt in (1, 2):
         loss, grads = fn(*args)
         loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
         worst = max(_relative_errors(eng.canonical_params(grads), ref_grads))
-        if loss_err > TOLERANCE or worst > TOLERANCE:
+        if loss_err > tolerance or worst > tolerance:
             return (f"run {attempt}: loss {float(loss):.6g} (reference "
                     f"{float(ref_loss):.6g}), worst gradient leaf off by {worst:.3g}")
     return None
 
 
-def label(par, data=None) -> str:
+def label(par, data=None, model=None, param_dtype="float32") -> str:
     extra = "".join(f" {k}" for k in ("zero1", "fsdp", "sequence_parallel",
                                       "collective_matmul") if getattr(par, k))
+    if model is not None:
+        extra += "" if model.family == "llama" else f" {model.family}"
+        extra += f" window{model.sliding_window}" if model.sliding_window else ""
+        extra += " softcap" if model.attn_softcap or model.final_softcap else ""
+    extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
@@ -164,18 +186,19 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     rng = np.random.default_rng(seed)
     failures = []
     for i in range(cases):
-        model, par, train, data = draw(rng, len(devices))
+        model, par, train, data, param_dtype = draw(rng, len(devices))
         start = time.perf_counter()
         with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
             warnings.simplefilter("ignore")
             try:
-                why = run_case(model, par, train, devices[:par.n_devices], data)
+                why = run_case(model, par, train, devices[:par.n_devices], data, param_dtype)
             except Exception as err:  # a layout that does not even build is a finding too
                 why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
-        line = f"{label(par, data)}: {why} | {overrides(model, par, train, data)}" if why else None
+        name = label(par, data, model, param_dtype)
+        line = f"{name}: {why} | {overrides(model, par, train, data, param_dtype)}" if why else None
         if line:
             failures.append(line)
-        log(f"[{i + 1}/{cases}] {'FAIL ' + line if line else 'ok   ' + label(par, data)} "
+        log(f"[{i + 1}/{cases}] {'FAIL ' + line if line else 'ok   ' + name} "
             f"({time.perf_counter() - start:.1f} s)")
     return failures
 

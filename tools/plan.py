@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         from framework.analysis import planner
 
         hw = hardware(settings, cfg.model.dtype, target.platform if target else "gpu")
-        plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw)
+        plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
+                             cfg.optim)
     except ConfigError as err:
         return user_error(err)
     if not plans:

@@ -110,7 +110,7 @@ def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
 
 def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                 n_devices: int, limit: float, platform: str, kind: str = "",
-                wanted: int = SHOWN) -> list[str]:
+                wanted: int = SHOWN, optim=None) -> list[str]:
     """Up to `wanted` changes predicted to fit under `limit`, fastest first
     ('<overrides> (x GiB)'). The candidates are ranked by the step-time model first
     (cheap) and only then asked for their memory (a trace of the layers each), in that
@@ -128,7 +128,7 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
             ranked.append(((smaller_batch, speed, i), (m, par, tr)))
     found = []
     for _, (m, par, tr) in sorted(ranked, key=lambda r: r[0]):
-        total = memory_model.predict_memory(m, par, tr, platform)["total"]
+        total = memory_model.predict_memory(m, par, tr, platform, optim)["total"]
         if total <= limit:
             found.append(f"{_changes(model, parallel, train, (m, par, tr))} ({_size(total)})")
             if len(found) == wanted:
@@ -148,7 +148,7 @@ def _limit(cfg: RunConfig, devset) -> tuple[float | None, str]:
 def _refuse(cfg: RunConfig, parallel: ParallelConfig, devset, total: float, limit: float,
             source: str, whose: str) -> MemoryCheckError:
     fits = suggestions(cfg.model, parallel, cfg.train, len(devset), limit, devset.platform,
-                       devset.kind)
+                       devset.kind, optim=cfg.optim)
     n = len(devset)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               f"nothing on {n} device{'s' if n > 1 else ''} is predicted to fit: use more "
@@ -169,7 +169,8 @@ def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
     limit, source = _limit(cfg, devset)
     if limit is None:
         return None
-    total = memory_model.predict_memory(cfg.model, parallel, cfg.train, devset.platform)["total"]
+    total = memory_model.predict_memory(cfg.model, parallel, cfg.train, devset.platform,
+                                        cfg.optim)["total"]
     if total > limit:
         raise _refuse(cfg, parallel, devset, total, limit, source, "predicted by the memory model")
     return {"predicted_bytes": total, "limit_bytes": limit}

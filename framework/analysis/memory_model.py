@@ -4,11 +4,13 @@ memory side of the parallelism planner (`framework/analysis/planner.py`), as
 
 Memory per device (bytes): what XLA's buffer assignment holds at the step's peak.
 
-  params, optimizer  float32 parameters and AdamW's two moments (`framework/engine/optim.py`),
+  params, optimizer  the parameters (`optim.param_dtype`) and AdamW's two moments
+             (mu `optim.mu_dtype`, nu float32; `framework/engine/optim.py`; Muon's
+             matrices keep one moment, counted as AdamW's two),
              each leaf's local shard by the engine's own layout and rules: layers split
              over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
              ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
-  gradients  float32, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
+  gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
              all-gathered parameters; with a tick loop (p > 1) also its accumulators.
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
@@ -41,7 +43,9 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
 compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
-need more there than predicted (the prediction is for accelerators, which keep bf16).
+(and bfloat16 parameters) need more there than predicted (the prediction is for
+accelerators, which keep bf16: llama_1b_8gpu with bfloat16 parameters on the GPU
+compiler, 1.07x; tests/compiled/test_aot.py).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import numpy as np
 
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import device_fn
@@ -290,10 +294,14 @@ def _layer_remat(parallel: ParallelConfig) -> str:
 
 
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                   platform: str | None = None) -> dict:
+                   platform: str | None = None, optim: OptimConfig | None = None) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
     docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
-    (default: JAX's default backend)."""
+    (default: JAX's default backend); `optim` the stored dtypes (default float32)."""
+    optim = optim or OptimConfig()
+    # bytes per float32 byte: of a parameter or gradient, of AdamW's two moments
+    stored_width = jnp.dtype(optim.param_dtype).itemsize / FP32
+    moments_width = (jnp.dtype(optim.mu_dtype).itemsize + FP32) / FP32
     model = attention_traced(model, train.seq_len, platform)
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
@@ -340,10 +348,10 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         backward = layer_backward + slot  # a forward's new slot is built apart
         grads += state["grads"]  # the tick loop's gradient accumulators
     out = {
-        "params": stored,
-        "optimizer": 2 * stored,  # AdamW's mu and nu, sharded like the parameters
+        "params": stored * stored_width,
+        "optimizer": moments_width * stored,  # AdamW's mu and nu, sharded like the params
         "tokens": rows * (train.seq_len + 1) * 4,
-        "gradients": grads,
+        "gradients": grads * stored_width,
         "activations": kept,
         "transient": max(head, backward),  # the head's peak and the layers' do not overlap
     }

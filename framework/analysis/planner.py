@@ -253,18 +253,20 @@ def _degrees(n_devices: int, contexts: list[int]):
                     yield p, tp, cp
 
 
-def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Hardware) -> Plan:
-    mem = predict_memory(model, par, train, hw.platform)
+def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Hardware,
+             optim=None) -> Plan:
+    """One layout's predictions; `optim` the stored dtypes (optim.param_dtype, mu_dtype)."""
+    mem = predict_memory(model, par, train, hw.platform, optim)
     return Plan(par, mem, predict_time(model, par, train, hw),
                 mem["total"] <= hw.memory_bytes * hw.memory_fraction,
                 train.global_batch_size * train.seq_len)
 
 
 def plan(model: ModelConfig, train: TrainConfig, base: ParallelConfig, n_devices: int,
-         hw: Hardware, **enumerate_kw) -> list[Plan]:
+         hw: Hardware, optim=None, **enumerate_kw) -> list[Plan]:
     """Every valid layout with its predictions: fitting ones first, fastest first (then
     the smallest memory)."""
-    plans = [evaluate(model, train, par, hw)
+    plans = [evaluate(model, train, par, hw, optim)
              for par in enumerate_layouts(model, train, n_devices, base, **enumerate_kw)]
     return sorted(plans, key=lambda pl: (not pl.fits, pl.time["total"], pl.memory["total"]))
 

@@ -57,11 +57,12 @@ def devices_for(cfg: RunConfig, target: Target) -> tuple[list, str, str]:
 
 
 def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                platform: str, kind: str, n_devices: int) -> dict:
-    """The memory model's bytes and the planner's seconds, with model FLOPs per device."""
+                platform: str, kind: str, n_devices: int, optim=None) -> dict:
+    """The memory model's bytes (`optim`: the stored dtypes) and the planner's seconds,
+    with model FLOPs per device."""
     from framework.analysis import flops, memory_model, planner
 
-    memory = memory_model.predict_memory(model, parallel, train, platform)["total"]
+    memory = memory_model.predict_memory(model, parallel, train, platform, optim)["total"]
     out = {"memory/predicted_bytes_per_device": float(memory),
            "flops/model_per_device_per_step": flops.flops_per_token(model, train.seq_len)
            * train.global_batch_size * train.seq_len / n_devices}
@@ -117,7 +118,8 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
     report = {"target": target.name, "device_kind": kind, "n_devices": len(found),
               "mesh": mesh_name(parallel), "schedule": parallel.schedule,
-              **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found))}
+              **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found),
+                            cfg.optim)}
     # data.document_mask: the program is the same whichever token ends a document
     documents = DocumentMask(0, cfg.data.reset_positions) if cfg.data.document_mask else None
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
@@ -155,7 +157,7 @@ def _too_big(cfg: RunConfig, parallel: ParallelConfig, target: Target, needed: f
     from framework.analysis.memory_check import SHOWN, suggestions
 
     fits = suggestions(cfg.model, parallel, cfg.train, report["n_devices"], limit,
-                       target.platform, report["device_kind"])
+                       target.platform, report["device_kind"], optim=cfg.optim)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               "nothing on these devices is predicted to fit: use more devices or a smaller model")
     return (f"{target.name}: the compiled step needs {_size(needed)} {what}per device (the "

@@ -30,7 +30,7 @@ from framework.config.ranges import (AT_LEAST_0, AT_LEAST_1, POSITIVE,  # noqa: 
 
 # The valid values of every setting that has a fixed set of them.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters stay float32
+    "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters: optim.param_dtype
     "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
     "model.rope_scaling.rope_type": ("none", "llama3"),
     "model.family": ("llama", "qwen2", "qwen3", "mistral", "gemma2"),  # FAMILY_PRESETS below
@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
     "optim.decay_shape": ("linear", "cosine", "sqrt"),  # wsd's final decay
     "optim.mu_dtype": ("float32", "bfloat16"),  # AdamW's first moment
+    "optim.param_dtype": ("float32", "bfloat16"),  # the stored (master) parameters
     "optim.name": ("adamw", "muon"),  # framework/engine/optim.py
     "train.resume": ("auto", "never"),  # framework/run/start.py
     "data.kind": ("synthetic", "markov", "text", "tokens", "corpus"),  # framework/io/data.py
@@ -170,6 +171,9 @@ class OptimConfig:
     decay_shape: str = "linear"
     z_loss: float = 0.0  # + z_loss * (log Z)^2 per token (PaLM), the training loss only
     mu_dtype: str = "float32"  # the first moment (AdamW's second stays float32)
+    # The parameters as stored and updated (master weights) and their gradients:
+    # bfloat16 halves both; the optimizer still computes in float32 (engine/optim.py)
+    param_dtype: str = "float32"
     # adamw, or muon: Muon on the layers' matrices, AdamW (the settings above) on the
     # embedding, head and norms; Muon's momentum
     name: str = "adamw"

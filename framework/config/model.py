@@ -48,7 +48,8 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(unsafe_hash=True)
 class ModelConfig:
-    """A Llama-style decoder. Parameters are float32; `dtype` is the compute dtype.
+    """A Llama-style decoder. `dtype` is the compute dtype (the stored parameters':
+    optim.param_dtype, float32 by default).
     `family` presets qkv_bias and qk_norm where they are left null (FAMILY_PRESETS):
     read them as `has_qkv_bias`, `has_qk_norm`. (Resolved when read, not stored: a
     preset stored at construction would stay behind when Hydra or `replace` changes

@@ -138,5 +138,5 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
     n_chunks = prog.schedule.n_chunks
     specs, dims = param_specs(model, parallel, n_chunks)
     state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
-                        n_chunks, specs, dims)
+                        n_chunks, specs, dims, optim.param_dtype)
     return Engine(state, prog, lr_schedule(optim, total_steps), optim.z_loss, documents)

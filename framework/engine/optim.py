@@ -25,6 +25,15 @@ al. 2025, "Muon is scalable for LLM training"); the embedding, the head and the 
 scales keep AdamW, as in both. Muon's matrix function needs each whole matrix: on a
 sharded layout XLA gathers what the update needs (the optimizer runs outside the
 step's shard_map).
+
+Stored dtypes: the parameters and their gradients are `optim.param_dtype` (float32
+by default; bfloat16 halves both), the first moment `optim.mu_dtype`, the second
+always float32. Whatever the parameters' dtype, the optimizer computes in float32
+(`in_float32`): gradients and parameters are widened on the way in, and only the
+sum parameter + update is rounded to the stored dtype (optax.apply_updates). With
+bfloat16 parameters an update below half a bfloat16 step of its parameter (2^-9
+relative) is lost: the price of the halved memory, which plain rounding pays
+(stochastic rounding, which would keep it on average, is not done).
 """
 
 from __future__ import annotations
@@ -125,6 +134,20 @@ def _muon_rms_scale() -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), scale)
 
 
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` fed float32 copies of the gradients and parameters, so its state and its
+    updates are float32 whatever the stored dtype (module docstring); a no-op for
+    float32 parameters."""
+    widen = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+    def update(updates, state, params=None, **extra):
+        return inner.update(widen(updates), state,
+                            None if params is None else widen(params), **extra)
+
+    return optax.GradientTransformationExtraArgs(lambda params: inner.init(widen(params)),
+                                                 update)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip > 0:
@@ -134,7 +157,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mu_dtype=jnp.dtype(cfg.mu_dtype), mask=mask)
     if cfg.name == "adamw":
-        return optax.chain(*parts, adamw)
+        return in_float32(optax.chain(*parts, adamw))
     muon = optax.chain(
         optax.contrib.scale_by_muon(beta=cfg.muon_momentum, mu_dtype=jnp.dtype(cfg.mu_dtype),
                                     weight_dimension_numbers=muon_axes),
@@ -144,4 +167,5 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     labels = lambda p: jax.tree.map(lambda a: "adam" if a is None else "muon", muon_axes(p),
                                     is_leaf=lambda x: x is None or isinstance(
                                         x, optax.contrib.MuonDimensionNumbers))
-    return optax.chain(*parts, optax.partition({"muon": muon, "adam": adamw}, labels))
+    return in_float32(optax.chain(*parts, optax.partition({"muon": muon, "adam": adamw},
+                                                          labels)))

@@ -47,14 +47,20 @@ def new_state(params, optimizer: optax.GradientTransformation) -> dict:
     return train_state(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
+def as_dtype(params, dtype: str):
+    """The parameters stored in `dtype` (optim.param_dtype): every leaf cast; the one
+    place the stored dtype is applied (fresh, imported and restored parameters)."""
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
 @lru_cache(maxsize=None)
 def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int,
-                          stage_layers: tuple | None = None):
-    """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves); allocates nothing
-    (traced once per model and layout)."""
-    return jax.eval_shape(lambda: layout.canonical_to_train(
+                          stage_layers: tuple | None = None, dtype: str = "float32"):
+    """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves) stored in `dtype`;
+    allocates nothing (traced once per model and layout)."""
+    return jax.eval_shape(lambda: as_dtype(layout.canonical_to_train(
         init_params(model, jax.random.key(0)), n_stages, n_chunks,
-        stage_layers=stage_layers))
+        stage_layers=stage_layers), dtype))
 
 
 def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
@@ -131,6 +137,7 @@ class StateLayout:
     n_chunks: int  # layer chunks per pipeline rank
     param_specs: dict  # PartitionSpecs of the train-layout parameters
     zero1_dims: dict | None  # ZeRO-1's dimension per leaf (None: no ZeRO-1)
+    param_dtype: str = "float32"  # the stored parameters' (optim.param_dtype)
 
     @property
     def v_shape(self) -> bool:
@@ -152,7 +159,7 @@ class StateLayout:
     def abstract_params(self):
         """Train-layout parameter shapes (ShapeDtypeStruct leaves, no shardings)."""
         return abstract_train_params(self.model, self.parallel.pipeline, self.n_chunks,
-                                     self.stage_layers)
+                                     self.stage_layers, self.param_dtype)
 
     @cached_property
     def shardings(self) -> dict:
@@ -193,25 +200,32 @@ class StateLayout:
                            NamedSharding(mesh, P()))
 
     def to_train(self, canonical):
-        """Inverse of `to_canonical` for this layout's (pipeline, chunks)."""
+        """Inverse of `to_canonical` for this layout's (pipeline, chunks); each array
+        cast to this layout's dtype of it (a checkpoint saved with another
+        optim.param_dtype or optim.mu_dtype restores cast)."""
         split = lambda p: layout.canonical_to_train(p, self.parallel.pipeline, self.n_chunks,
                                                     self.v_shape, self.stage_layers)
         canonical_def = jax.tree.structure(canonical["params"])
-        return train_state(split(canonical["params"]),
-                           _map_params(canonical["opt_state"], canonical_def, split),
-                           canonical["step"])
+        state = train_state(split(canonical["params"]),
+                            _map_params(canonical["opt_state"], canonical_def, split),
+                            canonical["step"])
+        target = jax.eval_shape(lambda p: new_state(p, self.optimizer), self.abstract_params)
+        return jax.tree.map(lambda x, t: x.astype(t.dtype), state, target)
 
     def place(self, canonical_params):
-        """Canonical params on the host -> train layout, placed on the mesh (each
-        process places its own shards)."""
+        """Canonical params on the host (any float dtype) -> train layout in the stored
+        dtype, placed on the mesh (each process places its own shards)."""
         params = layout.canonical_to_train(canonical_params, self.parallel.pipeline,
                                            self.n_chunks, self.v_shape, self.stage_layers)
-        return jax.device_put(params, self.shardings["params"])
+        cast = lambda x: x if x.dtype == self.param_dtype else x.astype(self.param_dtype)
+        return jax.device_put(jax.tree.map(cast, params), self.shardings["params"])
 
     def from_canonical(self, canonical_params):
-        """Canonical params already on the mesh -> train layout (one jitted relayout)."""
-        relayout = lambda c: layout.canonical_to_train(c, self.parallel.pipeline, self.n_chunks,
-                                                       self.v_shape, self.stage_layers)
+        """Canonical params already on the mesh (any float dtype) -> train layout in the
+        stored dtype (one jitted relayout)."""
+        relayout = lambda c: as_dtype(layout.canonical_to_train(
+            c, self.parallel.pipeline, self.n_chunks, self.v_shape, self.stage_layers),
+            self.param_dtype)
         return jax.jit(relayout, out_shardings=self.shardings["params"])(canonical_params)
 
     def init(self, params) -> dict:

@@ -117,8 +117,9 @@ def check_settings(model) -> list[str]:
 
 def choose(platform: str, dtype, kv_len: int, head_dim: int, no_cudnn: bool = False) -> str:
     """What `auto` runs: cudnn on NVIDIA GPUs when supported (not `no_cudnn`: a soft-cap
-    or a per-layer (traced) window, which cuDNN's kernel lacks), else dense for short
-    sequences and blockwise (linear memory) for long ones."""
+    or a per-layer (traced) window, which cuDNN's kernel lacks, or document masks, which
+    JAX hands cuDNN as a [batch, 1, q_len, kv_len] bias: quadratic memory), else dense
+    for short sequences and blockwise (linear memory) for long ones."""
     if (_gpu_platform(platform) and not no_cudnn
             and cudnn_unsupported(dtype, head_dim) is None):
         return "cudnn"
@@ -143,7 +144,7 @@ def attend(q, k, v, model: ModelConfig, *, q_offset=0, kv_offset=0,
     implementation, form = model.attention, score_form(model)
     if implementation == "auto":
         implementation = choose(platform or jax.default_backend(), q.dtype, k.shape[1],
-                                q.shape[-1], form.softcap is not None
+                                q.shape[-1], form.softcap is not None or segments is not None
                                 or not (window is None or isinstance(window, int)))
     if implementation == "dense":
         return dense_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,

@@ -43,6 +43,7 @@ def check_run(cfg: RunConfig) -> None:
                          not_one_of("optim.schedule", cfg.optim.schedule),
                          not_one_of("optim.decay_shape", cfg.optim.decay_shape),
                          not_one_of("optim.mu_dtype", cfg.optim.mu_dtype),
+                         not_one_of("optim.param_dtype", cfg.optim.param_dtype),
                          not_one_of("optim.name", cfg.optim.name)) if e]
     if cfg.logging.wandb.mode == "online" and not wandb_login_found():
         errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "

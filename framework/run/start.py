@@ -54,7 +54,7 @@ from framework.runtime import distributed
 
 Point = tuple[str, int]  # (checkpoint folder, step)
 # Model settings a checkpoint must share with the run restoring it (dtype is only the
-# compute dtype: parameters are float32 whatever it is).
+# compute dtype; the stored one, optim.param_dtype, may change: the state is cast).
 MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                     "tie_embeddings")
 # ... and what the family settings make of them (read from a ModelConfig: a checkpoint
@@ -250,6 +250,10 @@ def what_changed(meta: dict, engine: Engine, train: TrainConfig) -> str:
     here = mesh_name(engine.parallel)
     if meta.get("layout") and meta["layout"] != here:
         changes.append(f"saved on {meta['layout']}, resharded to {here}")
+    stored = (meta.get("dtypes") or {}).get("params/embed/table")
+    if stored and stored != engine.layout.param_dtype:
+        changes.append(f"parameters saved in {stored}, cast to {engine.layout.param_dtype} "
+                       f"(optim.param_dtype)")
     if meta.get("train_steps") and meta["train_steps"] != train.steps:
         changes.append(f"train.steps was {meta['train_steps']}, now {train.steps}: the "
                        f"learning-rate schedule spans {train.steps} steps from here on")

@@ -246,9 +246,10 @@ def _layers_per_stage(counts) -> str:
 
 
 def start_line(simulated: bool, cfg: RunConfig, engine) -> str:
-    sched, p = engine.schedule, cfg.model
+    sched, p, kept = engine.schedule, cfg.model, cfg.optim.param_dtype
+    stored = "" if kept == "float32" else f", stored in {kept}"
     return (f"{describe(engine.mesh, simulated)} | {count_params(p) / 1e6:.2f}M params "
-            f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}) | schedule "
+            f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}{stored}) | schedule "
             f"{sched.name}: {_plural(sched.n_stages, 'stage')}"
             f"{_layers_per_stage(engine.layout.stage_layers)} x "
             f"{_plural(sched.n_microbatches, 'microbatch')}, "

@@ -142,3 +142,19 @@ def test_document_mask_settings_are_one_line_errors():
     assert document_mask(DataConfig(), _Data(None), {}) is None
     assert document_mask(DataConfig(document_mask=True, reset_positions=True), _Data(2),
                          {"wiki": _Data(2)}) == DocumentMask(2, True)
+
+
+def test_auto_attention_passes_cudnn_by_under_document_masks(monkeypatch):
+    """cuDNN gets document masks as a [batch, 1, seq, seq] bias (quadratic memory):
+    `auto` on a GPU runs blockwise under masks, cuDNN without."""
+    calls = []
+    monkeypatch.setattr(attention, "cudnn_attention", lambda *a, **k: calls.append(1))
+    model = dataclasses.replace(MODEL, attention="auto", dtype="bfloat16")
+    q = jnp.zeros((1, 1024, 2, 2, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 1024, 2, 16), jnp.bfloat16)
+    segments = (jnp.zeros((1, 1024), jnp.int32),) * 2
+    out = jax.eval_shape(lambda: attention.attend(q, k, k, model, platform="gpu",
+                                                  segments=segments))
+    assert out.shape == q.shape and calls == []
+    jax.eval_shape(lambda: attention.attend(q, k, k, model, platform="gpu"))
+    assert calls == [1]

@@ -216,6 +216,8 @@ BAD_NUMBERS = [
     ("optim.decay_steps=0", "optim.decay_steps=0 must be >= 1"),
     ("optim.schedule=step", "optim.schedule='step' is not one of cosine, linear, constant, wsd"),
     ("optim.mu_dtype=int8", "optim.mu_dtype='int8' is not one of float32, bfloat16"),
+    ("optim.param_dtype=float16",
+     "optim.param_dtype='float16' is not one of float32, bfloat16"),
     ("optim.name=sgd", "optim.name='sgd' is not one of adamw, muon"),
     ("optim.muon_momentum=1", "optim.muon_momentum=1.0 must be in [0, 1)"),
     ("train.seq_len=0", "train.seq_len=0 must be >= 1"),

@@ -72,6 +72,24 @@ def fingerprints(nested: dict) -> dict:
     return {_key(path): fingerprint(leaf) for path, leaf in leaves}
 
 
+def dtypes(nested: dict) -> dict:
+    """{"params/embed/table": "float32", ...}: what each array was saved as (a run may
+    restore it as another: optim.param_dtype, optim.mu_dtype)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nested)[0]
+    return {_key(path): str(leaf.dtype) for path, leaf in leaves}
+
+
+def as_saved(nested: dict, saved: dict | None) -> dict:
+    """Abstract arrays (ShapeDtypeStructs) with the dtypes they were saved as, so they
+    are read unchanged and their fingerprints checked before any cast (unchanged for
+    checkpoints that predate the record)."""
+    def one(path, leaf):
+        dtype = (saved or {}).get(_key(path), leaf.dtype)
+        return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, nested)
+
+
 def array_keys(nested: dict) -> list[str]:
     return [_key(path) for path, _ in jax.tree_util.tree_flatten_with_path(nested)[0]]
 

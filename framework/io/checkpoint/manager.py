@@ -156,7 +156,8 @@ class Checkpointer:
         self.needed_bytes = integrity.tree_bytes(canonical)
         meta = {"step": int(step), "parallel": dataclasses.asdict(layout.parallel),
                 "model": dataclasses.asdict(layout.model), "resume_from": self.lineage,
-                **(metadata or {}), "fingerprints": integrity.to_json(prints)}
+                **(metadata or {}), "fingerprints": integrity.to_json(prints),
+                "dtypes": integrity.dtypes(to_nested(canonical))}
         self.wait()  # Orbax would wait for the previous save too; a failure is its own
         self._saving, self._started = step, began
         try:
@@ -263,13 +264,15 @@ class Checkpointer:
         expected = integrity.array_keys(to_nested(abstract))
         restored, saved, error = None, None, None
         try:
-            saved = self.metadata(step).get("fingerprints")
+            meta = self.metadata(step)
+            saved = meta.get("fingerprints")
             gone = integrity.missing(saved, expected)
             if gone:
                 error = f"it holds no array {gone[0]} ({len(gone)} missing)"
-            else:
+            else:  # read as saved; `to_train` casts to this layout's dtypes
+                reading = integrity.as_saved(to_nested(abstract), meta.get("dtypes"))
                 restored = self.manager.restore(step, args=ocp.args.Composite(**{
-                    STATE: ocp.args.StandardRestore(to_nested(abstract))}))[STATE]
+                    STATE: ocp.args.StandardRestore(reading)}))[STATE]
         except Exception as err:  # what Orbax/TensorStore say about unreadable files
             DETAILS.info("restoring step %s of %s failed", step, self.directory, exc_info=err)
             error = integrity.short_reason(err)
@@ -291,11 +294,13 @@ class Checkpointer:
         export, which need a third of what a full restore reads. Checked against the
         saved fingerprints like `restore`: raises DamagedCheckpoint if not as saved."""
         step = self.pick(step)
-        item = {"params": to_nested(abstract_params)}
-        args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
         path = epath.Path(self.directory) / str(step) / STATE
         try:
-            saved = self.metadata(step).get("fingerprints")
+            meta = self.metadata(step)
+            saved = meta.get("fingerprints")  # read as saved, cast once checked
+            item = integrity.as_saved({"params": to_nested(abstract_params)}, meta.get("dtypes"))
+            args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding,
+                                                               dtype=s.dtype), item)
             gone = integrity.missing(saved, integrity.array_keys(item))
             if gone:
                 raise DamagedCheckpoint(self.directory, step, f"it holds no array {gone[0]} "
@@ -313,7 +318,8 @@ class Checkpointer:
             raise DamagedCheckpoint(self.directory, step,
                                     f"{len(differ)} of {len(prints)} parameter arrays differ "
                                     f"from what was saved ({', '.join(differ[:3])})")
-        return from_nested(restored["params"], abstract_params)
+        return jax.tree.map(lambda x, a: x.astype(a.dtype),
+                            from_nested(restored["params"], abstract_params), abstract_params)
 
     def pick(self, step: int | None) -> int:
         complete = self.complete_steps()
