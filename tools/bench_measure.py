@@ -113,7 +113,7 @@ class _EngineRunner:
         stats = audit.step_stats(self.engine, self.state, self.tokens)
         self.compile_s = stats["perf/compile_time_s"]
         self.peak_bytes = stats.get("memory/peak_bytes_per_device", float("nan"))
-        self.predicted_bytes = predict_memory(model, par, cfg.train)["total"]
+        self.predicted_bytes = predict_memory(model, par, cfg.train, optim=cfg.optim)["total"]
 
     def step(self):
         self.state, metrics = self.engine.step(self.state, self.tokens)
@@ -204,7 +204,7 @@ def _fitting(cfg, layouts, limit, log, skipped) -> list:
     fitting = []
     for i, layout in enumerate(layouts):
         name, par, model = _variant(cfg, layout)
-        need = predict_memory(model, par, cfg.train)["total"] if limit else 0
+        need = predict_memory(model, par, cfg.train, optim=cfg.optim)["total"] if limit else 0
         if limit and need > limit:
             line = (f"{name}: predicted {need / 2**30:.2f} GiB per device, over the "
                     f"{limit / 2**30:.2f} GiB limit: not run")

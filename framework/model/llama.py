@@ -192,9 +192,12 @@ class Embed(nn.Module):
         local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
         mine = (local >= 0) & (local < table.shape[0])
         x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
-        if c.has_embed_scale:  # Gemma 2: x sqrt(hidden_size), in the weights' dtype (float32)
-            x = x * jnp.float32(c.d_model ** 0.5)
-        return self.tp.exit(x.astype(jnp.dtype(c.dtype)), "vocab", whole_sequence=True)
+        x = x.astype(jnp.dtype(c.dtype))
+        if c.has_embed_scale:  # Gemma 2: x sqrt(hidden_size), the factor rounded to the
+            # compute dtype first, as transformers' Gemma2Model does (bfloat16: 59.75 for
+            # sqrt(3584) = 59.87)
+            x = x * jnp.asarray(c.d_model ** 0.5, x.dtype)
+        return self.tp.exit(x, "vocab", whole_sequence=True)
 
 
 class Head(nn.Module):

@@ -63,6 +63,14 @@ FAMILY_SHAPE_KEYS = {"has_qkv_bias": "model.qkv_bias", "has_qk_norm": "model.qk_
                      "head_dim": "the head width (model.explicit_head_dim)",
                      "has_post_norms": "model.post_norms",
                      "has_norm_plus_one": "model.norm_plus_one"}
+# Settings that change what the same parameters compute: a resume may change them
+# (e.g. RoPE for a longer context), and its line says so.
+MATHS_KEYS = {"mlp_activation": "model.activation", "has_embed_scale": "model.embed_scale",
+              "rope_theta": "model.rope_theta", "rope_scaling": "model.rope_scaling",
+              "norm_eps": "model.norm_eps", "sliding_window": "model.sliding_window",
+              "sliding_window_pattern": "model.sliding_window_pattern",
+              "query_pre_attn_scalar": "model.query_pre_attn_scalar",
+              "attn_softcap": "model.attn_softcap", "final_softcap": "model.final_softcap"}
 
 
 # --- train.init_from: the model settings --------------------------------------------
@@ -244,12 +252,17 @@ def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> di
 
 
 def what_changed(meta: dict, engine: Engine, train: TrainConfig) -> str:
-    """What a resume changes, in words: the layout (resharded) and the length of the
-    learning-rate schedule (train.steps)."""
+    """What a resume changes, in words: the layout (resharded), what the model computes
+    (MATHS_KEYS), the stored dtype and the length of the learning-rate schedule."""
     changes = []
     here = mesh_name(engine.parallel)
     if meta.get("layout") and meta["layout"] != here:
         changes.append(f"saved on {meta['layout']}, resharded to {here}")
+    if meta.get("model", {}).get("d_model"):
+        theirs = model_config_from_dict(meta["model"])
+        changes += [f"{said} was {getattr(theirs, k)}, now {getattr(engine.model, k)}"
+                    for k, said in MATHS_KEYS.items()
+                    if getattr(theirs, k) != getattr(engine.model, k)]
     stored = (meta.get("dtypes") or {}).get("params/embed/table")
     if stored and stored != engine.layout.param_dtype:
         changes.append(f"parameters saved in {stored}, cast to {engine.layout.param_dtype} "

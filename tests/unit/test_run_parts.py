@@ -286,3 +286,23 @@ def test_a_resume_says_when_it_reshards_and_when_the_schedule_length_changed():
     assert said == (" (saved on pp2-dp2-tp2-mb2, resharded to pp1-dp8-tp1-mb1; train.steps "
                     "was 10, now 20: the learning-rate schedule spans 20 steps from here on)")
     assert what_changed({}, engine, TrainConfig(steps=20)) == ""  # older checkpoints
+
+
+def test_a_resume_says_what_the_model_computes_differently_and_the_stored_dtype():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from framework.config import ModelConfig, ParallelConfig, TrainConfig
+    from framework.run.start import what_changed
+
+    model = ModelConfig(family="gemma2")
+    engine = SimpleNamespace(parallel=ParallelConfig(), model=model,
+                             layout=SimpleNamespace(param_dtype="bfloat16"))
+    meta = {"model": dataclasses.asdict(dataclasses.replace(model, attn_softcap=50.0,
+                                                            rope_theta=500000.0)),
+            "dtypes": {"params/embed/table": "float32"}}
+    assert what_changed(meta, engine, TrainConfig()) == (
+        " (model.rope_theta was 500000.0, now 10000.0; model.attn_softcap was 50.0, now "
+        "None; parameters saved in float32, cast to bfloat16 (optim.param_dtype))")
+    meta = {"model": dataclasses.asdict(model), "dtypes": {"params/embed/table": "bfloat16"}}
+    assert what_changed(meta, engine, TrainConfig()) == ""
