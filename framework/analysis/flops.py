@@ -24,7 +24,7 @@ the TF32 peak. Unknown devices (CPU, or float32 on TPU) give None, logged as nul
 from __future__ import annotations
 
 from framework.config import ModelConfig
-from framework.model.llama import count_params
+from framework.model.llama import count_params, keys_per_query
 
 # (substring of the lower-cased jax device_kind, {dtype: peak FLOP/s per chip}),
 # checked in order: the first match wins.
@@ -47,17 +47,10 @@ def matmul_params(model: ModelConfig) -> int:
     return count_params(model) - embedding_lookup
 
 
-def local_layers(model: ModelConfig) -> int:
-    """How many layers attend through the sliding window (framework/model/layers.py)."""
-    return sum(not model.global_layer(i) for i in range(model.n_layers))
-
-
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token, PaLM appendix B; keys per
     query: seq_len, or the window on local layers."""
-    local = local_layers(model)
-    keys = (model.n_layers - local) * seq_len + local * min(model.sliding_window or 0, seq_len)
-    attention = 12 * model.n_heads * model.head_dim * keys
+    attention = 12 * model.n_heads * model.head_dim * sum(keys_per_query(model, seq_len))
     return float(6 * matmul_params(model) + attention)
 
 

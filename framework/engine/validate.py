@@ -19,7 +19,7 @@ from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, Tr
                               not_one_of, shown)
 from framework.errors import ConfigError
 from framework.model import attention
-from framework.model.llama import check_model
+from framework.model.llama import check_model, keys_per_query, layer_matrix_params
 from framework.parallel.mesh import resolve_data_degree
 from framework.parallel.pipeline import layout
 from framework.parallel.pipeline import schedule as schedules
@@ -129,15 +129,14 @@ def stage_layer_counts(model: ModelConfig, p: ParallelConfig, seq_len: int) -> t
 
 
 def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """Training FLOPs per token (forward + backward, 3x the forward's matmuls) of one
-    layer, of the embedding (a lookup: none) and of the head (the vocabulary projection;
-    the norm and cross-entropy are elementwise). Attention: causal, so half of the
-    2 x 2 x seq x heads x head_dim of QK^T and AV (Kaplan et al. 2020 count the same
-    terms; heads x head_dim is d_model unless model.explicit_head_dim says otherwise)."""
-    d, hd = model.d_model, model.head_dim
-    weights = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * d * model.d_ff
-    layer = 3 * (2 * weights + 2 * seq_len * model.n_heads * hd)
-    return float(layer), 0.0, float(3 * 2 * d * model.vocab_size)
+    """Training FLOPs per token (forward + backward, 3x the forward's matmuls) of an
+    average layer, of the embedding (a lookup: none) and of the head (the vocabulary
+    projection; the norm and cross-entropy are elementwise). Attention: causal, so half
+    of the 2 x 2 x keys x heads x head_dim of QK^T and AV (Kaplan et al. 2020 count the
+    same terms), keys per query averaged over the layers (sliding windows: fewer)."""
+    keys = sum(keys_per_query(model, seq_len)) / model.n_layers
+    layer = 3 * (2 * layer_matrix_params(model) + 2 * keys * model.n_heads * model.head_dim)
+    return float(layer), 0.0, float(3 * 2 * model.d_model * model.vocab_size)
 
 
 def _check_divisibility(model: ModelConfig, p: ParallelConfig, train: TrainConfig) -> list[str]:

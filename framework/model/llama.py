@@ -284,12 +284,25 @@ def param_logical_axes(cfg: ModelConfig):
     return found["axes"]
 
 
+def layer_matrix_params(cfg: ModelConfig) -> int:
+    """Weights of one layer's matmuls: wqkv and wo, the gated MLP's three matrices."""
+    c = cfg
+    return c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff
+
+
+def keys_per_query(cfg: ModelConfig, seq_len: int) -> list[int]:
+    """Per layer, the keys a query's scores span at most: seq_len, or the window on a
+    sliding-window layer (`ModelConfig.global_layer`). The FLOP count and the stage
+    balance read it."""
+    return [seq_len if cfg.global_layer(i) else min(cfg.sliding_window, seq_len)
+            for i in range(cfg.n_layers)]
+
+
 def count_params(cfg: ModelConfig) -> int:
     c = cfg
-    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wqkv + wo
-    attn += (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
+    attn = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
     attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
-    layer = attn + 3 * c.d_model * c.d_ff + (4 if c.has_post_norms else 2) * c.d_model
+    layer = layer_matrix_params(c) + attn + (4 if c.has_post_norms else 2) * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     return c.vocab_size * c.d_model + c.n_layers * layer + head
 
