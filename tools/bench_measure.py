@@ -132,7 +132,9 @@ class _ReferenceRunner:
         # 1B model's state must not be held twice.
         self.fn = jax.jit(reference.reference_train_step(cfg.model, optimizer),
                           donate_argnums=(0, 1))
-        self.params = jax.device_put(params, device)
+        from framework.engine.state import as_dtype  # the engine rows' stored dtype
+
+        self.params = jax.device_put(as_dtype(params, cfg.optim.param_dtype), device)
         self.opt_state = jax.jit(optimizer.init)(self.params)
         self.tokens = jax.device_put(tokens, device)
         start = time.perf_counter()

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     found = audit.engine_collectives(engine, hlo)
     mesh_shape = dict(engine.mesh.shape)
     measured = audit.bytes_per_axis(found, mesh_shape)
-    expected = comm_model.expected_bytes(cfg.model, parallel, cfg.train)
+    expected = comm_model.expected_bytes(cfg.model, parallel, cfg.train,
+                                         param_dtype=cfg.optim.param_dtype)
     print(f"{mesh_name(parallel)} ({parallel.schedule}"
           f"{', sequence parallel' if parallel.sequence_parallel else ''}"
           f"{', ZeRO-1' if parallel.zero1 else ''}): {len(found)} collectives; "

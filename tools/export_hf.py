@@ -11,7 +11,7 @@ model-0000i-of-0000n.safetensors + model.safetensors.index.json past
 (byte-level runs have none: their vocabulary is the 256 byte values). The checkpoint
 may come from any layout (checkpoints are layout-independent); only its parameters are
 read, onto one CPU device. Default dtype: that of the folder the run was initialised
-from (train.init_from), else float32 (the parameters as trained). A Hugging Face
+from (train.init_from), else that of the parameters as trained (optim.param_dtype). A Hugging Face
 folder is accepted too (a re-export).
 
 The output folder is new, empty, or a previous export (its export_hf.json lists its
@@ -63,12 +63,12 @@ def export(source_path: str, out: str, step: int | None = None, dtype: str | Non
     source = artifacts.open_source(source_path, step, setting="source")
     dest = export_folder.check_destination(out, source.path, overwrite)
     original = source.hf_config or {}
-    if dtype is None:
-        stored = original.get("torch_dtype", original.get("dtype"))
-        dtype = stored if stored in hf.EXPORT_DTYPES else "float32"
     mesh = jax.make_mesh((1,), ("one",), devices=jax.devices("cpu")[:1])
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), hf.canonical_shapes(source.model))
     params = source.load(shardings)  # after the step fallback, source.step is the one read
+    if dtype is None:
+        stored = original.get("torch_dtype", original.get("dtype"))
+        dtype = stored if stored in hf.EXPORT_DTYPES else source.stored_dtype
     tokenizer = source.tokenizer if source.tokenizer not in (None, BYTES) else None
     write = lambda folder: hf.export(folder, source.model, params, dtype, original,
                                      source.positions()[0], max_bytes, tokenizer)

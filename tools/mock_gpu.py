@@ -49,13 +49,14 @@ def _inputs(engine, cfg):
     its own shards; nothing crosses the host)."""
     import jax
 
-    from framework.engine.state import new_state
+    from framework.engine.state import as_dtype, new_state
     from framework.model.llama import init_params
     from framework.parallel.pipeline.layout import canonical_to_train
 
     split = lambda p: canonical_to_train(p, engine.parallel.pipeline, engine.n_chunks,
                                          engine.layout.v_shape)
-    make = lambda key: new_state(split(init_params(cfg.model, key)), engine.optimizer)
+    make = lambda key: new_state(as_dtype(split(init_params(cfg.model, key)),
+                                          engine.layout.param_dtype), engine.optimizer)
     state = jax.jit(make, out_shardings=engine.state_shardings)(jax.random.key(0))
     shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)
     tokens = jax.jit(lambda k: jax.random.randint(k, shape, 0, cfg.model.vocab_size),

@@ -24,8 +24,8 @@ hidden states of one data replica's batch (in the compute dtype):
           every tick of its phases, zeros where it has no message: the table's count
           (`Program.sends_per_step`) of A/m each, over p. Plus one all-reduce
           of the gradients of the parameters several ranks use (embedding, LM head,
-          final norm), float32.
-  data    One all-reduce of this device's gradient shard per step (float32, uneven
+          final norm), in the stored parameters' dtype (optim.param_dtype; float32).
+  data    One all-reduce of this device's gradient shard per step (stored dtype, uneven
           stages' padding layers included); ZeRO-1's reduce-scatter + all-gather moves
           the same bytes. FSDP gathering per use: per microbatch, (dp-1)/dp of each
           layer's weights three times (gathered forward and backward, gradient
@@ -37,7 +37,7 @@ hidden states of one data replica's batch (in the compute dtype):
           backward runs the forward ring again (c-1 more): the GPU compiler keeps those
           shifts, each beside its blocks, while the CPU's all-gathers of the same keys
           are merged with the backward's (measured on both). Plus one
-          all-reduce of the gradients over `context`, float32 (joined with `data`'s;
+          all-reduce of the gradients over `context`, stored dtype (joined with `data`'s;
           ZeRO-1 and FSDP: of the data shard, after its reduce-scatter).
           On CPU devices each shift is an all-gather (c-1 times the bytes).
 With context parallelism A is one device's tokens: s/c of each sequence.
@@ -146,26 +146,31 @@ def _busiest_layers(model: ModelConfig, parallel: ParallelConfig, train: TrainCo
     return max(sum(counts[g] for g in row) for row in stages.of)
 
 
-def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict) -> float:
+def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
+               stored: int = FP32) -> float:
     """`data` with FSDP gathering per use (framework/parallel/data.py), float32 shards:
     per microbatch each layer is gathered for its forward and again for its backward
     (in the compute dtype: the matrices travel cast, the norm scales' few bytes are
     counted so too) and its gradient reduce-scattered (float32); the embedding gathered
     for the first stage's forward (its lookup's backward needs no weights), the head
     (and a tied table) gathered forward and backward on the last stage: each on one of
-    p ranks; the table always in float32."""
+    p ranks; the table always in float32. `stored`: bytes of a stored parameter
+    (optim.param_dtype; bfloat16 ones travel as stored)."""
     share = (parallel.data - 1) / parallel.data
-    cast = 2 * np.dtype(model.dtype).itemsize + FP32  # two gathers, one reduce-scatter
-    ends = 2 * FP32 * counts["embed"] + cast * counts["head"]
+    # two gathers (cast where the compute dtype is narrower), one reduce-scatter
+    cast = 2 * min(np.dtype(model.dtype).itemsize, stored) + stored
+    ends = 2 * stored * counts["embed"] + cast * counts["head"]
     if model.tie_embeddings:
-        ends += 3 * FP32 * counts["embed"]
+        ends += 3 * stored * counts["embed"]
     return parallel.microbatches * share * (cast * counts["layers"] + ends / parallel.pipeline)
 
 
-def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
-                   train: TrainConfig, permute: bool = True) -> dict[str, float]:
+def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                   permute: bool = True, param_dtype: str = "float32") -> dict[str, float]:
     """Bytes each mesh axis must carry per device per step (see the module docstring);
-    `permute=False`: ring shifts as the CPU's all-gathers."""
+    `permute=False`: ring shifts as the CPU's all-gathers. Gradients travel in the
+    stored parameters' dtype (`param_dtype`, optim.param_dtype)."""
+    grad = np.dtype(param_dtype).itemsize
     p, dp, tp, c = parallel.pipeline, parallel.data, parallel.tensor, parallel.context
     stages = program_of(parallel, model.n_layers).stages
     v = stages.of.shape[1]
@@ -185,18 +190,18 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig,
         # the final one, and q/k norm's two of head_dim (biases are split with their heads)
         norms = ((2 + 2 * model.has_post_norms) * layers + 1) * model.d_model + \
             2 * layers * model.head_dim * model.has_qk_norm
-        tensor += _ring_all_reduce(tp) * norms * FP32
+        tensor += _ring_all_reduce(tp) * norms * grad
 
     pipe = stage_sends(model, parallel, train)
     shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
     # FSDP per use: their gradients arrive sharded over `data` already
-    pipe += _ring_all_reduce(p) * shared * FP32 / (dp if gathers_per_use(parallel) else 1)
+    pipe += _ring_all_reduce(p) * shared * grad / (dp if gathers_per_use(parallel) else 1)
 
-    data = _ring_all_reduce(dp) * sum(counts.values()) * FP32
+    data = _ring_all_reduce(dp) * sum(counts.values()) * grad
     if gathers_per_use(parallel):
-        data = fsdp_bytes(model, parallel, counts)
+        data = fsdp_bytes(model, parallel, counts, grad)
     context = context_bytes(model, parallel, train, permute)
     sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard
-    context += _ring_all_reduce(c) * sum(counts.values()) * FP32 / (dp if sharded else 1)
+    context += _ring_all_reduce(c) * sum(counts.values()) * grad / (dp if sharded else 1)
     return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
             CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}

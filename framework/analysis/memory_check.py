@@ -124,7 +124,7 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):
         if not check(m, par, tr, n_devices):
             smaller_batch = tr.global_batch_size != train.global_batch_size
-            speed = planner.predict_time(m, par, tr, hw)["total"] / tr.global_batch_size
+            speed = planner.predict_time(m, par, tr, hw, optim)["total"] / tr.global_batch_size
             ranked.append(((smaller_batch, speed, i), (m, par, tr)))
     found = []
     for _, (m, par, tr) in sorted(ranked, key=lambda r: r[0]):

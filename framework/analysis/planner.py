@@ -92,12 +92,13 @@ def _split_flops_per_token(model: ModelConfig, seq: int, remat: str,
 _COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree set
 
 
-def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> dict:
+def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                param_dtype: str = "float32") -> dict:
     v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
     key = (model, parallel.pipeline, parallel.data, parallel.context, parallel.tensor, v,
-           parallel.sequence_parallel, train.global_batch_size, train.seq_len)
+           parallel.sequence_parallel, train.global_batch_size, train.seq_len, param_dtype)
     if key not in _COMM:
-        _COMM[key] = comm_model.expected_bytes(model, parallel, train)
+        _COMM[key] = comm_model.expected_bytes(model, parallel, train, param_dtype=param_dtype)
     return _COMM[key]
 
 
@@ -117,9 +118,10 @@ def ring_hidden_share(model: ModelConfig, tp: int, bytes_per_flop: float) -> flo
 
 
 def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                 hw: Hardware) -> dict:
+                 hw: Hardware, optim=None) -> dict:
     """Predicted seconds per step by term (see the module docstring), with the bubble
-    and the MFU (model FLOPs, no remat, over N * peak * step time) they imply."""
+    and the MFU (model FLOPs, no remat, over N * peak * step time) they imply; `optim`:
+    the stored parameters' dtype, which the gradients travel in (default float32)."""
     dp, tp, cp, n = parallel.data, parallel.tensor, parallel.context, parallel.n_devices
     sched = program_of(parallel, model.n_layers).schedule
     tokens = train.global_batch_size * train.seq_len
@@ -133,7 +135,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     per_flop = tokens / (dp * cp * tp) / hw.peak_flops  # context: 1/cp of each sequence
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
            + head_beyond * per_flop}
-    for axis, nbytes in _comm_bytes(model, parallel, train).items():
+    stored = optim.param_dtype if optim is not None else "float32"
+    for axis, nbytes in _comm_bytes(model, parallel, train, stored).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
     budget = out["compute"]  # what overlapped transfers can hide behind, at most
     if sched.overlap:  # the stage-to-stage sends run beside the cells, hidden up to them
@@ -257,7 +260,7 @@ def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Ha
              optim=None) -> Plan:
     """One layout's predictions; `optim` the stored dtypes (optim.param_dtype, mu_dtype)."""
     mem = predict_memory(model, par, train, hw.platform, optim)
-    return Plan(par, mem, predict_time(model, par, train, hw),
+    return Plan(par, mem, predict_time(model, par, train, hw, optim),
                 mem["total"] <= hw.memory_bytes * hw.memory_fraction,
                 train.global_batch_size * train.seq_len)
 

@@ -69,7 +69,8 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     peak = flops.peak_flops_per_device(kind, model.dtype)
     if peak:
         hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak)
-        out["time/predicted_step_s"] = planner.predict_time(model, parallel, train, hw)["total"]
+        time = planner.predict_time(model, parallel, train, hw, optim)
+        out["time/predicted_step_s"] = time["total"]
     return out
 
 

@@ -31,8 +31,8 @@ by default; bfloat16 halves both), the first moment `optim.mu_dtype`, the second
 always float32. Whatever the parameters' dtype, the optimizer computes in float32
 (`in_float32`): gradients and parameters are widened on the way in, and only the
 sum parameter + update is rounded to the stored dtype (optax.apply_updates). With
-bfloat16 parameters an update below half a bfloat16 step of its parameter (2^-9
-relative) is lost: the price of the halved memory, which plain rounding pays
+bfloat16 parameters an update below half a bfloat16 step of its parameter (2^-9 to
+2^-8 of it, by its mantissa) is lost: the price of the halved memory, which plain rounding pays
 (stochastic rounding, which would keep it on average, is not done).
 """
 

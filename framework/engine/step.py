@@ -23,6 +23,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -80,9 +81,10 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
 def _per_use_gathers(dims, dtype) -> dict:
     """FSDP's gathers of one use of the embedding, the head and a layer (identities,
     and no layer gather, without per-use gathers). The layers' and the head's matrices
-    travel in the compute dtype `dtype` (the model casts every matrix to it before use,
-    framework/model/llama.py); the embedding table in its own (a lookup's gradient
-    scatter-adds rows: summed in float32, as without FSDP)."""
+    travel in the compute dtype `dtype` where it is narrower than the stored one (the
+    model casts every matrix to it before use, framework/model/llama.py); the embedding
+    table in its own (a lookup's gradient scatter-adds rows: summed in the stored
+    dtype, as without FSDP)."""
     if dims is None:
         return {"embed": lambda tree: tree, "head": lambda tree: tree, "layer": None}
     one = lambda group, offset, cast=None: partial(
@@ -215,7 +217,8 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
         loss, grads = loss_and_grads(state["params"], tokens)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
+        widened = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bfloat16 params
+        metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(widened),
                    "train/lr": lr(state["step"])}
         return train_state(params, opt_state, state["step"] + 1), metrics
 

@@ -57,6 +57,7 @@ class Source:
     hf_config: dict | None  # the config.json the weights came from (token ids, context)
     metadata: dict  # the checkpoint's metadata ({} for a HF folder)
     named: bool = False  # the step was named (step=, or a step folder): no fallback
+    stored_dtype: str = "float32"  # the parameters' as saved (known once `load` read them)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -94,7 +95,9 @@ class Source:
         try:
             while True:
                 try:
-                    return ckpt.restore_params(self.step, abstract)
+                    params = ckpt.restore_params(self.step, abstract)
+                    self.stored_dtype = ckpt.saved_dtypes(self.step)["params/embed/table"]
+                    return params
                 except DamagedCheckpoint as err:
                     self.step = older_step(ckpt, err, self.named)
         finally:

@@ -49,7 +49,8 @@ class RMSNorm(nn.Module):
         scale = _param(self, "scale", (x.shape[-1],), ("norm",), init)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = 1.0 + scale if self.plus_one else scale
+        # (1 + w) in float32, as transformers' Gemma2RMSNorm (w may be stored in bfloat16)
+        scale = 1.0 + scale.astype(jnp.float32) if self.plus_one else scale
         return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
 
 

@@ -71,12 +71,13 @@ def fsdp_dims(shapes, specs, data: int, stacked: dict):
 def gather_leaves(tree, dims, offset: int = 0, dtype=None):
     """FSDP: the full leaves of one use from this replica's shards; `offset`: leading
     dimensions the stored leaves have and these do not (a layer's slice of a stack).
-    `dtype`: the matrices (leaves of two or more dimensions a use) are gathered in it,
-    their gradients reduce-scattered in their own dtype (`_gather_as`)."""
+    `dtype`: the matrices (leaves of two or more dimensions a use) are gathered in it
+    where it is narrower than theirs, their gradients reduce-scattered in their own
+    dtype (`_gather_as`); bfloat16 parameters travel as stored."""
     def one(x, d):
         if d is None:
             return x
-        if dtype is not None and x.ndim >= 2 and x.dtype != dtype:
+        if dtype is not None and x.ndim >= 2 and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
             return _gather_as(x, d - offset, jnp.dtype(dtype))
         return jax.lax.all_gather(x, DATA, axis=d - offset, tiled=True)
 
@@ -87,7 +88,7 @@ def gather_leaves(tree, dims, offset: int = 0, dtype=None):
 def _gather_as(x, axis: int, dtype):
     """all_gather(x cast to `dtype`): half the bytes of float32 for a bfloat16 compute
     dtype, the cast the use makes anyway done before the transfer. Its transpose
-    reduce-scatters the gradient in x's dtype (float32 sums, as without FSDP)."""
+    reduce-scatters the gradient in x's dtype (the stored parameters', as without FSDP)."""
     return jax.lax.all_gather(x.astype(dtype), DATA, axis=axis, tiled=True)
 
 

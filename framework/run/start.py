@@ -65,7 +65,7 @@ FAMILY_SHAPE_KEYS = {"has_qkv_bias": "model.qkv_bias", "has_qk_norm": "model.qk_
                      "has_norm_plus_one": "model.norm_plus_one"}
 # Settings that change what the same parameters compute: a resume may change them
 # (e.g. RoPE for a longer context), and its line says so.
-MATHS_KEYS = {"mlp_activation": "model.activation", "has_embed_scale": "model.embed_scale",
+MATHS_KEYS = {"dtype": "model.dtype", "mlp_activation": "model.activation", "has_embed_scale": "model.embed_scale",
               "rope_theta": "model.rope_theta", "rope_scaling": "model.rope_scaling",
               "norm_eps": "model.norm_eps", "sliding_window": "model.sliding_window",
               "sliding_window_pattern": "model.sliding_window_pattern",
@@ -229,7 +229,7 @@ def check_same_model(model: ModelConfig, ckpt: Checkpointer, point: Point) -> di
     folder, step = point
     reader = ckpt if folder == ckpt.directory else Checkpointer(folder, read_only=True)
     try:
-        meta = reader.metadata(step)
+        meta = dict(reader.metadata(step), dtypes=reader.saved_dtypes(step))
         saved = meta.get("model", {})
     except Exception as err:
         raise DamagedCheckpoint(folder, step, f"its metadata: {short_reason(err)}") from None

@@ -214,3 +214,8 @@ def test_bfloat16_parameters_save_memory_and_data_bytes_on_the_gpu_compiler():
     assert 0.9 <= predicted["bfloat16"] / compiled["bfloat16"] <= 1.15
     data = {d: r["comm/bytes_per_step/data"] for d, r in got.items()}
     assert data["bfloat16"] <= 0.55 * data["float32"]
+    from framework.analysis import comm_model  # and the communication model says so
+    cfg = compose_recipe("llama_1b_8gpu", config="compile")
+    expected = comm_model.expected_bytes(cfg.model, cfg.parallel, cfg.train,
+                                         param_dtype="bfloat16")["data"]
+    assert abs(expected / data["bfloat16"] - 1) <= 0.02

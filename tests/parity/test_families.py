@@ -138,6 +138,9 @@ def test_family_presets_through_hydra_and_checkpoints():
         def metadata(self, step):
             return {"model": self.model}
 
+        def saved_dtypes(self, step):
+            return {}
+
     llama = dataclasses.asdict(MODEL)
     older = {k: v for k, v in llama.items() if k not in ("family", "qkv_bias", "qk_norm")}
     check_same_model(MODEL, Saved(older), ("ckpt", 1))

@@ -72,7 +72,7 @@ def test_state_dtypes_and_restore_across_them(tmp_path):
                              expect)) == 0.0  # exactly the rounded float32 values
     narrow, _ = bf16.step(narrow, bf16.shard_batch(tokens(1)))
     ckpt.save(2, bf16.layout, narrow)
-    assert ckpt.metadata(2)["dtypes"]["params/embed/table"] == "bfloat16"
+    assert ckpt.saved_dtypes(2)["params/embed/table"] == "bfloat16"  # Orbax's metadata
     wide = ckpt.restore(f32.layout, 2)
     assert dtypes(wide["params"]) == ["float32"]
     assert worst(max_rel_err(f32.layout.to_canonical(wide)["params"],
@@ -86,16 +86,18 @@ def test_state_dtypes_and_restore_across_them(tmp_path):
 
 
 def test_bfloat16_checkpoint_damage_is_still_found(tmp_path, monkeypatch):
-    """The fingerprints are checked on the arrays as saved (bfloat16), before the cast:
-    a saved fingerprint that no longer matches is damage."""
+    """Restored into a float32 layout, a bfloat16 checkpoint's fingerprints are checked
+    on the arrays as saved, before the cast: intact, it restores; with one saved
+    fingerprint off, it is damage."""
     from framework.errors import DamagedCheckpoint
 
-    bf16 = engine(1, 2, 1, 1, optim=BF16)
+    bf16, f32 = engine(1, 2, 1, 1, optim=BF16), engine(1, 2, 1, 1)
     ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
     ckpt.save(0, bf16.layout, bf16.init_state(params()))
+    assert dtypes(ckpt.restore(f32.layout, 0)["params"]) == ["float32"]
     meta = ckpt.metadata(0)
     prints = dict(meta["fingerprints"], **{"params/embed/table": [1, 2]})
     monkeypatch.setattr(ckpt, "metadata", lambda step=None: dict(meta, fingerprints=prints))
     with pytest.raises(DamagedCheckpoint, match="params/embed/table"):
-        ckpt.restore(bf16.layout, 0)
+        ckpt.restore(f32.layout, 0)
     ckpt.close()

@@ -72,19 +72,19 @@ def fingerprints(nested: dict) -> dict:
     return {_key(path): fingerprint(leaf) for path, leaf in leaves}
 
 
-def dtypes(nested: dict) -> dict:
-    """{"params/embed/table": "float32", ...}: what each array was saved as (a run may
-    restore it as another: optim.param_dtype, optim.mu_dtype)."""
+def dtypes(nested) -> dict:
+    """{"params/embed/table": "float32", ...}: the dtype of each array of a nested dict
+    (of arrays, or of Orbax's metadata of a saved step)."""
     leaves = jax.tree_util.tree_flatten_with_path(nested)[0]
     return {_key(path): str(leaf.dtype) for path, leaf in leaves}
 
 
-def as_saved(nested: dict, saved: dict | None) -> dict:
-    """Abstract arrays (ShapeDtypeStructs) with the dtypes they were saved as, so they
-    are read unchanged and their fingerprints checked before any cast (unchanged for
-    checkpoints that predate the record)."""
+def as_saved(nested: dict, saved: dict) -> dict:
+    """Abstract arrays (ShapeDtypeStructs) with the dtypes they were saved as (`saved`:
+    `dtypes` of the step), so they are read unchanged and their fingerprints checked
+    before any cast (a run may restore them as another: optim.param_dtype, mu_dtype)."""
     def one(path, leaf):
-        dtype = (saved or {}).get(_key(path), leaf.dtype)
+        dtype = saved.get(_key(path), leaf.dtype)
         return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
 
     return jax.tree_util.tree_map_with_path(one, nested)

@@ -156,8 +156,7 @@ class Checkpointer:
         self.needed_bytes = integrity.tree_bytes(canonical)
         meta = {"step": int(step), "parallel": dataclasses.asdict(layout.parallel),
                 "model": dataclasses.asdict(layout.model), "resume_from": self.lineage,
-                **(metadata or {}), "fingerprints": integrity.to_json(prints),
-                "dtypes": integrity.dtypes(to_nested(canonical))}
+                **(metadata or {}), "fingerprints": integrity.to_json(prints)}
         self.wait()  # Orbax would wait for the previous save too; a failure is its own
         self._saving, self._started = step, began
         try:
@@ -255,6 +254,11 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(
             **{METADATA: ocp.args.JsonRestore()}))[METADATA]
 
+    def saved_dtypes(self, step: int) -> dict:
+        """{"params/embed/table": "float32", ...}: each array's dtype as saved, from
+        Orbax's own metadata of the step (every checkpoint has it)."""
+        return integrity.dtypes(self.manager.item_metadata(step)[STATE])
+
     def restore(self, layout, step: int | None = None):
         """The train state of `step` (default: the newest complete one), laid out and
         sharded for `engine`, whatever layout it was saved from. Raises
@@ -264,13 +268,12 @@ class Checkpointer:
         expected = integrity.array_keys(to_nested(abstract))
         restored, saved, error = None, None, None
         try:
-            meta = self.metadata(step)
-            saved = meta.get("fingerprints")
+            saved = self.metadata(step).get("fingerprints")
             gone = integrity.missing(saved, expected)
             if gone:
                 error = f"it holds no array {gone[0]} ({len(gone)} missing)"
             else:  # read as saved; `to_train` casts to this layout's dtypes
-                reading = integrity.as_saved(to_nested(abstract), meta.get("dtypes"))
+                reading = integrity.as_saved(to_nested(abstract), self.saved_dtypes(step))
                 restored = self.manager.restore(step, args=ocp.args.Composite(**{
                     STATE: ocp.args.StandardRestore(reading)}))[STATE]
         except Exception as err:  # what Orbax/TensorStore say about unreadable files
@@ -296,9 +299,9 @@ class Checkpointer:
         step = self.pick(step)
         path = epath.Path(self.directory) / str(step) / STATE
         try:
-            meta = self.metadata(step)
-            saved = meta.get("fingerprints")  # read as saved, cast once checked
-            item = integrity.as_saved({"params": to_nested(abstract_params)}, meta.get("dtypes"))
+            saved = self.metadata(step).get("fingerprints")  # read as saved, cast once checked
+            item = integrity.as_saved({"params": to_nested(abstract_params)},
+                                      self.saved_dtypes(step))
             args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding,
                                                                dtype=s.dtype), item)
             gone = integrity.missing(saved, integrity.array_keys(item))
