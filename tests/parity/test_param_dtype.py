@@ -22,11 +22,12 @@ def dtypes(tree) -> list[str]:
     return sorted({str(a.dtype) for a in jax.tree.leaves(tree)})
 
 
-@pytest.mark.slow  # 25 s: the reference and a (2,2,2) engine, three steps each
+@pytest.mark.slow  # 5-11 s each: a (2,2,2) engine's three steps
 @pytest.mark.parametrize("kw", [
     dict(schedule="1f1b", zero1=True),
     dict(schedule="gpipe", sequence_parallel=True),
-], ids=["1f1b-zero1", "gpipe-sp"])
+    dict(schedule="zb_h1", fsdp=True),  # bfloat16 shards gathered as stored
+], ids=["1f1b-zero1", "gpipe-sp", "zb_h1-fsdp"])
 def test_bfloat16_parameters_train_like_the_reference(kw):
     """Three steps: the same losses (to the rounding of bfloat16 gradients summed per
     microbatch rather than over the batch), parameters at most two bfloat16 steps from
