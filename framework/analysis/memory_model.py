@@ -11,7 +11,12 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
              ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
   gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
-             all-gathered parameters; with a tick loop (p > 1) also its accumulators.
+             all-gathered parameters; autodiff's tick scan (GPipe, circular) also a
+             gradient accumulator of the stage's weights. The tick executor instead:
+             its accumulators (the
+             reductions after the loop reuse them) and one cell's fresh gradients of
+             its chunk, and at the cell's add (a transient) the old and new
+             accumulators side by side with the leaf being added.
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
              `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
@@ -163,26 +168,25 @@ def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
 
 @lru_cache(maxsize=None)
 def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
-                 n_chunks: int) -> tuple[int, int, int]:
+                 n_chunks: int) -> tuple[int, int, int, int]:
     """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
-    sharding over `data`, the layers alone), from the engine's own layout and rules
-    (`framework/engine/state.py`)."""
+    sharding over `data`, the layers alone, the largest layer leaf), from the engine's
+    own layout and rules (`framework/engine/state.py`)."""
     shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
     degrees = {PIPE: parallel.pipeline, DATA: parallel.data, TENSOR: parallel.tensor, None: 1}
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
-    def local(tree_specs, group=None):
-        total = 0
+    def sizes(tree_specs, group=None):
         for k in shapes if group is None else (group,):
             for shape, spec in zip(jax.tree.leaves(shapes[k]),
                                    jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
-                total += math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
-        return total
+                yield math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
 
     plain = param_specs(model, dataclasses.replace(parallel, zero1=False, fsdp=False),
                         n_chunks)[0]
     stored = param_specs(model, parallel, n_chunks)[0]
-    return local(plain), local(stored), local(plain, "stages")
+    return (sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
+            max(sizes(plain, "stages")))
 
 
 # float32 [mb rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
@@ -307,7 +311,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
     sched = program_of(parallel, model.n_layers).schedule
     v = sched.n_chunks  # chunks a rank holds
-    full, stored, stage_weights = _param_bytes(model, parallel, v)
+    full, stored, stage_weights, layer_leaf = _param_bytes(model, parallel, v)
     rules = param_rules(parallel.tensor_split)
     rows = train.global_batch_size // dp  # this data replica's rows
     mb_rows = rows // m  # a microbatch's
@@ -346,7 +350,16 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
-        grads += state["grads"]  # the tick loop's gradient accumulators
+        if per_use:
+            grads += state["grads"]  # the tick loop's gradient accumulators
+        else:  # the accumulators (which the reductions after the loop reuse) and the
+            # cell's fresh gradients of its chunk, carried through the layer scan
+            chunk = stage_weights / v
+            grads = state["grads"] + chunk + (full if stored != full else 0)
+            # the cell's add: a conditional's outputs never share its operands' memory,
+            # so old and new accumulators are both alive beside the leaf being added
+            # (read from gpu:h100x8's buffer assignment of llama_1b_8gpu, 1F1B)
+            backward = max(backward, state["grads"] + layer_leaf / v - chunk)
     out = {
         "params": stored * stored_width,
         "optimizer": moments_width * stored,  # AdamW's mu and nu, sharded like the params
