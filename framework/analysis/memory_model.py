@@ -15,8 +15,10 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              gradient accumulator of the stage's weights. The tick executor instead:
              its accumulators (the
              reductions after the loop reuse them) and one cell's fresh gradients of
-             its chunk, and at the cell's add (a transient) the old and new
-             accumulators side by side with the leaf being added.
+             its chunk; as transients, with one chunk a rank the cell's add (old and
+             new accumulators side by side with the leaf being added), with several
+             the chunk's weights sliced out (a copy; the add is in place), and with
+             ZeRO-1 the shards transposed for the all-gather before the loop.
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
              `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
@@ -297,6 +299,31 @@ def _layer_remat(parallel: ParallelConfig) -> str:
         else parallel.remat
 
 
+def _tick_gradients(state: dict, grads: float, backward: float, per_use: bool, v: int,
+                    width: float, full: int, stored: int, stage_weights: int,
+                    layer_leaf: int) -> tuple[float, float]:
+    """The tick executor's (gradients, layer-backward transient), read from the GPU
+    compiler's buffer assignments of llama_1b_8gpu (1F1B, gpu:h100x8) and llama3_70b
+    (5 chunks a rank, gpu:h100x64); float32 bytes of `_param_bytes` (`width`: a stored
+    parameter's share of float32's), `grads` what the caller counted so far."""
+    if per_use:  # FSDP: the sharded gradients and the loop's accumulators
+        return grads + state["grads"], backward
+    # the accumulators (which the reductions after the loop reuse) and the cell's fresh
+    # gradients of its chunk, carried through the layer scan
+    chunk = stage_weights / v
+    grads = state["grads"] + chunk + (full if stored != full else 0)
+    if v > 1:  # the cell slices its chunk's weights (a dynamic index: a copy) and adds
+        # into the stacked accumulators in place
+        backward += chunk * width
+    else:  # a[0] += g is out of place: old and new accumulators side by side, beside
+        # the leaf being added
+        backward = max(backward, (state["grads"] + layer_leaf - chunk) * width)
+    if stored != full:  # ZeRO-1, before the loop: the accumulators' zeros and the
+        # gathered parameters beside the shards transposed for the gather
+        backward = max(backward, (stored - chunk) * width)
+    return grads, backward
+
+
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                    platform: str | None = None, optim: OptimConfig | None = None) -> dict:
     """Predicted bytes per device at the step's peak, by term (see the module
@@ -350,16 +377,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = layer_backward + slot  # a forward's new slot is built apart
-        if per_use:
-            grads += state["grads"]  # the tick loop's gradient accumulators
-        else:  # the accumulators (which the reductions after the loop reuse) and the
-            # cell's fresh gradients of its chunk, carried through the layer scan
-            chunk = stage_weights / v
-            grads = state["grads"] + chunk + (full if stored != full else 0)
-            # the cell's add: a conditional's outputs never share its operands' memory,
-            # so old and new accumulators are both alive beside the leaf being added
-            # (read from gpu:h100x8's buffer assignment of llama_1b_8gpu, 1F1B)
-            backward = max(backward, state["grads"] + layer_leaf / v - chunk)
+        grads, backward = _tick_gradients(state, grads, backward, per_use, v, stored_width,
+                                          full, stored, stage_weights, layer_leaf)
     out = {
         "params": stored * stored_width,
         "optimizer": moments_width * stored,  # AdamW's mu and nu, sharded like the params

@@ -188,9 +188,9 @@ def test_llama3_70b_ships_with_its_sends_and_tensor_bytes_beside_matmuls():
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
 def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
     """The memory model against the GPU compiler's buffer assignment on Llama-3-8B (its
-    GPU head constant was read from the 1B recipe's 1F1B program, not from these): within
-    15% (1.06 and 1.09 on 2026-11-26; 1.07 and 1.16 before the constant, which was the
-    CPU/TPU compilers' 2.5-3 logits copies; the 1B recipe was 1.40-2.07x over)."""
+    GPU head constant and its tick-executor gradient terms were read from the 1B and 70B
+    recipes' programs, not from these): within 15% (gpipe 1.04, zb_h1 1.00 on
+    2026-11-26, sixth session; 1.07 and 1.16 before the head constant)."""
     cfg = compose_recipe("llama3_8b", "target=gpu:h100x8", f"parallel.schedule={schedule}",
                          config="compile")
     got = program.compile_report(cfg, targets.parse(cfg.target))
