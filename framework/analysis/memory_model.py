@@ -18,7 +18,9 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              its chunk; as transients, with one chunk a rank the cell's add (old and
              new accumulators side by side with the leaf being added), with several
              the chunk's weights sliced out (a copy; the add is in place), and with
-             ZeRO-1 the shards transposed for the all-gather before the loop.
+             ZeRO-1 the shards transposed for the all-gather before the loop; with
+             collective matmuls a layer's weight-gradient partials, with uneven stages
+             a layer's weights and gradient leaf apart (`_layer_extras`).
   activations  what the backward keeps from the forward. One layer's VJP residuals are
              measured exactly by tracing `jax.vjp` of the engine's `apply_layers` under
              `jax.eval_shape`, in a shard_map over an abstract `tensor` mesh (no
@@ -299,6 +301,25 @@ def _layer_remat(parallel: ParallelConfig) -> str:
         else parallel.remat
 
 
+def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
+                  backward: float, layer_weights: float, layer_leaf: float,
+                  width: float) -> float:
+    """One layer's backward in a tick cell with what some layouts add (float32 bytes of
+    one layer's weights and largest leaf; read from llama3_405b's buffer assignment on
+    gpu:h100x1024): collective matmuls' weight gradients, one partial per ring step in
+    the compute dtype, summed only at the layer's end when its residuals are mostly
+    spent (the split backward keeps plain collectives, framework/parallel/tensor.py);
+    uneven stages run each layer under a cond (`stage.skip_unless`): its weights sliced
+    out of the chunk (a copy) and its largest gradient leaf returned apart."""
+    tp = parallel.tensor
+    if parallel.sequence_parallel and parallel.collective_matmul and tp > 1 \
+            and not split_backward:
+        backward = max(backward, tp * layer_weights * np.dtype(model.dtype).itemsize / FP32)
+    if parallel.stage_layers is not None:
+        backward += (layer_weights + layer_leaf) * width
+    return backward
+
+
 def _tick_gradients(state: dict, grads: float, backward: float, per_use: bool, v: int,
                     width: float, full: int, stored: int, stage_weights: int,
                     layer_leaf: int) -> tuple[float, float]:
@@ -376,7 +397,9 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         # sends: the message arriving beside the cell, one per pending one
         kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
         head = logit_copies("1f1b", platform) * logits * mb_rows
-        backward = layer_backward + slot  # a forward's new slot is built apart
+        backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,
+                                 stage_weights / (v * layers), layer_leaf / (v * layers),
+                                 stored_width)  # (a forward's new slot is built apart)
         grads, backward = _tick_gradients(state, grads, backward, per_use, v, stored_width,
                                           full, stored, stage_weights, layer_leaf)
     out = {
