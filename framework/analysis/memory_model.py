@@ -301,6 +301,23 @@ def _layer_remat(parallel: ParallelConfig) -> str:
         else parallel.remat
 
 
+def _widths(optim: OptimConfig) -> tuple[float, float]:
+    """Bytes per float32 byte: of a stored parameter or gradient, of AdamW's two moments."""
+    return (jnp.dtype(optim.param_dtype).itemsize / FP32,
+            (jnp.dtype(optim.mu_dtype).itemsize + FP32) / FP32)
+
+
+def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int,
+                   stage_weights: int, batch_hidden: float) -> float:
+    """What autodiff's tick scan keeps until its backward: every forward tick's
+    residuals, the loop-invariant part once, and GPipe's batch-sized copies."""
+    per_tick = layers * mb_rows * res.per_row
+    fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
+    if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
+        per_tick += fixed + stage_weights // v
+    return ticks * per_tick + fixed + GPIPE_BATCH_COPIES * batch_hidden
+
+
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
                   backward: float, layer_weights: float, layer_leaf: float,
                   width: float) -> float:
@@ -350,10 +367,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     """Predicted bytes per device at the step's peak, by term (see the module
     docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
     (default: JAX's default backend); `optim` the stored dtypes (default float32)."""
-    optim = optim or OptimConfig()
-    # bytes per float32 byte: of a parameter or gradient, of AdamW's two moments
-    stored_width = jnp.dtype(optim.param_dtype).itemsize / FP32
-    moments_width = (jnp.dtype(optim.mu_dtype).itemsize + FP32) / FP32
+    stored_width, moments_width = _widths(optim or OptimConfig())
     model = attention_traced(model, train.seq_len, platform)
     parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
     dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
@@ -380,11 +394,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         layer_backward += 3 * stage_weights / (v * layers)
     if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
         ticks = sched.forward_rows().n_ticks
-        per_tick = layers * mb_rows * res.per_row
-        fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
-        if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
-            per_tick += fixed + stage_weights // v
-        kept = ticks * per_tick + fixed + GPIPE_BATCH_COPIES * hidden * m
+        kept = _autodiff_kept(res, ticks, layers, mb_rows, v, stage_weights, hidden * m)
         head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits * mb_rows
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
