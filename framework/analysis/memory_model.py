@@ -42,15 +42,17 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  (`executor_state`: `jax.eval_shape` of its `initial_carry`: the
                  receive slots, the stash slots of the program's buffer plan, the
                  gradient accumulators, the pending sends), plus one stash slot's entry
-                 (what a cell's branch returns for the write after it) and, with
-                 overlapped sends, the message arriving beside the cell.
+                 (what a backward cell's branch returns for the write after it: with
+                 synchronous sends or a split backward's B) and, with overlapped
+                 sends, the message arriving beside the cell.
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch) and one layer's backward (its full residuals once
              more, the attention kernel's score tensors, and the tick's slice of the
              residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
-from XLA's buffer assignment; `tests/test_planner.py` checks the total against the
+from XLA's buffer assignment, per compiler where the compilers differ (the GPU's head,
+the TPU's head, layer backward and autodiff scan: TPU_*); `tests/test_planner.py` checks the total against the
 compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
 (and bfloat16 parameters) need more there than predicted (the prediction is for
 accelerators, which keep bf16: llama_1b_8gpu with bfloat16 parameters on the GPU
@@ -204,17 +206,35 @@ LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
 # logits tensor of a microbatch 3.91 GiB); checked on the other schedules and on
 # llama3_8b in tests/compiled/test_aot.py.
 GPU_LOGIT_COPIES = 0.4
+# The TPU compiler fuses the cross-entropy and the logits' gradient into the head's
+# matmuls: it holds one bfloat16 logits tensor of a microbatch, half a float32 one. Read
+# from the buffer assignment of llama_1b_8gpu's 1F1B step on tpu:v5p-16 (2026-11-26).
+TPU_LOGIT_COPIES = 0.5
 
 
 def logit_copies(kind: str, platform: str | None) -> float:
     """Float32 logits tensors of one microbatch alive at the head's peak (`kind` as in
     LOGIT_COPIES) on `platform` (default: JAX's default backend)."""
-    if (platform or jax.default_backend()) == "gpu":
-        return GPU_LOGIT_COPIES
-    return LOGIT_COPIES[kind]
+    fused = {"gpu": GPU_LOGIT_COPIES, "tpu": TPU_LOGIT_COPIES}
+    return fused.get(platform or jax.default_backend(), LOGIT_COPIES[kind])
 # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
 # the pipeline's outputs, and their gradients.
 GPIPE_BATCH_COPIES = 4
+# The TPU compiler's autodiff tick scan (GPipe, circular), read from the buffer
+# assignments of llama_1b_8gpu's GPipe and circular (v=2) steps on tpu:v5p-16
+# (2026-11-26, seventh; within 0.01 GiB of its peaks): two batch-sized tensors alive at
+# the backward's peak (the gradients of the pipeline's inputs and outputs) and with
+# several chunks a rank a third (the gradient of the buffer that holds the microbatches
+# between passes); the chunk weights a tick saves are their cast to the compute dtype
+# (with one chunk: the stage's cast, kept once); the gradient accumulator is one
+# chunk's, not the stage's.
+TPU_AUTODIFF = {"batch_copies": 2}
+# The TPU compiler fuses more of a layer's backward: it holds 0.41 of what the model
+# counts (its residuals without remat and the attention kernel's score blocks): 0.84
+# against 2.04 GiB in the same two programs and in llama_1b_8gpu's 1F1B step (1.34 held
+# against 2.54 with the stash slot). Checked on llama3_8b_v5p and llama3_70b_v5p, which
+# were not read: every schedule 1.00-1.01 of the compiler (docs/compile.md).
+TPU_LAYER_BACKWARD = 0.41
 # float32 attention-score tensors one layer's backward holds beyond its residuals, read
 # from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
 # score gradient [mb, heads, seq, seq] (1.1-1.2 of it); blockwise, one block's scores,
@@ -308,14 +328,21 @@ def _widths(optim: OptimConfig) -> tuple[float, float]:
 
 
 def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int,
-                   stage_weights: int, batch_hidden: float) -> float:
+                   stage_weights: int, batch_hidden: float, cast: float | None) -> float:
     """What autodiff's tick scan keeps until its backward: every forward tick's
-    residuals, the loop-invariant part once, and GPipe's batch-sized copies."""
+    residuals, the loop-invariant part once, and GPipe's batch-sized copies. `cast`:
+    None, or (TPU) the compute dtype's bytes per float32 byte (TPU_AUTODIFF)."""
     per_tick = layers * mb_rows * res.per_row
     fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
+    copies = GPIPE_BATCH_COPIES
+    weights = stage_weights // v  # the chunk's weights, float32 bytes
+    if cast is not None:  # TPU: the weights' cast kept, not the float32 weights
+        weights *= cast
+        fixed += 0 if v > 1 else weights  # one chunk: the stage's cast, once
+        copies = TPU_AUTODIFF["batch_copies"] + (v > 1)
     if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
-        per_tick += fixed + stage_weights // v
-    return ticks * per_tick + fixed + GPIPE_BATCH_COPIES * batch_hidden
+        per_tick += fixed + weights
+    return ticks * per_tick + fixed + copies * batch_hidden
 
 
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
@@ -387,6 +414,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
     layer_backward += attention_scores_bytes(model, mb_rows, seq, tp)
+    if (platform or jax.default_backend()) == "tpu":
+        layer_backward *= TPU_LAYER_BACKWARD
     grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
     if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
         # float32 weights gathered at a time, their cast and their gradient beside them
@@ -394,18 +423,25 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         layer_backward += 3 * stage_weights / (v * layers)
     if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
         ticks = sched.forward_rows().n_ticks
-        kept = _autodiff_kept(res, ticks, layers, mb_rows, v, stage_weights, hidden * m)
+        tpu = (platform or jax.default_backend()) == "tpu"
+        cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
+        kept = _autodiff_kept(res, ticks, layers, mb_rows, v, stage_weights, hidden * m, cast)
         head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits * mb_rows
         backward = layer_backward
         if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
             backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
-            grads += stage_weights / (dp if per_use else 1)  # for the stage's weights
+            grads += stage_weights / (dp if per_use else 1) / (v if tpu else 1)  # for
+            # the stage's weights (TPU: the chunk's)
     else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
         state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
         slot = state["slot"]
-        # + the slot contents a cell's branch returns for the write after it; overlapped
+        # + the slot contents a backward cell's branch returns for the write after it
+        # (synchronous sends: every tick writes the residuals, F's or zeros; overlapped,
+        # the backward tick only B's output gradients, `Cells.writes`); overlapped
         # sends: the message arriving beside the cell, one per pending one
-        kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + slot
+        returned = slot if not sched.overlap or (
+            sched.split_backward and parallel.remat == "none") else 0
+        kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + returned
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,
                                  stage_weights / (v * layers), layer_leaf / (v * layers),

@@ -7,7 +7,8 @@ CUDA plugin, or the local backend. From the compiled program:
 
     memory    XLA's buffer assignment per device: arguments (the train state and the
               batch), outputs, temporaries; total = arguments + outputs + temporaries
-              - aliased (the donated state is counted once), against the device's memory
+              - aliased (the donated state is counted once), on TPUs the compiler's own
+              peak (`memory_check.compiled_bytes`), against the device's memory
     comm      the communication audit of the target's program (bytes per device per step
               by mesh axis, `framework/analysis/audit.py`), and on GPUs the share of those
               bytes that overlaps computation (`framework/analysis/overlap.py`)
@@ -82,13 +83,13 @@ def compiler_options(platform: str) -> dict | None:
     return dict(GPU_XLA_OPTIONS) if platform == "gpu" else None
 
 
-def memory_fields(compiled) -> dict:
+def memory_fields(compiled, platform: str) -> dict:
     mem = compiled.memory_analysis()
     fields = {"memory/argument_bytes_per_device": mem.argument_size_in_bytes,
               "memory/output_bytes_per_device": mem.output_size_in_bytes,
               "memory/temp_bytes_per_device": mem.temp_size_in_bytes,
               "memory/alias_bytes_per_device": mem.alias_size_in_bytes}
-    fields["memory/compiled_bytes_per_device"] = compiled_bytes(compiled)
+    fields["memory/compiled_bytes_per_device"] = compiled_bytes(compiled, platform)
     return {k: int(v) for k, v in fields.items()}
 
 
@@ -142,7 +143,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
         raise TooBig(_too_big(cfg, parallel, target, *oom, report, "of temporaries "),
                      report) from None
     report["compile_time_s"] = time.perf_counter() - start
-    report.update(memory_fields(compiled))
+    report.update(memory_fields(compiled, platform))
     report["memory/device_bytes"] = target.device_bytes
     report.update(comm_fields(compiled, engine, platform))
     total = report["memory/compiled_bytes_per_device"]

@@ -23,9 +23,13 @@ def test_memory_terms_follow_the_schedule_zero1_and_remat():
     f1b, sync = (mem(pipeline=2, microbatches=8, schedule="1f1b", overlap_sends=o)
                  for o in (True, False))
     # GPipe keeps all m + p - 1 ticks, 1F1B at most p microbatches (doubled, see module),
-    # 2p - 1 with overlapped sends.
+    # 2p - 1 with overlapped sends (whose backward tick writes no slot of zeros: at p 2
+    # the two about even out, at p 4 seven microbatches against four)
     assert sync["activations"] < gpipe["activations"] / 2
-    assert sync["activations"] < f1b["activations"] < gpipe["activations"]
+    assert f1b["activations"] < gpipe["activations"] / 2
+    f1b, sync = (mem(pipeline=4, microbatches=8, schedule="1f1b", overlap_sends=o)
+                 for o in (True, False))
+    assert sync["activations"] < f1b["activations"]
     plain, zero1 = mem(data=4), mem(data=4, zero1=True)
     assert zero1["params"] + zero1["optimizer"] == pytest.approx(
         (plain["params"] + plain["optimizer"]) / 4, rel=0.02)

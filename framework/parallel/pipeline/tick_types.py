@@ -49,7 +49,8 @@ class CellIn(NamedTuple):
 
 
 class CellOut(NamedTuple):
-    """What a cell hands to the writes and sends after the switch (zeros where unused)."""
+    """What a cell hands to the writes and sends after the switch (zeros where unused;
+    an empty list where this tick writes none, `Cells.writes`)."""
 
     act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output)
     grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)

@@ -25,7 +25,10 @@ per microbatch in flight; compute: the chunk's recomputed forward and input grad
 run twice (B and W) instead of once.
 
 After the branch come the stash writes and the sends the buffer plan names for this
-tick (`framework/parallel/pipeline/buffers.py`). With overlapped sends (`Schedule.overlap`)
+tick (`framework/parallel/pipeline/buffers.py`). A tick writes only the stash lists
+whose writer it can run (`Cells.writes`): every tick when sends are synchronous (the
+cells not writing send theirs to the spare slot: zeros), only the forward tick of a
+pair for F's residuals when they overlap. With overlapped sends (`Schedule.overlap`)
 the loop runs a pair of ticks per step, a forward tick (F, W) and a backward tick (B,
 BW, W), and each tick starts by sending the previous tick's messages to the other ranks
 (`pending`): an unconditional `ppermute` that the cell's compute runs beside, received
@@ -41,7 +44,7 @@ writes not kept, `comm.slots`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -75,6 +78,15 @@ class Cells:
     split: bool  # the backward is split into B and W cells
     recompute: bool = False  # ... each pulling dy through the full VJP (SplitBackward)
     docs: object = None  # the microbatches' document masks (leaves [microbatches, ...])
+    kinds: frozenset = frozenset()  # the cell kinds this tick of the loop's step runs
+
+    def writes(self) -> tuple[bool, bool, bool]:
+        """Which of the stash's lists this tick writes after the cell: (residuals, douts,
+        saved), each only where its writer runs this tick. With overlapped sends a step's
+        backward tick runs no F: no slot's worth of zeros is built and stored there."""
+        split_w = self.split and not self.recompute
+        return (F in self.kinds, split_w and B in self.kinds,
+                (B if self.recompute else F) in self.kinds)
 
     def zeros(self, like, n=None):
         """Zeros like `like` (n slots of it), varying at least over `manual`."""
@@ -88,13 +100,14 @@ class Cells:
         return jax.tree.map(lambda a: a[0] if v == 1 else a[chunk], self.params["chunks"])
 
     def out(self, act=None, grad=None, residuals=None, douts=None, saved=None) -> CellOut:
+        """The cell's outputs; zeros for what it does not make, nothing for the lists
+        this tick does not write (`writes`)."""
         t = self.types
-        nothing = lambda likes: [self.zeros(a) for a in likes]
+        lists = [(residuals, t.residuals), (douts, t.douts), (saved, t.saved)]
+        lists = [(made if made is not None else [self.zeros(a) for a in likes]) if written
+                 else [] for (made, likes), written in zip(lists, self.writes())]
         return CellOut(self.zeros(t.x) if act is None else act,
-                       self.zeros(t.x) if grad is None else grad,
-                       nothing(t.residuals) if residuals is None else residuals,
-                       nothing(t.douts) if douts is None else douts,
-                       nothing(t.saved) if saved is None else saved)
+                       self.zeros(t.x) if grad is None else grad, *lists)
 
     def add_chunk(self, grads, chunk, update, layers=slice(None)):
         """grads of chunk `chunk` (its `layers`, a static slice) += update."""
@@ -193,9 +206,10 @@ class Cells:
         g_w = self.fns.split.weight_grads(self.weights(cell.chunk), kept, douts)
         return self.add_chunk(grads, cell.chunk, g_w), loss, self.out()
 
-    def branches(self, kinds: set) -> list:
-        """Indexed by cell kind; the kinds not in `kinds` (this tick of the loop never
-        runs them) are idle, never traced."""
+    def branches(self) -> list:
+        """Indexed by cell kind; the kinds not in `self.kinds` (this tick of the loop
+        never runs them) are idle, never traced."""
+        kinds = self.kinds
         def scoped(kind, fn):
             def run(*args):
                 with jax.named_scope(CELL_SCOPES[kind]):
@@ -224,7 +238,9 @@ def _tick(cells: Cells, rank, phase: int):
     (overlapped), read the cell's inputs, run its branch, write the stash, send or
     receive and store the messages."""
     buffers = cells.prog.buffers
-    branches, packing = cells.branches(cells.prog.kinds(phase)), cells.types.packing
+    cells = replace(cells, kinds=frozenset(cells.prog.kinds(phase)))
+    branches, packing = cells.branches(), cells.types.packing
+    residuals, douts, saved_by = cells.writes()
     travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
     def tick(carry: Carry, row: dict) -> Carry:
@@ -239,11 +255,14 @@ def _tick(cells: Cells, rank, phase: int):
         with jax.named_scope(CELL):
             grads, loss, out = jax.lax.switch(kind, branches, carry.grads, carry.loss, cell,
                                               carry.stash, carry.saved)
-        stash = packing.store(carry.stash, out.residuals, k_stash, kind == F)
-        if cells.split and not cells.recompute:
+        stash, saved = carry.stash, carry.saved
+        if residuals:
+            stash = packing.store(stash, out.residuals, k_stash, kind == F)
+        if douts:
             stash = packing.store(stash, out.douts, k_stash, kind == B)
-        written = kind == (B if cells.recompute else F)  # the saved buffers' writer
-        saved = [store(buf, e, k_stash, written) for buf, e in zip(carry.saved, out.saved)]
+        if saved_by:
+            written = kind == (B if cells.recompute else F)  # the saved buffers' writer
+            saved = [store(buf, e, k_stash, written) for buf, e in zip(saved, out.saved)]
         made = {ACT: out.act, GRAD: out.grad}
         recv = dict(carry.recv)
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
