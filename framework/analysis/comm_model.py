@@ -45,6 +45,7 @@ With context parallelism A is one device's tokens: s/c of each sequence.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -64,14 +65,21 @@ def _ring_all_reduce(n: int) -> float:
     return 2 * (n - 1) / n
 
 
+@functools.lru_cache(maxsize=64)
+def _param_shapes(model: ModelConfig) -> tuple:
+    """The model's parameter shapes (traced once per model, nothing allocated) and
+    logical axes."""
+    return (jax.eval_shape(lambda: init_params(model, jax.random.key(0))),
+            param_logical_axes(model))
+
+
 def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
                        rank_layers: int | None = None) -> dict[str, int]:
     """Parameters held by one device, by top-level group (embed, layers, head), before
     any ZeRO-1 sharding: layers split over `pipe` (or `rank_layers` per rank, uneven
     stages' padding included), the rules' dims split over `tensor`."""
     tensor_dims = set(parallel.tensor_split)
-    shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    axes = param_logical_axes(model)
+    shapes, axes = _param_shapes(model)
     counts = {}
     for group in shapes:
         total = 0

@@ -89,14 +89,14 @@ def _split_flops_per_token(model: ModelConfig, seq: int, remat: str,
     return base + recomputed + twice, head
 
 
-_COMM: dict = {}  # comm_model.expected_bytes traces the model: once per degree set
+_COMM: dict = {}  # comm_model.expected_bytes, once per layout
 
 
 def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                 param_dtype: str = "float32") -> dict:
-    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
-    key = (model, parallel.pipeline, parallel.data, parallel.context, parallel.tensor, v,
-           parallel.sequence_parallel, train.global_batch_size, train.seq_len, param_dtype)
+    # every setting the bytes depend on: ZeRO-1 and FSDP, the microbatches and the
+    # schedule (the stage sends) among them (the model's shapes are traced once)
+    key = (model, parallel, train.global_batch_size, train.seq_len, param_dtype)
     if key not in _COMM:
         _COMM[key] = comm_model.expected_bytes(model, parallel, train, param_dtype=param_dtype)
     return _COMM[key]
