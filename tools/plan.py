@@ -13,7 +13,8 @@ layouts that do not fit in `device_memory_gb` marked NO. Other `key=value` argum
 the usual Hydra overrides (remat and sequence parallelism are taken from them).
 
 Settings (all optional except devices and device_memory_gb):
-  peak_tflops      dense peak per device; default: H100 SXM for the model's dtype
+  peak_tflops      dense peak per device; default: --verify's target's device, else
+                   H100 SXM, for the model's dtype
   tensor_gbps, pipe_gbps, data_gbps   link bandwidth per device per direction (GB/s);
                    default: 450 (NVLink) while an axis stays inside a node of
                    devices_per_node devices, else network_gbps
@@ -69,18 +70,25 @@ def check_settings(settings: dict) -> None:
             raise ConfigError(f"{name}={value:g} is out of range: it must be {rng}")
 
 
-def hardware(settings: dict, dtype: str, platform: str = "gpu"):
+def hardware(settings: dict, dtype: str, target=None):
+    """The planner's hardware: `target`'s (--verify) device peak unless peak_tflops
+    says, else an H100's."""
     from framework.analysis import flops, planner
+    from framework.errors import ConfigError
 
+    device = target.device_name if target is not None else "h100"
     peak = settings.get("peak_tflops")
-    peak = peak * 1e12 if peak else flops.peak_flops_per_device("h100", dtype)
+    peak = peak * 1e12 if peak else flops.peak_flops_per_device(device, dtype)
+    if peak is None:
+        raise ConfigError(f"no {dtype} peak is known for {device}: give peak_tflops=<value>")
     pinned = tuple((axis, settings[f"{axis}_gbps"] * planner.GB)
                    for axis in ("tensor", "pipe", "data") if f"{axis}_gbps" in settings)
     return planner.Hardware(
         memory_bytes=settings["device_memory_gb"] * 2**30, peak_flops=peak,
         inter_node=settings.get("network_gbps", 50.0) * planner.GB,
         devices_per_node=settings.get("devices_per_node", 8), axis_bandwidth=pinned,
-        memory_fraction=settings.get("memory_fraction", 0.9), platform=platform)
+        memory_fraction=settings.get("memory_fraction", 0.9),
+        platform=target.platform if target is not None else "gpu")
 
 
 def _size(nbytes: float) -> str:
@@ -108,7 +116,7 @@ def main(argv=None) -> int:
         cfg = compose(overrides)
         from framework.analysis import planner
 
-        hw = hardware(settings, cfg.model.dtype, target.platform if target else "gpu")
+        hw = hardware(settings, cfg.model.dtype, target)
         plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
                              cfg.optim)
     except ConfigError as err:

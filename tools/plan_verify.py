@@ -73,7 +73,7 @@ def table(verified: list[Verified], target_name: str) -> str:
         pred = v.plan.memory["total"]
         comp = "-" if v.compiled_bytes is None else f"{v.compiled_bytes / unit:.2f}"
         ratio = "-" if not v.compiled_bytes else f"{pred / v.compiled_bytes:.2f}"
-        share = lambda k: f"{v.overlapped[k]:.0%}" if k in v.overlapped else "-"
+        share = lambda k: "-" if v.overlapped.get(k) is None else f"{v.overlapped[k]:.0%}"
         lines.append(
             f"{i:>3} {_layout(v.plan.parallel):<40} {pred / unit:>9.2f} {comp:>9} {ratio:>6} "
             f"{'yes' if v.fits else 'NO':<4} {v.plan.time['total'] * 1e3:>9.4g} "

@@ -11,7 +11,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
              ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
   gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
-             all-gathered parameters; autodiff's tick scan (GPipe, circular) also a
+             all-gathered parameters (on TPUs the layers' in the compute dtype: its
+             compiler casts them before the gather); autodiff's tick scan (GPipe, circular) also a
              gradient accumulator of the stage's weights. The tick executor instead:
              its accumulators (the
              reductions after the loop reuse them) and one cell's fresh gradients of
@@ -365,25 +366,26 @@ def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: 
 
 
 def _tick_gradients(state: dict, grads: float, backward: float, per_use: bool, v: int,
-                    width: float, full: int, stored: int, stage_weights: int,
+                    width: float, gathered: float, stored: int, stage_weights: int,
                     layer_leaf: int) -> tuple[float, float]:
     """The tick executor's (gradients, layer-backward transient), read from the GPU
     compiler's buffer assignments of llama_1b_8gpu (1F1B, gpu:h100x8) and llama3_70b
     (5 chunks a rank, gpu:h100x64); float32 bytes of `_param_bytes` (`width`: a stored
-    parameter's share of float32's), `grads` what the caller counted so far."""
+    parameter's share of float32's), `grads` what the caller counted so far, `gathered`
+    ZeRO-1's gathered parameters (0 without)."""
     if per_use:  # FSDP: the sharded gradients and the loop's accumulators
         return grads + state["grads"], backward
     # the accumulators (which the reductions after the loop reuse) and the cell's fresh
     # gradients of its chunk, carried through the layer scan
     chunk = stage_weights / v
-    grads = state["grads"] + chunk + (full if stored != full else 0)
+    grads = state["grads"] + chunk + gathered
     if v > 1:  # the cell slices its chunk's weights (a dynamic index: a copy) and adds
         # into the stacked accumulators in place
         backward += chunk * width
     else:  # a[0] += g is out of place: old and new accumulators side by side, beside
         # the leaf being added
         backward = max(backward, (state["grads"] + layer_leaf - chunk) * width)
-    if stored != full:  # ZeRO-1, before the loop: the accumulators' zeros and the
+    if gathered:  # ZeRO-1, before the loop: the accumulators' zeros and the
         # gathered parameters beside the shards transposed for the gather
         backward = max(backward, (stored - chunk) * width)
     return grads, backward
@@ -414,17 +416,21 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     # One layer's backward in flight: its residuals once more (recomputed under remat).
     layer_backward = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
     layer_backward += attention_scores_bytes(model, mb_rows, seq, tp)
-    if (platform or jax.default_backend()) == "tpu":
+    tpu = (platform or jax.default_backend()) == "tpu"
+    cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
+    if tpu:
         layer_backward *= TPU_LAYER_BACKWARD
-    grads = full + (full if stored != full else 0)  # ZeRO-1: + the gathered parameters
+    # ZeRO-1: + the gathered parameters; the TPU compiler casts the layers' weights
+    # before their all-gather (llama3_70b_v5p at pp8-dp4-tp2, interleaved: every layer
+    # matrix gathered in bfloat16, 2026-11-26), so they are held in the compute dtype
+    gathered = 0 if stored == full else full - (stage_weights * (1 - cast) if tpu else 0)
+    grads = full + gathered
     if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
         # float32 weights gathered at a time, their cast and their gradient beside them
         grads = stored
         layer_backward += 3 * stage_weights / (v * layers)
     if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
         ticks = sched.forward_rows().n_ticks
-        tpu = (platform or jax.default_backend()) == "tpu"
-        cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
         kept = _autodiff_kept(res, ticks, layers, mb_rows, v, stage_weights, hidden * m, cast)
         head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits * mb_rows
         backward = layer_backward
@@ -447,7 +453,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
                                  stage_weights / (v * layers), layer_leaf / (v * layers),
                                  stored_width)  # (a forward's new slot is built apart)
         grads, backward = _tick_gradients(state, grads, backward, per_use, v, stored_width,
-                                          full, stored, stage_weights, layer_leaf)
+                                          gathered, stored, stage_weights, layer_leaf)
     out = {
         "params": stored * stored_width,
         "optimizer": moments_width * stored,  # AdamW's mu and nu, sharded like the params

@@ -58,6 +58,14 @@ class Target:
     device_bytes: int | None  # memory of one device (None: local, known only there)
     config_text: str = ""  # GPU: the GpuTargetConfigProto text
 
+    @property
+    def device_name(self) -> str:
+        """The device as the peak-FLOP table names it (`framework/analysis/flops.py`):
+        "tpu v5p", "h100"; "" for local."""
+        if self.platform == "tpu":
+            return "tpu " + self.topology.split(":")[0]
+        return self.name.partition(":")[2].partition("x")[0] if self.platform == "gpu" else ""
+
 
 def gpu_models() -> list[str]:
     return sorted(p.stem for p in GPU_DIR.glob("*.txtpb"))

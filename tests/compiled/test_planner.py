@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from framework.analysis import comm_model, memory_model, planner
+from framework.compile import targets
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import validate
 
@@ -160,6 +161,24 @@ def test_plan_verify_compiles_the_best_candidates_for_the_target(capsys):
     assert plan.main(["recipe=llama_tiny_debug", "--verify", "target=gpu:h100x8",
                       "devices=16"]) == 2
     assert "has 8" in capsys.readouterr().err
+    # a TPU target's device prices the compute (not an H100); one without a known peak
+    # asks for it
+    assert plan.main(["recipe=llama_tiny_debug", "--verify", "target=tpu:v6e-8"]) == 2
+    assert "peak_tflops=" in capsys.readouterr().err
+    hw = plan.hardware({"device_memory_gb": 95.0}, "bfloat16",
+                       targets.parse("tpu:v5p-16"))
+    assert hw.peak_flops == 459e12 and hw.platform == "tpu"
+
+
+def test_verify_table_reads_a_layout_without_pipeline():
+    """A verified layout without a pipeline has no stage-to-stage sends: its share is
+    None in the report, a dash in the table (it was a TypeError)."""
+    from tools import plan_verify
+
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    best = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, hw)[0]
+    row = plan_verify.Verified(best, 2**30, True, {"pipe_sends": None, "tensor": None}, 1.0)
+    assert " - " in plan_verify.table([row], "gpu:h100x1").splitlines()[3]
 
 
 def test_long_sequences_bring_context_layouts_whose_activations_shrink():
