@@ -74,16 +74,15 @@ import numpy as np
 
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from framework.analysis.executor_state import executor_state, nbytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
-from framework.engine.step import device_fn
 from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
 from framework.model.llama import Block, apply_layers
 from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import AXES, DATA, PIPE, TENSOR
-from framework.parallel.pipeline import ticks
+from framework.parallel.mesh import DATA, PIPE, TENSOR
 from framework.parallel.pipeline.program import program_of
 from framework.parallel.pipeline.stage import split_vjp
 from framework.parallel.pipeline.table import AUTODIFF
@@ -91,10 +90,6 @@ from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
 FP32 = 4
-
-
-def _nbytes(tree) -> int:
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
 @lru_cache(maxsize=None)
@@ -125,11 +120,11 @@ def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows
         else:
             y, vjp_fn, saved = split_layers(model, remat, tp_plan).forward(weights, x)
             if part != "input":
-                found["bytes"] = _nbytes(saved if part == "saved" else vjp_fn(y)[1])
+                found["bytes"] = nbytes(saved if part == "saved" else vjp_fn(y)[1])
                 return jnp.zeros(())
         # The residual leaves, without the weights the VJP closes over (the split the
         # tick executor makes for its stash, framework/parallel/pipeline/ticks.py).
-        found["bytes"] = _nbytes(split_vjp(vjp_fn, weights)[0])
+        found["bytes"] = nbytes(split_vjp(vjp_fn, weights)[0])
         return jnp.zeros(())
 
     mesh = AbstractMesh((tp,), (TENSOR,))
@@ -253,68 +248,6 @@ def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> 
     return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
 
 
-_STATES: dict = {}
-
-
-def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> dict:
-    """`measure_executor_state`, once per distinct shape of the state (`state_key`): the
-    planner asks for hundreds of layouts that share far fewer (one trace takes a third
-    of a second here)."""
-    key = state_key(model, parallel, batch, seq)
-    if key not in _STATES:
-        _STATES[key] = measure_executor_state(model, parallel, batch, seq)
-    return _STATES[key]
-
-
-def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> tuple:
-    """Everything the shapes of the tick executor's state depend on: the model and the
-    tensor-parallel plan (their per-device weights and activations), the chunks a rank
-    holds and their layers (padded or not), a microbatch's rows and tokens, the buffer
-    plan's slot counts, which buffers send overlapped, the backward's cells, and FSDP's
-    sharding of the gradient accumulators."""
-    prog = program_of(parallel, model.n_layers)
-    s, layers = prog.schedule, prog.stage_layers
-    chunk = max(layers) if layers else model.n_layers // s.n_global_stages
-    pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
-    return (model, parallel.tensor, parallel.context, parallel.sequence_parallel, parallel.remat,
-            tuple(parallel.tensor_split), s.n_chunks, chunk, layers is not None,
-            batch // parallel.data // parallel.microbatches, seq,
-            tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
-            parallel.data if gathers_per_use(parallel) else None)  # FSDP: sharded grads
-
-
-def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int,
-                           seq: int) -> dict:
-    """Bytes per device of the tick executor's own state before its first tick (its
-    `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
-    field, and of one stash slot's entry (`slot`: what a cell's branch returns for the
-    write after it). Measured, not recounted: `jax.eval_shape` of the executor's
-    `initial_carry`, inside the step's own per-device setup (`engine.step.device_fn`)
-    in a `shard_map` over an abstract mesh of the layout's degrees (no devices), for a
-    global batch of `batch` rows of `seq` tokens."""
-    prog = program_of(parallel, model.n_layers)
-    specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
-    shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,
-                                   parallel.stage_layers)
-    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-    found = {}
-
-    def measure(fns, params, inputs, targets, docs):  # per device, at trace time only
-        cells = ticks.make_cells(prog, fns, params, inputs, targets,
-                                 jax.lax.axis_index(PIPE))
-        found.update({k: _nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
-        entry = [cells.types.packing.zeros(0)] + [cells.zeros(a, 0) for a in cells.types.saved]
-        found["slot"] = _nbytes(entry)
-        return jnp.zeros(())
-
-    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)
-    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.context, parallel.tensor),
-                        AXES)
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),
-                   shapes, tokens)
-    return found
-
-
 def _layer_remat(parallel: ParallelConfig) -> str:
     """The remat policy the layers run under: FSDP gathering per use runs no remat as
     save_dots (framework/model/llama.py, `checkpointed`)."""
@@ -344,6 +277,27 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
     if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
         per_tick += fixed + weights
     return ticks * per_tick + fixed + copies * batch_hidden
+
+
+def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_rows: int,
+                    tpu: bool) -> float:
+    """One layer's backward in flight: its residuals once more (recomputed under
+    remat) and the attention kernel's score blocks; the TPU's fused backward holds
+    TPU_LAYER_BACKWARD of that."""
+    held = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
+    held += attention_scores_bytes(model, mb_rows, seq, tp)
+    return held * TPU_LAYER_BACKWARD if tpu else held
+
+
+def _tick_kept(state: dict, sched, parallel: ParallelConfig) -> float:
+    """The tick executor's state (`executor_state`) + the slot contents a backward
+    cell's branch returns for the write after it (synchronous sends: every tick writes
+    the residuals, F's or zeros; overlapped, the backward tick only B's output
+    gradients, `Cells.writes`); overlapped sends: the message arriving beside the
+    cell, one per pending one."""
+    returned = state["slot"] if not sched.overlap or (
+        sched.split_backward and parallel.remat == "none") else 0
+    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + returned
 
 
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
@@ -413,13 +367,9 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     per_use = gathers_per_use(parallel)
     res = residuals(model, seq, tp, sp, _layer_remat(parallel), rules=rules)
     layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
-    # One layer's backward in flight: its residuals once more (recomputed under remat).
-    layer_backward = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
-    layer_backward += attention_scores_bytes(model, mb_rows, seq, tp)
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
-    if tpu:
-        layer_backward *= TPU_LAYER_BACKWARD
+    layer_backward = _layer_backward(model, seq, tp, sp, rules, mb_rows, tpu)
     # ZeRO-1: + the gathered parameters; the TPU compiler casts the layers' weights
     # before their all-gather (llama3_70b_v5p at pp8-dp4-tp2, interleaved: every layer
     # matrix gathered in bfloat16, 2026-11-26), so they are held in the compute dtype
@@ -440,14 +390,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
             # the stage's weights (TPU: the chunk's)
     else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
         state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
-        slot = state["slot"]
-        # + the slot contents a backward cell's branch returns for the write after it
-        # (synchronous sends: every tick writes the residuals, F's or zeros; overlapped,
-        # the backward tick only B's output gradients, `Cells.writes`); overlapped
-        # sends: the message arriving beside the cell, one per pending one
-        returned = slot if not sched.overlap or (
-            sched.split_backward and parallel.remat == "none") else 0
-        kept = state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + returned
+        slot, kept = state["slot"], _tick_kept(state, sched, parallel)
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,
                                  stage_weights / (v * layers), layer_leaf / (v * layers),
