@@ -53,8 +53,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment, per compiler where the compilers differ (the GPU's head,
-the TPU's head, layer backward and autodiff scan: TPU_*); `tests/test_planner.py` checks the total against the
-compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
+the TPU's head, layer backward and autodiff scan: TPU_*);
+`tests/compiled/test_memory.py` checks the total against the compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
 (and bfloat16 parameters) need more there than predicted (the prediction is for
 accelerators, which keep bf16: llama_1b_8gpu with bfloat16 parameters on the GPU
 compiler, 1.07x; tests/compiled/test_aot.py).
@@ -224,12 +224,12 @@ GPIPE_BATCH_COPIES = 4
 # between passes); the chunk weights a tick saves are their cast to the compute dtype
 # (with one chunk: the stage's cast, kept once); the gradient accumulator is one
 # chunk's, not the stage's.
-TPU_AUTODIFF = {"batch_copies": 2}
+TPU_BATCH_COPIES = 2
 # The TPU compiler fuses more of a layer's backward: it holds 0.41 of what the model
 # counts (its residuals without remat and the attention kernel's score blocks): 0.84
 # against 2.04 GiB in the same two programs and in llama_1b_8gpu's 1F1B step (1.34 held
 # against 2.54 with the stash slot). Checked on llama3_8b_v5p and llama3_70b_v5p, which
-# were not read: every schedule 1.00-1.01 of the compiler (docs/compile.md).
+# were not read: every schedule 0.96-1.01 of the compiler (docs/compile.md).
 TPU_LAYER_BACKWARD = 0.41
 # float32 attention-score tensors one layer's backward holds beyond its residuals, read
 # from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
@@ -265,7 +265,7 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
                    stage_weights: int, batch_hidden: float, cast: float | None) -> float:
     """What autodiff's tick scan keeps until its backward: every forward tick's
     residuals, the loop-invariant part once, and GPipe's batch-sized copies. `cast`:
-    None, or (TPU) the compute dtype's bytes per float32 byte (TPU_AUTODIFF)."""
+    None, or (TPU) the compute dtype's bytes per float32 byte (TPU_BATCH_COPIES)."""
     per_tick = layers * mb_rows * res.per_row
     fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
     copies = GPIPE_BATCH_COPIES
@@ -273,7 +273,7 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
     if cast is not None:  # TPU: the weights' cast kept, not the float32 weights
         weights *= cast
         fixed += 0 if v > 1 else weights  # one chunk: the stage's cast, once
-        copies = TPU_AUTODIFF["batch_copies"] + (v > 1)
+        copies = TPU_BATCH_COPIES + (v > 1)
     if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
         per_tick += fixed + weights
     return ticks * per_tick + fixed + copies * batch_hidden
@@ -289,15 +289,22 @@ def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_r
     return held * TPU_LAYER_BACKWARD if tpu else held
 
 
-def _tick_kept(state: dict, sched, parallel: ParallelConfig) -> float:
-    """The tick executor's state (`executor_state`) + the slot contents a backward
-    cell's branch returns for the write after it (synchronous sends: every tick writes
-    the residuals, F's or zeros; overlapped, the backward tick only B's output
-    gradients, `Cells.writes`); overlapped sends: the message arriving beside the
-    cell, one per pending one."""
-    returned = state["slot"] if not sched.overlap or (
-        sched.split_backward and parallel.remat == "none") else 0
-    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + returned
+def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None) -> float:
+    """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes; the TPU compiler
+    (`cast` not None) casts the layers' weights before their all-gather (llama3_70b_v5p
+    at pp8-dp4-tp2, interleaved: every layer matrix gathered in bfloat16, 2026-11-26),
+    so they are held in the compute dtype."""
+    if stored == full:
+        return 0
+    return full - (stage_weights * (1 - cast) if cast is not None else 0)
+
+
+def _tick_kept(state: dict) -> float:
+    """The tick executor's state (`executor_state`) + what a backward cell's branch
+    returns for the stash writes after it (`returned`) + with overlapped sends the
+    message arriving beside the cell, one per pending one."""
+    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
+        state["returned"]
 
 
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
@@ -370,10 +377,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
     layer_backward = _layer_backward(model, seq, tp, sp, rules, mb_rows, tpu)
-    # ZeRO-1: + the gathered parameters; the TPU compiler casts the layers' weights
-    # before their all-gather (llama3_70b_v5p at pp8-dp4-tp2, interleaved: every layer
-    # matrix gathered in bfloat16, 2026-11-26), so they are held in the compute dtype
-    gathered = 0 if stored == full else full - (stage_weights * (1 - cast) if tpu else 0)
+    gathered = _zero1_gathered(full, stored, stage_weights, cast)
     grads = full + gathered
     if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
         # float32 weights gathered at a time, their cast and their gradient beside them
@@ -390,7 +394,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
             # the stage's weights (TPU: the chunk's)
     else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
         state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
-        slot, kept = state["slot"], _tick_kept(state, sched, parallel)
+        slot, kept = state["slot"], _tick_kept(state)
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,
                                  stage_weights / (v * layers), layer_leaf / (v * layers),

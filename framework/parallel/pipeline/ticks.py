@@ -85,8 +85,12 @@ class Cells:
         saved), each only where its writer runs this tick. With overlapped sends a step's
         backward tick runs no F: no slot's worth of zeros is built and stored there."""
         split_w = self.split and not self.recompute
-        return (F in self.kinds, split_w and B in self.kinds,
-                (B if self.recompute else F) in self.kinds)
+        return (F in self.kinds, split_w and B in self.kinds, self.saved_writer in self.kinds)
+
+    @property
+    def saved_writer(self) -> int:
+        """The cell kind that writes the saved buffers: B under recompute (dy), else F."""
+        return B if self.recompute else F
 
     def zeros(self, like, n=None):
         """Zeros like `like` (n slots of it), varying at least over `manual`."""
@@ -233,12 +237,17 @@ def _add(tree, update):
 
 # --- The tick loop ----------------------------------------------------------------------
 
+def of_phase(cells: Cells, phase: int) -> Cells:
+    """The cells of tick `phase` of the loop's step: the kinds it runs somewhere."""
+    return replace(cells, kinds=frozenset(cells.prog.kinds(phase)))
+
+
 def _tick(cells: Cells, rank, phase: int):
     """Tick `phase` of a loop step on this rank: start sending the last tick's messages
     (overlapped), read the cell's inputs, run its branch, write the stash, send or
     receive and store the messages."""
     buffers = cells.prog.buffers
-    cells = replace(cells, kinds=frozenset(cells.prog.kinds(phase)))
+    cells = of_phase(cells, phase)
     branches, packing = cells.branches(), cells.types.packing
     residuals, douts, saved_by = cells.writes()
     travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
@@ -261,7 +270,7 @@ def _tick(cells: Cells, rank, phase: int):
         if douts:
             stash = packing.store(stash, out.douts, k_stash, kind == B)
         if saved_by:
-            written = kind == (B if cells.recompute else F)  # the saved buffers' writer
+            written = kind == cells.saved_writer
             saved = [store(buf, e, k_stash, written) for buf, e in zip(saved, out.saved)]
         made = {ACT: out.act, GRAD: out.grad}
         recv = dict(carry.recv)
