@@ -20,9 +20,7 @@ from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import AXES, DATA, PIPE
 from framework.parallel.pipeline import ticks
 from framework.parallel.pipeline.program import program_of
-from framework.parallel.pipeline.table import BW, BW_PARTS, B
 
-BACKWARD = frozenset((B, BW, *BW_PARTS))  # the cell kinds of a backward tick
 
 
 def nbytes(tree) -> int:
@@ -64,10 +62,7 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
                            seq: int) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
-    field, of one stash slot's entry (`slot`), and of what a backward cell's branch
-    returns for the stash writes after it (`returned`: with synchronous sends F's
-    residuals or zeros, every tick; overlapped, the backward tick only what its
-    kinds write, `Cells.writes`). Measured, not recounted: `jax.eval_shape` of the executor's
+    field, and of one stash slot's entry (`slot`). Measured, not recounted: `jax.eval_shape` of the executor's
     `initial_carry`, inside the step's own per-device setup (`engine.step.device_fn`)
     in a `shard_map` over an abstract mesh of the layout's degrees (no devices), for a
     global batch of `batch` rows of `seq` tokens."""
@@ -82,16 +77,9 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
         cells = ticks.make_cells(prog, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE))
         found.update({k: nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
-        slot = nbytes(cells.types.packing.zeros(0))
+        slot = nbytes(cells.types.packing.zeros(1))
         saved = nbytes([cells.zeros(a, 0) for a in cells.types.saved])
         found["slot"] = slot + saved
-        found["returned"] = 0  # by a backward cell's branch, for the writes after it
-        for phase in range(prog.schedule.ticks_per_step):
-            tick = ticks.of_phase(cells, phase)
-            if tick.kinds & BACKWARD:
-                residuals, douts, by_writer = tick.writes()
-                found["returned"] = max(found["returned"], slot * (residuals or douts)
-                                        + saved * by_writer)
         return jnp.zeros(())
 
     body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)

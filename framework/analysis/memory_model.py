@@ -300,11 +300,10 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
 
 
 def _tick_kept(state: dict) -> float:
-    """The tick executor's state (`executor_state`) + what a backward cell's branch
-    returns for the stash writes after it (`returned`) + with overlapped sends the
-    message arriving beside the cell, one per pending one."""
-    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
-        state["returned"]
+    """The tick executor's state (`executor_state`) + with overlapped sends the
+    message arriving beside the cell, one per pending one. (The cells write the stash
+    in place, inside their conditionals: nothing is returned for it.)"""
+    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"]
 
 
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,

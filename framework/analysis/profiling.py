@@ -42,8 +42,8 @@ import numpy as np
 
 from framework.analysis import hlo as hlo_lib
 from framework.parallel.mesh import PIPE
-from framework.parallel.pipeline.table import BW, F, KIND_NAMES
-from framework.parallel.pipeline.scopes import CELL, LOOP
+from framework.parallel.pipeline.table import BW, BW_PARTS, B, F, KIND_NAMES
+from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
 
 TRACE_DIR = "profile"
 TIMELINE_FILE = "timeline.json"
@@ -58,11 +58,8 @@ def classify(hlo: str, schedule) -> tuple[str, dict[str, str], dict[str, str]]:
       tick loops   the `while` instructions of the `pipeline_loop` scope: "ticks" (the
                    tick executor's), "forward" / "backward" (autodiff's loop and its
                    transpose); every instruction of a computation they call is theirs
-      stage work   every instruction of a computation called from a busy branch of a
-                   loop's per-tick cell dispatch (the conditional of the `cell` scope):
-                   branch k is cell kind k in the tick executor (kinds the schedule's
-                   table does not use are idle branches); branch 1 (the busy one) of
-                   GPipe/circular's `stage_or_skip`, F forward and BW backward
+      stage work   every instruction of a computation called from the busy branch of
+                   a cell's conditional in a loop (`_busy_work`)
     Containers (while, conditional, call) are left out of the work: their events on
     CPU time the dispatch, not the content."""
     program = hlo_lib.parse(hlo)
@@ -77,7 +74,7 @@ def classify(hlo: str, schedule) -> tuple[str, dict[str, str], dict[str, str]]:
             for comp in program.reachable([c for _, c in loop.callees]):
                 for inner in program.computations[comp]:
                     loops[inner.name] = label
-                    if inner.opcode == "conditional" and inner.op_name.split("/")[-2:] == [CELL, "cond"]:
+                    if inner.opcode == "conditional" and inner.op_name.endswith("/cond"):
                         work.update(_busy_work(program, inner, label, used))
     return program.module, work, loops
 
@@ -92,17 +89,26 @@ def _loop_label(instr) -> str | None:
     return "backward" if parts[-2].startswith("transpose(") else "forward"
 
 
-def _busy_work(program, dispatch, label: str, used: set) -> dict[str, str]:
-    """{instruction: cell kind} of the busy branches of one per-tick dispatch."""
+def _busy_work(program, cond, label: str, used: set) -> dict[str, str]:
+    """{instruction: cell kind} of the busy branch of a cell's conditional: in the tick
+    executor each kind's (the `CELL_SCOPES` one), the head's (F) and the embedding
+    gradient's (the first stage's backward); GPipe/circular's `stage_or_skip` in the
+    `cell` scope, F forward and BW backward. Branch 1 is the busy one."""
+    scope = cond.op_name.split("/")[-2]
+    if label == "ticks":
+        ends = [k for k in (B, BW, BW_PARTS[0]) if k in used]
+        kinds = {**{name: k for k, name in CELL_SCOPES.items()}, ON_LAST: F,
+                 ON_FIRST: ends[0] if ends else BW}
+        kind = kinds.get(scope)
+    else:
+        kind = (F if label == "forward" else BW) if scope == CELL else None
+    if kind is None or kind not in used or len(cond.branches) != 2:
+        return {}
     work = {}
-    for k, branch in enumerate(dispatch.branches):
-        kind = k if label == "ticks" else ((F if label == "forward" else BW) if k else 0)
-        if not kind or kind not in used:
-            continue
-        for comp in program.reachable([branch]):
-            for leaf in program.computations[comp]:
-                if leaf.opcode not in CONTAINERS:
-                    work[leaf.name] = KIND_NAMES[kind]
+    for comp in program.reachable([cond.branches[1]]):
+        for leaf in program.computations[comp]:
+            if leaf.opcode not in CONTAINERS:
+                work[leaf.name] = KIND_NAMES[kind]
     return work
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from framework.parallel.pipeline.comm import slots, zeros_typed_like
+from framework.parallel.pipeline.comm import zeros_typed_like
 
 LANE = 128  # a stash row is [elements / LANE, LANE]: see `Packing`
 
@@ -52,18 +52,16 @@ class Packing:
         return Packing(rows)
 
     def zeros(self, n: int) -> dict:
-        """{key: [n + 1, rows, LANE]}."""
+        """{key: [n, rows, LANE]}: n slots, no spare (every write is kept)."""
         def one(key, rows):
             dtype, axes = key.split("|")
-            return zeros_typed_like(jax.ShapeDtypeStruct(slots((rows, LANE), n), dtype), (),
+            return zeros_typed_like(jax.ShapeDtypeStruct((n, rows, LANE), dtype), (),
                                     axes.split(",") if axes else ())
         return {key: one(key, rows) for key, rows in self.rows.items()}
 
-    def store(self, stash: dict, leaves, slot, keep) -> dict:
-        """Writes `leaves` into slot `slot` of the stash (the spare last slot where not
-        `keep`, see `comm.store`), each at its row: no copy into one array first."""
-        spare = next(iter(stash.values())).shape[0] - 1
-        slot = jnp.where(keep, slot, spare)
+    def store(self, stash: dict, leaves, slot) -> dict:
+        """Writes `leaves` into slot `slot` of the stash, each at its row: no copy into
+        one array first."""
         at = dict.fromkeys(self.rows, 0)
         stash = dict(stash)
         for a in leaves:

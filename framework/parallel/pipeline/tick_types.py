@@ -33,6 +33,9 @@ class Carry(NamedTuple):
     loss: jax.Array  # f32 []: this rank's loss share so far
     pending: dict  # overlapped sends: {"act", "grad"}: [mb, seq, d] the last tick's
     #                messages, sent to the other ranks during this tick ({} if synchronous)
+    held: tuple = ()  # a pair of ticks a step, split backward: (B's douts (recompute:
+    #                   [dy]), its stash slot, whether this rank ran B), stored at the
+    #                   start of the next tick (`Cells.put`)
 
 
 class CellIn(NamedTuple):
@@ -48,16 +51,21 @@ class CellIn(NamedTuple):
     last: jax.Array  # bool: the last global stage (head + loss)
 
 
-class CellOut(NamedTuple):
-    """What a cell hands to the writes and sends after the switch (zeros where unused;
-    an empty list where this tick writes none, `Cells.writes`)."""
+class TickState(NamedTuple):
+    """What a tick's cells update (`ticks.py`): each kind's cell runs under its own
+    two-way conditional that takes this whole state and, on the ranks not running it,
+    returns it unchanged. XLA keeps a value passed through a two-way conditional in its
+    buffer; an n-way `lax.switch` copied every value a branch returns unchanged (the
+    gradient accumulators, twice a tick), and a slot of zeros built by the branches
+    that store nothing."""
 
-    act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output)
+    grads: dict  # the carry's gradient accumulators
+    loss: jax.Array  # f32 []
+    stash: dict  # the carry's stash: F writes the residuals, B (split) the douts
+    saved: list  # the carry's saved buffers: F (split) or B (recompute) writes them
+    act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output), zeros if none
     grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)
-    residuals: list  # F: the VJP's residuals, for the stash slot
-    douts: list  # B: the weight ops' output gradients, for the stash slot
-    saved: list  # F (split backward): the weight ops' inputs; B (recompute): [dy]
-
+    douts: list  # B (split): the weight ops' output gradients (recompute: [dy]) for W
 
 class Piece(NamedTuple):
     """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):

@@ -3,8 +3,8 @@
 
 Autodiff of a forward loop keeps every microbatch's activations until the whole
 backward runs. Here the tick loop carries the backward, so only the microbatches the
-table keeps in flight hold memory. Each tick every rank runs the branch its cell names
-(`lax.switch` over `Cells.branches()`):
+table keeps in flight hold memory. Each tick every rank runs the cell the table names
+for it:
 
   F(i, c)   x = the embedded microbatch (first stage) or its receive slot;
             y, vjp = jax.vjp(chunk c's layers); the VJP's residuals (the activations
@@ -24,49 +24,66 @@ and W pulls it through again for the weight gradients. Memory: 1F1B's plus one m
 per microbatch in flight; compute: the chunk's recomputed forward and input gradient
 run twice (B and W) instead of once.
 
-After the branch come the stash writes and the sends the buffer plan names for this
-tick (`framework/parallel/pipeline/buffers.py`). A tick writes only the stash lists
-whose writer it can run (`Cells.writes`): every tick when sends are synchronous (the
-cells not writing send theirs to the spare slot: zeros), only the forward tick of a
-pair for F's residuals when they overlap. With overlapped sends (`Schedule.overlap`)
+Dispatch. Each cell kind the tick runs somewhere is its own two-way `lax.cond` on
+"this rank's cell is of that kind" (`Run`), in order, followed by the head (last stage,
+after F) and the embedding's gradient (first stage, after the backward that ends in
+dx). A conditional returns only the fields of the tick's state its cell writes
+(`TickState`); the other ranks pass them through, and XLA keeps a value passed through
+a two-way conditional in its buffer. (A single `lax.switch` over the kinds, as before,
+copied the gradient accumulators in every branch that left them alone and again after
+it, and built a slot of zeros for the stash write of every cell but F: 1F1B with
+synchronous sends took 1.31x GPipe's step here, 0.93x now.) The cells write the
+stash in place, inside their conditionals: F its residuals, B its douts (in a
+conditional of its own after B's: XLA copied a stash that one conditional both read and
+rewrote). Then come the sends the buffer plan names for this tick
+(`framework/parallel/pipeline/buffers.py`).
+
+With overlapped sends (`Schedule.overlap`)
 the loop runs a pair of ticks per step, a forward tick (F, W) and a backward tick (B,
 BW, W), and each tick starts by sending the previous tick's messages to the other ranks
 (`pending`): an unconditional `ppermute` that the cell's compute runs beside, received
 and stored after the cell. So the activations travel during the backward tick and the
-gradients during the next forward tick. A stash slot is one flat buffer per
+gradients during the next forward tick. B's douts are then stored at the start of the
+next tick (`Carry.held`, `Cells.put`), so that every write of a step comes before its
+reads. A stash slot is one flat buffer per
 dtype, so that B's output gradients can take the residuals' place (`Packing`): with a
 split backward a microbatch in flight holds no more than 1F1B's full residuals.
 
 Shapes below: mb = rows of a microbatch, seq = its tokens (/tensor with sequence
-parallelism), d = d_model; n = slots of a buffer (+1: the spare row that takes the
-writes not kept, `comm.slots`).
+parallelism), d = d_model; n = slots of a buffer (a receive buffer has one more,
+the spare row that takes the writes not kept, `comm.slots`).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_overlapped,
-                                              slots, store, zeros_typed_like)
+                                              slots, store, varying, zeros_typed_like)
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
-from framework.parallel.pipeline.tick_types import (Carry, CellIn, CellOut, Types,
+from framework.parallel.pipeline.tick_types import (Carry, CellIn, TickState, Types,
                                                     forward_in_parts, layer_slice, trace_types)
 from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W
 
 
 # --- The cells --------------------------------------------------------------------------
 
+ENDS = (B, BW, BW_PARTS[0])  # the kinds whose dx is the input gradient of their chunk
+
+
 @dataclass(frozen=True)
 class Cells:
-    """The branches a rank can run in a tick, over one chunk of one microbatch. Each
-    takes (grads, loss, cell: CellIn, stash, saved) and returns (grads, loss, CellOut)."""
+    """The cells a rank can run in a tick, over one chunk of one microbatch. Each takes
+    (state: TickState, cell: CellIn) and returns the state it updates (`runs`)."""
 
     fns: StageFns
     prog: Program
@@ -80,18 +97,6 @@ class Cells:
     docs: object = None  # the microbatches' document masks (leaves [microbatches, ...])
     kinds: frozenset = frozenset()  # the cell kinds this tick of the loop's step runs
 
-    def writes(self) -> tuple[bool, bool, bool]:
-        """Which of the stash's lists this tick writes after the cell: (residuals, douts,
-        saved), each only where its writer runs this tick. With overlapped sends a step's
-        backward tick runs no F: no slot's worth of zeros is built and stored there."""
-        split_w = self.split and not self.recompute
-        return (F in self.kinds, split_w and B in self.kinds, self.saved_writer in self.kinds)
-
-    @property
-    def saved_writer(self) -> int:
-        """The cell kind that writes the saved buffers: B under recompute (dy), else F."""
-        return B if self.recompute else F
-
     def zeros(self, like, n=None):
         """Zeros like `like` (n slots of it), varying at least over `manual`."""
         shape = like.shape if n is None else slots(like.shape, n)
@@ -103,16 +108,6 @@ class Cells:
         v = jax.tree.leaves(self.params["chunks"])[0].shape[0]
         return jax.tree.map(lambda a: a[0] if v == 1 else a[chunk], self.params["chunks"])
 
-    def out(self, act=None, grad=None, residuals=None, douts=None, saved=None) -> CellOut:
-        """The cell's outputs; zeros for what it does not make, nothing for the lists
-        this tick does not write (`writes`)."""
-        t = self.types
-        lists = [(residuals, t.residuals), (douts, t.douts), (saved, t.saved)]
-        lists = [(made if made is not None else [self.zeros(a) for a in likes]) if written
-                 else [] for (made, likes), written in zip(lists, self.writes())]
-        return CellOut(self.zeros(t.x) if act is None else act,
-                       self.zeros(t.x) if grad is None else grad, *lists)
-
     def add_chunk(self, grads, chunk, update, layers=slice(None)):
         """grads of chunk `chunk` (its `layers`, a static slice) += update."""
         v = jax.tree.leaves(grads["chunks"])[0].shape[0]
@@ -120,115 +115,179 @@ class Cells:
             lambda a, u: a.at[0, layers].add(u) if v == 1 else a.at[chunk, layers].add(u),
             grads["chunks"], update))
 
-    def idle(self, grads, loss, cell: CellIn, stash, saved):
-        return grads, loss, self.out()
-
-    def forward(self, grads, loss, cell: CellIn, stash, saved):
+    def forward(self, state: TickState, cell: CellIn) -> TickState:
+        """F: the chunk's forward; its VJP's residuals (and, split, the weight ops'
+        inputs) go to the microbatch's stash slot, its output to `act`."""
         fns, p = self.fns, self.params
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
+        saved = state.saved
         if self.types.pieces:  # a BW cut into parts: one VJP per part
             y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
                                                len(self.types.pieces), docs, first)
-            kept = None
         elif self.split and not self.recompute:
             y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
                                                 docs=docs, first=first)
-            kept, residuals = jax.tree.leaves(kept), split_vjp(vjp_fn, w)[0]
-        else:  # (recompute: B writes the saved buffer, F leaves zeros)
+            residuals = split_vjp(vjp_fn, w)[0]
+            saved = [buf.at[cell.slot].set(e) for buf, e in zip(saved, jax.tree.leaves(kept))]
+        else:  # (recompute: B writes the saved buffer)
             chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
                             first=first)
-            (y, vjp_fn), kept = jax.vjp(chunk, w, x), None
+            y, vjp_fn = jax.vjp(chunk, w, x)
             residuals = split_vjp(vjp_fn, w)[0]
+        stash = self.types.packing.store(state.stash, residuals, cell.slot)
+        return state._replace(stash=stash, saved=saved, act=y)
 
-        def head():  # last stage: this microbatch's loss and dL/dy for its backward
-            value, (g_head, g_embed, dy) = jax.value_and_grad(
-                fns.head_loss, argnums=(0, 1, 2))(p["head"], p["embed"], y,
-                                                  self.targets[cell.mb])
-            return (dict(grads, head=_add(grads["head"], g_head),
-                         embed=_add(grads["embed"], g_embed)), loss + value, dy)
+    def head(self, state: TickState, cell: CellIn) -> TickState:
+        """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""
+        fns, p, grads = self.fns, self.params, state.grads
+        value, (g_head, g_embed, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1, 2))(
+            p["head"], p["embed"], state.act, self.targets[cell.mb])
+        grads = dict(grads, head=_add(grads["head"], g_head), embed=_add(grads["embed"], g_embed))
+        return state._replace(grads=grads, loss=state.loss + value, grad=dy)
 
-        grads, loss, dy = only_on(ON_LAST, cell.last, head,
-                                  lambda: (grads, loss, self.zeros(self.types.x)))
-        return grads, loss, self.out(act=y, grad=dy, residuals=residuals, saved=kept)
-
-    def backward(self, grads, loss, cell: CellIn, stash, saved):
+    def backward(self, state: TickState, cell: CellIn) -> TickState:
         """BW, or B when the backward is split (its weight half comes later, in W)."""
         t, w = self.types, self.weights(cell.chunk)
-        vjp_fn = join_vjp(t.packing.read(stash, cell.slot, t.residuals), t.vjp_def,
+        vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
                           t.param_slot, w)
-        douts = kept = None
         if self.recompute:  # B: dx only (XLA drops the weight half); dy kept for W
-            dx, kept = vjp_fn(cell.dy)[1], [cell.dy]
-        elif self.split:  # B: the gradients of the input and of the matmul outputs
+            return state._replace(douts=[cell.dy], grad=vjp_fn(cell.dy)[1])
+        if self.split:  # B: the gradients of the input and of the matmul outputs
             dx, douts = vjp_fn(cell.dy)
-            douts = jax.tree.leaves(douts)
-        else:  # BW: the gradients of the input and of the weights
-            g_w, dx = vjp_fn(cell.dy)
-            grads = self.add_chunk(grads, cell.chunk, g_w)
-        return self.embed_grad(grads, cell, dx), loss, self.out(grad=dx, douts=douts,
-                                                                  saved=kept)
+            return state._replace(douts=jax.tree.leaves(douts), grad=dx)
+        g_w, dx = vjp_fn(cell.dy)  # BW: the gradients of the input and of the weights
+        return state._replace(grads=self.add_chunk(state.grads, cell.chunk, g_w), grad=dx)
 
-    def embed_grad(self, grads, cell: CellIn, dx):
-        """The first stage's backward ends in the embedding's: its gradient from dx."""
-        embed = self.params["embed"]
-        g_embed = only_on(ON_FIRST, cell.first, lambda: jax.vjp(
-            lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](dx)[0],
-                          lambda: jax.tree.map(jnp.zeros_like, embed))
-        return dict(grads, embed=_add(grads["embed"], g_embed))
+    @property
+    def pair(self) -> bool:
+        """A (forward, backward) pair of ticks a loop step (overlapped sends)."""
+        return self.prog.schedule.ticks_per_step > 1
+
+    def put(self, state: TickState, values: list, slot) -> TickState:
+        """B's douts into the slot whose residuals it read (recompute: dy into the saved
+        buffer), in a conditional of its own: XLA copied the stash where one both read
+        and rewrote it. With a pair of ticks a step, at the start of the next tick
+        (`Carry.held`): a W in the forward tick reads what a write in the backward tick
+        would overwrite, no data path orders the two, and XLA copied the whole stash
+        each step; so every write of a step comes before its reads."""
+        if self.recompute:
+            return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
+        return state._replace(stash=self.types.packing.store(state.stash, values, slot))
+
+    def held_zeros(self) -> list:
+        """Zeros like what B keeps for W (`TickState.douts`); [] without a split backward."""
+        if not self.split:
+            return []
+        return [self.zeros(a) for a in (self.types.saved if self.recompute else self.types.douts)]
+
+    def store_douts(self, state: TickState, cell: CellIn) -> TickState:
+        return self.put(state, state.douts, cell.slot)
+
+    def embed_grad(self, state: TickState, cell: CellIn) -> TickState:
+        """After the first stage's backward: the embedding's gradient from dx."""
+        embed, grads = self.params["embed"], state.grads
+        g_embed = jax.vjp(lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](
+            state.grad)[0]
+        return state._replace(grads=dict(grads, embed=_add(grads["embed"], g_embed)))
 
     def backward_part(self, j: int):
-        """The BWj branch: the fused backward of part j of the chunk's layers (bottom
+        """The BWj cell: the fused backward of part j of the chunk's layers (bottom
         first), from that part's residuals in the stash slot; BW0 sends dx on, the
         others pass the gradient down to the part below (a message to itself)."""
         piece = self.types.pieces[j]
 
-        def run(grads, loss, cell: CellIn, stash, saved):
+        def run(state: TickState, cell: CellIn) -> TickState:
             w = layer_slice(self.weights(cell.chunk), piece.lo, piece.hi)
-            acts = self.types.packing.read(stash, cell.slot, self.types.residuals)
+            acts = self.types.packing.read(state.stash, cell.slot, self.types.residuals)
             vjp_fn = join_vjp(acts[piece.start:piece.start + piece.n], piece.vjp_def,
                               piece.param_slot, w)
             g_w, dx = vjp_fn(cell.dy)
-            grads = self.add_chunk(grads, cell.chunk, g_w, slice(piece.lo, piece.hi))
-            if j == 0:
-                grads = self.embed_grad(grads, cell, dx)
-            return grads, loss, self.out(grad=dx)
+            grads = self.add_chunk(state.grads, cell.chunk, g_w, slice(piece.lo, piece.hi))
+            return state._replace(grads=grads, grad=dx)
 
         return run
 
-    def weight(self, grads, loss, cell: CellIn, stash, saved):
-        t = self.types
+    def weight(self, state: TickState, cell: CellIn) -> TickState:
+        t, w = self.types, self.weights(cell.chunk)
         if self.recompute:  # the full VJP again, for the weights only (dx is dropped)
-            vjp_fn = join_vjp(t.packing.read(stash, cell.slot, t.residuals), t.vjp_def,
-                              t.param_slot, self.weights(cell.chunk))
-            g_w = vjp_fn(saved[0][cell.slot])[0]
-            return self.add_chunk(grads, cell.chunk, g_w), loss, self.out()
-        kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in saved])
-        douts = jax.tree.unflatten(t.dout_def, t.packing.read(stash, cell.slot, t.douts))
-        g_w = self.fns.split.weight_grads(self.weights(cell.chunk), kept, douts)
-        return self.add_chunk(grads, cell.chunk, g_w), loss, self.out()
+            vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
+                              t.param_slot, w)
+            g_w = vjp_fn(state.saved[0][cell.slot])[0]
+        else:
+            kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in state.saved])
+            douts = jax.tree.unflatten(t.dout_def,
+                                       t.packing.read(state.stash, cell.slot, t.douts))
+            g_w = self.fns.split.weight_grads(w, kept, douts)
+        return state._replace(grads=self.add_chunk(state.grads, cell.chunk, g_w))
 
-    def branches(self) -> list:
-        """Indexed by cell kind; the kinds not in `self.kinds` (this tick of the loop
-        never runs them) are idle, never traced."""
-        kinds = self.kinds
-        def scoped(kind, fn):
-            def run(*args):
-                with jax.named_scope(CELL_SCOPES[kind]):
-                    return fn(*args)
-            return run if kind in kinds else self.idle
-
+    def runs(self) -> list[Run]:
+        """In this order: each cell kind this tick runs (`self.kinds`), the head after
+        F, B's stash write after B, the embedding's gradient after the backward that
+        ends in dx; each with the fields of the state it writes."""
+        sv = ("saved",) if self.split else ()
         if self.split:
-            return [self.idle, scoped(F, self.forward), scoped(B, self.backward),
-                    scoped(W, self.weight), self.idle]
-        if self.types.pieces:  # kinds BW0, BW1, ... after the first five
-            return [self.idle, scoped(F, self.forward), self.idle, self.idle, self.idle] + [
-                scoped(kind, self.backward_part(j))
+            cells = {F: (self.forward, ("stash", *sv, "act")),
+                     B: (self.backward, ("douts", "grad")),
+                     W: (self.weight, ("grads",))}
+        else:
+            cells = {F: (self.forward, ("stash", "act"))}
+            bw = [(BW, self.backward)] if not self.types.pieces else [
+                (kind, self.backward_part(j))
                 for j, kind in enumerate(BW_PARTS[:len(self.types.pieces)])]
-        return [self.idle, scoped(F, self.forward), self.idle, self.idle,
-                scoped(BW, self.backward)]
+            cells.update({kind: (fn, ("grads", "grad")) for kind, fn in bw})
+        out = []
+        for kind, (fn, writes) in cells.items():
+            if kind in self.kinds:
+                out.append(Run((CELL_SCOPES[kind],), kind, None, fn, writes))
+                if kind == F:
+                    out.append(Run((CELL_SCOPES[F], ON_LAST), F, "last", self.head,
+                                   ("grads", "loss", "grad")))
+                if kind == B and not self.pair:
+                    out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
+                                   ("saved",) if self.recompute else ("stash",)))
+                if kind in ENDS:
+                    out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
+                                   self.embed_grad, ("grads",)))
+        return out
+
+
+class Run(NamedTuple):
+    """`fn(state, cell)` runs on the ranks whose cell is of `kind` (and, `on` "first" /
+    "last", whose stage is the first / last), as its own two-way conditional that
+    returns only the fields of the state in `writes`: what it reads is an operand, not
+    an output (XLA copied a stash that one conditional both read and returned)."""
+
+    scopes: tuple  # named scopes, outermost first
+    kind: int
+    on: Optional[str]
+    fn: Callable
+    writes: tuple
+
+    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
+        pred = kind == self.kind
+        if self.on is not None:
+            pred = pred & (cell.first if self.on == "first" else cell.last)
+        return _cond(self.scopes, pred, lambda s: self.fn(s, cell), state, self.writes)
+
+
+def _cond(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState:
+    """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
+    were: a two-way conditional that returns only those fields, inside the named
+    `scopes` (nested: the communication audit weighs a scope inside another by both,
+    `Program.scope_weights`)."""
+    with ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(jax.named_scope(scope))
+        out = jax.lax.cond(pred, lambda s: _fields(fn(s), writes),
+                           lambda s: _fields(s, writes), state)
+    return state._replace(**dict(zip(writes, out)))
+
+
+def _fields(state: TickState, fields: tuple) -> tuple:
+    return tuple(getattr(state, f) for f in fields)
 
 
 def _add(tree, update):
@@ -244,12 +303,12 @@ def of_phase(cells: Cells, phase: int) -> Cells:
 
 def _tick(cells: Cells, rank, phase: int):
     """Tick `phase` of a loop step on this rank: start sending the last tick's messages
-    (overlapped), read the cell's inputs, run its branch, write the stash, send or
-    receive and store the messages."""
+    (overlapped), read the cell's inputs, run its cell (which writes the stash), send
+    or receive and store the messages."""
     buffers = cells.prog.buffers
     cells = of_phase(cells, phase)
-    branches, packing = cells.branches(), cells.types.packing
-    residuals, douts, saved_by = cells.writes()
+    runs = cells.runs()
+    fields = ("saved",) if cells.recompute else ("stash",)
     travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
     def tick(carry: Carry, row: dict) -> Carry:
@@ -261,18 +320,21 @@ def _tick(cells: Cells, rank, phase: int):
             cells.types.x)
         cell = CellIn(msg(ACT), msg(GRAD), k_stash, row["mb"][rank], row["chunk"][rank],
                       row["stage"][rank], row["first"][rank], row["last"][rank])
+        douts = cells.held_zeros() if B in cells.kinds else []
+        state = TickState(carry.grads, carry.loss, carry.stash, carry.saved,
+                          cells.zeros(cells.types.x), cells.zeros(cells.types.x), douts)
         with jax.named_scope(CELL):
-            grads, loss, out = jax.lax.switch(kind, branches, carry.grads, carry.loss, cell,
-                                              carry.stash, carry.saved)
-        stash, saved = carry.stash, carry.saved
-        if residuals:
-            stash = packing.store(stash, out.residuals, k_stash, kind == F)
-        if douts:
-            stash = packing.store(stash, out.douts, k_stash, kind == B)
-        if saved_by:
-            written = kind == cells.saved_writer
-            saved = [store(buf, e, k_stash, written) for buf, e in zip(saved, out.saved)]
-        made = {ACT: out.act, GRAD: out.grad}
+            if carry.held and phase == 0:  # the last tick's B douts (see `Cells.put`)
+                values, slot, by_b = carry.held
+                state = _cond((CELL_SCOPES[B],), by_b, lambda s: cells.put(s, values, slot),
+                              state, fields)
+            for run in runs:
+                state = run(kind, state, cell)
+        if carry.held and B in cells.kinds:
+            held = (state.douts, *(varying(a, cells.manual) for a in (k_stash, kind == B)))
+        else:
+            held = carry.held
+        made = {ACT: state.act, GRAD: state.grad}
         recv = dict(carry.recv)
         for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
             if ch.overlap and ch not in arriving:
@@ -280,7 +342,7 @@ def _tick(cells: Cells, rank, phase: int):
             got = arriving[ch] if ch.overlap else send(ch, pattern, made[ch.buffer])
             recv[ch.buffer] = store(recv[ch.buffer], got, arrive[rank], arrive[rank] >= 0)
         pending = {buf: made[buf] for buf in carry.pending}
-        return Carry(recv, stash, saved, grads, loss, pending)
+        return Carry(recv, state.stash, state.saved, state.grads, state.loss, pending, held)
 
     return tick
 
@@ -317,10 +379,14 @@ def initial_carry(cells: Cells) -> Carry:
     n, t, buffers = cells.prog.buffers.n_slots, cells.types, cells.prog.buffers
     return Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
                  stash=t.packing.zeros(n["stash"]),
-                 saved=[cells.zeros(a, n["stash"]) for a in t.saved],
+                 saved=[zeros_typed_like(jax.ShapeDtypeStruct((n["stash"], *a.shape), a.dtype),
+                                         cells.manual, jax.typeof(a).manual_axis_type.varying)
+                        for a in t.saved],
                  grads=jax.tree.map(cells.zeros, cells.params),
                  loss=cells.zeros(jnp.zeros((), jnp.float32)),
-                 pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap})
+                 pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap},
+                 held=(cells.held_zeros(), cells.zeros(jnp.zeros((), jnp.int32)),
+                       cells.zeros(jnp.zeros((), bool))) if cells.split and cells.pair else ())
 
 
 def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):

@@ -1,0 +1,52 @@
+"""The tick executor's compiled loop (framework/parallel/pipeline/ticks.py) writes its
+buffers in place: no buffer the loop carries (gradient accumulators, stash, saved
+buffers, receive slots) is copied inside a tick. Dispatching the cells with one
+`lax.switch` copied the gradient accumulators in every branch that left them alone and
+again after it (1.3 to 2.9 MB a step of this program, every schedule and send mode);
+a stash write under a conditional after a read in the other tick of a pair copied the
+whole stash (found and fixed 2026-11-27)."""
+
+import math
+import re
+
+import pytest
+
+from framework.analysis import hlo, profiling
+from tests.helpers import engine, params, tokens
+
+_BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1,
+          "s8": 1, "u8": 1}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _nbytes(types: str) -> int:
+    return sum(_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _ARRAY.findall(types))
+
+
+def carried_copies(text: str) -> tuple[int, int]:
+    """(bytes of the copies inside the tick loop whose shape is one of the large
+    buffers it carries (1% of its carry or more), bytes of the carry)."""
+    program = hlo.parse(text)
+    loops = [i for instrs in program.computations.values() for i in instrs
+             if profiling._loop_label(i) == "ticks"]
+    assert len(loops) == 1, "one tick loop"
+    carry = _nbytes(loops[0].result)
+    large = {m.group(0) for m in _ARRAY.finditer(loops[0].result)
+             if _nbytes(m.group(0)) >= carry / 100}
+    inside = program.reachable([c for _, c in loops[0].callees])
+    copies = [i for c in inside for i in program.computations[c] if i.opcode == "copy"]
+    return sum(_nbytes(i.result) for i in copies if _ARRAY.match(i.result).group(0) in large), carry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
+                                        ("zb_v", 1)])
+def test_the_tick_loop_copies_no_buffer_it_carries(schedule, v, overlap):
+    eng = engine(4, 1, 1, 8, schedule=schedule, virtual_stages=v, overlap_sends=overlap)
+    state = eng.init_state(params())
+    text = eng.step_fn.lower(state, eng.shard_batch(tokens(0))).compile().as_text()
+    copied, carry = carried_copies(text)
+    assert carry > 0
+    assert copied == 0, f"{copied} bytes of carried buffers copied a step (carry {carry})"
