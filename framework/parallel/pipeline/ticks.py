@@ -231,26 +231,26 @@ class Cells:
         if self.split:
             cells = {F: (self.forward, ("stash", *sv, "act")),
                      B: (self.backward, ("douts", "grad")),
-                     W: (self.weight, ("grads",))}
+                     W: (self.weight, ("grads.chunks",))}
         else:
             cells = {F: (self.forward, ("stash", "act"))}
             bw = [(BW, self.backward)] if not self.types.pieces else [
                 (kind, self.backward_part(j))
                 for j, kind in enumerate(BW_PARTS[:len(self.types.pieces)])]
-            cells.update({kind: (fn, ("grads", "grad")) for kind, fn in bw})
+            cells.update({kind: (fn, ("grads.chunks", "grad")) for kind, fn in bw})
         out = []
         for kind, (fn, writes) in cells.items():
             if kind in self.kinds:
                 out.append(Run((CELL_SCOPES[kind],), kind, None, fn, writes))
                 if kind == F:
                     out.append(Run((CELL_SCOPES[F], ON_LAST), F, "last", self.head,
-                                   ("grads", "loss", "grad")))
+                                   ("grads.head", "grads.embed", "loss", "grad")))
                 if kind == B and not self.pair:
                     out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
                                    ("saved",) if self.recompute else ("stash",)))
                 if kind in ENDS:
                     out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
-                                   self.embed_grad, ("grads",)))
+                                   self.embed_grad, ("grads.embed",)))
         return out
 
 
@@ -264,7 +264,8 @@ class Run(NamedTuple):
     kind: int
     on: Optional[str]
     fn: Callable
-    writes: tuple
+    writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
+    #                (only: the GPU compiler copies what a conditional passes through)
 
     def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
         pred = kind == self.kind
@@ -283,11 +284,20 @@ def _cond(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState
             stack.enter_context(jax.named_scope(scope))
         out = jax.lax.cond(pred, lambda s: _fields(fn(s), writes),
                            lambda s: _fields(s, writes), state)
-    return state._replace(**dict(zip(writes, out)))
+    return _with(state, writes, out)
 
 
 def _fields(state: TickState, fields: tuple) -> tuple:
-    return tuple(getattr(state, f) for f in fields)
+    """The values of `fields` of the state; "grads.x": the gradients' part x only."""
+    return tuple(state.grads[f[6:]] if f.startswith("grads.") else getattr(state, f)
+                 for f in fields)
+
+
+def _with(state: TickState, fields: tuple, values: tuple) -> TickState:
+    """The state with `fields` (as `_fields` names them) set to `values`."""
+    parts = {f[6:]: v for f, v in zip(fields, values) if f.startswith("grads.")}
+    rest = {f: v for f, v in zip(fields, values) if not f.startswith("grads.")}
+    return state._replace(**rest, **({"grads": dict(state.grads, **parts)} if parts else {}))
 
 
 def _add(tree, update):
