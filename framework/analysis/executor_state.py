@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from framework.config import ModelConfig, ParallelConfig
 from framework.engine.state import abstract_train_params, param_specs
-from framework.engine.step import device_fn
+from framework.engine.step import device_fn, passes_through
 from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import AXES, DATA, PIPE
 from framework.parallel.pipeline import ticks
@@ -31,13 +31,15 @@ def nbytes(tree) -> int:
 _STATES: dict = {}
 
 
-def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> dict:
+def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int,
+                   platform: str | None = None) -> dict:
     """`measure_executor_state`, once per distinct shape of the state (`state_key`): the
     planner asks for hundreds of layouts that share far fewer (one trace takes a third
     of a second here)."""
-    key = state_key(model, parallel, batch, seq)
+    through = passes_through(platform or jax.default_backend())
+    key = state_key(model, parallel, batch, seq) + (through,)
     if key not in _STATES:
-        _STATES[key] = measure_executor_state(model, parallel, batch, seq)
+        _STATES[key] = measure_executor_state(model, parallel, batch, seq, through)
     return _STATES[key]
 
 
@@ -59,7 +61,7 @@ def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int
 
 
 def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int,
-                           seq: int) -> dict:
+                           seq: int, pass_through: bool = True) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
     field, and of one stash slot's entry (`slot`). Measured, not recounted: `jax.eval_shape` of the executor's
@@ -82,7 +84,8 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
         found["slot"] = slot + saved
         return jnp.zeros(())
 
-    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)
+    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward,
+                     pass_through=pass_through)
     mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.context, parallel.tensor),
                         AXES)
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),

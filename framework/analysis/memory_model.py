@@ -392,7 +392,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
             grads += stage_weights / (dp if per_use else 1) / (v if tpu else 1)  # for
             # the stage's weights (TPU: the chunk's)
     else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
-        state = executor_state(model, parallel, train.global_batch_size, train.seq_len)
+        state = executor_state(model, parallel, train.global_batch_size, train.seq_len,
+                               platform)
         slot, kept = state["slot"], _tick_kept(state)
         head = logit_copies("1f1b", platform) * logits * mb_rows
         backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,

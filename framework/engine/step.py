@@ -50,7 +50,8 @@ def manual(parallel: ParallelConfig) -> tuple:
 
 
 def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
-              n_tokens_global: int, split: bool, per_use=None, z_loss: float = 0.0) -> StageFns:
+              n_tokens_global: int, split: bool, per_use=None, z_loss: float = 0.0,
+              pass_through: bool = True) -> StageFns:
     """The model as the pipeline executors see it, on one device (`tp`: the tensor-
     parallel plan); the loss share of a microbatch is its token cross-entropy sum over
     the global token count. `per_use`: FSDP's dimension per leaf when every use gathers
@@ -75,7 +76,8 @@ def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
                        gather=gather["layer"]),
         head_loss=head_loss,
         split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless,
-                           gather=gather["layer"]) if split else None)
+                           gather=gather["layer"]) if split else None,
+        pass_through=pass_through)
 
 
 def _per_use_gathers(dims, dtype) -> dict:
@@ -137,9 +139,17 @@ def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = Cont
     return inputs, mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1), docs
 
 
+def passes_through(platform: str) -> bool:
+    """Whether the compiler for `platform` keeps a buffer that a conditional passes
+    through in place (`StageFns.pass_through`), measured on the compiled tick loop
+    (tests/compiled/test_executor.py): XLA's CPU and TPU compilers do; its GPU compiler
+    (jax 0.10.2) copies it, in the conditional and again after it."""
+    return platform not in ("gpu", "cuda")
+
+
 def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
               run, split: bool, cpu: bool = False, z_loss: float = 0.0,
-              documents: DocumentMask | None = None):
+              documents: DocumentMask | None = None, pass_through: bool = True):
     """(params, tokens) -> run(fns, params, inputs, targets, docs) on each device, inside the
     step's `shard_map`: the per-device setup every use of the executors shares (the
     model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
@@ -167,7 +177,7 @@ def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1
         """Runs on each device: params are its shards, tokens its data replica's rows."""
         inputs, targets, n_tokens, docs = split_batch(tokens, m, parallel.data, cp, documents)
         fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use,
-                        z_loss=z_loss)
+                        z_loss=z_loss, pass_through=pass_through)
         return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
                    inputs, targets, docs)
 
@@ -200,12 +210,13 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
         return jax.lax.psum(loss, manual(parallel)), grads
 
     cpu = mesh.devices.flat[0].platform == "cpu"
+    through = passes_through(mesh.devices.flat[0].platform)
     if forward_only:
         return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu,
                                        documents=documents),
                              mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
     body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward,
-                     cpu, z_loss, documents)
+                     cpu, z_loss, documents, through)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

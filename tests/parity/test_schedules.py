@@ -140,3 +140,24 @@ def test_thirty_layers_train_on_four_stages_like_the_reference():
     losses, got = engine_losses(eng, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert worst(max_rel_err(got, ref_params)) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,v,remat", [("1f1b", 1, "none"), ("interleaved_1f1b", 2, "none"),
+                                          ("zb_h1", 1, "none"), ("zb_v", 1, "none"),
+                                          ("zb_h1", 1, "full")])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sync"])
+def test_the_accelerator_dispatch_matches_the_reference(name, v, remat, overlap, ref,
+                                                        monkeypatch):
+    """The tick executor as it runs on GPUs and TPUs (`Cells.apart`: the weight
+    gradients leave their cell's conditional and are added after it), forced on CPU."""
+    from framework.engine import step
+
+    made = step.stage_fns
+    monkeypatch.setattr(step, "stage_fns", lambda *a, **kw: dataclasses.replace(
+        made(*a, **kw), pass_through=False))
+    eng = engine(4, 1, 1, 8, schedule=name, virtual_stages=v, overlap_sends=overlap,
+                 remat=remat)
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
+    assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4

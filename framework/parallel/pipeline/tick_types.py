@@ -66,6 +66,8 @@ class TickState(NamedTuple):
     act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output), zeros if none
     grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)
     douts: list  # B (split): the weight ops' output gradients (recompute: [dy]) for W
+    g_w: object = None  # `Cells.apart`: a cell's weight gradients, added after it
+    fresh: object = None  # `Cells.apart`: F's residuals and kept inputs, stored after it
 
 class Piece(NamedTuple):
     """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):

@@ -115,6 +115,19 @@ class Cells:
             lambda a, u: a.at[0, layers].add(u) if v == 1 else a.at[chunk, layers].add(u),
             grads["chunks"], update))
 
+    @property
+    def apart(self) -> bool:
+        """The weight gradients leave their cell's conditional as a fresh value and are
+        added into the accumulators after it (where the compiler would copy what a
+        conditional passes through: `StageFns.pass_through`)."""
+        return not self.fns.pass_through
+
+    def accumulate(self, state: TickState, chunk, g_w, layers=slice(None)) -> TickState:
+        """The chunk's gradients (its `layers`) += g_w; `apart`: g_w handed on."""
+        if self.apart:
+            return state._replace(g_w=g_w)
+        return state._replace(grads=self.add_chunk(state.grads, chunk, g_w, layers))
+
     def forward(self, state: TickState, cell: CellIn) -> TickState:
         """F: the chunk's forward; its VJP's residuals (and, split, the weight ops'
         inputs) go to the microbatch's stash slot, its output to `act`."""
@@ -123,7 +136,7 @@ class Cells:
                     lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
-        saved = state.saved
+        saved, kept = state.saved, None
         if self.types.pieces:  # a BW cut into parts: one VJP per part
             y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
                                                len(self.types.pieces), docs, first)
@@ -131,12 +144,16 @@ class Cells:
             y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
                                                 docs=docs, first=first)
             residuals = split_vjp(vjp_fn, w)[0]
-            saved = [buf.at[cell.slot].set(e) for buf, e in zip(saved, jax.tree.leaves(kept))]
+            if not self.apart:
+                saved = [buf.at[cell.slot].set(e) for buf, e in zip(saved, jax.tree.leaves(kept))]
         else:  # (recompute: B writes the saved buffer)
             chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
                             first=first)
             y, vjp_fn = jax.vjp(chunk, w, x)
             residuals = split_vjp(vjp_fn, w)[0]
+        if self.apart:  # stored after the conditional (`dispatch`)
+            kept = jax.tree.leaves(kept) if self.split and not self.recompute else []
+            return state._replace(fresh={"residuals": residuals, "kept": kept}, act=y)
         stash = self.types.packing.store(state.stash, residuals, cell.slot)
         return state._replace(stash=stash, saved=saved, act=y)
 
@@ -159,7 +176,7 @@ class Cells:
             dx, douts = vjp_fn(cell.dy)
             return state._replace(douts=jax.tree.leaves(douts), grad=dx)
         g_w, dx = vjp_fn(cell.dy)  # BW: the gradients of the input and of the weights
-        return state._replace(grads=self.add_chunk(state.grads, cell.chunk, g_w), grad=dx)
+        return self.accumulate(state._replace(grad=dx), cell.chunk, g_w)
 
     @property
     def pair(self) -> bool:
@@ -183,6 +200,35 @@ class Cells:
             return []
         return [self.zeros(a) for a in (self.types.saved if self.recompute else self.types.douts)]
 
+    def dispatch(self, run: "Run", kind, state: TickState, cell: CellIn) -> TickState:
+        """`run` on this rank. `apart`: what it keeps is stored after its conditional
+        (into the spare slot where it does not run: a fresh slot of zeros), its weight
+        gradients added into the accumulators (zeros where it does not run), in place."""
+        if run.writes == ("put",):  # B's douts (sync sends), apart: no conditional
+            return self.put(state, state.douts, self.slot_or_spare(run.pred(kind, cell),
+                                                                    cell.slot, state))
+        if "fresh" in run.writes:
+            t = self.types
+            zeros = {"residuals": [self.zeros(a) for a in t.residuals],
+                     "kept": [self.zeros(a) for a in t.saved] if self.split and not
+                     self.recompute else []}
+            state = run(kind, state._replace(fresh=zeros), cell)
+            slot = self.slot_or_spare(run.pred(kind, cell), cell.slot, state)
+            stash = t.packing.store(state.stash, state.fresh["residuals"], slot)
+            saved = [buf.at[slot].set(e) for buf, e in zip(state.saved, state.fresh["kept"])]
+            return state._replace(stash=stash, saved=saved or state.saved, fresh=None)
+        if "g_w" not in run.writes:
+            return run(kind, state, cell)
+        like = jax.tree.map(lambda a: a[0, run.layers], state.grads["chunks"])
+        state = run(kind, state._replace(g_w=jax.tree.map(self.zeros, like)), cell)
+        grads = self.add_chunk(state.grads, cell.chunk, state.g_w, run.layers)
+        return state._replace(grads=grads, g_w=None)
+
+    def slot_or_spare(self, pred, slot, state: TickState):
+        """`slot` where `pred`, else the stash's spare last slot (`apart` only)."""
+        spare = next(iter(state.stash.values())).shape[0] - 1
+        return jnp.where(pred, slot, spare)
+
     def store_douts(self, state: TickState, cell: CellIn) -> TickState:
         return self.put(state, state.douts, cell.slot)
 
@@ -205,8 +251,8 @@ class Cells:
             vjp_fn = join_vjp(acts[piece.start:piece.start + piece.n], piece.vjp_def,
                               piece.param_slot, w)
             g_w, dx = vjp_fn(cell.dy)
-            grads = self.add_chunk(state.grads, cell.chunk, g_w, slice(piece.lo, piece.hi))
-            return state._replace(grads=grads, grad=dx)
+            return self.accumulate(state._replace(grad=dx), cell.chunk, g_w,
+                                   slice(piece.lo, piece.hi))
 
         return run
 
@@ -221,32 +267,37 @@ class Cells:
             douts = jax.tree.unflatten(t.dout_def,
                                        t.packing.read(state.stash, cell.slot, t.douts))
             g_w = self.fns.split.weight_grads(w, kept, douts)
-        return state._replace(grads=self.add_chunk(state.grads, cell.chunk, g_w))
+        return self.accumulate(state, cell.chunk, g_w)
 
     def runs(self) -> list[Run]:
         """In this order: each cell kind this tick runs (`self.kinds`), the head after
         F, B's stash write after B, the embedding's gradient after the backward that
         ends in dx; each with the fields of the state it writes."""
-        sv = ("saved",) if self.split else ()
+        sv, parts = ("saved",) if self.split else (), {}
+        grads = "g_w" if self.apart else "grads.chunks"
+        stash = ("fresh",) if self.apart else ("stash", *sv)
         if self.split:
-            cells = {F: (self.forward, ("stash", *sv, "act")),
+            cells = {F: (self.forward, (*stash, "act")),
                      B: (self.backward, ("douts", "grad")),
-                     W: (self.weight, ("grads.chunks",))}
+                     W: (self.weight, (grads,))}
         else:
-            cells = {F: (self.forward, ("stash", "act"))}
+            cells = {F: (self.forward, (*stash, "act"))}
             bw = [(BW, self.backward)] if not self.types.pieces else [
                 (kind, self.backward_part(j))
                 for j, kind in enumerate(BW_PARTS[:len(self.types.pieces)])]
-            cells.update({kind: (fn, ("grads.chunks", "grad")) for kind, fn in bw})
+            parts = {kind: slice(p.lo, p.hi) for kind, p in zip(BW_PARTS, self.types.pieces)}
+            cells.update({kind: (fn, (grads, "grad")) for kind, fn in bw})
         out = []
         for kind, (fn, writes) in cells.items():
             if kind in self.kinds:
-                out.append(Run((CELL_SCOPES[kind],), kind, None, fn, writes))
+                out.append(Run((CELL_SCOPES[kind],), kind, None, fn, writes,
+                               parts.get(kind, slice(None))))
                 if kind == F:
                     out.append(Run((CELL_SCOPES[F], ON_LAST), F, "last", self.head,
                                    ("grads.head", "grads.embed", "loss", "grad")))
                 if kind == B and not self.pair:
                     out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
+                                   ("put",) if self.apart else
                                    ("saved",) if self.recompute else ("stash",)))
                 if kind in ENDS:
                     out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
@@ -266,11 +317,17 @@ class Run(NamedTuple):
     fn: Callable
     writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
     #                (only: the GPU compiler copies what a conditional passes through)
+    layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
 
-    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
+    def pred(self, kind, cell: CellIn):
+        """Whether it runs on this rank this tick."""
         pred = kind == self.kind
         if self.on is not None:
             pred = pred & (cell.first if self.on == "first" else cell.last)
+        return pred
+
+    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
+        pred = self.pred(kind, cell)
         return _cond(self.scopes, pred, lambda s: self.fn(s, cell), state, self.writes)
 
 
@@ -336,10 +393,13 @@ def _tick(cells: Cells, rank, phase: int):
         with jax.named_scope(CELL):
             if carry.held and phase == 0:  # the last tick's B douts (see `Cells.put`)
                 values, slot, by_b = carry.held
-                state = _cond((CELL_SCOPES[B],), by_b, lambda s: cells.put(s, values, slot),
-                              state, fields)
+                if cells.apart:
+                    state = cells.put(state, values, cells.slot_or_spare(by_b, slot, state))
+                else:
+                    state = _cond((CELL_SCOPES[B],), by_b, lambda s: cells.put(s, values, slot),
+                                  state, fields)
             for run in runs:
-                state = run(kind, state, cell)
+                state = cells.dispatch(run, kind, state, cell)
         if carry.held and B in cells.kinds:
             held = (state.douts, *(varying(a, cells.manual) for a in (k_stash, kind == B)))
         else:
@@ -387,9 +447,10 @@ def initial_carry(cells: Cells) -> Carry:
     """The tick loop's state before the first tick: every buffer the buffer plan sizes
     (the memory model measures these, `framework/analysis/memory_model.py`)."""
     n, t, buffers = cells.prog.buffers.n_slots, cells.types, cells.prog.buffers
+    kept = n["stash"] + int(cells.apart)  # `apart`: a spare slot takes the writes not kept
     return Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
-                 stash=t.packing.zeros(n["stash"]),
-                 saved=[zeros_typed_like(jax.ShapeDtypeStruct((n["stash"], *a.shape), a.dtype),
+                 stash=t.packing.zeros(kept),
+                 saved=[zeros_typed_like(jax.ShapeDtypeStruct((kept, *a.shape), a.dtype),
                                          cells.manual, jax.typeof(a).manual_axis_type.varying)
                         for a in t.saved],
                  grads=jax.tree.map(cells.zeros, cells.params),
