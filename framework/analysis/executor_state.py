@@ -64,10 +64,12 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
                            seq: int, pass_through: bool = True) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
-    field, and of one stash slot's entry (`slot`). Measured, not recounted: `jax.eval_shape` of the executor's
-    `initial_carry`, inside the step's own per-device setup (`engine.step.device_fn`)
-    in a `shard_map` over an abstract mesh of the layout's degrees (no devices), for a
-    global batch of `batch` rows of `seq` tokens."""
+    field, and of one stash slot's entry (`slot`). Measured, not recounted:
+    `jax.eval_shape` of the executor's `initial_carry`, inside the step's own
+    per-device setup (`engine.step.device_fn`) in a `shard_map` over an abstract mesh of
+    the layout's degrees (no devices), for a global batch of `batch` rows of `seq`
+    tokens. `pass_through`: as the target's compiler (`engine.step.passes_through`:
+    on GPUs the stash has a spare slot)."""
     prog = program_of(parallel, model.n_layers)
     specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
     shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,

@@ -300,10 +300,11 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
 
 
 def _tick_kept(state: dict) -> float:
-    """The tick executor's state (`executor_state`) + with overlapped sends the
-    message arriving beside the cell, one per pending one. (The cells write the stash
-    in place, inside their conditionals: nothing is returned for it.)"""
-    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"]
+    """The tick executor's state (`executor_state`: with a split backward and a pair
+    of ticks a step, B's douts held for the next tick too) + with overlapped sends the
+    message arriving beside the cell, one per pending one."""
+    return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
+        state["held"]
 
 
 def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,

@@ -9,7 +9,8 @@ parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from contextlib import ExitStack
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,61 @@ class TickState(NamedTuple):
     douts: list  # B (split): the weight ops' output gradients (recompute: [dy]) for W
     g_w: object = None  # `Cells.apart`: a cell's weight gradients, added after it
     fresh: object = None  # `Cells.apart`: F's residuals and kept inputs, stored after it
+
+# --- A cell's conditional ---------------------------------------------------------------
+
+class Run(NamedTuple):
+    """`fn(state, cell)` runs on the ranks whose cell is of `kind` (and, `on` "first" /
+    "last", whose stage is the first / last), as its own two-way conditional that
+    returns only the fields of the state in `writes`: what it reads is an operand, not
+    an output (XLA copied a stash that one conditional both read and returned)."""
+
+    scopes: tuple  # named scopes, outermost first
+    kind: int
+    on: Optional[str]
+    fn: Callable
+    writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
+    #                (only: the GPU compiler copies what a conditional passes through)
+    layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
+
+    def pred(self, kind, cell: CellIn):
+        """Whether it runs on this rank this tick."""
+        pred = kind == self.kind
+        if self.on is not None:
+            pred = pred & (cell.first if self.on == "first" else cell.last)
+        return pred
+
+    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
+        pred = self.pred(kind, cell)
+        return cond_fields(self.scopes, pred, lambda s: self.fn(s, cell), state, self.writes)
+
+
+def cond_fields(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState:
+    """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
+    were: a two-way conditional that returns only those fields, inside the named
+    `scopes` (nested: the communication audit weighs a scope inside another by both,
+    `Program.scope_weights`)."""
+    with ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(jax.named_scope(scope))
+        out = jax.lax.cond(pred, lambda s: fields_of(fn(s), writes),
+                           lambda s: fields_of(s, writes), state)
+    return with_fields(state, writes, out)
+
+
+def fields_of(state: TickState, fields: tuple) -> tuple:
+    """The values of `fields` of the state; "grads.x": the gradients' part x only."""
+    return tuple(state.grads[f[6:]] if f.startswith("grads.") else getattr(state, f)
+                 for f in fields)
+
+
+def with_fields(state: TickState, fields: tuple, values: tuple) -> TickState:
+    """The state with `fields` (as `_fields` names them) set to `values`."""
+    parts = {f[6:]: v for f, v in zip(fields, values) if f.startswith("grads.")}
+    rest = {f: v for f, v in zip(fields, values) if not f.startswith("grads.")}
+    return state._replace(**rest, **({"grads": dict(state.grads, **parts)} if parts else {}))
+
+
 
 class Piece(NamedTuple):
     """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):

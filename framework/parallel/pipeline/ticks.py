@@ -28,15 +28,19 @@ Dispatch. Each cell kind the tick runs somewhere is its own two-way `lax.cond` o
 "this rank's cell is of that kind" (`Run`), in order, followed by the head (last stage,
 after F) and the embedding's gradient (first stage, after the backward that ends in
 dx). A conditional returns only the fields of the tick's state its cell writes
-(`TickState`); the other ranks pass them through, and XLA keeps a value passed through
-a two-way conditional in its buffer. (A single `lax.switch` over the kinds, as before,
+(`TickState`); the other ranks pass them through, and XLA's CPU and TPU compilers keep
+a value passed through a two-way conditional in its buffer. (A single `lax.switch` over
+the kinds, as before,
 copied the gradient accumulators in every branch that left them alone and again after
 it, and built a slot of zeros for the stash write of every cell but F: 1F1B with
 synchronous sends took 1.31x GPipe's step here, 0.93x now.) The cells write the
 stash in place, inside their conditionals: F its residuals, B its douts (in a
 conditional of its own after B's: XLA copied a stash that one conditional both read and
-rewrote). Then come the sends the buffer plan names for this tick
-(`framework/parallel/pipeline/buffers.py`).
+rewrote). XLA's GPU compiler (jax 0.10.2) copies what a conditional passes
+through, so for GPUs (`Cells.apart`) the cells hand their weight gradients and what they
+keep to in-place writes after their conditionals instead (zeros where they do not run,
+written to a spare stash slot / added to the gradients). Then come the sends the
+buffer plan names for this tick (`framework/parallel/pipeline/buffers.py`).
 
 With overlapped sends (`Schedule.overlap`)
 the loop runs a pair of ticks per step, a forward tick (F, W) and a backward tick (B,
@@ -56,10 +60,8 @@ the spare row that takes the writes not kept, `comm.slots`).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +72,9 @@ from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_o
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
-from framework.parallel.pipeline.tick_types import (Carry, CellIn, TickState, Types,
-                                                    forward_in_parts, layer_slice, trace_types)
+from framework.parallel.pipeline.tick_types import (Carry, CellIn, Run, TickState, Types,
+                                                    cond_fields, forward_in_parts,
+                                                    layer_slice, trace_types)
 from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W
 
 
@@ -200,7 +203,7 @@ class Cells:
             return []
         return [self.zeros(a) for a in (self.types.saved if self.recompute else self.types.douts)]
 
-    def dispatch(self, run: "Run", kind, state: TickState, cell: CellIn) -> TickState:
+    def dispatch(self, run: Run, kind, state: TickState, cell: CellIn) -> TickState:
         """`run` on this rank. `apart`: what it keeps is stored after its conditional
         (into the spare slot where it does not run: a fresh slot of zeros), its weight
         gradients added into the accumulators (zeros where it does not run), in place."""
@@ -305,58 +308,6 @@ class Cells:
         return out
 
 
-class Run(NamedTuple):
-    """`fn(state, cell)` runs on the ranks whose cell is of `kind` (and, `on` "first" /
-    "last", whose stage is the first / last), as its own two-way conditional that
-    returns only the fields of the state in `writes`: what it reads is an operand, not
-    an output (XLA copied a stash that one conditional both read and returned)."""
-
-    scopes: tuple  # named scopes, outermost first
-    kind: int
-    on: Optional[str]
-    fn: Callable
-    writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
-    #                (only: the GPU compiler copies what a conditional passes through)
-    layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
-
-    def pred(self, kind, cell: CellIn):
-        """Whether it runs on this rank this tick."""
-        pred = kind == self.kind
-        if self.on is not None:
-            pred = pred & (cell.first if self.on == "first" else cell.last)
-        return pred
-
-    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
-        pred = self.pred(kind, cell)
-        return _cond(self.scopes, pred, lambda s: self.fn(s, cell), state, self.writes)
-
-
-def _cond(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState:
-    """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
-    were: a two-way conditional that returns only those fields, inside the named
-    `scopes` (nested: the communication audit weighs a scope inside another by both,
-    `Program.scope_weights`)."""
-    with ExitStack() as stack:
-        for scope in scopes:
-            stack.enter_context(jax.named_scope(scope))
-        out = jax.lax.cond(pred, lambda s: _fields(fn(s), writes),
-                           lambda s: _fields(s, writes), state)
-    return _with(state, writes, out)
-
-
-def _fields(state: TickState, fields: tuple) -> tuple:
-    """The values of `fields` of the state; "grads.x": the gradients' part x only."""
-    return tuple(state.grads[f[6:]] if f.startswith("grads.") else getattr(state, f)
-                 for f in fields)
-
-
-def _with(state: TickState, fields: tuple, values: tuple) -> TickState:
-    """The state with `fields` (as `_fields` names them) set to `values`."""
-    parts = {f[6:]: v for f, v in zip(fields, values) if f.startswith("grads.")}
-    rest = {f: v for f, v in zip(fields, values) if not f.startswith("grads.")}
-    return state._replace(**rest, **({"grads": dict(state.grads, **parts)} if parts else {}))
-
-
 def _add(tree, update):
     return jax.tree.map(jnp.add, tree, update)
 
@@ -396,8 +347,8 @@ def _tick(cells: Cells, rank, phase: int):
                 if cells.apart:
                     state = cells.put(state, values, cells.slot_or_spare(by_b, slot, state))
                 else:
-                    state = _cond((CELL_SCOPES[B],), by_b, lambda s: cells.put(s, values, slot),
-                                  state, fields)
+                    state = cond_fields((CELL_SCOPES[B],), by_b,
+                                        lambda s: cells.put(s, values, slot), state, fields)
             for run in runs:
                 state = cells.dispatch(run, kind, state, cell)
         if carry.held and B in cells.kinds:
