@@ -120,9 +120,10 @@ class Cells:
 
     @property
     def apart(self) -> bool:
-        """The weight gradients leave their cell's conditional as a fresh value and are
-        added into the accumulators after it (where the compiler would copy what a
-        conditional passes through: `StageFns.pass_through`)."""
+        """A cell's weight gradients and what it keeps leave its conditional as fresh
+        values, added / written in place after it (zeros, the spare stash slot, where
+        it does not run: `dispatch`), for a compiler that would copy what a conditional
+        passes through (`StageFns.pass_through`: the GPU's)."""
         return not self.fns.pass_through
 
     def accumulate(self, state: TickState, chunk, g_w, layers=slice(None)) -> TickState:
