@@ -42,7 +42,7 @@ import numpy as np
 
 from framework.analysis import hlo as hlo_lib
 from framework.parallel.mesh import PIPE
-from framework.parallel.pipeline.table import BW, BW_PARTS, B, F, KIND_NAMES
+from framework.parallel.pipeline.table import BW, F, KIND_NAMES, MAKES_DX
 from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
 
 TRACE_DIR = "profile"
@@ -96,7 +96,7 @@ def _busy_work(program, cond, label: str, used: set) -> dict[str, str]:
     `cell` scope, F forward and BW backward. Branch 1 is the busy one."""
     scope = cond.op_name.split("/")[-2]
     if label == "ticks":
-        ends = [k for k in (B, BW, BW_PARTS[0]) if k in used]
+        ends = [k for k in MAKES_DX if k in used]
         kinds = {**{name: k for k, name in CELL_SCOPES.items()}, ON_LAST: F,
                  ON_FIRST: ends[0] if ends else BW}
         kind = kinds.get(scope)

@@ -35,8 +35,8 @@ from framework.parallel.pipeline.schedule import (chunks_per_rank, forward_only,
                                                   overlaps_by_default)
 from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
                                                 send_scope)
-from framework.parallel.pipeline.table import (AUTODIFF, BW, BW_PARTS, IDLE, B, F,
-                                               Schedule, StageMap)
+from framework.parallel.pipeline.table import (AUTODIFF, IDLE, MAKES_DX, F, Schedule,
+                                               StageMap)
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +112,7 @@ class Program:
             weights = {CELL_SCOPES[k]: float((s.kind == k).sum()) / (
                 steps * p * max(1, sum(k in d for d in dispatches))) for k in CELL_SCOPES}
             weights[ON_LAST] = m / max(int((s.kind == F).sum()), 1)
-            weights[ON_FIRST] = m / max(int(np.isin(s.kind, (B, BW, BW_PARTS[0])).sum()), 1)
+            weights[ON_FIRST] = m / max(int(np.isin(s.kind, MAKES_DX).sum()), 1)
         # Sends: per pattern, the share of ticks that send it (overlapped: every tick of
         # the loop's step it is in, unconditionally).
         weights.update({send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))

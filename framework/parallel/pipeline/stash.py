@@ -51,11 +51,12 @@ class Packing:
                 rows[key] = max(rows.get(key, 0), n)
         return Packing(rows)
 
-    def zeros(self, n: int) -> dict:
-        """{key: [n, rows, LANE]}: n slots, no spare (every write is kept)."""
+    def zeros(self, n: int, manual: tuple = ()) -> dict:
+        """{key: [n, rows, LANE]}, varying over the key's axes and `manual` (the slot a
+        cell writes varies over `pipe`, and so does the buffer it writes)."""
         def one(key, rows):
             dtype, axes = key.split("|")
-            return zeros_typed_like(jax.ShapeDtypeStruct((n, rows, LANE), dtype), (),
+            return zeros_typed_like(jax.ShapeDtypeStruct((n, rows, LANE), dtype), manual,
                                     axes.split(",") if axes else ())
         return {key: one(key, rows) for key, rows in self.rows.items()}
 

@@ -52,10 +52,13 @@ def units(kind: int) -> tuple[int, ...]:
     return (B, W) if kind == BW else () if kind == IDLE else (kind,)
 
 
+MAKES_DX = (B, BW, BW_PARTS[0])  # the kinds that end a stage's backward (`makes_dx`)
+
+
 def makes_dx(kind: int) -> bool:
     """The cell that ends a stage's backward, sending dx to the stage below (and, on the
     first stage, taking the embedding's gradient)."""
-    return kind in (B, BW, BW_PARTS[0])
+    return kind in MAKES_DX
 
 
 # --- The dependency rule ----------------------------------------------------------------

@@ -75,13 +75,10 @@ from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch,
 from framework.parallel.pipeline.tick_types import (Carry, CellIn, Run, TickState, Types,
                                                     cond_fields, forward_in_parts,
                                                     layer_slice, trace_types)
-from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W
+from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W, makes_dx
 
 
 # --- The cells --------------------------------------------------------------------------
-
-ENDS = (B, BW, BW_PARTS[0])  # the kinds whose dx is the input gradient of their chunk
-
 
 @dataclass(frozen=True)
 class Cells:
@@ -140,26 +137,33 @@ class Cells:
                     lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
-        saved, kept = state.saved, None
+        kept = []
         if self.types.pieces:  # a BW cut into parts: one VJP per part
             y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
                                                len(self.types.pieces), docs, first)
-        elif self.split and not self.recompute:
+        elif self.keeps_inputs:
             y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
                                                 docs=docs, first=first)
-            residuals = split_vjp(vjp_fn, w)[0]
-            if not self.apart:
-                saved = [buf.at[cell.slot].set(e) for buf, e in zip(saved, jax.tree.leaves(kept))]
+            residuals, kept = split_vjp(vjp_fn, w)[0], jax.tree.leaves(kept)
         else:  # (recompute: B writes the saved buffer)
             chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
                             first=first)
             y, vjp_fn = jax.vjp(chunk, w, x)
             residuals = split_vjp(vjp_fn, w)[0]
         if self.apart:  # stored after the conditional (`dispatch`)
-            kept = jax.tree.leaves(kept) if self.split and not self.recompute else []
             return state._replace(fresh={"residuals": residuals, "kept": kept}, act=y)
-        stash = self.types.packing.store(state.stash, residuals, cell.slot)
-        return state._replace(stash=stash, saved=saved, act=y)
+        return self.write_kept(state._replace(act=y), cell.slot, residuals, kept)
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """F keeps the weight ops' inputs for W (a split backward without remat)."""
+        return self.split and not self.recompute
+
+    def write_kept(self, state: TickState, slot, residuals: list, kept: list) -> TickState:
+        """F's residuals into stash slot `slot`, its kept inputs into the saved buffers'."""
+        saved = [buf.at[slot].set(e) for buf, e in zip(state.saved, kept)]
+        return state._replace(stash=self.types.packing.store(state.stash, residuals, slot),
+                              saved=saved or state.saved)
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
         """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""
@@ -198,6 +202,12 @@ class Cells:
             return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
         return state._replace(stash=self.types.packing.store(state.stash, values, slot))
 
+    @property
+    def douts_home(self) -> tuple:
+        """The state's field B's douts are written into (`put`): the saved buffer
+        under recompute (dy), else the stash."""
+        return ("saved",) if self.recompute else ("stash",)
+
     def held_zeros(self) -> list:
         """Zeros like what B keeps for W (`TickState.douts`); [] without a split backward."""
         if not self.split:
@@ -214,13 +224,10 @@ class Cells:
         if "fresh" in run.writes:
             t = self.types
             zeros = {"residuals": [self.zeros(a) for a in t.residuals],
-                     "kept": [self.zeros(a) for a in t.saved] if self.split and not
-                     self.recompute else []}
+                     "kept": [self.zeros(a) for a in t.saved] if self.keeps_inputs else []}
             state = run(kind, state._replace(fresh=zeros), cell)
             slot = self.slot_or_spare(run.pred(kind, cell), cell.slot, state)
-            stash = t.packing.store(state.stash, state.fresh["residuals"], slot)
-            saved = [buf.at[slot].set(e) for buf, e in zip(state.saved, state.fresh["kept"])]
-            return state._replace(stash=stash, saved=saved or state.saved, fresh=None)
+            return self.write_kept(state, slot, **state.fresh)._replace(fresh=None)
         if "g_w" not in run.writes:
             return run(kind, state, cell)
         like = jax.tree.map(lambda a: a[0, run.layers], state.grads["chunks"])
@@ -301,9 +308,8 @@ class Cells:
                                    ("grads.head", "grads.embed", "loss", "grad")))
                 if kind == B and not self.pair:
                     out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
-                                   ("put",) if self.apart else
-                                   ("saved",) if self.recompute else ("stash",)))
-                if kind in ENDS:
+                                   ("put",) if self.apart else self.douts_home))
+                if makes_dx(kind):
                     out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
                                    self.embed_grad, ("grads.embed",)))
         return out
@@ -327,7 +333,6 @@ def _tick(cells: Cells, rank, phase: int):
     buffers = cells.prog.buffers
     cells = of_phase(cells, phase)
     runs = cells.runs()
-    fields = ("saved",) if cells.recompute else ("stash",)
     travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
     def tick(carry: Carry, row: dict) -> Carry:
@@ -349,7 +354,8 @@ def _tick(cells: Cells, rank, phase: int):
                     state = cells.put(state, values, cells.slot_or_spare(by_b, slot, state))
                 else:
                     state = cond_fields((CELL_SCOPES[B],), by_b,
-                                        lambda s: cells.put(s, values, slot), state, fields)
+                                        lambda s: cells.put(s, values, slot), state,
+                                        cells.douts_home)
             for run in runs:
                 state = cells.dispatch(run, kind, state, cell)
         if carry.held and B in cells.kinds:
@@ -401,7 +407,7 @@ def initial_carry(cells: Cells) -> Carry:
     n, t, buffers = cells.prog.buffers.n_slots, cells.types, cells.prog.buffers
     kept = n["stash"] + int(cells.apart)  # `apart`: a spare slot takes the writes not kept
     return Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
-                 stash=t.packing.zeros(kept),
+                 stash=t.packing.zeros(kept, cells.manual),
                  saved=[zeros_typed_like(jax.ShapeDtypeStruct((kept, *a.shape), a.dtype),
                                          cells.manual, jax.typeof(a).manual_axis_type.varying)
                         for a in t.saved],
