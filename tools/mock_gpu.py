@@ -2,7 +2,7 @@
 
     python tools/mock_gpu.py recipe=llama_1b_8gpu --schedules gpipe,1f1b,zb_h1 --steps 5
 
-With `mock_num_processes` = (devices the recipe's mesh needs) / (GPUs here), JAX's GPU
+With `jax_mock_gpu_topology` = one slice of (devices the recipe's mesh needs) / (GPUs here) hosts, JAX's GPU
 client pretends to be one process of a cluster of identical GPUs: `jax.devices()` lists
 them all, the program is compiled for the whole mesh and this GPU runs its own device's
 part, with every collective replaced by a no-op (XLA's mock NCCL). What it measures is
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -94,7 +95,7 @@ def measure(cfg, parallel, devset, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     from framework.engine.validate import validate
     from framework.errors import ConfigError
     from framework.runtime import devices
@@ -106,7 +107,12 @@ def main(argv=None) -> int:
         wanted = cfg.parallel.pipeline * cfg.parallel.data * cfg.parallel.tensor
         if not args.no_mock:
             local = 1  # GPUs here; the mesh's other devices are mocked
-            jax.config.update("mock_num_processes", max(1, wanted // local))
+            # one slice of `wanted` one-GPU hosts (mock processes without a topology are
+            # each a slice of their own, which jax.make_mesh refuses)
+            jax.config.update("jax_mock_gpu_topology", f"1x{max(1, wanted // local)}x{local}")
+            # autotuning results are shared among the processes: the mocked ones never answer
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_gpu_shard_autotuning=false").strip()
         devset = devices.start(cfg.devices, cfg.parallel)
         schedules = [s for s in args.schedules.split(",") if s] or [cfg.parallel.schedule]
         layouts = [validate(cfg.model, dataclasses.replace(cfg.parallel, schedule=s),

@@ -139,12 +139,25 @@ def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = Cont
     return inputs, mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1), docs
 
 
+# The first jaxlib whose GPU compiler keeps a conditional's pass-through in place: 0.11.2
+# compiled llama_1b_8gpu's 1F1B step for gpu:h100x8 with no carried buffer copied either
+# way, and to 9.96 GiB passing through against 10.79 with the cells' writes apart
+# (2026-11-27, docs/performance.md); 0.10.2 copies (the upstream fix, openxla/xla#46314,
+# is in 0.11.1, which was not measured).
+GPU_PASS_THROUGH_SINCE = (0, 11, 2)
+
+
 def passes_through(platform: str) -> bool:
     """Whether the compiler for `platform` keeps a buffer that a conditional passes
     through in place (`StageFns.pass_through`), measured on the compiled tick loop
     (tests/compiled/test_executor.py): XLA's CPU and TPU compilers do; its GPU compiler
-    (jax 0.10.2) copies it, in the conditional and again after it."""
-    return platform not in ("gpu", "cuda")
+    before jaxlib 0.11.2 copies it, in the conditional and again after it."""
+    if platform not in ("gpu", "cuda"):
+        return True
+    import jaxlib
+
+    version = tuple(int(x) for x in jaxlib.__version__.split(".")[:3] if x.isdigit())
+    return version >= GPU_PASS_THROUGH_SINCE
 
 
 def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,

@@ -201,6 +201,18 @@ def accelerator_hardware() -> bool:
     return any(next(dev.glob(pattern), None) is not None for pattern in patterns)
 
 
+def jax_platform(platform: str) -> str:
+    """JAX's name for devices.platform. `gpu` is the installed GPU plugin's own name:
+    JAX >= 0.11 reads jax_platforms=gpu as every GPU backend and fails for the one whose
+    plugin is missing (ROCm on an NVIDIA machine, seen with jax 0.11.2)."""
+    if platform != "gpu":
+        return platform
+    plugins = _accelerator_plugins()
+    if any(p.startswith("jax-cuda") for p in plugins):
+        return "cuda"
+    return "rocm" if any(p.startswith("jax-rocm") for p in plugins) else platform
+
+
 def resolve_platform(platform: str) -> str:
     """devices.platform, with `auto` made `cpu` where no accelerator is present."""
     return "cpu" if platform == "auto" and not accelerator_hardware() else platform
@@ -229,7 +241,7 @@ def start(devices: DevicesConfig, parallel: ParallelConfig,
         raise RuntimeError("devices.start() must run before anything starts a JAX "
                            "backend (the device count is fixed per process)") from err
     if platform != "auto":
-        jax.config.update("jax_platforms", platform)
+        jax.config.update("jax_platforms", jax_platform(platform))
     distributed.initialize(launch)
     try:
         with filtered_stderr():

@@ -60,7 +60,7 @@ def test_the_tick_loop_copies_no_buffer_it_carries(schedule, v, overlap):
 @pytest.mark.skipif(not HAVE_AOT, reason="needs the CUDA plugin (the aot extra)")
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_on_the_gpu_compiler_the_stash_and_chunk_gradients_are_not_copied(schedule):
-    """The GPU compiler (jax 0.10.2) copies what a conditional passes through, so there
+    """The GPU compiler before jaxlib 0.11.2 copies what a conditional passes through, so there
     the cells hand their weight gradients and what they keep to in-place writes after
     their conditionals (`Cells.apart`). The stash and the chunks' gradient
     accumulators (each a tenth of the carry or more here) are never copied; before,

@@ -93,6 +93,30 @@ def test_gpu_flags_and_the_users_own_win(monkeypatch):
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == devices.GPU_MEMORY_FRACTION
 
 
+def test_gpu_is_the_installed_plugins_own_backend(monkeypatch):
+    """jax >= 0.11 reads jax_platforms=gpu as CUDA and ROCm both and fails on an NVIDIA
+    machine without the ROCm plugin (seen on an H200 with jax 0.11.2)."""
+    for plugins, want in ((["jax-cuda13-plugin", "jax-cuda13-pjrt"], "cuda"),
+                          (["jax-rocm7-plugin"], "rocm"), ([], "gpu")):
+        monkeypatch.setattr(devices, "_accelerator_plugins", lambda p=plugins: p)
+        assert devices.jax_platform("gpu") == want
+        assert devices.jax_platform("tpu") == "tpu"
+
+
+def test_the_gpu_dispatch_follows_the_jaxlib(monkeypatch):
+    """Pass-through on GPUs from jaxlib 0.11.2 (its compiler keeps it in place), the cells'
+    writes apart before; CPU and TPU always pass through."""
+    import jaxlib
+
+    from framework.engine import step
+
+    for version, want in (("0.10.2", False), ("0.11.1", False), ("0.11.2", True),
+                          ("0.12.0.1", True)):
+        monkeypatch.setattr(jaxlib, "__version__", version)
+        assert step.passes_through("gpu") is want
+        assert step.passes_through("tpu") and step.passes_through("cpu")
+
+
 def test_flags_are_known_to_this_xla():
     """XLA aborts on an unknown flag: every flag set on GPUs must parse (the flag table is
     shared by all of XLA's back ends, so the CPU client checks it)."""

@@ -55,8 +55,8 @@ class StageFns:
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share
     split: Optional[SplitBackward] = None  # needed by tables with B and W cells
     # The compiler keeps a buffer that a conditional passes through in place (XLA's CPU
-    # and TPU compilers, jax 0.10.2); its GPU compiler copies it (`ticks.Cells.apart`,
-    # `engine.step.passes_through`).
+    # and TPU compilers, and its GPU compiler from jaxlib 0.11.2); the GPU compiler of
+    # jaxlib 0.10.2 copies it (`ticks.Cells.apart`, `engine.step.passes_through`).
     pass_through: bool = True
 
 
