@@ -10,7 +10,9 @@ tied embeddings, the dense or blockwise attention kernel and its block sizes, do
 masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
 the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer), sliding
 windows (a third; on every layer or every other), attention and logit soft-caps, the
-stored parameter dtype (bfloat16 in a quarter), small model shapes), runs each one's
+stored parameter dtype (bfloat16 in a quarter), small model shapes; for the tick
+executor's schedules, half of them with the dispatch of GPU compilers that copy what a
+conditional passes through, forced on CPU: `gpu-dispatch`), runs each one's
 loss and gradients twice on the same inputs, and compares the loss and every gradient
 leaf of both runs with the single-device reference (framework/model/reference.py):
 relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients rounded per
@@ -25,6 +27,7 @@ tests/parity/test_search.py runs a fixed seed of this in CI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -124,8 +127,11 @@ def _relative_errors(grads, ref) -> list[float]:
     return jax.tree.leaves(jax.tree.map(one, grads, ref))
 
 
-def run_case(model, par, train, devices, data=None, param_dtype="float32") -> str | None:
-    """None when both runs match the reference, else why not (one line)."""
+def run_case(model, par, train, devices, data=None, param_dtype="float32",
+             apart: bool = False) -> str | None:
+    """None when both runs match the reference, else why not (one line). `apart`: the
+    tick executor's dispatch for compilers that copy what a conditional passes through
+    (`ticks.Cells.apart`, GPUs before jaxlib 0.11.2), forced on CPU."""
     import jax
     import jax.numpy as jnp
 
@@ -151,7 +157,8 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32") -> st
     eng = build_engine(model, par, OptimConfig(param_dtype=param_dtype), 1,
                        make_mesh(par, devices), docs)
     tolerance = TOLERANCE if param_dtype == "float32" else BF16_TOLERANCE
-    fn = eng.loss_and_grads_fn()
+    with _dispatch(apart):
+        fn = eng.loss_and_grads_fn()
     args = eng.shard_params(params), eng.shard_batch(tokens)
     for attempt in (1, 2):
         loss, grads = fn(*args)
@@ -163,7 +170,22 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32") -> st
     return None
 
 
-def label(par, data=None, model=None, param_dtype="float32") -> str:
+@contextlib.contextmanager
+def _dispatch(apart: bool):
+    """With `apart`, the step built inside reads `passes_through` as a GPU's of jaxlib
+    0.10.2 would (`engine.step.passes_through`, read when the step is built)."""
+    from framework.engine import step
+
+    kept = step.passes_through
+    if apart:
+        step.passes_through = lambda platform: False
+    try:
+        yield
+    finally:
+        step.passes_through = kept
+
+
+def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str:
     extra = "".join(f" {k}" for k in ("zero1", "fsdp", "sequence_parallel",
                                       "collective_matmul") if getattr(par, k))
     if model is not None:
@@ -173,6 +195,7 @@ def label(par, data=None, model=None, param_dtype="float32") -> str:
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"
+    extra += " gpu-dispatch" if apart else ""
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     cp = f" cp{par.context}" if par.context > 1 else ""
     return (f"{par.schedule} pp{par.pipeline} dp{par.data}{cp} tp{par.tensor} "
@@ -183,18 +206,25 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     """Draws `cases` configurations; returns one line per failure."""
     import warnings
 
+    from framework.parallel.pipeline.program import program_of
+
     rng = np.random.default_rng(seed)
+    # the executor's dispatch from a stream of its own: a seed draws the configurations
+    # it drew before the dispatch was drawn
+    dispatch_rng = np.random.default_rng([seed, 1])
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices))
+        apart = bool(dispatch_rng.integers(2)) and not program_of(par, model.n_layers).autodiff
         start = time.perf_counter()
         with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
             warnings.simplefilter("ignore")
             try:
-                why = run_case(model, par, train, devices[:par.n_devices], data, param_dtype)
+                why = run_case(model, par, train, devices[:par.n_devices], data, param_dtype,
+                               apart)
             except Exception as err:  # a layout that does not even build is a finding too
                 why = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
-        name = label(par, data, model, param_dtype)
+        name = label(par, data, model, param_dtype, apart)
         line = f"{name}: {why} | {overrides(model, par, train, data, param_dtype)}" if why else None
         if line:
             failures.append(line)

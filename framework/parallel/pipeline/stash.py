@@ -60,13 +60,14 @@ class Packing:
                                     axes.split(",") if axes else ())
         return {key: one(key, rows) for key, rows in self.rows.items()}
 
-    def store(self, stash: dict, leaves, slot) -> dict:
+    def store(self, stash: dict, leaves, slot, like) -> dict:
         """Writes `leaves` into slot `slot` of the stash, each at its row: no copy into
-        one array first."""
+        one array first. `like`: their types as traced, which name their buffers (a
+        leaf may vary over more axes after a conditional)."""
         at = dict.fromkeys(self.rows, 0)
         stash = dict(stash)
-        for a in leaves:
-            key, n = _key(a), _lanes(a)
+        for a, t in zip(leaves, like, strict=True):
+            key, n = _key(t), _lanes(a)
             flat = a.reshape(-1)
             if flat.size % LANE:
                 flat = jnp.pad(flat, (0, n * LANE - flat.size))

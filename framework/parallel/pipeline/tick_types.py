@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.stage import StageFns, of_microbatch, split_vjp
 from framework.parallel.pipeline.stash import Packing
@@ -102,12 +103,18 @@ def cond_fields(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> Tic
     """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
     were: a two-way conditional that returns only those fields, inside the named
     `scopes` (nested: the communication audit weighs a scope inside another by both,
-    `Program.scope_weights`)."""
+    `Program.scope_weights`). What `fn` writes is typed as varying over the manual axes
+    as what it replaces (a value computed from constants alone, e.g. a window's
+    positions among F's fresh residuals, is invariant: the parity search found it)."""
+    def run(s):
+        new, old = fields_of(fn(s), writes), fields_of(s, writes)
+        return jax.tree.map(lambda a, b: varying(a, jax.typeof(b).manual_axis_type.varying),
+                            new, old)
+
     with ExitStack() as stack:
         for scope in scopes:
             stack.enter_context(jax.named_scope(scope))
-        out = jax.lax.cond(pred, lambda s: fields_of(fn(s), writes),
-                           lambda s: fields_of(s, writes), state)
+        out = jax.lax.cond(pred, run, lambda s: fields_of(s, writes), state)
     return with_fields(state, writes, out)
 
 

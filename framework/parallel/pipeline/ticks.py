@@ -162,7 +162,8 @@ class Cells:
     def write_kept(self, state: TickState, slot, residuals: list, kept: list) -> TickState:
         """F's residuals into stash slot `slot`, its kept inputs into the saved buffers'."""
         saved = [buf.at[slot].set(e) for buf, e in zip(state.saved, kept)]
-        return state._replace(stash=self.types.packing.store(state.stash, residuals, slot),
+        t = self.types
+        return state._replace(stash=t.packing.store(state.stash, residuals, slot, t.residuals),
                               saved=saved or state.saved)
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
@@ -200,7 +201,8 @@ class Cells:
         each step; so every write of a step comes before its reads."""
         if self.recompute:
             return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
-        return state._replace(stash=self.types.packing.store(state.stash, values, slot))
+        t = self.types
+        return state._replace(stash=t.packing.store(state.stash, values, slot, t.douts))
 
     @property
     def douts_home(self) -> tuple:
