@@ -1,8 +1,8 @@
 """A randomized search over valid configurations (tools/parity_search.py), with a fixed
 seed: schedule, pipeline, data, tensor, microbatches, virtual stages, uneven stages,
 overlapped or synchronous sends, sequence parallelism, ZeRO-1, remat, tied embeddings,
-document masks, model families, sliding windows, soft-caps, bfloat16 parameters and
-small model shapes drawn at random, each
+document masks, model families, sliding windows, soft-caps, bfloat16 parameters,
+small model shapes and (tick schedules) the GPU dispatch drawn at random, each
 configuration run twice, loss and every gradient leaf against the single-device
 reference. Every registered schedule is in the draw. A longer sweep:
 `python tools/parity_search.py --cases 200 --seed 1`."""

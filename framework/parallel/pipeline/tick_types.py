@@ -86,6 +86,9 @@ class Run(NamedTuple):
     writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
     #                (only: the GPU compiler copies what a conditional passes through)
     layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
+    # no conditional: `writes` written on every rank, into the spare stash slot where
+    # `kind` does not run (`Cells.dispatch`; B's douts apart, with synchronous sends)
+    unconditional: bool = False
 
     def pred(self, kind, cell: CellIn):
         """Whether it runs on this rank this tick."""

@@ -220,7 +220,7 @@ class Cells:
         """`run` on this rank. `apart`: what it keeps is stored after its conditional
         (into the spare slot where it does not run: a fresh slot of zeros), its weight
         gradients added into the accumulators (zeros where it does not run), in place."""
-        if run.writes == ("put",):  # B's douts (sync sends), apart: no conditional
+        if run.unconditional:  # B's douts (synchronous sends), apart
             return self.put(state, state.douts, self.slot_or_spare(run.pred(kind, cell),
                                                                     cell.slot, state))
         if "fresh" in run.writes:
@@ -310,7 +310,7 @@ class Cells:
                                    ("grads.head", "grads.embed", "loss", "grad")))
                 if kind == B and not self.pair:
                     out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
-                                   ("put",) if self.apart else self.douts_home))
+                                   self.douts_home, unconditional=self.apart))
                 if makes_dx(kind):
                     out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
                                    self.embed_grad, ("grads.embed",)))
