@@ -289,13 +289,20 @@ def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_r
     return held * TPU_LAYER_BACKWARD if tpu else held
 
 
-def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None) -> float:
+def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
+                    v: int) -> float:
     """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes; the TPU compiler
     (`cast` not None) casts the layers' weights before their all-gather (llama3_70b_v5p
     at pp8-dp4-tp2, interleaved: every layer matrix gathered in bfloat16, 2026-11-26),
-    so they are held in the compute dtype."""
+    so they are held in the compute dtype. With one chunk a rank they take the place of
+    the stage's cast that the TPU program holds anyway (`_autodiff_kept`'s `fixed`, the
+    tick executor's per-layer residuals): ZeRO-1 adds only the embedding and head
+    gathered (compiled, ZeRO-1 on against off, 1F1B: llama3_70b_v5p +0.98 GiB, its
+    embedding's float32 shard; llama_1b_8gpu on tpu:v5p-16 +0.50, likewise; 2026-11-27)."""
     if stored == full:
         return 0
+    if cast is not None and v == 1:
+        return full - stage_weights
     return full - (stage_weights * (1 - cast) if cast is not None else 0)
 
 
@@ -377,7 +384,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
     layer_backward = _layer_backward(model, seq, tp, sp, rules, mb_rows, tpu)
-    gathered = _zero1_gathered(full, stored, stage_weights, cast)
+    gathered = _zero1_gathered(full, stored, stage_weights, cast, v)
     grads = full + gathered
     if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
         # float32 weights gathered at a time, their cast and their gradient beside them
