@@ -91,3 +91,31 @@ def test_one_runner_at_a_time_as_on_an_accelerator(cfg):
     assert found.pairs == [] and len(found.rows) == 1 and len(found.ref.times) == 2
     line = headline(reference_ratio(found), found.pairs)
     assert "ratio of median step times" in line and "nan" not in line
+
+
+def test_mock_gpu_reads_settings_between_its_options():
+    from tools import mock_gpu
+
+    args = mock_gpu._parser().parse_intermixed_args(
+        ["recipe=llama_1b_8gpu", "--schedules", "gpipe,1f1b", "parallel.remat=none",
+         "--steps", "2"])
+    assert args.overrides == ["recipe=llama_1b_8gpu", "parallel.remat=none"]
+    assert args.schedules == "gpipe,1f1b" and args.steps == 2
+
+
+@pytest.mark.slow
+def test_mock_gpu_measures_a_schedule_on_the_devices_here(cfg):
+    """tools/mock_gpu.py's measurement on the simulated CPU devices (`--no-mock`): a
+    step time, the compiled memory, no MFU without a known peak."""
+    from framework.engine.validate import validate
+    from framework.runtime.devices import DeviceSet
+    from tools import mock_gpu
+
+    par = dataclasses.replace(cfg.parallel, pipeline=2, data=2, tensor=1, microbatches=2,
+                              schedule="1f1b")
+    par = validate(cfg.model, par, cfg.train, par.n_devices)
+    found = tuple(jax.devices()[:par.n_devices])
+    devset = DeviceSet(found, "cpu", True, found[0].device_kind, 0, 1)
+    row = mock_gpu.measure(cfg, par, devset, steps=1)
+    assert row["step_s"] > 0 and row["memory_gib"] > 0 and row["mfu"] is None
+    assert row["mesh"].startswith("pp2-dp2-tp1")
