@@ -176,6 +176,12 @@ def check(cfg: RunConfig, parallel: ParallelConfig, devset) -> dict | None:
     return {"predicted_bytes": total, "limit_bytes": limit}
 
 
+# How a TPU compiler's refusal's figure is quoted: its temporaries count the tiles'
+# padding twice (`compiled_bytes`), so the program needs less than it says, though more
+# than the HBM (it refused it).
+TPU_REFUSED = "of temporaries, the TPU compiler's figure, its tiles' padding counted twice"
+
+
 def hbm_oom(err: Exception) -> tuple[float, float] | None:
     """(bytes needed, bytes available) when the TPU compiler refused a program for lack
     of HBM: "... required for HLO temporaries (119.33G) exceeds available HBM (95.74G)"."""
@@ -218,7 +224,7 @@ def check_compiled(cfg: RunConfig, engine, devset) -> dict | None:
         if oom is None:
             raise
         raise _refuse(cfg, engine.parallel, devset, oom[0], oom[1], "the TPU's HBM",
-                      "of temporaries, the compiler's figure") from None
+                      TPU_REFUSED) from None
     total = compiled_bytes(engine.compiled, devset.platform)
     if limit is not None and total > limit:
         raise _refuse(cfg, engine.parallel, devset, total, limit, source, "the compiler's figure")

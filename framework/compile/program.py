@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from framework.analysis.memory_check import compiled_bytes, hbm_oom
+from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
 from framework.compile.targets import GIB, Target, compile_devices
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from framework.errors import ConfigError
@@ -140,8 +140,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
             raise
         report.update({"fits": False, "memory/temp_bytes_per_device": int(oom[0]),
                        "memory/device_bytes": int(oom[1])})
-        raise TooBig(_too_big(cfg, parallel, target, *oom, report, "of temporaries "),
-                     report) from None
+        raise TooBig(_too_big(cfg, parallel, target, *oom, report, TPU_REFUSED), report) from None
     report["compile_time_s"] = time.perf_counter() - start
     report.update(memory_fields(compiled, platform))
     report["memory/device_bytes"] = target.device_bytes
@@ -162,5 +161,6 @@ def _too_big(cfg: RunConfig, parallel: ParallelConfig, target: Target, needed: f
                        target.platform, report["device_kind"], optim=cfg.optim)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               "nothing on these devices is predicted to fit: use more devices or a smaller model")
-    return (f"{target.name}: the compiled step needs {_size(needed)} {what}per device (the "
-            f"compiler's figure), over the device's {_size(limit)}; {advice}")
+    figure = what or "the compiler's figure"
+    return (f"{target.name}: the compiled step needs {_size(needed)} per device ({figure}), "
+            f"over the device's {_size(limit)}; {advice}")

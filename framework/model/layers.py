@@ -29,7 +29,7 @@ ACTIVATIONS = {"silu": nn.silu,
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # gelu_pytorch_tanh
 
 
-def _param(module: nn.Module, name: str, shape, axes, init=init_normal):
+def param(module: nn.Module, name: str, shape, axes, init=init_normal):
     """A float32 weight of global `shape` with logical `axes`; the module's tensor-parallel
     plan makes it this device's shard."""
     shape = getattr(module, "tp", NO_TP).local_shape(shape, axes)
@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):  # x: [..., embed]
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-        scale = _param(self, "scale", (x.shape[-1],), ("norm",), init)
+        scale = param(self, "scale", (x.shape[-1],), ("norm",), init)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # (1 + w) in float32, as transformers' Gemma2RMSNorm (w may be stored in bfloat16)
@@ -70,8 +70,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        w_in = _param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
-        w_down = _param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
+        w_in = param(self, "w_gate_up", (c.d_model, 2, c.d_ff), ("embed", "gate_up", "mlp"))
+        w_down = param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
         gate_up = gathered_weight_op(self, "w_gate_up", "bsd,dcf->bscf", x.astype(dt),
                                      w_in.astype(dt), "mlp")  # [b, s, 2, mlp@tensor]
         hidden = ACTIVATIONS[c.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]

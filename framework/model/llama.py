@@ -41,7 +41,7 @@ import flax.linen as nn
 
 from framework.model.attention import attend, score_form
 from framework.model.documents import Documents
-from framework.model.layers import (MLP, NO_TP, RMSNorm, _param, layer_windows, norm,  # noqa: F401
+from framework.model.layers import (MLP, NO_TP, RMSNorm, layer_windows, param, norm,  # noqa: F401
                                     softcap, split_windows)
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
@@ -112,14 +112,14 @@ class Attention(nn.Module):
         position up to their own. Returns (out, updated cache)."""
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         d, hd, r = c.d_model, c.head_dim, c.n_heads // c.n_kv_heads  # r: q heads per kv head
-        wqkv = _param(self, "wqkv", (d, c.n_kv_heads, r + 2, hd),
+        wqkv = param(self, "wqkv", (d, c.n_kv_heads, r + 2, hd),
                       ("embed", "kv_heads", "qkv", "head_dim"))
-        wo = _param(self, "wo", (c.n_heads, hd, d), ("heads", "head_dim", "embed"))
+        wo = param(self, "wo", (c.n_heads, hd, d), ("heads", "head_dim", "embed"))
         # x [b, s (/tensor with SP), embed] -> qkv [b, s, kv@tensor, r+2, hd]
         qkv = gathered_weight_op(self, "wqkv", "bsd,dgjk->bsgjk", x.astype(dt),
                                  wqkv.astype(dt), "kv_heads", whole_sequence=True)
         if c.has_qkv_bias:  # Qwen2's q/k/v_proj biases, laid out like wqkv's output
-            qkv = bias_op(self, "qkv_bias", qkv, _param(  # [kv@tensor, r+2, hd]
+            qkv = bias_op(self, "qkv_bias", qkv, param(  # [kv@tensor, r+2, hd]
                 self, "qkv_bias", (c.n_kv_heads, r + 2, hd), ("kv_heads", "qkv", "head_dim"),
                 nn.initializers.zeros))
         q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]
@@ -188,7 +188,7 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq(/tp), embed]
         c = self.cfg
-        table = _param(self, "table", (c.vocab_size, c.d_model), ("vocab", "embed"))
+        table = param(self, "table", (c.vocab_size, c.d_model), ("vocab", "embed"))
         local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
         mine = (local >= 0) & (local < table.shape[0])
         x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
@@ -216,7 +216,7 @@ class Head(nn.Module):
         if c.tie_embeddings:
             w = tied_table.T  # [embed, vocab@tensor]
         else:
-            w = _param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
+            w = param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
         return softcap((x @ w.astype(dt)).astype(jnp.float32), c.final_softcap)
 
 
