@@ -42,8 +42,9 @@ import jax
 from framework.config import ModelConfig, TrainConfig, not_one_of
 from framework.engine.build import Engine
 from framework.errors import ConfigError, DamagedCheckpoint
+from framework.io.checkpoint import integrity
 from framework.io.checkpoint.integrity import short_reason
-from framework.io.checkpoint.manager import Checkpointer
+from framework.io.checkpoint.manager import Checkpointer, to_nested
 from framework.io.checkpoint.paths import absolute, locate
 from framework.io.hf import llama as hf
 from framework.io.hf.safetensors import Tensors
@@ -263,14 +264,27 @@ def what_changed(meta: dict, engine: Engine, train: TrainConfig) -> str:
         changes += [f"{said} was {getattr(theirs, k)}, now {getattr(engine.model, k)}"
                     for k, said in MATHS_KEYS.items()
                     if getattr(theirs, k) != getattr(engine.model, k)]
-    stored = (meta.get("dtypes") or {}).get("params/embed/table")
-    if stored and stored != engine.layout.param_dtype:
-        changes.append(f"parameters saved in {stored}, cast to {engine.layout.param_dtype} "
-                       f"(optim.param_dtype)")
+    changes += _casts(meta.get("dtypes") or {}, engine)
     if meta.get("train_steps") and meta["train_steps"] != train.steps:
         changes.append(f"train.steps was {meta['train_steps']}, now {train.steps}: the "
                        f"learning-rate schedule spans {train.steps} steps from here on")
     return f" ({'; '.join(changes)})" if changes else ""
+
+
+def _casts(saved: dict, engine: Engine) -> list[str]:
+    """The dtypes a restore casts (saved -> this run's), in words: the parameters
+    (optim.param_dtype) and the optimizer's state (optim.mu_dtype), one line each."""
+    if not saved:  # older checkpoints: read in the run's own dtypes
+        return []
+    here = integrity.dtypes(to_nested(engine.layout.abstract_canonical()))
+    said = {}
+    for key, dtype in sorted(here.items(), key=lambda kv: not kv[0].startswith("params/")):
+        if saved.get(key, dtype) != dtype:
+            what = ("parameters", "optim.param_dtype") if key.startswith("params/") else (
+                "optimizer moments", "optim.mu_dtype")
+            said.setdefault(what, (saved[key], dtype))
+    return [f"{what} saved in {was}, cast to {now} ({setting})"
+            for (what, setting), (was, now) in said.items()]
 
 
 # --- The state -------------------------------------------------------------------------

@@ -295,9 +295,12 @@ def test_a_resume_says_what_the_model_computes_differently_and_the_stored_dtype(
     from framework.config import ModelConfig, ParallelConfig, TrainConfig
     from framework.run.start import what_changed
 
+    import jax
+
     model = ModelConfig(family="gemma2")
+    here = {"params": {"embed": {"table": jax.ShapeDtypeStruct((2, 2), "bfloat16")}}}
     engine = SimpleNamespace(parallel=ParallelConfig(), model=model,
-                             layout=SimpleNamespace(param_dtype="bfloat16"))
+                             layout=SimpleNamespace(abstract_canonical=lambda: here))
     meta = {"model": dataclasses.asdict(dataclasses.replace(model, attn_softcap=50.0,
                                                             rope_theta=500000.0)),
             "dtypes": {"params/embed/table": "float32"}}
@@ -306,3 +309,22 @@ def test_a_resume_says_what_the_model_computes_differently_and_the_stored_dtype(
         "None; parameters saved in float32, cast to bfloat16 (optim.param_dtype))")
     meta = {"model": dataclasses.asdict(model), "dtypes": {"params/embed/table": "bfloat16"}}
     assert what_changed(meta, engine, TrainConfig()) == ""
+
+
+def test_a_resume_names_the_optimizer_moments_it_casts():
+    """optim.mu_dtype changed between runs: the resume line says so (the restore casts)."""
+    import dataclasses
+
+    from framework.config import TrainConfig
+    from framework.io.checkpoint.integrity import dtypes
+    from framework.io.checkpoint.manager import to_nested
+    from framework.run.start import what_changed
+    from tests.helpers import OPTIM, engine
+
+    saved = engine(optim=dataclasses.replace(OPTIM, mu_dtype="bfloat16"))
+    meta = {"dtypes": dtypes(to_nested(saved.layout.abstract_canonical()))}
+    now = engine(optim=dataclasses.replace(OPTIM, mu_dtype="float32", param_dtype="bfloat16"))
+    assert what_changed(meta, now, TrainConfig()) == (
+        " (parameters saved in float32, cast to bfloat16 (optim.param_dtype); optimizer "
+        "moments saved in bfloat16, cast to float32 (optim.mu_dtype))")
+    assert what_changed(meta, saved, TrainConfig()) == ""
