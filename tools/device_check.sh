@@ -22,11 +22,11 @@ step() {  # name, seconds, command...
 # 1. MFU of the one-GPU recipe (cuDNN attention), its plain-JAX reference, blockwise.
 [ -z "${SKIP_BENCH:-}" ] && step bench "${1:-200}" $PY tools/bench.py recipe=llama_1b_1gpu devices.platform=gpu \
   --no-defaults --pairs 10 --attention dense,blockwise --markdown "$OUT/bench.md"
-# 2. The 8-GPU recipe's schedules, this GPU's share of each (mock topology, no comms).
+# 2. The 8-GPU recipe's schedules, this GPU's share of each stage (mock topology, no comms).
 step mock "${2:-220}" $PY tools/mock_gpu.py recipe=llama_1b_8gpu \
-  --schedules gpipe,1f1b,zb_h1 --steps 4 --json "$OUT/mock.json"
+  --schedules gpipe,1f1b,zb_h1,zb_v --stage all --steps 4 --json "$OUT/mock.json"
 step mock_v "${4:-150}" $PY tools/mock_gpu.py recipe=llama_1b_8gpu parallel.virtual_stages=2 \
-  --schedules interleaved_1f1b,zb_v --steps 4 --json "$OUT/mock_v.json"
+  --schedules interleaved_1f1b --stage all --steps 4 --json "$OUT/mock_v.json"
 # 3. Does this jaxlib's GPU compiler still copy what a conditional passes through?
 step probe "${3:-90}" $PY tools/dispatch_probe.py aot
 exit 0

@@ -7,7 +7,9 @@ client pretends to be one process of a cluster of identical GPUs: `jax.devices()
 them all, the program is compiled for the whole mesh and this GPU runs its own device's
 part, with every collective replaced by a no-op (XLA's mock NCCL). What it measures is
 each schedule's per-device computation, bubbles included, without any communication
-time: a lower bound of the step time on the real cluster. Needs an NVIDIA GPU of the
+time, of one pipeline stage (`--stage`, default the last: it holds the head; the
+devices of the mesh are placed so that this GPU holds it): a lower bound of that
+stage's step time on the real cluster, whose step waits for its slowest stage. Needs an NVIDIA GPU of the
 target model. Per schedule it prints the compile time, the compiled memory per device
 (XLA's memory analysis on the real GPU) and the median step time, with model TFLOP/s
 per device and MFU against the GPU's peak (framework/analysis/flops.py).
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedules", default="", help="comma-separated (default: the recipe's)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
     parser.add_argument("--no-mock", action="store_true", help="the run's own devices")
+    parser.add_argument("--stage", default="last",
+                        help="the pipeline stage this GPU runs: first, last, all (one row "
+                             "each) or a number (mocked runs; default last: the head's)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser
 
@@ -65,15 +70,37 @@ def _inputs(engine, cfg):
     return state, tokens
 
 
-def measure(cfg, parallel, devset, steps: int) -> dict:
+def stage_grid(parallel, devices: list, here, stage: int):
+    """The mesh's devices [pipe, data, context, tensor] with `here` (the one GPU that
+    runs) at pipeline stage `stage`: a mocked run computes only its own device's part,
+    and stages differ (the last holds the head, the first the embedding)."""
+    import numpy as np
+
+    shape = (parallel.pipeline, parallel.data, parallel.context, parallel.tensor)
+    others = [d for d in devices[:parallel.n_devices + 1] if d != here]
+    at = stage * (parallel.data * parallel.context * parallel.tensor)  # (stage, 0, 0, 0)
+    order = others[:at] + [here] + others[at:parallel.n_devices - 1]
+    grid = np.empty(len(order), dtype=object)
+    grid[:] = order
+    return grid.reshape(shape)
+
+
+def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict:
+    """One schedule's step, compiled for the whole mesh; `stage`: the pipeline stage
+    this process's GPU holds (mocked runs; None: the devices in their own order)."""
     import jax
+    from jax.sharding import AxisType
 
     from framework.analysis import audit, flops
     from framework.engine.build import build_engine
-    from framework.parallel.mesh import make_mesh, mesh_name
+    from framework.parallel.mesh import AXES, make_mesh, mesh_name
 
-    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
-                          make_mesh(parallel, devset.devices))
+    if stage is None:
+        mesh = make_mesh(parallel, devset.devices)
+    else:
+        grid = stage_grid(parallel, list(devset.devices), jax.local_devices()[0], stage)
+        mesh = jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
     state, tokens = _inputs(engine, cfg)
     stats = audit.step_stats(engine, state, tokens)
     times = []
@@ -87,11 +114,24 @@ def measure(cfg, parallel, devset, steps: int) -> dict:
     model_flops = (flops.flops_per_token(cfg.model, cfg.train.seq_len)
                    * cfg.train.global_batch_size * cfg.train.seq_len / len(devset))
     peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
-    return {"mesh": mesh_name(parallel), "schedule": parallel.schedule,
+    return {"mesh": mesh_name(parallel), "schedule": parallel.schedule, "stage": stage,
             "compile_s": stats["perf/compile_time_s"],
             "memory_gib": stats.get("memory/peak_bytes_per_device", 0) / 2**30,
             "step_s": step, "steps": times, "tflops_per_device": model_flops / step / 1e12,
             "mfu": model_flops / step / peak if peak else None}
+
+
+def stages_of(spec: str, pipeline: int) -> list[int]:
+    """--stage: first, last, all or a stage number -> the stages to measure."""
+    from framework.errors import ConfigError
+
+    named = {"first": [0], "last": [pipeline - 1], "all": list(range(pipeline))}
+    if spec in named:
+        return named[spec]
+    if spec.isdigit() and int(spec) < pipeline:
+        return [int(spec)]
+    raise ConfigError(f"--stage {spec!r}: first, last, all or a stage number below "
+                      f"parallel.pipeline={pipeline}")
 
 
 def main(argv=None) -> int:
@@ -104,7 +144,9 @@ def main(argv=None) -> int:
 
     try:
         cfg = compose(args.overrides)
-        wanted = cfg.parallel.pipeline * cfg.parallel.data * cfg.parallel.tensor
+        par = cfg.parallel
+        wanted = par.pipeline * par.data * par.context * par.tensor
+        stages = [None] if args.no_mock else stages_of(args.stage, par.pipeline)
         if not args.no_mock:
             local = 1  # GPUs here; the mesh's other devices are mocked
             # one slice of `wanted` one-GPU hosts (mock processes without a topology are
@@ -121,11 +163,12 @@ def main(argv=None) -> int:
         return user_error(err)
     print(f"{len(devset)} x {devset.kind} ({jax.local_device_count()} here)", flush=True)
     rows = []
-    for parallel in layouts:
-        row = measure(cfg, parallel, devset, args.steps)
+    for parallel, stage in [(par, st) for par in layouts for st in stages]:
+        row = measure(cfg, parallel, devset, args.steps, stage)
         rows.append(row)
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        print(f"{row['mesh']:<28} compile {row['compile_s']:6.1f} s  memory "
+        where = "" if stage is None else f" stage {stage}"
+        print(f"{row['mesh'] + where:<36} compile {row['compile_s']:6.1f} s  memory "
               f"{row['memory_gib']:6.2f} GiB  step {row['step_s'] * 1e3:9.1f} ms  "
               f"{row['tflops_per_device']:7.1f} TFLOP/s/device  MFU {mfu}", flush=True)
     if args.json:

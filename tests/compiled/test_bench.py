@@ -119,3 +119,19 @@ def test_mock_gpu_measures_a_schedule_on_the_devices_here(cfg):
     row = mock_gpu.measure(cfg, par, devset, steps=1)
     assert row["step_s"] > 0 and row["memory_gib"] > 0 and row["mfu"] is None
     assert row["mesh"].startswith("pp2-dp2-tp1")
+
+
+def test_mock_gpu_puts_this_gpu_at_the_stage_asked_for():
+    from framework.config import ParallelConfig
+    from framework.errors import ConfigError
+    from tools import mock_gpu
+
+    par = ParallelConfig(pipeline=4, data=2, tensor=2)
+    devices = [f"d{i}" for i in range(16)]
+    for stage in range(4):
+        grid = mock_gpu.stage_grid(par, devices, "d0", stage)
+        assert grid.shape == (4, 2, 1, 2) and grid[stage, 0, 0, 0] == "d0"
+        assert sorted(grid.ravel().tolist()) == sorted(devices)
+    assert mock_gpu.stages_of("last", 4) == [3] and mock_gpu.stages_of("all", 2) == [0, 1]
+    with pytest.raises(ConfigError, match="--stage '4'"):
+        mock_gpu.stages_of("4", 4)
