@@ -6,7 +6,7 @@
 Compiles the tick executor both ways, passing through (`StageFns.pass_through`) and with
 the cells' writes apart (`ticks.Cells.apart`), and prints per program the compiled
 memory per device and the bytes of carried buffers copied in the tick loop each step
-(`carried_copies` of tests/compiled/test_executor.py). Where passing through copies
+(`profiling.carried_copies`). Where passing through copies
 nothing and holds less, `engine.step.passes_through` should say so for that compiler
 (`GPU_PASS_THROUGH_SINCE`). With `aot` it also compiles `llama_1b_8gpu`'s 1F1B step.
 """
@@ -28,7 +28,7 @@ def _devices(platform: str):
     from framework.runtime import devices
     from framework.runtime.devices import DeviceSet
 
-    if platform != "aot":
+    if platform == "cpu":
         devset = devices.start(DevicesConfig(platform, 8), ParallelConfig())
         return devset, devset.devices
     import jax
@@ -42,19 +42,19 @@ def _devices(platform: str):
 
 def _one(recipe: str, extra: list[str], through: bool, devset, found) -> str:
     from framework.analysis import memory_check
-    from framework.engine import step
+    from framework.analysis.profiling import carried_copies
     from framework.engine.build import build_engine
     from framework.engine.validate import validate
     from framework.parallel.mesh import make_mesh
-    from tests.compiled.test_executor import carried_copies
-    from tests.helpers import compose_recipe
+    from tools.parity_search import gpu_dispatch
+    from tools.recipe import compose
 
-    step.passes_through = lambda platform: through  # what build_engine reads
-    cfg = compose_recipe(recipe, *extra)
+    cfg = compose([f"recipe={recipe}", *extra])
     par = validate(cfg.model, cfg.parallel, cfg.train, len(found))
-    eng = build_engine(cfg.model, par, cfg.optim, cfg.train.steps, make_mesh(par, found))
     start = time.perf_counter()
-    eng.compile(*eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len))
+    with gpu_dispatch(apart=not through):
+        eng = build_engine(cfg.model, par, cfg.optim, cfg.train.steps, make_mesh(par, found))
+        eng.compile(*eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len))
     total = memory_check.compiled_bytes(eng.compiled, devset.platform)
     copied, carry = carried_copies(eng.compiled.as_text(), share=0.1)
     return (f"{recipe} {' '.join(extra)} pass_through={through}: compiled "
@@ -64,8 +64,9 @@ def _one(recipe: str, extra: list[str], through: bool, devset, found) -> str:
 
 def main(argv: list[str]) -> int:
     platform = argv[0] if argv else "aot"
-    if platform not in ("aot", "cpu", "gpu"):
-        print("error: the compiler: aot (deviceless GPU), cpu or gpu", file=sys.stderr)
+    if platform not in ("aot", "cpu"):
+        print(f"error: {platform!r}: aot (the GPU compiler, deviceless) or cpu",
+              file=sys.stderr)
         return 2
     import jax
     import jaxlib

@@ -2,15 +2,15 @@
 
     python tools/mock_gpu.py recipe=llama_1b_8gpu --schedules gpipe,1f1b,zb_h1 --steps 5
 
-With `jax_mock_gpu_topology` = one slice of (devices the recipe's mesh needs) / (GPUs here) hosts, JAX's GPU
-client pretends to be one process of a cluster of identical GPUs: `jax.devices()` lists
-them all, the program is compiled for the whole mesh and this GPU runs its own device's
-part, with every collective replaced by a no-op (XLA's mock NCCL). What it measures is
-each schedule's per-device computation, bubbles included, without any communication
-time, of one pipeline stage (`--stage`, default the last: it holds the head; the
-devices of the mesh are placed so that this GPU holds it): a lower bound of that
-stage's step time on the real cluster, whose step waits for its slowest stage. Needs an NVIDIA GPU of the
-target model. Per schedule it prints the compile time, the compiled memory per device
+With `jax_mock_gpu_topology` = one slice of (devices the recipe's mesh needs) / (GPUs
+here) hosts, JAX's GPU client pretends to be one process of a cluster of identical GPUs:
+`jax.devices()` lists them all, the program is compiled for the whole mesh and this GPU
+runs its own device's part, with every collective replaced by a no-op (XLA's mock
+NCCL). What it measures is each schedule's per-device computation, bubbles included,
+without any communication time, of one pipeline stage (`--stage`, default the last: it
+holds the head; the mesh's devices are placed so that this GPU holds it): a lower bound
+of that stage's step time on the real cluster, whose step waits for its slowest stage.
+Needs an NVIDIA GPU of the target model. Per schedule it prints the compile time, the compiled memory per device
 (XLA's memory analysis on the real GPU) and the median step time, with model TFLOP/s
 per device and MFU against the GPU's peak (framework/analysis/flops.py).
 `--no-mock` runs the same on the devices a run would get (simulated CPU devices: for
@@ -77,9 +77,9 @@ def stage_grid(parallel, devices: list, here, stage: int):
     import numpy as np
 
     shape = (parallel.pipeline, parallel.data, parallel.context, parallel.tensor)
-    others = [d for d in devices[:parallel.n_devices + 1] if d != here]
+    others = [d for d in devices if d != here][:parallel.n_devices - 1]
     at = stage * (parallel.data * parallel.context * parallel.tensor)  # (stage, 0, 0, 0)
-    order = others[:at] + [here] + others[at:parallel.n_devices - 1]
+    order = others[:at] + [here] + others[at:]
     grid = np.empty(len(order), dtype=object)
     grid[:] = order
     return grid.reshape(shape)

@@ -157,7 +157,7 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
     eng = build_engine(model, par, OptimConfig(param_dtype=param_dtype), 1,
                        make_mesh(par, devices), docs)
     tolerance = TOLERANCE if param_dtype == "float32" else BF16_TOLERANCE
-    with _dispatch(apart):
+    with gpu_dispatch(apart):
         fn = eng.loss_and_grads_fn()
     args = eng.shard_params(params), eng.shard_batch(tokens)
     for attempt in (1, 2):
@@ -171,14 +171,14 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
 
 
 @contextlib.contextmanager
-def _dispatch(apart: bool):
-    """With `apart`, the step built inside reads `passes_through` as a GPU's of jaxlib
-    0.10.2 would (`engine.step.passes_through`, read when the step is built)."""
+def gpu_dispatch(apart: bool = True):
+    """With `apart`, a step built inside reads `passes_through` as a GPU's of jaxlib
+    0.10.2 would (`engine.step.passes_through`, read when the step is built); without,
+    as CPUs and TPUs do."""
     from framework.engine import step
 
     kept = step.passes_through
-    if apart:
-        step.passes_through = lambda platform: False
+    step.passes_through = lambda platform: not apart
     try:
         yield
     finally:

@@ -79,6 +79,30 @@ def classify(hlo: str, schedule) -> tuple[str, dict[str, str], dict[str, str]]:
     return program.module, work, loops
 
 
+def carried_copies(text: str, share: float = 0.01) -> tuple[int, int]:
+    """(bytes of the copies inside a compiled step's tick loop whose shape is one of the
+    large buffers the loop carries (`share` of its carry or more), bytes of the carry):
+    what the tick executor should never copy (tests/compiled/test_executor.py,
+    tools/dispatch_probe.py)."""
+    from framework.analysis.audit import DTYPE_BYTES
+
+    shape = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+    nbytes = lambda types: sum(DTYPE_BYTES.get(dt, 4) * int(np.prod(
+        [int(d) for d in dims.split(",") if d])) for dt, dims in shape.findall(types))
+    program = hlo_lib.parse(text)
+    loops = [i for instrs in program.computations.values() for i in instrs
+             if _loop_label(i) == "ticks"]
+    if len(loops) != 1:
+        raise ValueError(f"{len(loops)} tick loops in the program, not one")
+    carry = nbytes(loops[0].result)
+    large = {m.group(0) for m in shape.finditer(loops[0].result)
+             if nbytes(m.group(0)) >= carry * share}
+    inside = program.reachable([c for _, c in loops[0].callees])
+    copies = [i for c in inside for i in program.computations[c] if i.opcode == "copy"]
+    first = lambda types: (shape.search(types) or [None])[0]
+    return sum(nbytes(i.result) for i in copies if first(i.result) in large), carry
+
+
 def _loop_label(instr) -> str | None:
     """"ticks", "forward" or "backward" for a tick loop's `while`, else None."""
     parts = instr.op_name.split("/")

@@ -6,41 +6,14 @@ again after it (1.3 to 2.9 MB a step of this program, every schedule and send mo
 a stash write under a conditional after a read in the other tick of a pair copied the
 whole stash (found and fixed 2026-11-27)."""
 
-import math
-import re
-
 import importlib.util
 
 import pytest
 
-from framework.analysis import hlo, profiling
+from framework.analysis.profiling import carried_copies
 from tests.helpers import compose_recipe, engine, params, tokens
 
 HAVE_AOT = all(importlib.util.find_spec(m) for m in ("libtpu", "jax_plugins"))
-
-_BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1,
-          "s8": 1, "u8": 1}
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def _nbytes(types: str) -> int:
-    return sum(_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in _ARRAY.findall(types))
-
-
-def carried_copies(text: str, share: float = 0.01) -> tuple[int, int]:
-    """(bytes of the copies inside the tick loop whose shape is one of the large
-    buffers it carries (`share` of its carry or more), bytes of the carry)."""
-    program = hlo.parse(text)
-    loops = [i for instrs in program.computations.values() for i in instrs
-             if profiling._loop_label(i) == "ticks"]
-    assert len(loops) == 1, "one tick loop"
-    carry = _nbytes(loops[0].result)
-    large = {m.group(0) for m in _ARRAY.finditer(loops[0].result)
-             if _nbytes(m.group(0)) >= carry * share}
-    inside = program.reachable([c for _, c in loops[0].callees])
-    copies = [i for c in inside for i in program.computations[c] if i.opcode == "copy"]
-    return sum(_nbytes(i.result) for i in copies if _ARRAY.match(i.result).group(0) in large), carry
 
 
 @pytest.mark.slow

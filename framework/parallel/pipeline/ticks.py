@@ -37,9 +37,10 @@ synchronous sends took 1.31x GPipe's step here, 0.93x now.) The cells write the
 stash in place, inside their conditionals: F its residuals, B its douts (in a
 conditional of its own after B's: XLA copied a stash that one conditional both read and
 rewrote). XLA's GPU compiler before jaxlib 0.11.2 copies what a conditional passes
-through, so for such GPUs (`Cells.apart`, `engine.step.passes_through`) the cells hand their weight gradients and what they
-keep to in-place writes after their conditionals instead (zeros where they do not run,
-written to a spare stash slot / added to the gradients). Then come the sends the
+through, so for such GPUs (`Cells.apart`, `engine.step.passes_through`) the cells hand
+their weight gradients and what they keep to in-place writes after their conditionals
+instead (zeros where they do not run, written to a spare stash slot / added to the
+gradients). Then come the sends the
 buffer plan names for this tick (`framework/parallel/pipeline/buffers.py`).
 
 With overlapped sends (`Schedule.overlap`)
