@@ -84,7 +84,7 @@ def predicted(cfg, platform: str, kind: str, n_devices: int) -> dict:
 def fingerprint_case(recipe: str, target_name: str, programs: bool) -> dict:
     from framework.compile.targets import compile_devices, parse
     from framework.errors import ConfigError
-    from framework.parallel.pipeline.schedule import schedule_names
+    from framework.parallel.pipeline.schedule import schedule_names, uses_virtual_stages
 
     target = parse(target_name)
     devices = compile_devices(target) if programs else None
@@ -92,6 +92,10 @@ def fingerprint_case(recipe: str, target_name: str, programs: bool) -> dict:
     out = {}
     for name, sends in _variants(schedule_names()):
         overrides = [f"recipe={recipe}", f"parallel.schedule={name}"]
+        if not uses_virtual_stages(name):
+            overrides.append("parallel.virtual_stages=1")
+        elif compose([f"recipe={recipe}"]).parallel.virtual_stages == 1:
+            overrides.append("parallel.virtual_stages=2")  # interleaved, not 1F1B again
         overrides.append(f"parallel.overlap_sends={str(sends).lower()}")
         key = f"{recipe}@{target_name}:{name}:" + ("overlapped" if sends else "synchronous")
         cfg = compose(overrides)
