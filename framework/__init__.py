@@ -1,4 +1,4 @@
-"""A JAX framework for training decoder LLMs on one (pipe, data, tensor) device mesh.
+"""A JAX framework for training decoder LLMs on one (pipe, data, context, tensor) device mesh.
 
 Packages, in the order a run uses them (docs/architecture.md has the picture and the
 import rules, which tests/unit/test_architecture.py enforces):

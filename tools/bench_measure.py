@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from framework.analysis import audit
 from framework.parallel.mesh import mesh_name
+from framework.units import size
 
 REFERENCE = "reference (plain JAX)"  # the reference's row name
 
@@ -90,12 +91,12 @@ def host_matmul_peak(device, n: int = 2048, reps: int = 7) -> float:
 
 def peak_for(cfg, devset) -> Peak:
     """CPU: the host's float32 matmul peak, measured; accelerators: the peak table's."""
-    from framework.analysis.flops import peak_flops_per_device
+    from framework.hardware import peak_flops
 
     if devset.platform == "cpu":
         return Peak(host_matmul_peak(devset.devices[0]), False,
                     "host float32 matmul peak (measured)")
-    return Peak(peak_flops_per_device(devset.kind, cfg.model.dtype) or float("nan"), True,
+    return Peak(peak_flops(devset.kind, cfg.model.dtype) or float("nan"), True,
                 f"{devset.kind} {cfg.model.dtype} peak per device (table)")
 
 
@@ -208,8 +209,8 @@ def _fitting(cfg, layouts, limit, log, skipped) -> list:
         name, par, model = _variant(cfg, layout)
         need = predict_memory(model, par, cfg.train, optim=cfg.optim)["total"] if limit else 0
         if limit and need > limit:
-            line = (f"{name}: predicted {need / 2**30:.2f} GiB per device, over the "
-                    f"{limit / 2**30:.2f} GiB limit: not run")
+            line = (f"{name}: predicted {size(need)} per device, over the "
+                    f"{size(limit)} limit: not run")
             if i == 0:
                 from framework.errors import ConfigError
 

@@ -19,7 +19,7 @@ LAPTOP = {"seq_len": 64, "global_batch_size": 12}  # with ModelConfig()'s 4 x d_
 def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bool,
           simulated: bool) -> list[str]:
     """Markdown rows: one per layout, then the reference."""
-    from framework.analysis.flops import flops_per_token
+    from framework.model.flops import model_flops_per_token as flops_per_token
 
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)

@@ -17,8 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-GIB = 2**30
-AXES = ("pipe", "data", "context", "tensor")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from framework.parallel.mesh import AXES  # noqa: E402
+from framework.units import GIB, MIB  # noqa: E402
 
 
 def _gib(value) -> str:
@@ -33,7 +35,7 @@ def row(report: dict) -> str:
         compiled_text = _gib(compiled)
     predicted = report.get("memory/predicted_bytes_per_device")
     ratio = f"{predicted / compiled:.2f}" if predicted and compiled else "-"
-    sent = " / ".join(f"{report.get(f'comm/bytes_per_step/{a}', 0) / 2**20:,.0f}"
+    sent = " / ".join(f"{report.get(f'comm/bytes_per_step/{a}', 0) / MIB:,.0f}"
                       for a in AXES) if compiled else "-"
     shares = [report.get(f"comm/overlapped_fraction/{a}")
               for a in AXES + ("pipe_sends", "context_sends")]

@@ -12,7 +12,7 @@ holds the head; the mesh's devices are placed so that this GPU holds it): a lowe
 of that stage's step time on the real cluster, whose step waits for its slowest stage.
 Needs an NVIDIA GPU of the target model. Per schedule it prints the compile time, the compiled memory per device
 (XLA's memory analysis on the real GPU) and the median step time, with model TFLOP/s
-per device and MFU against the GPU's peak (framework/analysis/flops.py).
+per device and MFU against the GPU's peak (framework/hardware.py).
 `--no-mock` runs the same on the devices a run would get (simulated CPU devices: for
 trying the tool itself).
 """
@@ -76,7 +76,9 @@ def stage_grid(parallel, devices: list, here, stage: int):
     and stages differ (the last holds the head, the first the embedding)."""
     import numpy as np
 
-    shape = (parallel.pipeline, parallel.data, parallel.context, parallel.tensor)
+    from framework.parallel.mesh import degrees
+
+    shape = tuple(degrees(parallel).values())
     others = [d for d in devices if d != here][:parallel.n_devices - 1]
     at = stage * (parallel.data * parallel.context * parallel.tensor)  # (stage, 0, 0, 0)
     order = others[:at] + [here] + others[at:]
@@ -91,7 +93,9 @@ def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict
     import jax
     from jax.sharding import AxisType
 
-    from framework.analysis import audit, flops
+    from framework import hardware
+    from framework.analysis import audit
+    from framework.model.flops import model_flops_per_token
     from framework.engine.build import build_engine
     from framework.parallel.mesh import AXES, make_mesh, mesh_name
 
@@ -111,9 +115,9 @@ def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict
         if i >= 2:
             times.append(time.perf_counter() - start)
     step = statistics.median(times)
-    model_flops = (flops.flops_per_token(cfg.model, cfg.train.seq_len)
+    model_flops = (model_flops_per_token(cfg.model, cfg.train.seq_len)
                    * cfg.train.global_batch_size * cfg.train.seq_len / len(devset))
-    peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
+    peak = hardware.peak_flops(devset.kind, cfg.model.dtype)
     return {"mesh": mesh_name(parallel), "schedule": parallel.schedule, "stage": stage,
             "compile_s": stats["perf/compile_time_s"],
             "memory_gib": stats.get("memory/peak_bytes_per_device", 0) / 2**30,

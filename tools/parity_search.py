@@ -206,7 +206,7 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     """Draws `cases` configurations; returns one line per failure."""
     import warnings
 
-    from framework.parallel.pipeline.program import program_of
+    from framework.engine.resolved import resolved
 
     rng = np.random.default_rng(seed)
     # the executor's dispatch from a stream of its own: a seed draws the configurations
@@ -215,7 +215,8 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices))
-        apart = bool(dispatch_rng.integers(2)) and not program_of(par, model.n_layers).autodiff
+        apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,
+                                                                  train.seq_len).program.autodiff
         start = time.perf_counter()
         with warnings.catch_warnings():  # microbatches < pipeline: drawn on purpose
             warnings.simplefilter("ignore")

@@ -16,11 +16,13 @@ Settings (all optional except devices and device_memory_gb):
   peak_tflops      dense peak per device; default: --verify's target's device, else
                    H100 SXM, for the model's dtype
   tensor_gbps, pipe_gbps, data_gbps   link bandwidth per device per direction (GB/s);
-                   default: 450 (NVLink) while an axis stays inside a node of
-                   devices_per_node devices, else network_gbps
-  network_gbps     default 50 (one 400 Gb/s InfiniBand link per GPU)
-  devices_per_node default 8
+                   default: the device's in-node link (H100: 450, NVLink 4) while an
+                   axis stays inside a node of devices_per_node devices, else
+                   network_gbps
+  network_gbps     default: the device's (50: one 400 Gb/s InfiniBand link per GPU)
+  devices_per_node default: the device's (8)
   memory_fraction  share of device memory XLA may fill (default 0.9)
+  (the defaults are the device catalogue's, framework/hardware.py)
   top              fitting layouts shown (default 20); unfit: non-fitting shown (5)
 
 --verify target=<target> (any target of `python -m framework.compile`: gpu:h100x64,
@@ -41,6 +43,7 @@ from framework.runtime.quiet import start_cpu_only  # noqa: E402
 
 start_cpu_only()  # nothing here runs on a device  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
+from framework.units import size as _size  # noqa: E402
 from tools.recipe import compose, split_settings, user_error  # noqa: E402
 
 SETTINGS = {"devices": int, "device_memory_gb": float, "peak_tflops": float,
@@ -73,26 +76,28 @@ def check_settings(settings: dict) -> None:
 def hardware(settings: dict, dtype: str, target=None):
     """The planner's hardware: `target`'s (--verify) device peak unless peak_tflops
     says, else an H100's."""
-    from framework.analysis import flops, planner
+    from framework import hardware as catalogue
+    from framework.analysis import planner
     from framework.errors import ConfigError
+    from framework.units import GB, GIB
 
-    device = target.device_name if target is not None else "h100"
+    device = target.device_name if target is not None else catalogue.DEFAULT
     peak = settings.get("peak_tflops")
-    peak = peak * 1e12 if peak else flops.peak_flops_per_device(device, dtype)
+    peak = peak * 1e12 if peak else catalogue.peak_flops(device, dtype)
     if peak is None:
         raise ConfigError(f"no {dtype} peak is known for {device}: give peak_tflops=<value>")
-    pinned = tuple((axis, settings[f"{axis}_gbps"] * planner.GB)
+    known = catalogue.accelerator(device) or catalogue.accelerator(catalogue.DEFAULT)
+    pinned = tuple((axis, settings[f"{axis}_gbps"] * GB)
                    for axis in ("tensor", "pipe", "data") if f"{axis}_gbps" in settings)
     return planner.Hardware(
-        memory_bytes=settings["device_memory_gb"] * 2**30, peak_flops=peak,
-        inter_node=settings.get("network_gbps", 50.0) * planner.GB,
-        devices_per_node=settings.get("devices_per_node", 8), axis_bandwidth=pinned,
-        memory_fraction=settings.get("memory_fraction", 0.9),
+        memory_bytes=settings["device_memory_gb"] * GIB, peak_flops=peak,
+        intra_node=known.link_bytes,
+        inter_node=settings["network_gbps"] * GB if "network_gbps" in settings
+        else known.network_bytes,
+        devices_per_node=settings.get("devices_per_node", known.per_node),
+        axis_bandwidth=pinned,
+        memory_fraction=settings.get("memory_fraction", catalogue.USABLE_FRACTION),
         platform=target.platform if target is not None else "gpu")
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-GIB = 2**30
+from framework.units import memory_unit
+
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,7 @@ def _layout(parallel) -> str:
 
 
 def table(verified: list[Verified], target_name: str) -> str:
-    big = max((v.plan.memory["total"] for v in verified), default=0) >= GIB
-    unit, name = (GIB, "GiB") if big else (2**20, "MiB")
+    unit, name = memory_unit(max((v.plan.memory["total"] for v in verified), default=0))
     head = (f"{'#':>3} {'layout':<40} {'predicted':>9} {'compiled':>9} {'ratio':>6} "
             f"{'fits':<4} {'step ms':>9} {'MFU':>6} {'pipe sends':>10} {'tensor':>7} "
             f"{'compile s':>9}")

@@ -25,40 +25,32 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 
 import_jax()
 
-GIB = 2**30
+from framework.units import GIB  # noqa: E402
+
 
 
 def state_bytes(model, parallel, batch: int, seq: int) -> dict:
     """Bytes per device of one microbatch-chunk's residuals, saved inputs and douts."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AbstractMesh, PartitionSpec as P
 
-    from framework.engine.state import abstract_train_params, param_specs
-    from framework.engine.step import device_fn
-    from framework.parallel.mesh import AXES, DATA, PIPE
+    from framework.analysis.executor_state import trace_per_device
+    from framework.engine.resolved import resolved
+    from framework.parallel.mesh import PIPE
     from framework.parallel.pipeline import ticks
-    from framework.parallel.pipeline.program import program_of
 
-    prog = program_of(parallel, model.n_layers)
-    specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
-    shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,
-                                   parallel.stage_layers)
+    lay = resolved(model, parallel, seq, batch)
     found = {}
 
     def measure(fns, params, inputs, targets, docs):
-        types = ticks.make_cells(prog, fns, params, inputs, targets,
+        types = ticks.make_cells(lay.program, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE)).types
         size = lambda xs: sum(a.size * a.dtype.itemsize for a in xs)
         found.update(residuals=size(types.residuals), saved=size(types.saved),
                      douts=size(types.douts))
         return jnp.zeros(())
 
-    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward)
-    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.context,
-                         parallel.tensor), AXES)
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),
-                   shapes, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32))
+    trace_per_device(lay, measure)
     return found
 
 

@@ -49,16 +49,16 @@ import functools
 import math
 
 import jax
-import numpy as np
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.validate import stage_layer_counts
-from framework.model.llama import init_params, param_logical_axes
-from framework.parallel.data import gathers_per_use
+from framework.engine.resolved import Layout, resolved
+from framework.model.registry import spec_of
 from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
-from framework.parallel.pipeline.program import program_of
+from framework.units import FP32, dtype_bytes
 
-FP32 = 4
+
+def _layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> Layout:
+    return resolved(model, parallel, train.seq_len, train.global_batch_size)
 
 
 def _ring_all_reduce(n: int) -> float:
@@ -69,8 +69,9 @@ def _ring_all_reduce(n: int) -> float:
 def _param_shapes(model: ModelConfig) -> tuple:
     """The model's parameter shapes (traced once per model, nothing allocated) and
     logical axes."""
-    return (jax.eval_shape(lambda: init_params(model, jax.random.key(0))),
-            param_logical_axes(model))
+    spec = spec_of(model)
+    return (jax.eval_shape(lambda: spec.init_params(model, jax.random.key(0))),
+            spec.logical_axes(model))
 
 
 def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
@@ -97,11 +98,11 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
 
 def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
     """Bytes per device per step of the pipeline's stage-to-stage sends (`pipe`, above)."""
-    p = parallel.pipeline
-    boundary = (train.global_batch_size // parallel.data * _tokens(parallel, train) * model.d_model
-                * np.dtype(model.dtype).itemsize
-                / (parallel.tensor if parallel.sequence_parallel else 1))
-    prog = program_of(parallel, model.n_layers)
+    p, lay = parallel.pipeline, _layout(model, parallel, train)
+    boundary = (lay.rows_per_replica * lay.seq_per_device * model.d_model
+                * dtype_bytes(model.dtype)
+                / (parallel.tensor if lay.sequence_parallel else 1))
+    prog = lay.program
     if prog.schedule.overlap:
         return prog.sends_per_step / p * boundary / parallel.microbatches
     return 2 * prog.stages.crossings() / p * boundary
@@ -112,11 +113,12 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     """Bytes per device per step of the layers' tensor-parallel collectives (f and g,
     forward and backward) on the busiest rank: what a collective matmul sends beside
     the layers' matmuls (`parallel.collective_matmul`)."""
-    hidden = (train.global_batch_size // parallel.data * _tokens(parallel, train)
-              * model.d_model * np.dtype(model.dtype).itemsize)  # A
+    lay = _layout(model, parallel, train)
+    hidden = (lay.rows_per_replica * lay.seq_per_device
+              * model.d_model * dtype_bytes(model.dtype))  # A
     # two in the forward, two in the backward; a rematerialised layer's backward runs
     # the attention's again (the MLP's output is the next layer's input, kept)
-    return ((5 if _recomputed(parallel) else 4) * _busiest_layers(model, parallel, train)
+    return ((5 if lay.recomputes else 4) * _busiest_layers(lay)
             * _ring_all_reduce(parallel.tensor) * hidden)
 
 
@@ -124,34 +126,22 @@ def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
                   permute: bool = True) -> float:
     """Bytes per device per step of the ring attention's shifts (`context`, above) on
     the busiest rank; `permute=False`: the CPU's all-gather shifts."""
-    c = parallel.context
+    c, lay = parallel.context, _layout(model, parallel, train)
     kv_heads = model.n_kv_heads // (parallel.tensor if "kv_heads" in parallel.tensor_split
                                     else 1)
-    kv = (train.global_batch_size // parallel.data * _tokens(parallel, train) * 2 * kv_heads
-          * model.head_dim * np.dtype(model.dtype).itemsize)  # k and v, one layer
-    again = permute and _recomputed(parallel)  # the recomputed forward ring's (above)
+    kv = (lay.rows_per_replica * lay.seq_per_device * 2 * kv_heads
+          * model.head_dim * dtype_bytes(model.dtype))  # k and v, one layer
+    again = permute and lay.recomputes  # the recomputed forward ring's (above)
     # the gradients' c shifts in float32; the GPU compiler casts before the last one
-    sums = (c - permute) * FP32 / np.dtype(model.dtype).itemsize + permute
+    sums = (c - permute) * FP32 / dtype_bytes(model.dtype) + permute
     shifts = ((2 + again) * (c - 1) + sums) * kv
-    return shifts * (1 if permute else c - 1) * _busiest_layers(model, parallel, train)
+    return shifts * (1 if permute else c - 1) * _busiest_layers(lay)
 
 
-def _tokens(parallel: ParallelConfig, train: TrainConfig) -> int:
-    """One device's tokens of a sequence (context parallelism splits it)."""
-    return train.seq_len // parallel.context
-
-
-def _recomputed(parallel: ParallelConfig) -> bool:
-    """Whether the layers' backward recomputes their forward (remat; FSDP gathering per
-    use runs no remat as save_dots: framework/model/llama.py)."""
-    return parallel.remat != "none" or gathers_per_use(parallel)
-
-
-def _busiest_layers(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> int:
+def _busiest_layers(lay: Layout) -> int:
     """The layers of the busiest pipeline rank (uneven stages: `parallel.stage_layers`)."""
-    counts = stage_layer_counts(model, parallel, train.seq_len)
-    stages = program_of(parallel, model.n_layers).stages
-    return max(sum(counts[g] for g in row) for row in stages.of)
+    counts = lay.stage_layer_counts
+    return max(sum(counts[g] for g in row) for row in lay.program.stages.of)
 
 
 def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
@@ -166,7 +156,7 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
     (optim.param_dtype; bfloat16 ones travel as stored)."""
     share = (parallel.data - 1) / parallel.data
     # two gathers (cast where the compute dtype is narrower), one reduce-scatter
-    cast = 2 * min(np.dtype(model.dtype).itemsize, stored) + stored
+    cast = 2 * min(dtype_bytes(model.dtype), stored) + stored
     ends = 2 * stored * counts["embed"] + cast * counts["head"]
     if model.tie_embeddings:
         ends += 3 * stored * counts["embed"]
@@ -178,22 +168,17 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     """Bytes each mesh axis must carry per device per step (see the module docstring);
     `permute=False`: ring shifts as the CPU's all-gathers. Gradients travel in the
     stored parameters' dtype (`param_dtype`, optim.param_dtype)."""
-    grad = np.dtype(param_dtype).itemsize
+    grad, lay = dtype_bytes(param_dtype), _layout(model, parallel, train)
     p, dp, tp, c = parallel.pipeline, parallel.data, parallel.tensor, parallel.context
-    stages = program_of(parallel, model.n_layers).stages
-    v = stages.of.shape[1]
-    act_bytes = np.dtype(model.dtype).itemsize
-    rows = train.global_batch_size // dp
-    tokens = _tokens(parallel, train)
-    hidden = rows * tokens * model.d_model * act_bytes  # A
-    counts = stage_layer_counts(model, parallel, train.seq_len)
-    layers = max(sum(counts[g] for g in row) for row in stages.of)
-    counts = local_param_counts(model, parallel, max(counts) * v)
+    rows, tokens = lay.rows_per_replica, lay.seq_per_device
+    hidden = rows * tokens * model.d_model * dtype_bytes(model.dtype)  # A
+    layers = _busiest_layers(lay)
+    counts = local_param_counts(model, parallel, lay.chunk_layers * lay.chunks_per_rank)
 
     tensor = layer_tensor_bytes(model, parallel, train)
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
     tensor += 3 * _ring_all_reduce(tp) * rows * tokens * FP32 / p  # loss
-    if parallel.sequence_parallel:
+    if lay.sequence_parallel:
         # the scales replicated over `tensor`: 2 per layer (4 with Gemma's post-norms) +
         # the final one, and q/k norm's two of head_dim (biases are split with their heads)
         norms = ((2 + 2 * model.has_post_norms) * layers + 1) * model.d_model + \
@@ -203,10 +188,10 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     pipe = stage_sends(model, parallel, train)
     shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
     # FSDP per use: their gradients arrive sharded over `data` already
-    pipe += _ring_all_reduce(p) * shared * grad / (dp if gathers_per_use(parallel) else 1)
+    pipe += _ring_all_reduce(p) * shared * grad / (dp if lay.gathers_per_use else 1)
 
     data = _ring_all_reduce(dp) * sum(counts.values()) * grad
-    if gathers_per_use(parallel):
+    if lay.gathers_per_use:
         data = fsdp_bytes(model, parallel, counts, grad)
     context = context_bytes(model, parallel, train, permute)
     sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard

@@ -6,27 +6,17 @@ per-device setup, on an abstract mesh (no devices, nothing compiled)."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from framework.config import ModelConfig, ParallelConfig
+from framework.engine.resolved import Layout, resolved
 from framework.engine.state import abstract_train_params, param_specs
-from framework.engine.step import device_fn, passes_through
-from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import AXES, DATA, PIPE
+from framework.engine.step import StepOptions, device_fn, passes_through
+from framework.parallel.mesh import DATA, PIPE
 from framework.parallel.pipeline import ticks
-from framework.parallel.pipeline.program import program_of
-
-
-
-def nbytes(tree) -> int:
-    """Bytes of the arrays (or shapes) of a pytree."""
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-
+from framework.units import tree_bytes as nbytes
 
 _STATES: dict = {}
 
@@ -37,48 +27,55 @@ def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq
     planner asks for hundreds of layouts that share far fewer (one trace takes a third
     of a second here)."""
     through = passes_through(platform or jax.default_backend())
-    key = state_key(model, parallel, batch, seq) + (through,)
+    lay = resolved(model, parallel, seq, batch)
+    key = state_key(lay) + (through,)
     if key not in _STATES:
-        _STATES[key] = measure_executor_state(model, parallel, batch, seq, through)
+        _STATES[key] = measure_executor_state(lay, through)
     return _STATES[key]
 
 
-def state_key(model: ModelConfig, parallel: ParallelConfig, batch: int, seq: int) -> tuple:
+def state_key(lay: Layout) -> tuple:
     """Everything the shapes of the tick executor's state depend on: the model and the
     tensor-parallel plan (their per-device weights and activations), the chunks a rank
     holds and their layers (padded or not), a microbatch's rows and tokens, the buffer
     plan's slot counts, which buffers send overlapped, the backward's cells, and FSDP's
     sharding of the gradient accumulators."""
-    prog = program_of(parallel, model.n_layers)
-    s, layers = prog.schedule, prog.stage_layers
-    chunk = max(layers) if layers else model.n_layers // s.n_global_stages
+    prog, parallel = lay.program, lay.parallel
+    s = prog.schedule
     pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
-    return (model, parallel.tensor, parallel.context, parallel.sequence_parallel, parallel.remat,
-            tuple(parallel.tensor_split), s.n_chunks, chunk, layers is not None,
-            batch // parallel.data // parallel.microbatches, seq,
+    return (lay.model, parallel.tensor, parallel.context, parallel.sequence_parallel,
+            parallel.remat, tuple(parallel.tensor_split), s.n_chunks, lay.chunk_layers,
+            lay.stage_layers is not None, lay.rows_per_microbatch, lay.seq_len,
             tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
-            parallel.data if gathers_per_use(parallel) else None)  # FSDP: sharded grads
+            parallel.data if lay.gathers_per_use else None)  # FSDP: sharded grads
 
 
-def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int,
-                           seq: int, pass_through: bool = True) -> dict:
+def trace_per_device(lay: Layout, measure, pass_through: bool = True) -> None:
+    """Traces `measure(fns, params, inputs, targets, docs)` inside the step's own
+    per-device setup (`engine.step.device_fn`) in a `shard_map` over an abstract mesh of
+    the layout's degrees, for a global batch of the layout's rows: `jax.eval_shape`, no
+    devices, nothing compiled. `measure` records what it finds and returns a scalar."""
+    specs, zero1_dims = param_specs(lay)
+    shapes = abstract_train_params(lay.model, lay.parallel.pipeline, lay.chunks_per_rank,
+                                   lay.stage_layers)
+    tokens = jax.ShapeDtypeStruct((lay.global_batch, lay.seq_len + 1), jnp.int32)
+    body = device_fn(lay, zero1_dims, measure, lay.program.schedule.split_backward,
+                     StepOptions(pass_through=pass_through))
+    jax.eval_shape(jax.shard_map(body, mesh=lay.abstract_mesh, in_specs=(specs, P(DATA)),
+                                 out_specs=P()), shapes, tokens)
+
+
+def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
     field, and of one stash slot's entry (`slot`). Measured, not recounted:
-    `jax.eval_shape` of the executor's `initial_carry`, inside the step's own
-    per-device setup (`engine.step.device_fn`) in a `shard_map` over an abstract mesh of
-    the layout's degrees (no devices), for a global batch of `batch` rows of `seq`
-    tokens. `pass_through`: as the target's compiler (`engine.step.passes_through`:
-    on GPUs the stash has a spare slot)."""
-    prog = program_of(parallel, model.n_layers)
-    specs, zero1_dims = param_specs(model, parallel, prog.schedule.n_chunks)
-    shapes = abstract_train_params(model, parallel.pipeline, prog.schedule.n_chunks,
-                                   parallel.stage_layers)
-    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    `jax.eval_shape` of the executor's `initial_carry` (`trace_per_device`).
+    `pass_through`: as the target's compiler (`engine.step.passes_through`: on GPUs the
+    stash has a spare slot)."""
     found = {}
 
     def measure(fns, params, inputs, targets, docs):  # per device, at trace time only
-        cells = ticks.make_cells(prog, fns, params, inputs, targets,
+        cells = ticks.make_cells(lay.program, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE))
         found.update({k: nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
         slot = nbytes(cells.types.packing.zeros(1))
@@ -86,10 +83,5 @@ def measure_executor_state(model: ModelConfig, parallel: ParallelConfig, batch: 
         found["slot"] = slot + saved
         return jnp.zeros(())
 
-    body = device_fn(model, parallel, prog, zero1_dims, measure, prog.schedule.split_backward,
-                     pass_through=pass_through)
-    mesh = AbstractMesh((parallel.pipeline, parallel.data, parallel.context, parallel.tensor),
-                        AXES)
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P()),
-                   shapes, tokens)
+    trace_per_device(lay, measure, pass_through)
     return found

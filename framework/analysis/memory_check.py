@@ -31,14 +31,10 @@ import re
 
 from framework.errors import ConfigError, MemoryCheckError
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from framework.parallel.pipeline.program import overlapped
+from framework.engine.resolved import overlapped
+from framework.units import GIB, size as _size
 
-GIB = 2**30
 SHOWN = 3  # suggestions in the error line
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _host_available_bytes() -> int:
@@ -115,10 +111,11 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     ('<overrides> (x GiB)'). The candidates are ranked by the step-time model first
     (cheap) and only then asked for their memory (a trace of the layers each), in that
     order, until `wanted` fit: the same answer as predicting every candidate's memory."""
-    from framework.analysis import flops, memory_model, planner
+    from framework import hardware
+    from framework.analysis import memory_model, planner
     from framework.engine.validate import check
 
-    peak = flops.peak_flops_per_device(kind, model.dtype) or 1e12
+    peak = hardware.peak_flops(kind, model.dtype) or 1e12
     hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0)
     ranked = []
     for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):

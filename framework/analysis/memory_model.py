@@ -52,9 +52,10 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              more, the attention kernel's score tensors, and the tick's slice of the
              residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
-from XLA's buffer assignment, per compiler where the compilers differ (the GPU's head,
-the TPU's head, layer backward and autodiff scan: TPU_*);
-`tests/compiled/test_memory.py` checks the total against the compiled memory analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
+from XLA's buffer assignment, per compiler where the compilers differ: each is a row of
+`framework/analysis/fitted.py` with the program, target, jaxlib and date it was read
+from; `tests/compiled/test_memory.py` checks the total against the compiled memory
+analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
 (and bfloat16 parameters) need more there than predicted (the prediction is for
 accelerators, which keep bf16: llama_1b_8gpu with bfloat16 parameters on the GPU
 compiler, 1.07x; tests/compiled/test_aot.py).
@@ -70,26 +71,23 @@ from functools import lru_cache
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from framework.analysis.executor_state import executor_state, nbytes
+from framework.analysis.executor_state import executor_state
+from framework.analysis.fitted import fitted
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from framework.engine.resolved import Layout, resolved
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
-from framework.engine.validate import resolve_stage_layers, stage_layer_counts
 from framework.model import attention
-from framework.model.llama import Block, apply_layers
-from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import DATA, PIPE, TENSOR
-from framework.parallel.pipeline.program import program_of
+from framework.model.registry import spec_of
+from framework.parallel.mesh import TENSOR
 from framework.parallel.pipeline.stage import split_vjp
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
-
-FP32 = 4
+from framework.units import FP32, dtype_bytes, tree_bytes as nbytes
 
 
 @lru_cache(maxsize=None)
@@ -106,19 +104,20 @@ def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows
     and remat policy the layers run with."""
     seq, tp, sp, remat = layer
     tp_plan = TensorParallel(TENSOR, tp, sp, rules)
-    dt = jnp.dtype(model.dtype)
+    dt, spec = jnp.dtype(model.dtype), spec_of(model)
     found = {}
 
     def chunk_residuals():  # runs per device, at trace time only
         vary = (lambda a: jax.lax.pcast(a, TENSOR, to="varying")) if sp else (lambda a: a)
         x = vary(jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt))
         keys = jax.random.split(jax.random.key(0), n_layers)
-        init = lambda k: nn.meta.unbox(Block(model, tp_plan).init(k, x[:1])["params"])
+        init = lambda k: nn.meta.unbox(spec.block(model, tp_plan).init(k, x[:1])["params"])
         weights = jax.tree.map(vary, jax.vmap(init)(keys))  # as the engine types them
         if part == "full":
-            _, vjp_fn = jax.vjp(lambda w, x: apply_layers(model, w, x, remat, tp_plan), weights, x)
+            run = spec.stack(remat, tp_plan)
+            _, vjp_fn = jax.vjp(lambda w, x: spec.apply_layers(model, w, x, run), weights, x)
         else:
-            y, vjp_fn, saved = split_layers(model, remat, tp_plan).forward(weights, x)
+            y, vjp_fn, saved = split_layers(model, remat, tp=tp_plan).forward(weights, x)
             if part != "input":
                 found["bytes"] = nbytes(saved if part == "saved" else vjp_fn(y)[1])
                 return jnp.zeros(())
@@ -168,14 +167,23 @@ def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
 
 
+@dataclass(frozen=True)
+class Weights:
+    """Local float32 bytes of the parameters on one device, from the engine's own layout
+    and rules (`framework/engine/state.py`): all of them, the same after ZeRO-1's or
+    FSDP's sharding over `data`, the stage's layers alone, and its largest layer leaf."""
+
+    full: int
+    stored: int
+    stage: int
+    leaf: int
+
+
 @lru_cache(maxsize=None)
-def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
-                 n_chunks: int) -> tuple[int, int, int, int]:
-    """Local float32 bytes per device: (all parameters, the same after ZeRO-1's
-    sharding over `data`, the layers alone, the largest layer leaf), from the engine's
-    own layout and rules (`framework/engine/state.py`)."""
-    shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
-    degrees = {PIPE: parallel.pipeline, DATA: parallel.data, TENSOR: parallel.tensor, None: 1}
+def _param_bytes(lay: Layout) -> Weights:
+    shapes = abstract_train_params(lay.model, lay.parallel.pipeline, lay.chunks_per_rank,
+                                   lay.stage_layers)
+    degrees = {**lay.degrees, None: 1}
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
     def sizes(tree_specs, group=None):
@@ -184,58 +192,19 @@ def _param_bytes(model: ModelConfig, parallel: ParallelConfig,
                                    jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
                 yield math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
 
-    plain = param_specs(model, dataclasses.replace(parallel, zero1=False, fsdp=False),
-                        n_chunks)[0]
-    stored = param_specs(model, parallel, n_chunks)[0]
-    return (sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
-            max(sizes(plain, "stages")))
-
-
-# float32 [mb rows, seq, vocab/tensor] tensors alive at the LM head + loss's peak (logits,
-# their exponentials, the logit gradients, ...), read from XLA's buffer assignment of
-# llama_1b_8gpu's step: GPipe runs the head microbatch by microbatch after the tick loop
-# (recomputing it in the backward; with one microbatch, directly), 1F1B inside it.
-LOGIT_COPIES = {"whole_batch": 4, "per_microbatch": 2.5, "1f1b": 3}
-# The GPU compiler fuses the head's softmax cross-entropy: at its peak it holds about 0.4
-# of one such tensor, whatever the executor. Read from llama_1b_8gpu's 1F1B step on
-# gpu:h100x8 (2026-11-26: compiled 11.28 GiB, the other terms 9.98 GiB, one float32
-# logits tensor of a microbatch 3.91 GiB); checked on the other schedules and on
-# llama3_8b in tests/compiled/test_aot.py.
-GPU_LOGIT_COPIES = 0.4
-# The TPU compiler fuses the cross-entropy and the logits' gradient into the head's
-# matmuls: it holds one bfloat16 logits tensor of a microbatch, half a float32 one. Read
-# from the buffer assignment of llama_1b_8gpu's 1F1B step on tpu:v5p-16 (2026-11-26).
-TPU_LOGIT_COPIES = 0.5
+    unsharded = dataclasses.replace(lay.parallel, zero1=False, fsdp=False)
+    plain = param_specs(resolved(lay.model, unsharded))[0]
+    stored = param_specs(lay)[0]
+    return Weights(sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
+                   max(sizes(plain, "stages")))
 
 
 def logit_copies(kind: str, platform: str | None) -> float:
-    """Float32 logits tensors of one microbatch alive at the head's peak (`kind` as in
-    LOGIT_COPIES) on `platform` (default: JAX's default backend)."""
-    fused = {"gpu": GPU_LOGIT_COPIES, "tpu": TPU_LOGIT_COPIES}
-    return fused.get(platform or jax.default_backend(), LOGIT_COPIES[kind])
-# [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded inputs,
-# the pipeline's outputs, and their gradients.
-GPIPE_BATCH_COPIES = 4
-# The TPU compiler's autodiff tick scan (GPipe, circular), read from the buffer
-# assignments of llama_1b_8gpu's GPipe and circular (v=2) steps on tpu:v5p-16
-# (2026-11-26, seventh; within 0.01 GiB of its peaks): two batch-sized tensors alive at
-# the backward's peak (the gradients of the pipeline's inputs and outputs) and with
-# several chunks a rank a third (the gradient of the buffer that holds the microbatches
-# between passes); the chunk weights a tick saves are their cast to the compute dtype
-# (with one chunk: the stage's cast, kept once); the gradient accumulator is one
-# chunk's, not the stage's.
-TPU_BATCH_COPIES = 2
-# The TPU compiler fuses more of a layer's backward: it holds 0.41 of what the model
-# counts (its residuals without remat and the attention kernel's score blocks): 0.84
-# against 2.04 GiB in the same two programs and in llama_1b_8gpu's 1F1B step (1.34 held
-# against 2.54 with the stash slot). Checked on llama3_8b_v5p and llama3_70b_v5p, which
-# were not read: every schedule 0.96-1.01 of the compiler (docs/compile.md).
-TPU_LAYER_BACKWARD = 0.41
-# float32 attention-score tensors one layer's backward holds beyond its residuals, read
-# from XLA's buffer assignment (compiled peak - prediction, seq 1024-8192): dense, the
-# score gradient [mb, heads, seq, seq] (1.1-1.2 of it); blockwise, one block's scores,
-# probabilities and their gradients [mb, heads, block_q, block_kv] (about 4).
-ATTENTION_SCORE_COPIES = {"dense": 1.2, "blockwise": 4}
+    """Float32 logits tensors of one microbatch alive at the head's peak (`kind`:
+    whole_batch, per_microbatch or 1f1b) on `platform` (default: JAX's default
+    backend): the GPU and TPU compilers fuse the head whatever the executor."""
+    platform = platform or jax.default_backend()
+    return fitted(f"logit_copies/{platform if platform in ('gpu', 'tpu') else kind}")
 
 
 def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> float:
@@ -245,35 +214,28 @@ def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> 
     if model.attention == "blockwise":
         bq, bk = min(model.attention_block_q, seq), min(model.attention_block_kv, seq)
     heads = model.n_heads // tp
-    return ATTENTION_SCORE_COPIES[model.attention] * rows * heads * bq * bk * FP32
-
-
-def _layer_remat(parallel: ParallelConfig) -> str:
-    """The remat policy the layers run under: FSDP gathering per use runs no remat as
-    save_dots (framework/model/llama.py, `checkpointed`)."""
-    return "save_dots" if gathers_per_use(parallel) and parallel.remat == "none" \
-        else parallel.remat
+    return fitted(f"score_copies/{model.attention}") * rows * heads * bq * bk * FP32
 
 
 def _widths(optim: OptimConfig) -> tuple[float, float]:
     """Bytes per float32 byte: of a stored parameter or gradient, of AdamW's two moments."""
-    return (jnp.dtype(optim.param_dtype).itemsize / FP32,
-            (jnp.dtype(optim.mu_dtype).itemsize + FP32) / FP32)
+    return (dtype_bytes(optim.param_dtype) / FP32,
+            (dtype_bytes(optim.mu_dtype) + FP32) / FP32)
 
 
 def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int,
                    stage_weights: int, batch_hidden: float, cast: float | None) -> float:
     """What autodiff's tick scan keeps until its backward: every forward tick's
     residuals, the loop-invariant part once, and GPipe's batch-sized copies. `cast`:
-    None, or (TPU) the compute dtype's bytes per float32 byte (TPU_BATCH_COPIES)."""
+    None, or (TPU) the compute dtype's bytes per float32 byte (batch_copies/tpu)."""
     per_tick = layers * mb_rows * res.per_row
     fixed = layers * res.per_layer  # loop-invariant over ticks: kept once
-    copies = GPIPE_BATCH_COPIES
+    copies = fitted("batch_copies/gpipe")
     weights = stage_weights // v  # the chunk's weights, float32 bytes
     if cast is not None:  # TPU: the weights' cast kept, not the float32 weights
         weights *= cast
         fixed += 0 if v > 1 else weights  # one chunk: the stage's cast, once
-        copies = TPU_BATCH_COPIES + (v > 1)
+        copies = fitted("batch_copies/tpu") + (v > 1)
     if v > 1:  # the chunk's weights are sliced per tick (dynamic index): saved per tick
         per_tick += fixed + weights
     return ticks * per_tick + fixed + copies * batch_hidden
@@ -283,10 +245,10 @@ def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_r
                     tpu: bool) -> float:
     """One layer's backward in flight: its residuals once more (recomputed under
     remat) and the attention kernel's score blocks; the TPU's fused backward holds
-    TPU_LAYER_BACKWARD of that."""
+    layer_backward/tpu of that."""
     held = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
     held += attention_scores_bytes(model, mb_rows, seq, tp)
-    return held * TPU_LAYER_BACKWARD if tpu else held
+    return held * fitted("layer_backward/tpu") if tpu else held
 
 
 def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
@@ -314,9 +276,7 @@ def _tick_kept(state: dict) -> float:
         state["held"]
 
 
-def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: bool,
-                  backward: float, layer_weights: float, layer_leaf: float,
-                  width: float) -> float:
+def _layer_extras(lay: Layout, backward: float, w: Weights, width: float) -> float:
     """One layer's backward in a tick cell with what some layouts add (float32 bytes of
     one layer's weights and largest leaf; read from llama3_405b's buffer assignment on
     gpu:h100x1024): collective matmuls' weight gradients, one partial per ring step in
@@ -324,39 +284,72 @@ def _layer_extras(model: ModelConfig, parallel: ParallelConfig, split_backward: 
     spent (the split backward keeps plain collectives, framework/parallel/tensor.py);
     uneven stages run each layer under a cond (`stage.skip_unless`): its weights sliced
     out of the chunk (a copy) and its largest gradient leaf returned apart."""
-    tp = parallel.tensor
-    if parallel.sequence_parallel and parallel.collective_matmul and tp > 1 \
-            and not split_backward:
-        backward = max(backward, tp * layer_weights * np.dtype(model.dtype).itemsize / FP32)
-    if parallel.stage_layers is not None:
+    layers = lay.chunks_per_rank * lay.chunk_layers  # a rank's, padded
+    layer_weights, layer_leaf = w.stage / layers, w.leaf / layers
+    if lay.sequence_parallel and lay.parallel.collective_matmul \
+            and not lay.program.schedule.split_backward:
+        backward = max(backward, lay.parallel.tensor * layer_weights
+                       * dtype_bytes(lay.model.dtype) / FP32)
+    if lay.stage_layers is not None:
         backward += (layer_weights + layer_leaf) * width
     return backward
 
 
-def _tick_gradients(state: dict, grads: float, backward: float, per_use: bool, v: int,
-                    width: float, gathered: float, stored: int, stage_weights: int,
-                    layer_leaf: int) -> tuple[float, float]:
+def _tick_gradients(lay: Layout, state: dict, grads: float, backward: float, w: Weights,
+                    width: float, gathered: float) -> tuple[float, float]:
     """The tick executor's (gradients, layer-backward transient), read from the GPU
     compiler's buffer assignments of llama_1b_8gpu (1F1B, gpu:h100x8) and llama3_70b
-    (5 chunks a rank, gpu:h100x64); float32 bytes of `_param_bytes` (`width`: a stored
-    parameter's share of float32's), `grads` what the caller counted so far, `gathered`
-    ZeRO-1's gathered parameters (0 without)."""
-    if per_use:  # FSDP: the sharded gradients and the loop's accumulators
+    (5 chunks a rank, gpu:h100x64); float32 bytes (`width`: a stored parameter's share
+    of float32's), `grads` what the caller counted so far, `gathered` ZeRO-1's gathered
+    parameters (0 without)."""
+    if lay.gathers_per_use:  # FSDP: the sharded gradients and the loop's accumulators
         return grads + state["grads"], backward
     # the accumulators (which the reductions after the loop reuse) and the cell's fresh
     # gradients of its chunk, carried through the layer scan
-    chunk = stage_weights / v
+    v = lay.chunks_per_rank
+    chunk = w.stage / v
     grads = state["grads"] + chunk + gathered
     if v > 1:  # the cell slices its chunk's weights (a dynamic index: a copy) and adds
         # into the stacked accumulators in place
         backward += chunk * width
     else:  # a[0] += g is out of place: old and new accumulators side by side, beside
         # the leaf being added
-        backward = max(backward, (state["grads"] + layer_leaf - chunk) * width)
+        backward = max(backward, (state["grads"] + w.leaf - chunk) * width)
     if gathered:  # ZeRO-1, before the loop: the accumulators' zeros and the
         # gathered parameters beside the shards transposed for the gather
-        backward = max(backward, (stored - chunk) * width)
+        backward = max(backward, (w.stored - chunk) * width)
     return grads, backward
+
+
+def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
+                    grads: float, layer_backward: float, cast: float | None,
+                    gathered: float) -> tuple[float, float, float, float]:
+    """(kept activations, the head's peak, the layers' backward peak, gradients) of the
+    layout's executor: autodiff's tick scan, or the tick executor's measured state."""
+    sched, v, layers = lay.program.schedule, lay.chunks_per_rank, lay.chunk_layers
+    tp, m, mb_rows = lay.parallel.tensor, lay.parallel.microbatches, lay.rows_per_microbatch
+    logits = lay.seq_per_device * (lay.model.vocab_size // tp) * FP32  # per row
+    if sched.executor != AUTODIFF:  # its own state (receive slots, stash, accumulators)
+        state = executor_state(lay.model, lay.parallel, lay.global_batch, lay.seq_len,
+                               platform)
+        backward = _layer_extras(lay, layer_backward + state["slot"], w, width)
+        grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
+        head = logit_copies("1f1b", platform) * logits * mb_rows
+        return _tick_kept(state), head, backward, grads
+    # autodiff: every forward tick's residuals, until the backward
+    res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
+                    lay.layer_remat, rules=param_rules(lay.parallel.tensor_split))
+    ticks = sched.forward_rows().n_ticks
+    hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
+    kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
+    head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits \
+        * mb_rows
+    backward = layer_backward
+    if ticks > 1:  # the tick scan's backward: one tick's slice of the residual stack,
+        backward += res.chunk(layers, mb_rows)  # and a gradient accumulator for the
+        grads += w.stage / (lay.parallel.data if lay.gathers_per_use else 1) / (
+            v if cast is not None else 1)  # stage's weights (TPU: the chunk's)
+    return kept, head, backward, grads
 
 
 def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -365,54 +358,27 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
     (default: JAX's default backend); `optim` the stored dtypes (default float32)."""
     stored_width, moments_width = _widths(optim or OptimConfig())
-    model = attention_traced(model, train.seq_len, platform)
-    parallel = resolve_stage_layers(model, parallel, train.seq_len)  # auto -> counts
-    dp, tp, m = parallel.data, parallel.tensor, parallel.microbatches
-    sched = program_of(parallel, model.n_layers).schedule
-    v = sched.n_chunks  # chunks a rank holds
-    full, stored, stage_weights, layer_leaf = _param_bytes(model, parallel, v)
-    rules = param_rules(parallel.tensor_split)
-    rows = train.global_batch_size // dp  # this data replica's rows
-    mb_rows = rows // m  # a microbatch's
-    sp = parallel.sequence_parallel and tp > 1
-    seq = train.seq_len // parallel.context  # a device's tokens of a sequence (context)
-    hidden = mb_rows * (seq // tp if sp else seq) * model.d_model * np.dtype(model.dtype).itemsize
-    logits = seq * (model.vocab_size // tp) * FP32  # per row
-    per_use = gathers_per_use(parallel)
-    res = residuals(model, seq, tp, sp, _layer_remat(parallel), rules=rules)
-    layers = max(stage_layer_counts(model, parallel, train.seq_len))  # per chunk (padded)
+    lay = resolved(attention_traced(model, train.seq_len, platform), parallel,
+                   train.seq_len, train.global_batch_size)
+    w = _param_bytes(lay)
     tpu = (platform or jax.default_backend()) == "tpu"
-    cast = np.dtype(model.dtype).itemsize / FP32 if tpu else None
-    layer_backward = _layer_backward(model, seq, tp, sp, rules, mb_rows, tpu)
-    gathered = _zero1_gathered(full, stored, stage_weights, cast, v)
-    grads = full + gathered
-    if per_use:  # FSDP: gradients sharded, nothing gathered for the step; one layer's
-        # float32 weights gathered at a time, their cast and their gradient beside them
-        grads = stored
-        layer_backward += 3 * stage_weights / (v * layers)
-    if sched.executor == AUTODIFF:  # every forward tick's residuals, until the backward
-        ticks = sched.forward_rows().n_ticks
-        kept = _autodiff_kept(res, ticks, layers, mb_rows, v, stage_weights, hidden * m, cast)
-        head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits * mb_rows
-        backward = layer_backward
-        if ticks > 1:  # the tick scan's backward: one tick's slice of the residual
-            backward += res.chunk(layers, mb_rows)  # stack, and a gradient accumulator
-            grads += stage_weights / (dp if per_use else 1) / (v if tpu else 1)  # for
-            # the stage's weights (TPU: the chunk's)
-    else:  # tick executor: its own state (receive slots, stash, gradient accumulators)
-        state = executor_state(model, parallel, train.global_batch_size, train.seq_len,
-                               platform)
-        slot, kept = state["slot"], _tick_kept(state)
-        head = logit_copies("1f1b", platform) * logits * mb_rows
-        backward = _layer_extras(model, parallel, sched.split_backward, layer_backward + slot,
-                                 stage_weights / (v * layers), layer_leaf / (v * layers),
-                                 stored_width)  # (a forward's new slot is built apart)
-        grads, backward = _tick_gradients(state, grads, backward, per_use, v, stored_width,
-                                          gathered, stored, stage_weights, layer_leaf)
+    cast = dtype_bytes(lay.model.dtype) / FP32 if tpu else None
+    layer_backward = _layer_backward(lay.model, lay.seq_per_device, lay.parallel.tensor,
+                                     lay.sequence_parallel,
+                                     param_rules(lay.parallel.tensor_split),
+                                     lay.rows_per_microbatch, tpu)
+    gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
+    grads = w.full + gathered
+    if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one
+        # layer's float32 weights gathered at a time, their cast and gradient beside them
+        grads = w.stored
+        layer_backward += 3 * w.stage / (lay.chunks_per_rank * lay.chunk_layers)
+    kept, head, backward, grads = _executor_terms(lay, platform, w, stored_width, grads,
+                                                  layer_backward, cast, gathered)
     out = {
-        "params": stored * stored_width,
-        "optimizer": moments_width * stored,  # AdamW's mu and nu, sharded like the params
-        "tokens": rows * (train.seq_len + 1) * 4,
+        "params": w.stored * stored_width,
+        "optimizer": moments_width * w.stored,  # AdamW's mu and nu, sharded like the params
+        "tokens": lay.rows_per_replica * (train.seq_len + 1) * 4,
         "gradients": grads * stored_width,
         "activations": kept,
         "transient": max(head, backward),  # the head's peak and the layers' do not overlap

@@ -29,20 +29,24 @@ those are hidden behind the compute, up to its length.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from framework.analysis import comm_model, flops
+from framework import hardware
+from framework.units import memory_unit
+from framework.analysis import comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.validate import check, stage_layer_counts
+from framework.engine.resolved import resolved
+from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
-from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
-from framework.parallel.pipeline.program import program_of
+from framework.parallel.mesh import PIPE, TENSOR, degrees
+from framework.model.flops import hardware_flops_per_token, model_flops_per_token
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
 
-GB = 1e9
+_ASSUMED = hardware.accelerator(hardware.DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,11 @@ class Hardware:
 
     memory_bytes: float
     peak_flops: float  # per device, for the model's compute dtype
-    intra_node: float = 450 * GB  # NVLink 4 (H100 SXM): 900 GB/s both directions
-    inter_node: float = 50 * GB  # one 400 Gb/s InfiniBand NDR link per GPU
-    devices_per_node: int = 8
+    intra_node: float = _ASSUMED.link_bytes  # NVLink 4 (H100 SXM): 900 GB/s both ways
+    inter_node: float = _ASSUMED.network_bytes  # one 400 Gb/s InfiniBand NDR link per GPU
+    devices_per_node: int = _ASSUMED.per_node
     axis_bandwidth: tuple = ()  # ((axis, bytes/s), ...) overrides
-    memory_fraction: float = 0.9  # of memory_bytes usable by XLA's buffers
+    memory_fraction: float = hardware.USABLE_FRACTION  # of memory_bytes XLA may fill
     platform: str | None = None  # whose compiler the memory model predicts for (None:
     #                              this process's backend; memory_model.logit_copies)
 
@@ -65,28 +69,11 @@ class Hardware:
         pinned = dict(self.axis_bandwidth)
         if axis in pinned:
             return pinned[axis]
-        # Mesh (pipe, data, context, tensor), tensor innermost: an axis's groups span the
-        # devices of the axes inside it times its own degree.
-        inner = parallel.context * parallel.tensor
-        span = {TENSOR: parallel.tensor, CONTEXT: inner, DATA: parallel.data * inner,
-                PIPE: parallel.n_devices}[axis]
+        # An axis's groups span the devices of the axes inside it (the mesh's order,
+        # tensor innermost: framework/parallel/mesh.py) times its own degree.
+        sizes = list(degrees(parallel).values())
+        span = math.prod(sizes[list(degrees(parallel)).index(axis):])
         return self.intra_node if span <= self.devices_per_node else self.inter_node
-
-
-def _split_flops_per_token(model: ModelConfig, seq: int, remat: str,
-                           split: bool = False) -> tuple[float, float]:
-    """(training FLOPs per token of the layers, with what remat recomputes; of the LM
-    head), from `flops.flops_per_token` (PaLM appendix B). Remat recomputes the layers'
-    forward (a third of their 6N + 12LHQT) for `full`; for `save_dots` the attention
-    score and value matmuls (batched dots, not saved: 4LHQT). A split backward under
-    remat (`split`; framework/parallel/pipeline/ticks.py) runs the recomputation and the
-    input gradient (a third) twice, in B and in W: 12N instead of 8N for `full`."""
-    head = 6 * model.d_model * model.vocab_size
-    base = flops.flops_per_token(model, seq) - head
-    attention = 4 * model.n_layers * model.n_heads * model.head_dim * seq
-    recomputed = {"none": 0.0, "full": base / 3, "save_dots": float(attention)}[remat]
-    twice = recomputed + base / 3 if split and remat != "none" else 0.0
-    return base + recomputed + twice, head
 
 
 _COMM: dict = {}  # comm_model.expected_bytes, once per layout
@@ -123,14 +110,14 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     and the MFU (model FLOPs, no remat, over N * peak * step time) they imply; `optim`:
     the stored parameters' dtype, which the gradients travel in (default float32)."""
     dp, tp, cp, n = parallel.data, parallel.tensor, parallel.context, parallel.n_devices
-    sched = program_of(parallel, model.n_layers).schedule
+    lay = resolved(model, parallel, train.seq_len, train.global_batch_size)
+    sched = lay.program.schedule
     tokens = train.global_batch_size * train.seq_len
-    layers, head = _split_flops_per_token(model, train.seq_len, parallel.remat,
-                                          sched.split_backward)
+    layers, head = hardware_flops_per_token(model, train.seq_len, lay.remat.recompute_forward,
+                                            lay.remat.recompute_attention, sched.split_backward)
     # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
-    cost = [n * layers / model.n_layers
-            for n in stage_layer_counts(model, parallel, train.seq_len)]
+    cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     per_flop = tokens / (dp * cp * tp) / hw.peak_flops  # context: 1/cp of each sequence
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
@@ -143,7 +130,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         sends = comm_model.stage_sends(model, parallel, train) / hw.bandwidth(PIPE, parallel)
         out["comm_pipe"] -= min(sends, budget)
         budget -= min(sends, budget)
-    if parallel.collective_matmul and parallel.sequence_parallel and tp > 1:
+    if parallel.collective_matmul and lay.sequence_parallel:
         # the layers' rings run beside their blocks' matmuls: hidden where a block's
         # matmul outlasts the block's transfer, up to the compute left
         bw = hw.bandwidth(TENSOR, parallel)
@@ -152,7 +139,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         out["comm_tensor"] -= min(rings * share, budget)
     out["total"] = sum(out.values())
     out["bubble"] = sched.bubble_fraction
-    ideal = flops.flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
+    ideal = model_flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
     out["mfu"] = ideal / out["total"]
     return out
 
@@ -279,8 +266,7 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     a fixed-width table: memory per device in GiB (MiB for small models), times in ms
     per step."""
     shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
-    big = max((pl.memory["total"] for pl in shown), default=0) >= 2**30
-    unit, name = (2**30, "GiB") if big else (2**20, "MiB")
+    unit, name = memory_unit(max((pl.memory["total"] for pl in shown), default=0))
     head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'cp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} "
             f"{'shard':<5} {'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} "
             f"{'fits':<4} {'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} "

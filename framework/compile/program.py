@@ -23,9 +23,10 @@ from __future__ import annotations
 import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
-from framework.compile.targets import GIB, Target, compile_devices
+from framework.compile.targets import Target, compile_devices
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from framework.errors import ConfigError
+from framework.units import gib as _size
 
 
 class TooBig(ConfigError):
@@ -35,10 +36,6 @@ class TooBig(ConfigError):
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
 
 
 def devices_for(cfg: RunConfig, target: Target) -> tuple[list, str, str]:
@@ -61,13 +58,15 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
                 platform: str, kind: str, n_devices: int, optim=None) -> dict:
     """The memory model's bytes (`optim`: the stored dtypes) and the planner's seconds,
     with model FLOPs per device."""
-    from framework.analysis import flops, memory_model, planner
+    from framework import hardware
+    from framework.analysis import memory_model, planner
+    from framework.model.flops import model_flops_per_token
 
     memory = memory_model.predict_memory(model, parallel, train, platform, optim)["total"]
     out = {"memory/predicted_bytes_per_device": float(memory),
-           "flops/model_per_device_per_step": flops.flops_per_token(model, train.seq_len)
+           "flops/model_per_device_per_step": model_flops_per_token(model, train.seq_len)
            * train.global_batch_size * train.seq_len / n_devices}
-    peak = flops.peak_flops_per_device(kind, model.dtype)
+    peak = hardware.peak_flops(kind, model.dtype)
     if peak:
         hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak)
         time = planner.predict_time(model, parallel, train, hw, optim)

@@ -8,8 +8,9 @@ import json
 import os
 from pathlib import Path
 
+from framework.units import MIB, size
+
 REPORT_FILE = "compile_report.json"
-GIB = 1024**3
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -20,9 +21,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def _gib(value) -> str:
-    if value is None:
-        return "-"
-    return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.2f} MiB"
+    return "-" if value is None else size(value)
 
 
 def _axes(report: dict, prefix: str) -> list[str]:
@@ -43,7 +42,7 @@ def lines(report: dict) -> list[str]:
            f"{_gib(report['memory/temp_bytes_per_device'])}, total {_gib(compiled)} of "
            f"{_gib(report['memory/device_bytes'])}: {'fits' if report['fits'] else 'does not fit'}",
            f"memory per device (memory model): {_gib(predicted)}{ratio}"]
-    comm = ", ".join(f"{a} {report[f'comm/bytes_per_step/{a}'] / 2**20:,.1f} MiB"
+    comm = ", ".join(f"{a} {report[f'comm/bytes_per_step/{a}'] / MIB:,.1f} MiB"
                      for a in _axes(report, "comm/bytes_per_step/"))
     out.append(f"bytes sent per device per step: {comm}")
     shares = [(a, report[f"comm/overlapped_fraction/{a}"])

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.errors import ConfigError
+from framework.hardware import GPUS_PER_HOST, accelerator
 from framework.runtime.quiet import filtered_stderr
 
 GPU_DIR = Path(__file__).resolve().parent / "gpus"
-GPUS_PER_HOST = 8
-GIB = 1024**3
 
 # Torus shapes by chip count. v5p: 3-D; v5e/v6e: 2-D, at most 256 chips per slice.
 _TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
@@ -41,12 +40,14 @@ _TORUS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128:
 class TpuVersion:
     names_per_chip: int  # how many units the slice name counts per chip (v5p: cores)
     torus: dict  # chips -> torus shape
-    hbm_bytes: int  # per chip usable by XLA (v5p: what its compiler reports; else published)
+
+    def hbm_bytes(self, version: str) -> int:
+        """Per chip, usable by XLA: the device catalogue's (framework/hardware.py)."""
+        return int(accelerator(f"tpu {version}").memory_bytes)
 
 
-TPUS = {"v5p": TpuVersion(2, _TORUS_3D, int(95.74 * GIB)),  # "available HBM (95.74G)"
-        "v5e": TpuVersion(1, _TORUS_2D, 16 * GIB),
-        "v6e": TpuVersion(1, _TORUS_2D, 32 * GIB)}
+TPUS = {"v5p": TpuVersion(2, _TORUS_3D), "v5e": TpuVersion(1, _TORUS_2D),
+        "v6e": TpuVersion(1, _TORUS_2D)}
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def _tpu(name: str, rest: str) -> Target:
     if count % version.names_per_chip or chips not in version.torus:
         sizes = ", ".join(str(c * version.names_per_chip) for c in version.torus)
         raise ConfigError(f"target={name}: a {m.group(1)} slice has one of these sizes: {sizes}")
-    return Target(name, "tpu", chips, f"{m.group(1)}:{version.torus[chips]}", version.hbm_bytes)
+    return Target(name, "tpu", chips, f"{m.group(1)}:{version.torus[chips]}",
+                  version.hbm_bytes(m.group(1)))
 
 
 def _gpu(name: str, rest: str) -> Target:

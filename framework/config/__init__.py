@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from framework.errors import ConfigError
-from framework.config.model import (FAMILY_PRESETS, PRESET_DEFAULTS,  # noqa: F401 (the
-                                    ModelConfig, RopeScaling)        # package's names)
+from framework.config.model import (FAMILIES, FAMILY_PRESETS,  # noqa: F401 (the
+                                    PRESET_DEFAULTS, ModelConfig,  # package's names)
+                                    RopeScaling)
 from framework.config.ranges import (AT_LEAST_0, AT_LEAST_1, POSITIVE,  # noqa: F401
                                      RANGES, Range, check_ranges, setting_names)
 
@@ -33,7 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),  # compute dtype; parameters: optim.param_dtype
     "model.attention": ("auto", "dense", "blockwise", "cudnn"),  # framework/model/attention.py
     "model.rope_scaling.rope_type": ("none", "llama3"),
-    "model.family": ("llama", "qwen2", "qwen3", "mistral", "gemma2"),  # FAMILY_PRESETS below
+    "model.family": tuple(FAMILIES),  # one record per family: framework/config/model.py
     "model.activation": ("silu", "gelu_tanh"),  # the gated MLP's, framework/model/layers.py
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py

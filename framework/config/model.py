@@ -31,19 +31,55 @@ class RopeScaling:
 # no biases; Mistral: Llama's layer; Gemma 2, modeling_gemma2.py: RMSNorm scaled by
 # (1 + w), a norm after each sublayer as well as before, GeGLU with the tanh GELU
 # (`gelu_pytorch_tanh`), embeddings times sqrt(hidden_size)). The model reads the
-# settings, never the name; a family's Hugging Face names are in framework/io/hf/family.py.
+# settings, never the name; a family's Hugging Face config.json is read by
+# framework/io/hf/family.py.
 # Unset everywhere: PRESET_DEFAULTS, Llama's layer.
 PRESET_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_plus_one": False,
                                    "post_norms": False, "activation": "silu",
                                    "embed_scale": False}
-FAMILY_PRESETS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "mistral": {},
-    "gemma2": {"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
-               "embed_scale": True},
+
+
+@dataclass(frozen=True)
+class HfFamily:
+    """How a family's Hugging Face config.json reads (framework/io/hf/family.py)."""
+
+    architecture: str  # config.json's `architectures`
+    fixed: dict = field(default_factory=dict)  # keys that must hold these values (absent: ok)
+    window_switch: str | None = None  # the key that turns a sliding window on (qwen)
+    has_window: bool = False  # `sliding_window` is read at all
+    window_layers: str = "switch"  # which layers slide: switch (qwen: refused), all
+    # (mistral) or layer_types (gemma2: a pattern)
+    activation_key: str = "hidden_act"  # the config.json key of the MLP's activation
+    gemma_scores: bool = False  # query_pre_attn_scalar and the two soft-caps are read
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (`model.family`), its one record: the settings it presets, the
+    model architecture that runs it (a key of framework/model/registry.py's
+    ARCHITECTURES) and its Hugging Face config.json (its `model_type` is the key)."""
+
+    presets: dict
+    hf: HfFamily
+    architecture: str = "decoder"
+
+
+# A new family of an existing architecture: one entry here (and, if its weights are
+# laid out otherwise, a module of framework/io/hf/).
+FAMILIES: dict[str, Family] = {
+    "llama": Family({}, HfFamily("LlamaForCausalLM",
+                                 {"attention_bias": False, "mlp_bias": False})),
+    "qwen2": Family({"qkv_bias": True},
+                    HfFamily("Qwen2ForCausalLM", {}, "use_sliding_window", True)),
+    "qwen3": Family({"qk_norm": True}, HfFamily("Qwen3ForCausalLM", {"attention_bias": False},
+                                                "use_sliding_window", True)),
+    "mistral": Family({}, HfFamily("MistralForCausalLM", {}, None, True, "all")),
+    "gemma2": Family({"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
+                      "embed_scale": True},
+                     HfFamily("Gemma2ForCausalLM", {"attention_bias": False}, None, True,
+                              "layer_types", "hidden_activation", True)),
 }
+FAMILY_PRESETS: dict[str, dict[str, Any]] = {k: f.presets for k, f in FAMILIES.items()}
 
 
 @dataclass(unsafe_hash=True)
@@ -69,7 +105,7 @@ class ModelConfig:
     attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
     attention_block_q: int = 512  # blockwise: queries per block
     attention_block_kv: int = 512  # blockwise: keys per block
-    # The family (llama | qwen2 | qwen3 | mistral | gemma2): the Hugging Face architecture export
+    # The family (a key of FAMILIES): the Hugging Face architecture export
     # writes, and the preset of the two settings below where they are null.
     family: str = "llama"
     qkv_bias: Optional[bool] = None  # biases on the q, k, v projections (Qwen2)

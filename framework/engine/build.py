@@ -26,7 +26,8 @@ from framework.engine.step import build_loss_and_grads, train_step
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import DATA
 from framework.parallel.pipeline import layout
-from framework.parallel.pipeline.program import Program, program_of
+from framework.engine.resolved import resolved
+from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.table import Schedule
 
 
@@ -65,8 +66,8 @@ class Engine:
         return self.program.schedule
 
     def _loss_and_grads(self, forward_only: bool = False):
-        return build_loss_and_grads(self.model, self.parallel, self.mesh, self.program,
-                                    self.param_specs, self.zero1_dims, forward_only,
+        return build_loss_and_grads(self.layout.resolved, self.mesh, self.param_specs,
+                                    self.zero1_dims, forward_only,
                                     0.0 if forward_only else self.z_loss, self.documents)
 
     def shard_params(self, canonical):
@@ -134,9 +135,8 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
                  total_steps: int, mesh, documents: DocumentMask | None = None) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh.
     `documents`: attention within each row's documents (data.document_mask)."""
-    prog = program_of(parallel, model.n_layers)
-    n_chunks = prog.schedule.n_chunks
-    specs, dims = param_specs(model, parallel, n_chunks)
-    state = StateLayout(model, parallel, mesh, make_optimizer(optim, total_steps),
-                        n_chunks, specs, dims, optim.param_dtype)
-    return Engine(state, prog, lr_schedule(optim, total_steps), optim.z_loss, documents)
+    lay = resolved(model, parallel)
+    specs, dims = param_specs(lay)
+    state = StateLayout(lay, mesh, make_optimizer(optim, total_steps), specs, dims,
+                        optim.param_dtype)
+    return Engine(state, lay.program, lr_schedule(optim, total_steps), optim.z_loss, documents)

@@ -11,7 +11,7 @@ with the canonical parameters sharded over `tensor` only by the same logical-axi
 `pipe` and `data`; the cache is split by kv heads. The blocks call Megatron's
 collectives through `TensorParallel` exactly as in training (two all-reduces per
 layer), and the head returns each device's vocabulary slice, which the shard_map
-assembles into full logits for sampling. On a (pipe, data, tensor) training mesh every
+assembles into full logits for sampling. On a (pipe, data, context, tensor) training mesh every
 pipe/data replica decodes the same tokens.
 
 `greedy_by_recompute` is the naive reference: the full forward over the whole sequence
@@ -31,8 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from framework.model import reference
 from framework.parallel import rules as sharding
 from framework.config import ModelConfig
-from framework.model.llama import (Embed, Head, KVCache, apply_layers_cached,
-                                   param_logical_axes)
+from framework.model.registry import spec_of
 from framework.parallel.mesh import TENSOR
 from framework.parallel.tensor import TensorParallel
 
@@ -73,44 +72,44 @@ class Sampling:
 
 
 class Decoder:
-    """Compiled prefill/step functions for one model on one mesh (pipe, data, tensor)."""
+    """Compiled prefill/step functions for one model on one mesh (pipe, data, context, tensor)."""
 
     def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh):
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.spec = cfg, mesh, spec_of(cfg)
         self.tp = TensorParallel(TENSOR, mesh.shape[TENSOR])
-        self.param_specs = sharding.param_specs(param_logical_axes(cfg))  # layers: whole
+        self.param_specs = sharding.param_specs(self.spec.logical_axes(cfg))  # layers: whole
         self.param_shardings = sharding.named(mesh, self.param_specs)
         self.cache_sharding = NamedSharding(mesh, CACHE_SPEC)
-        cache_specs = KVCache(CACHE_SPEC, CACHE_SPEC)
+        cache_specs = self.spec.kv_cache(CACHE_SPEC, CACHE_SPEC)
         self._forward = jax.shard_map(self._local_forward, mesh=mesh,
                                       in_specs=(self.param_specs, P(), P(), cache_specs),
                                       out_specs=(P(None, TENSOR), cache_specs))
         replicated = NamedSharding(mesh, P())  # every process can read the tokens
         self._step = jax.jit(self._sample_step, donate_argnums=(3,),
-                             out_shardings=(replicated, KVCache(self.cache_sharding,
-                                                                self.cache_sharding)))
+                             out_shardings=(replicated, self.spec.kv_cache(
+                                 self.cache_sharding, self.cache_sharding)))
 
     def _local_forward(self, params, tokens, start, cache):
         """On each device: tokens [b, s] at positions start.. -> (its vocabulary slice of
         the last position's logits [b, vocab@tensor], the updated cache)."""
-        c, tp = self.cfg, self.tp
-        x = Embed(c, tp).apply({"params": params["embed"]}, tokens)
-        x, cache = apply_layers_cached(c, params["layers"], x, cache, start, tp)
-        logits = Head(c, tp).apply({"params": params["head"]}, x[:, -1:],
-                                   tied_table=params["embed"]["table"])
-        return logits[:, 0], KVCache(*cache)
+        c, tp, spec = self.cfg, self.tp, self.spec
+        x = spec.embed(c, tp).apply({"params": params["embed"]}, tokens)
+        x, cache = spec.apply_layers_cached(c, params["layers"], x, cache, start, tp)
+        logits = spec.head(c, tp).apply({"params": params["head"]}, x[:, -1:],
+                                        tied_table=params["embed"]["table"])
+        return logits[:, 0], spec.kv_cache(*cache)
 
     def _sample_step(self, params, tokens, start, cache, seed, index, settings):
         logits, cache = self._forward(params, tokens, start, cache)
         key = jax.random.fold_in(jax.random.key(seed), index)
         return sample(logits, key, *settings), cache
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
+    def init_cache(self, batch: int, max_len: int):
         c = self.cfg
         shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(c.dtype)),
                         out_shardings=self.cache_sharding)
-        return KVCache(zeros(), zeros())
+        return self.spec.kv_cache(zeros(), zeros())
 
     def place(self, params):
         """Canonical parameters (host or device) -> this decoder's shardings."""

@@ -17,16 +17,14 @@ from functools import lru_cache
 import jax
 
 from framework.errors import PlanError
-from framework.model.llama import (NO_TP, SAVED, TAPS, Block, checkpointed, layer_windows,
-                                   replay_weight_ops, scan_layers, split_windows,
-                                   weights_outside_weight_op)
+from framework.model.registry import spec_of
 from framework.config import ModelConfig
 from framework.parallel.pipeline.stage import SplitBackward
 from framework.parallel.tensor import TensorParallel
 
 
-def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_TP,
-                 skip=None, gather=None):
+def split_layers(cfg: ModelConfig, remat: str = "none", recompute: bool | None = None,
+                 tp: TensorParallel = TensorParallel(), skip=None, gather=None):
     """The backward of a stack of layers in two halves, for zero-bubble pipeline
     schedules (Qi et al. 2024): B, the gradient w.r.t. the input, and W, the gradient
     w.r.t. the weights, which needs only each weight op's input x (saved by the forward)
@@ -40,38 +38,45 @@ def split_layers(cfg: ModelConfig, remat: str = "none", tp: TensorParallel = NO_
     the global index of the first layer (`apply_layers`'s).
     weight_grads(layers, saved, douts) -> grads like layers runs W: the weight ops
     applied to their saved inputs (everything else in the layer is dead code), pulled
-    back through their output gradients. `gather`: as `apply_layers`'s (FSDP)."""
+    back through their output gradients. `remat`, `gather`: as `apply_layers`'s (the
+    policy the layers run under: `Layout.layer_remat`; FSDP's gather). `recompute`:
+    whether the stash keeps only layer inputs (`Remat.keeps_inputs_only`; default:
+    under any remat policy)."""
     identity = lambda params: params
     gather = identity if gather is None else gather
+    spec = spec_of(cfg)
+    ops = spec.weight_ops
+    SAVED, TAPS = ops.saved, ops.taps  # noqa: N806 (the model's collection names)
 
     def block(variables, x, mutable, docs=None, window=None):
-        return Block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs, window=window)
+        return ops.block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs, window=window)
 
     def layer(x, params, taps, docs, window):  # one layer, recording its weight ops' inputs
         y, state = block({"params": params, TAPS: taps}, x, [SAVED], docs, window)
         return y, state[SAVED]
 
-    layer = checkpointed(layer, remat, None if gather is identity else gather)
+    layer = spec.checkpointed(layer, remat, None if gather is identity else gather)
 
     def forward(layers, x, n_real=None, docs=None, first=None):
         # Zero taps shaped like every weight op's output (the traced forward is dead code).
         taps = jax.vmap(lambda p: block({"params": gather(p)}, x, [TAPS])[1][TAPS])(layers)
-        fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
+        fixed, windows = ops.split_windows(ops.layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
                                                      first), x)
         scanned = lambda x, params_and_taps, docs, window: layer(
             x, *params_and_taps, docs, fixed if window is None else window)
-        run = lambda x, taps: scan_layers(scanned, x, (layers, taps), n_real, skip,
+        run = lambda x, taps: ops.scan_layers(scanned, x, (layers, taps), n_real, skip,
                                           has_aux=True, extra=(docs,), windows=windows)
         return jax.vjp(run, x, taps, has_aux=True)
 
     def weight_grads(layers, saved, douts):
         products = lambda layers: jax.vmap(
-            lambda p, s: replay_weight_ops(cfg, tp, gather(p), s))(layers, saved)
+            lambda p, s: ops.replay(cfg, tp, gather(p), s))(layers, saved)
         return jax.vjp(products, layers)[1](douts)[0]
 
     # Under remat the stash holds only layer inputs: B and W recompute from it rather
     # than keep every weight op's input and output gradient (SplitBackward.recompute).
-    return SplitBackward(forward, weight_grads, recompute=remat != "none")
+    recompute = remat != "none" if recompute is None else recompute
+    return SplitBackward(forward, weight_grads, recompute=recompute)
 
 
 @lru_cache(maxsize=None)
@@ -79,7 +84,7 @@ def check_weight_ops(cfg: ModelConfig) -> None:
     """Raises PlanError if a layer weight bypasses `weight_op`: the W half would give it
     a zero gradient without any error (called when an engine with a zero-bubble
     schedule is built)."""
-    missing = weights_outside_weight_op(cfg)
+    missing = spec_of(cfg).weight_ops.outside(cfg)
     if missing:
         raise PlanError(f"layer weights {', '.join(missing)} are used without weight_op "
                         f"(framework/model/llama.py): a zero-bubble schedule (zb_h1, zb_v) "

@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from framework.config import ModelConfig, ParallelConfig
-from framework.model.llama import init_params, param_logical_axes
+from framework.config import ModelConfig
+from framework.engine.resolved import Layout
+from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel import rules
 from framework.parallel.pipeline import layout
-from framework.parallel.pipeline import schedule as schedule_lib
 
 
 def train_state(params, opt_state, step) -> dict:
@@ -59,14 +59,15 @@ def abstract_train_params(model: ModelConfig, n_stages: int, n_chunks: int,
     """Train-layout parameter shapes (jax.ShapeDtypeStruct leaves) stored in `dtype`;
     allocates nothing (traced once per model and layout)."""
     return jax.eval_shape(lambda: as_dtype(layout.canonical_to_train(
-        init_params(model, jax.random.key(0)), n_stages, n_chunks,
+        spec_of(model).init_params(model, jax.random.key(0)), n_stages, n_chunks,
         stage_layers=stage_layers), dtype))
 
 
-def param_specs(model: ModelConfig, parallel: ParallelConfig, n_chunks: int):
+def param_specs(lay: Layout):
     """(PartitionSpecs of the train-layout parameters, ZeRO-1's dimension per leaf or
     None without ZeRO-1)."""
-    axes = layout.train_axes(param_logical_axes(model))
+    model, parallel, n_chunks = lay.model, lay.parallel, lay.chunks_per_rank
+    axes = layout.train_axes(spec_of(model).logical_axes(model))
     specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split))
     if not ((parallel.zero1 or parallel.fsdp) and parallel.data > 1):
         return specs, None
@@ -130,26 +131,18 @@ class StateLayout:
     shardings in both layouts, the conversions between them, and abstract copies
     (shapes and shardings, nothing allocated) for compiling and restoring."""
 
-    model: ModelConfig
-    parallel: ParallelConfig
+    resolved: Layout  # the configuration's resolved layout (framework/engine/resolved.py)
     mesh: jax.sharding.Mesh
     optimizer: optax.GradientTransformation
-    n_chunks: int  # layer chunks per pipeline rank
     param_specs: dict  # PartitionSpecs of the train-layout parameters
     zero1_dims: dict | None  # ZeRO-1's dimension per leaf (None: no ZeRO-1)
     param_dtype: str = "float32"  # the stored parameters' (optim.param_dtype)
 
-    @property
-    def v_shape(self) -> bool:
-        """The schedule places its stages in a V (ZB-V): so does the layer layout."""
-        return schedule_lib.v_shaped(self.parallel.schedule)
-
-    @property
-    def stage_layers(self) -> tuple | None:
-        """Real layers per global stage (uneven stages), None when even."""
-        if isinstance(self.parallel.stage_layers, str):
-            raise ValueError("parallel.stage_layers=auto is resolved by engine.validate")
-        return self.parallel.stage_layers
+    model = property(lambda self: self.resolved.model)
+    parallel = property(lambda self: self.resolved.parallel)
+    n_chunks = property(lambda self: self.resolved.chunks_per_rank)  # chunks per rank
+    v_shape = property(lambda self: self.resolved.v_shape)  # ZB-V's V: the layers too
+    stage_layers = property(lambda self: self.resolved.stage_layers)  # None: even
 
     def to_canonical(self, state):
         """Train-layout state -> canonical state."""

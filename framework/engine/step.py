@@ -1,4 +1,4 @@
-"""The 3D-parallel train step, in named pieces: one pure function
+"""The parallel train step, in named pieces: one pure function
 (state, tokens) -> (state, metrics) that `framework/engine/build.py` jits.
 
 Layout of one step on the (pipe, data, context, tensor) mesh:
@@ -20,6 +20,7 @@ written here (`framework/analysis/audit.py` lists it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -27,57 +28,66 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from framework.config import ModelConfig, ParallelConfig
+from framework import hardware
+from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model.documents import DocumentMask, documents_of
-from framework.model.llama import Embed, Head, apply_layers, checkpointed, cross_entropy_sum
+from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
 from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import manual_axes, varying
-from framework.parallel.pipeline.program import Program, forward_program
+from framework.parallel.pipeline.program import forward_program
 from framework.parallel.pipeline.stage import StageFns, skip_unless
 from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 
 
-def manual(parallel: ParallelConfig) -> tuple:
-    """The mesh axes replicated parameters are made per-device over, and the loss summed
-    over: `context` only where it splits the sequence (it has size 1 otherwise)."""
-    return (PIPE, DATA) + ((CONTEXT,) if parallel.context > 1 else ())
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step is traced beyond its layout: `z_loss` the training loss's z-loss
+    weight (optim.z_loss); `documents` attention within each row's documents
+    (data.document_mask); `cpu` the mesh's devices are CPUs (the collective matmul's
+    rings shift by all-gather there, framework/parallel/tensor.py); `pass_through` the
+    compiler keeps a conditional's pass-through in place (`passes_through`)."""
+
+    z_loss: float = 0.0
+    documents: DocumentMask | None = None
+    cpu: bool = False
+    pass_through: bool = True
 
 
-def stage_fns(model: ModelConfig, parallel: ParallelConfig, tp: TensorParallel,
-              n_tokens_global: int, split: bool, per_use=None, z_loss: float = 0.0,
-              pass_through: bool = True) -> StageFns:
+def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: bool,
+              per_use=None, options: StepOptions = StepOptions()) -> StageFns:
     """The model as the pipeline executors see it, on one device (`tp`: the tensor-
     parallel plan); the loss share of a microbatch is its token cross-entropy sum over
     the global token count. `per_use`: FSDP's dimension per leaf when every use gathers
     its weights (the stored layout: stages [stage, chunk, layer, ...]); None: the
-    weights arrive whole. `z_loss`: the training loss's z-loss weight (optim.z_loss)."""
+    weights arrive whole."""
+    model, z_loss, spec = layout.model, options.z_loss, spec_of(layout.model)
     gather = _per_use_gathers(per_use, model.dtype)
 
     def head_loss(head, embed, y, targets):
-        logits = Head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
-        return cross_entropy_sum(logits, targets, tp, z_loss) / n_tokens_global
+        logits = spec.head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
+        return spec.loss(logits, targets, tp, z_loss) / n_tokens_global
 
     if per_use is not None:  # the head's gathered weights: gathered again for its backward
-        plain = head_loss
-        run = checkpointed(lambda y, weights, targets: plain(*weights, y, targets), "none",
-                           lambda weights: (gather["head"](weights[0]),
-                                            gather["embed"](weights[1])))
+        plain = head_loss  # (never saved: the weight matmuls' outputs only, as a layer's)
+        run = spec.checkpointed(lambda y, weights, targets: plain(*weights, y, targets),
+                           "save_dots", lambda weights: (gather["head"](weights[0]),
+                                                         gather["embed"](weights[1])))
         head_loss = lambda head, embed, y, targets: run(y, (head, embed), targets)
 
     return StageFns(
-        embed=lambda e, ids: Embed(model, tp).apply({"params": gather["embed"](e)}, ids),
-        layers=partial(apply_layers, model, remat=parallel.remat, tp=tp, skip=skip_unless,
-                       gather=gather["layer"]),
+        embed=lambda e, ids: spec.embed(model, tp).apply({"params": gather["embed"](e)}, ids),
+        layers=partial(spec.apply_layers, model, stack=spec.stack(
+            layout.layer_remat, tp, skip_unless, gather["layer"])),
         head_loss=head_loss,
-        split=split_layers(model, remat=parallel.remat, tp=tp, skip=skip_unless,
-                           gather=gather["layer"]) if split else None,
-        pass_through=pass_through)
+        split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
+                           skip=skip_unless, gather=gather["layer"]) if split else None,
+        pass_through=options.pass_through)
 
 
 def _per_use_gathers(dims, dtype) -> dict:
@@ -139,71 +149,52 @@ def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = Cont
     return inputs, mb(tokens[:, 1:]), tokens.shape[0] * data * (tokens.shape[1] - 1), docs
 
 
-# The first jaxlib whose GPU compiler keeps a conditional's pass-through in place: 0.11.2
-# compiled llama_1b_8gpu's 1F1B step for gpu:h100x8 with no carried buffer copied either
-# way, and to 9.96 GiB passing through against 10.79 with the cells' writes apart
-# (2026-11-27, docs/performance.md); 0.10.2 copies (the upstream fix, openxla/xla#46314,
-# is in 0.11.1, which was not measured).
-GPU_PASS_THROUGH_SINCE = (0, 11, 2)
-
-
 def passes_through(platform: str) -> bool:
-    """Whether the compiler for `platform` keeps a buffer that a conditional passes
-    through in place (`StageFns.pass_through`), measured on the compiled tick loop
-    (tests/compiled/test_executor.py): XLA's CPU and TPU compilers do; its GPU compiler
-    before jaxlib 0.11.2 copies it, in the conditional and again after it."""
-    if platform not in ("gpu", "cuda"):
-        return True
+    """Whether the compiler for `platform` of this process's jaxlib keeps a buffer that a
+    conditional passes through in place (`StageFns.pass_through`; the device
+    catalogue's compiler trait, `framework/hardware.py`)."""
     import jaxlib
 
-    version = tuple(int(x) for x in jaxlib.__version__.split(".")[:3] if x.isdigit())
-    return version >= GPU_PASS_THROUGH_SINCE
+    return hardware.passes_through(platform, jaxlib.__version__)
 
 
-def device_fn(model: ModelConfig, parallel: ParallelConfig, prog: Program, zero1_dims,
-              run, split: bool, cpu: bool = False, z_loss: float = 0.0,
-              documents: DocumentMask | None = None, pass_through: bool = True):
+def device_fn(layout: Layout, zero1_dims, run, split: bool,
+              options: StepOptions = StepOptions()):
     """(params, tokens) -> run(fns, params, inputs, targets, docs) on each device, inside the
     step's `shard_map`: the per-device setup every use of the executors shares (the
     model as `StageFns`, ZeRO-1's gather and the per-device weights, this replica's
     microbatches). The step runs the executor in it; the memory model traces the
-    executor's state in it (`framework/analysis/memory_model.py`). `cpu`: the mesh's
-    devices are CPUs (the collective matmul's rings shift by all-gather there,
-    framework/parallel/tensor.py)."""
-    m = parallel.microbatches
-    # Sequence parallelism splits the sequence over `tensor`: with one tensor device it
-    # is a no-op (it crashed: the norms' gradients were typed as varying over `tensor`).
-    sp = parallel.sequence_parallel and parallel.tensor > 1
+    executor's state in it (`framework/analysis/executor_state.py`)."""
+    parallel = layout.parallel
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
-    cp = ContextParallel(CONTEXT, parallel.context, permute=not cpu)
-    tp = TensorParallel(TENSOR, parallel.tensor, sp, param_rules(parallel.tensor_split),
-                        collective_matmul=parallel.collective_matmul, permute=not cpu,
-                        context=cp)
-    vary_over = manual(parallel) + ((TENSOR,) if sp else ())
+    cp = ContextParallel(CONTEXT, parallel.context, permute=not options.cpu)
+    tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
+                        param_rules(parallel.tensor_split),
+                        collective_matmul=parallel.collective_matmul,
+                        permute=not options.cpu, context=cp)
     if split:
-        check_weight_ops(model)
+        check_weight_ops(layout.model)
 
-    per_use = zero1_dims if data_parallel.gathers_per_use(parallel) else None
+    per_use = zero1_dims if layout.gathers_per_use else None
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
-        inputs, targets, n_tokens, docs = split_batch(tokens, m, parallel.data, cp, documents)
-        fns = stage_fns(model, parallel, tp, n_tokens, split=split, per_use=per_use,
-                        z_loss=z_loss, pass_through=pass_through)
-        return run(fns, device_params(params, zero1_dims, vary_over, per_use is not None),
+        inputs, targets, n_tokens, docs = split_batch(tokens, parallel.microbatches,
+                                                      parallel.data, cp, options.documents)
+        fns = stage_fns(layout, tp, n_tokens, split=split, per_use=per_use, options=options)
+        return run(fns, device_params(params, zero1_dims, layout.vary_over, per_use is not None),
                    inputs, targets, docs)
 
     return body
 
 
-def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, prog: Program,
-                         param_specs, zero1_dims, forward_only=False, z_loss: float = 0.0,
-                         documents: DocumentMask | None = None):
+def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_only=False,
+                         z_loss: float = 0.0, documents: DocumentMask | None = None):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
     (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term).
     `documents`: attention within each row's documents (data.document_mask)."""
-    sp = parallel.sequence_parallel and parallel.tensor > 1
+    prog = layout.program
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -213,23 +204,22 @@ def build_loss_and_grads(model: ModelConfig, parallel: ParallelConfig, mesh, pro
     def evaluate(fns, params, inputs, targets, docs):
         # Forward only: a forward table over the same stages (nothing to interleave).
         loss = autodiff.forward(forward_program(prog), fns, params, inputs, targets, docs)
-        return jax.lax.psum(loss, manual(parallel))
+        return jax.lax.psum(loss, layout.manual)
 
     def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
-        grads = reduce_gradients(grads, tensor_replicated, sp, zero1_dims,
-                                 data_parallel.gathers_per_use(parallel), parallel.context)
-        return jax.lax.psum(loss, manual(parallel)), grads
+        grads = reduce_gradients(grads, tensor_replicated, layout.sequence_parallel,
+                                 zero1_dims, layout.gathers_per_use, layout.parallel.context)
+        return jax.lax.psum(loss, layout.manual), grads
 
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    through = passes_through(mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    cpu = platform == "cpu"
     if forward_only:
-        return jax.shard_map(device_fn(model, parallel, prog, zero1_dims, evaluate, False, cpu,
-                                       documents=documents),
-                             mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
-    body = device_fn(model, parallel, prog, zero1_dims, train, prog.schedule.split_backward,
-                     cpu, z_loss, documents, through)
+        body = device_fn(layout, zero1_dims, evaluate, False, StepOptions(0.0, documents, cpu))
+        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
+    options = StepOptions(z_loss, documents, cpu, passes_through(platform))
+    body = device_fn(layout, zero1_dims, train, prog.schedule.split_backward, options)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
                          out_specs=(P(), param_specs))
 

@@ -12,16 +12,15 @@ heads; an even head dim for RoPE; the attention kernel's constraints.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
                               not_one_of, shown)
 from framework.errors import ConfigError
 from framework.model import attention
-from framework.model.llama import check_model, keys_per_query, layer_matrix_params
+from framework.engine.resolved import Layout, global_stages, resolved, with_stage_layers
+from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
-from framework.parallel.pipeline import layout
 from framework.parallel.pipeline import schedule as schedules
 
 # Model dimensions of each logical axis the tensor-parallel plan can split.
@@ -58,7 +57,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
             f"(e.g. parallel.data=-1 fills the remaining devices)"
         )
     errs += _check_divisibility(model, p, train)
-    errs += check_model(model)
+    errs += spec_of(model).check(model)
     if p.collective_matmul and not p.sequence_parallel:
         errs.append("parallel.collective_matmul=true needs parallel.sequence_parallel=true "
                     "(its rings replace sequence parallelism's all-gather and "
@@ -85,7 +84,7 @@ def _check_sequence_split(p: ParallelConfig, train: TrainConfig) -> list[str]:
 
 def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
     """Layers per global stage: even (stage_layers null), explicit, or auto."""
-    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
+    n_chunks = global_stages(p)
     what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*chunks per rank"
     given, L = p.stage_layers, model.n_layers
     if given is None:
@@ -106,37 +105,6 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"parallel.stage_layers={shown(given)} adds up to {sum(given)} layers but "
                 f"model.n_layers={L}"]
     return []
-
-
-def resolve_stage_layers(model: ModelConfig, p: ParallelConfig, seq_len: int) -> ParallelConfig:
-    """A copy with `stage_layers` as the layers per global stage (auto: balanced by
-    `layout.balance` on FLOPs per token), or None when they are all equal."""
-    if p.stage_layers is None:
-        return p
-    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
-    counts = tuple(p.stage_layers)
-    if p.stage_layers == "auto":
-        layer, embed, head = stage_flops_per_token(model, seq_len)
-        counts = layout.balance(model.n_layers, n_chunks, layer, embed, head)
-    return dataclasses.replace(p, stage_layers=None if len(set(counts)) == 1 else counts)
-
-
-def stage_layer_counts(model: ModelConfig, p: ParallelConfig, seq_len: int) -> tuple[int, ...]:
-    """Real layers of every global stage (even, explicit or auto), for the analyses."""
-    n_chunks = p.pipeline * schedules.chunks_per_rank(p.schedule, p.virtual_stages)
-    counts = resolve_stage_layers(model, p, seq_len).stage_layers
-    return counts or (model.n_layers // n_chunks,) * n_chunks
-
-
-def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """Training FLOPs per token (forward + backward, 3x the forward's matmuls) of an
-    average layer, of the embedding (a lookup: none) and of the head (the vocabulary
-    projection; the norm and cross-entropy are elementwise). Attention: causal, so half
-    of the 2 x 2 x keys x heads x head_dim of QK^T and AV (Kaplan et al. 2020 count the
-    same terms), keys per query averaged over the layers (sliding windows: fewer)."""
-    keys = sum(keys_per_query(model, seq_len)) / model.n_layers
-    layer = 3 * (2 * layer_matrix_params(model) + 2 * keys * model.n_heads * model.head_dim)
-    return float(layer), 0.0, float(3 * 2 * model.d_model * model.vocab_size)
 
 
 def _check_divisibility(model: ModelConfig, p: ParallelConfig, train: TrainConfig) -> list[str]:
@@ -165,7 +133,7 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     errs = check(model, parallel, train, n_devices)
     if errs:
         raise ConfigError("; ".join(errs))
-    parallel = resolve_stage_layers(model, parallel, train.seq_len)
+    parallel = with_stage_layers(model, parallel, train.seq_len)
     if n_devices is not None:
         parallel = resolve_data_degree(parallel, n_devices)
         errs = check(model, parallel, train, n_devices)
@@ -179,3 +147,11 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
             stacklevel=2,
         )
     return parallel
+
+
+def resolve(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+            n_devices: int | None) -> Layout:
+    """`validate`, then the configuration's Layout (framework/engine/resolved.py): what
+    the engine and the analyses read of it."""
+    return resolved(model, validate(model, parallel, train, n_devices), train.seq_len,
+                    train.global_batch_size)

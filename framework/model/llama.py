@@ -1,7 +1,7 @@
 """A Llama decoder in Flax (linen), written in *logical* axes.
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`, `mlp`,
-`vocab`, ...); the table that maps them to the (pipe, data, tensor) mesh lives in
+`vocab`, ...); the table that maps them to the (pipe, data, context, tensor) mesh lives in
 `framework/parallel/rules.py`. The model never sees a mesh: weights are declared with their
 global shapes, and a `TensorParallel` object (`framework/parallel/tensor.py`) derives
 from those rules each device's shard of them and the Megatron operators each block
@@ -16,7 +16,8 @@ parameter tree: {'embed', 'layers' (stacked along a leading `layers` axis), 'hea
 
 Decoding (framework/engine/decode.py) uses the same modules and weights: `Attention` and
 `Block` take an optional KV cache and the position of their first row
-(`apply_layers_cached`), and `rotary` takes explicit positions.
+(`apply_layers_cached`), and `rotary` takes explicit positions. A stack of layers under
+`scan`, with its remat policy, is in framework/model/stack.py.
 
 The other families are settings of the same layers (`model.family` presets them,
 framework/config/model.py): q/k/v biases (Qwen2), q/k norm and a head width of its own
@@ -41,8 +42,7 @@ import flax.linen as nn
 
 from framework.model.attention import attend, score_form
 from framework.model.documents import Documents
-from framework.model.layers import (MLP, NO_TP, RMSNorm, layer_windows, param, norm,  # noqa: F401
-                                    softcap, split_windows)
+from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
@@ -328,84 +328,3 @@ def check_model(model: ModelConfig) -> list[str]:
         errs.append(f"the head width {model.head_dim} (model.explicit_head_dim, else "
                     f"d_model/n_heads) must be even for rotary embeddings")
     return errs + check_rope_scaling(model.rope_scaling)
-
-
-REMAT_POLICIES = {
-    "full": None,  # save only each layer's input; recompute the rest in the backward
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
-}
-
-
-def checkpointed(layer, remat: str, gather):
-    """`layer(x, params, ...)` under its remat policy, with `gather` (one layer's stored
-    params -> those it runs with: FSDP's gather, which the engine hands over) applied
-    first. Gathered weights (and their casts) are never saved for the backward, which
-    gathers them again (a pipeline would keep them once per microbatch in flight): with
-    a gather, no remat runs as `save_dots` (the weight matmuls' outputs kept, the rest,
-    weights included, recomputed)."""
-    if gather is not None:
-        inner = layer
-        layer = lambda x, params, *rest: inner(x, gather(params), *rest)
-        remat = "save_dots" if remat == "none" else remat
-    return layer if remat == "none" else jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-
-
-def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
-                extra: tuple = (), windows=None):
-    """scan of `layer(x, params, *extra, window) -> y` (or (y, aux)) over params stacked
-    on axis 0 (`extra`: the same for every layer, e.g. document masks; `windows`: each
-    layer's sliding window [n], scanned with them, else window None). With `n_real`
-    (traced) the layers from index n_real on are padding (uneven stages): `skip(real,
-    fn, params, x, *extra, window, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`,
-    a custom VJP: traced values as arguments, never closed over) runs a layer only
-    where it is real."""
-    if n_real is None:
-        one = lambda h, pw: layer(h, pw[0], *extra, pw[1])
-        return jax.lax.scan(one if has_aux else lambda h, pw: (one(h, pw), None), x,
-                            (layers, windows))
-
-    def step(h, scanned):
-        params, window, i = scanned
-        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra, window,
-                   has_aux=has_aux)
-        return out if has_aux else (out, None)
-
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return jax.lax.scan(step, x, (layers, windows, jnp.arange(n)))
-
-
-def apply_layers(cfg: ModelConfig, layers, x, remat: str = "none", tp: TensorParallel = NO_TP,
-                 n_real=None, skip=None, gather=None, docs: Documents | None = None,
-                 first=None):
-    """Runs a stack of decoder layers under `scan` (compile time independent of depth).
-    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
-    many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
-    all. `gather`: one layer's stored params -> the params it runs with (FSDP's gather,
-    which the engine hands over), None: as stored. `docs`: document masks, or None.
-    `first`: the global index of the first layer (a pipeline stage's, maybe traced;
-    None: 0), which says which layers slide (layers.layer_windows)."""
-    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
-                                                 first), x)
-
-    def layer(x, layer_params, docs, window):
-        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
-                                    window=fixed if window is None else window)
-
-    return scan_layers(checkpointed(layer, remat, gather), x, layers, n_real, skip,
-                       extra=(docs,), windows=windows)[0]
-
-
-def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
-                        tp: TensorParallel = NO_TP):
-    """The decode path of `apply_layers`: the same layers, each reading and extending its
-    KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
-    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]. The sliding
-    windows mask the cached keys older than each layer's window."""
-    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0]), x)
-
-    def layer(x, scanned):
-        layer_params, cache, window = scanned
-        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start,
-                                    window=fixed if window is None else window)
-
-    return jax.lax.scan(layer, x, (layers, tuple(caches), windows))

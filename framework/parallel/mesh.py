@@ -24,6 +24,12 @@ PIPE, DATA, CONTEXT, TENSOR = "pipe", "data", "context", "tensor"
 AXES = (PIPE, DATA, CONTEXT, TENSOR)  # mesh order: outermost first
 
 
+def degrees(parallel: ParallelConfig) -> dict[str, int]:
+    """Each mesh axis's degree, in mesh order: the one place the settings become axes."""
+    return {PIPE: parallel.pipeline, DATA: parallel.data, CONTEXT: parallel.context,
+            TENSOR: parallel.tensor}
+
+
 def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:
     """Returns a copy with `data: -1` replaced by the devices left over."""
     if parallel.data != -1:
@@ -56,7 +62,7 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> jax.sharding.Mesh:
     devices = list(jax.devices() if devices is None else devices)[:n]
     if len(devices) < n:
         raise ValueError(f"the mesh needs {n} devices but only {len(devices)} are available")
-    shape = (parallel.pipeline, parallel.data, parallel.context, parallel.tensor)
+    shape = tuple(degrees(parallel).values())
     types = (AxisType.Auto,) * len(AXES)
     try:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)

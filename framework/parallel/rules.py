@@ -1,4 +1,5 @@
-"""The one table that maps the model's logical axes onto the (pipe, data, tensor) mesh.
+"""The one table that maps the model's logical axes onto the (pipe, data, context, tensor)
+mesh.
 
     stage -> pipe                              (pipeline.layout stacks stages on axis 0)
     heads, kv_heads, mlp, vocab -> tensor      (Megatron column/row-parallel weights;

@@ -49,7 +49,7 @@ from framework.io.checkpoint.paths import absolute, locate
 from framework.io.hf import llama as hf
 from framework.io.hf.safetensors import Tensors
 from framework.io.weights import model_config_from_dict
-from framework.model.llama import init_params
+from framework.model.registry import spec_of
 from framework.parallel.mesh import mesh_name
 from framework.runtime import distributed
 
@@ -310,7 +310,7 @@ def fresh_state(model: ModelConfig, train: TrainConfig, engine: Engine, multi: b
                                    layout.canonical_shardings["params"])
         return layout.init(layout.from_canonical(canonical))
     # One jitted init (cacheable) instead of hundreds of small eager compilations.
-    params = jax.jit(partial(init_params, model))(jax.random.key(train.seed))
+    params = jax.jit(partial(spec_of(model).init_params, model))(jax.random.key(train.seed))
     if multi:  # each process places its own shards from the (identical) host copy
         params = jax.device_get(params)
     return engine.init_state(params)

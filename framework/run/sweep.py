@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from framework import units
 from framework.parallel.mesh import mesh_name
 from framework.runtime import runlock
 from framework.run.tracking import SUMMARY_FILE, write_summary
@@ -95,8 +96,7 @@ def report_line(num: int, name: str, summary: dict) -> str:
     parts = [f"[sweep job {num}] {name}: {status}"]
     compiled = summary.get("memory/compiled_bytes_per_device")
     if compiled is not None:  # a framework.compile job
-        size = (f"{compiled / 2**30:.2f} GiB" if compiled >= 2**30 / 10
-                else f"{compiled / 2**20:.1f} MiB")
+        size = units.size(compiled)
         parts.append(f"{size} per device (compiled)")
     if loss is not None:
         parts.append(f"loss {loss:.4f}")

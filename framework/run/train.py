@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from framework import hardware
 from framework.analysis import audit, flops, memory_check
+from framework.model.flops import model_flops_per_token
 from framework.config import RunConfig
 from framework.engine.build import Engine, build_engine
 from framework.engine.validate import validate
@@ -36,7 +38,7 @@ from framework.io.checkpoint.paths import COMPLETE_MARKERS
 from framework.io.corpus_dataset import eval_sets
 from framework.io.data import Dataset, document_mask, make_dataset
 from framework.model import attention
-from framework.model.llama import count_params
+from framework.model.registry import spec_of
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
 from framework.run.checks import check_run, clamp_warmup, sample_codec
@@ -206,7 +208,7 @@ def _tracker(cfg: RunConfig, run_dir: Path, run_config: dict, engine, devset,
             "n_devices": len(devset), "n_processes": devset.process_count,
             "platform": devset.platform, "device_kind": devset.kind,
             "simulated_devices": devset.simulated,
-            "n_params": count_params(cfg.model), "steps": cfg.train.steps,
+            "n_params": spec_of(cfg.model).count_params(cfg.model), "steps": cfg.train.steps,
             "checkpoint_dir": ckpt.directory, "init_from": cfg.train.init_from,
             "resumed_from_step": None if point is None else point[1]}
     return make_tracker(cfg, run_dir, {**run_config, "parallel": base["parallel"]}, base,
@@ -248,7 +250,7 @@ def _layers_per_stage(counts) -> str:
 def start_line(simulated: bool, cfg: RunConfig, engine) -> str:
     sched, p, kept = engine.schedule, cfg.model, cfg.optim.param_dtype
     stored = "" if kept == "float32" else f", stored in {kept}"
-    return (f"{describe(engine.mesh, simulated)} | {count_params(p) / 1e6:.2f}M params "
+    return (f"{describe(engine.mesh, simulated)} | {spec_of(p).count_params(p) / 1e6:.2f}M params "
             f"(d_model {p.d_model}, {p.n_layers} layers, {p.dtype}{stored}) | schedule "
             f"{sched.name}: {_plural(sched.n_stages, 'stage')}"
             f"{_layers_per_stage(engine.layout.stage_layers)} x "
@@ -327,7 +329,7 @@ def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
     if parts.stop.before_first_step():  # came while compiling (the cache keeps the program)
         return _nothing_new(ckpt, first, primary)
     tracker.summary.update(stats)
-    per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len)
+    per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
     tracker.summary["model/flops_per_token"] = per_token
     settings = _loop_settings(cfg, first, stats, parts.dataset, _perf(cfg, devset, per_token))
     result = train_loop(engine, state, batches, settings, tracker,
@@ -365,7 +367,7 @@ def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset,
 
 def _perf(cfg: RunConfig, devset, per_token: float):
     """step time -> the perf/* metrics (tokens/s, TFLOP/s per device, MFU)."""
-    peak = flops.peak_flops_per_device(devset.kind, cfg.model.dtype)
+    peak = hardware.peak_flops(devset.kind, cfg.model.dtype)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     return lambda step_time: flops.throughput(tokens_per_step / step_time, len(devset),
                                               per_token, peak)

@@ -50,6 +50,7 @@ from pathlib import Path
 from framework.runtime import distributed
 from framework.runtime.quiet import filtered_stderr
 from framework.errors import ConfigError
+from framework.hardware import USABLE_FRACTION
 from framework.config import DevicesConfig, DistributedConfig, ParallelConfig, not_one_of
 
 DEFAULT_SIMULATED = 8  # CPU devices simulated when parallel.data = -1
@@ -142,7 +143,7 @@ def tune_cpu_allocator() -> bool:
     return all(mallopt(param, value) == 1 for param, value in CPU_MALLOPT)
 
 
-GPU_MEMORY_FRACTION = "0.9"
+GPU_MEMORY_FRACTION = str(USABLE_FRACTION)  # the device catalogue's (framework/hardware.py)
 
 
 def runtime_settings(platform: str) -> None:

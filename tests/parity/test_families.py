@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from framework.analysis import audit, comm_model, flops, memory_model
+from framework.analysis import audit, comm_model, memory_model
+from framework.model import flops
 from framework.model import reference
 from framework.model.llama import count_params, init_params
 from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, tokens, worst
@@ -84,7 +85,7 @@ def test_count_params_and_flops_count_biases_norms_and_head_width():
     leaves = jax.eval_shape(lambda: params(FAMILY))
     assert count_params(FAMILY) == sum(x.size for x in jax.tree.leaves(leaves))
     attention = 12 * FAMILY.n_layers * FAMILY.n_heads * 12 * 16  # PaLM's 12 L H Q T, Q = 12
-    assert flops.flops_per_token(FAMILY, 16) == 6 * flops.matmul_params(FAMILY) + attention
+    assert flops.model_flops_per_token(FAMILY, 16) == 6 * flops.matmul_params(FAMILY) + attention
 
 
 def test_count_params_and_flops_count_gemmas_norms_and_windows():
@@ -93,7 +94,7 @@ def test_count_params_and_flops_count_gemmas_norms_and_windows():
     leaves = jax.eval_shape(lambda: init_params(GEMMA, jax.random.key(0)))  # (not cached)
     assert count_params(GEMMA) == sum(x.size for x in jax.tree.leaves(leaves))
     attention = 12 * GEMMA.n_heads * 8 * (4 * 16 + 4 * 5)
-    assert flops.flops_per_token(GEMMA, 16) == 6 * flops.matmul_params(GEMMA) + attention
+    assert flops.model_flops_per_token(GEMMA, 16) == 6 * flops.matmul_params(GEMMA) + attention
 
 
 @pytest.mark.slow

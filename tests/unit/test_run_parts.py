@@ -15,7 +15,9 @@ from omegaconf import OmegaConf
 
 from framework import errors
 from framework.runtime import devices, distributed, faults
+from framework import hardware
 from framework.analysis import flops
+from framework.model import flops as model_flops
 from framework.run import loop, sweep, tracking
 from framework.errors import ConfigError
 from framework.config import DevicesConfig, DistributedConfig, ModelConfig, ParallelConfig
@@ -72,15 +74,15 @@ def test_flops_per_token_counts_matmul_params_and_attention():
     # per layer: q,o 8x8 each; k,v 8x4 each; gate, up, down 8x16 each; 2 norms of 8
     layer = 2 * 64 + 2 * 32 + 3 * 128 + 2 * 8
     n = 2 * layer + 8 + 8 * 100  # layers + final norm + LM head (embedding excluded)
-    assert flops.matmul_params(m) == n
-    assert flops.flops_per_token(m, seq_len=10) == 6 * n + 12 * 2 * 8 * 10
+    assert model_flops.matmul_params(m) == n
+    assert model_flops.model_flops_per_token(m, seq_len=10) == 6 * n + 12 * 2 * 8 * 10
 
 
 def test_peak_table_and_mfu():
-    assert flops.peak_flops_per_device("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
-    assert flops.peak_flops_per_device("NVIDIA H200", "float32") == 494.7e12
-    assert flops.peak_flops_per_device("TPU v5 lite", "bfloat16") == 197e12
-    assert flops.peak_flops_per_device("cpu", "float32") is None
+    assert hardware.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
+    assert hardware.peak_flops("NVIDIA H200", "float32") == 494.7e12
+    assert hardware.peak_flops("TPU v5 lite", "bfloat16") == 197e12
+    assert hardware.peak_flops("cpu", "float32") is None
     perf = flops.throughput(1000.0, 4, 1e9, 1e12)
     assert perf["perf/tflops_per_device"] == pytest.approx(0.25)
     assert perf["perf/mfu"] == pytest.approx(0.25)

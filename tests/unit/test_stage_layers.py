@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.validate import check, resolve_stage_layers, stage_flops_per_token
+from framework.engine.resolved import with_stage_layers as resolve_stage_layers
+from framework.engine.validate import check
+from framework.model.flops import stage_flops_per_token
 from framework.errors import ConfigError
 from framework.engine.validate import validate
-from framework.model.llama import apply_layers, init_params
+from framework.model.llama import init_params
+from framework.model.stack import Stack, apply_layers
 from framework.parallel.pipeline import layout, schedule as schedules
 from framework.parallel.pipeline.stage import skip_unless
 
@@ -76,9 +79,9 @@ def test_padding_layers_pass_their_input_and_get_zero_gradients():
     x = jax.random.normal(jax.random.key(2), (2, 8, 32))
     first3 = jax.tree.map(lambda a: a[:3], layers)
     for remat in ("none", "full"):
-        padded = lambda w, x: apply_layers(cfg, w, x, remat, n_real=jnp.int32(3),
-                                           skip=skip_unless).sum()
-        plain = lambda w, x: apply_layers(cfg, w, x, remat).sum()
+        padded = lambda w, x: apply_layers(cfg, w, x, Stack(remat, skip=skip_unless),
+                                           n_real=jnp.int32(3)).sum()
+        plain = lambda w, x: apply_layers(cfg, w, x, Stack(remat)).sum()
         (y, (gw, gx)), (ry, (rw, rx)) = (jax.jit(jax.value_and_grad(f, (0, 1)))(w, x)
                                          for f, w in ((padded, layers), (plain, first3)))
         np.testing.assert_allclose(y, ry, rtol=1e-6)

@@ -231,7 +231,8 @@ def test_zb_v_ships_with_synchronous_sends_below_zb_h1_and_sends_no_zeros():
     microbatch's activation and gradient across every rank boundary once (overlapped
     sends carried zeros from ranks with nothing to send, up to 3x the bytes)."""
     from framework.config import ParallelConfig
-    from framework.parallel.pipeline.program import overlapped, program
+    from framework.engine.resolved import overlapped
+    from framework.parallel.pipeline.program import program
 
     assert not overlapped(ParallelConfig(schedule="zb_v"))
     assert overlapped(ParallelConfig(schedule="zb_h1"))

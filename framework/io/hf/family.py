@@ -33,39 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from framework.config import FAMILY_PRESETS, PRESET_DEFAULTS, ModelConfig, RopeScaling
+from framework.config import FAMILIES as ALL_FAMILIES, FAMILY_PRESETS, PRESET_DEFAULTS
+from framework.config import ModelConfig, RopeScaling
+from framework.config.model import HfFamily
 from framework.errors import ConfigError
 from framework.model.rope import check_rope_scaling
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
 
-
-@dataclass(frozen=True)
-class Family:
-    architecture: str  # config.json's `architectures`
-    fixed: dict = field(default_factory=dict)  # keys that must hold these values (absent: ok)
-    window_switch: str | None = None  # the key that turns a sliding window on (qwen)
-    has_window: bool = False  # `sliding_window` is read at all
-    window_layers: str = "switch"  # which layers slide: switch (qwen: refused), all
-    # (mistral) or layer_types (gemma2: a pattern)
-    activation_key: str = "hidden_act"  # the config.json key of the MLP's activation
-    gemma_scores: bool = False  # query_pre_attn_scalar and the two soft-caps are read
-
-
-# model_type -> its family; model.family names the key. A new family: one entry here
-# and its settings in framework/config/model.py's FAMILY_PRESETS.
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
-    "qwen2": Family("Qwen2ForCausalLM", {}, "use_sliding_window", True),
-    "qwen3": Family("Qwen3ForCausalLM", {"attention_bias": False}, "use_sliding_window", True),
-    "mistral": Family("MistralForCausalLM", {}, None, True, "all"),
-    "gemma2": Family("Gemma2ForCausalLM", {"attention_bias": False}, None, True, "layer_types",
-                     "hidden_activation", True),
-}
+# model_type -> how its config.json reads: each family's record (framework/config/model.py).
+FAMILIES: dict[str, HfFamily] = {name: family.hf for name, family in ALL_FAMILIES.items()}
 # transformers' activation names -> model.activation
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types

@@ -31,8 +31,7 @@ import numpy as np
 
 from framework.parallel.pipeline import buffers as buffer_plan
 from framework.parallel.pipeline.layout import stage_starts
-from framework.parallel.pipeline.schedule import (chunks_per_rank, forward_only, make_schedule,
-                                                  overlaps_by_default)
+from framework.parallel.pipeline.schedule import forward_only, make_schedule
 from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
                                                 send_scope)
 from framework.parallel.pipeline.table import (AUTODIFF, IDLE, MAKES_DX, F, Schedule,
@@ -127,7 +126,8 @@ def program(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1
     """The Program of `parallel.schedule` (raises ValueError for a bad combination: see
     `schedule.check`). `overlap`: `parallel.overlap_sends`; `stage_layers`: counts per
     global stage (resolved, not `auto`) or None; `parts`: the cells a BW is cut into
-    where the schedule does that (`backward_parts`)."""
+    where the schedule does that (a configuration's Program, with these resolved from
+    its settings: `framework/engine/resolved.py`, `Layout.program`)."""
     schedule = make_schedule(name, pipeline, microbatches, virtual_stages, overlap, parts)
     layers = tuple(int(n) for n in stage_layers) if stage_layers is not None else None
     return Program(schedule, layers)
@@ -142,34 +142,3 @@ def forward_program(prog: Program) -> Program:
     s = prog.schedule
     return Program(forward_only(s.n_stages, s.n_microbatches, s.n_chunks, s.placement),
                    prog.stage_layers)
-
-
-# A fused BW costs this many F's (2: input and weight gradients; 3 under full remat,
-# which recomputes the forward first): the parts it is cut into, so that every cell of
-# a lockstep tick costs one F (`table.py`).
-BW_COST_IN_F = {"none": 2, "save_dots": 2, "full": 3}
-
-
-def backward_parts(remat: str, chunk_layers: int) -> int:
-    """The cells a BW is cut into: its cost in F's (`BW_COST_IN_F`), at most one per
-    layer of the chunk."""
-    return max(1, min(BW_COST_IN_F[remat], chunk_layers))
-
-
-def program_of(parallel, n_layers: int) -> Program:
-    """The Program of a validated `ParallelConfig` (its `stage_layers` resolved) for a
-    model of `n_layers` layers."""
-    layers = parallel.stage_layers if isinstance(parallel.stage_layers, (list, tuple)) else None
-    layers = tuple(layers) if layers is not None else None
-    v = chunks_per_rank(parallel.schedule, parallel.virtual_stages)
-    chunk = max(layers) if layers else n_layers // (parallel.pipeline * v)
-    return program(parallel.schedule, parallel.pipeline, parallel.microbatches,
-                   parallel.virtual_stages, overlapped(parallel), layers,
-                   backward_parts(parallel.remat, chunk))
-
-
-def overlapped(parallel) -> bool:
-    """`parallel.overlap_sends`, or where it is null the schedule's own default."""
-    if parallel.overlap_sends is None:
-        return overlaps_by_default(parallel.schedule)
-    return bool(parallel.overlap_sends)

@@ -1,0 +1,225 @@
+"""The layout of one configuration, resolved once: every fact derived from the settings
+that more than one reader needs, with this module as its one owner.
+
+    layout = resolved(model, parallel, seq_len, global_batch)    # after validation
+    layout.degrees           {pipe, data, context, tensor} in mesh order
+    layout.sequence_parallel in effect (the setting, and more than one tensor device)
+    layout.manual            the axes the loss is summed and parameters made per-device over
+    layout.remat             the setting's `Remat` (what the backward recomputes, its cost)
+    layout.layer_remat       the policy the layers run under (FSDP per use: save_dots)
+    layout.chunks_per_rank, .global_stages, .stage_layers, .stage_layer_counts,
+    layout.chunk_layers, .v_shape
+    layout.program           the schedule compiled once (framework/parallel/pipeline/program.py)
+    layout.rows_per_replica, .rows_per_microbatch, .seq_per_device, .hidden_seq
+
+The engine, the parameter layout, checkpoint conversion, the memory, communication and
+FLOP models, the planner, the executor-state measurement and the tools read these here
+instead of re-deriving them from the raw settings (torchtitan's `ParallelDims` plays
+this part there). `framework/engine/validate.py` decides whether a configuration can be
+built at all; a `Layout` is made only of configurations it accepted (`resolve`), or by
+the analyses for layouts they enumerate (`resolved`, cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+from jax.sharding import AbstractMesh
+
+from framework.config import ModelConfig, ParallelConfig
+from framework.model.flops import stage_flops_per_token
+from framework.parallel.data import gathers_per_use
+from framework.parallel.mesh import AXES, CONTEXT, DATA, PIPE, TENSOR, degrees
+from framework.parallel.pipeline.layout import balance
+from framework.parallel.pipeline.program import Program, program
+from framework.parallel.pipeline.schedule import chunks_per_rank, overlaps_by_default
+from framework.parallel.pipeline.table import V_SHAPE
+
+
+@dataclass(frozen=True)
+class Remat:
+    """What `parallel.remat` makes a layer's backward do (framework/model/llama.py runs
+    the policy). `backward_in_f`: a fused backward's cost in forwards, rounded to the
+    whole cells a BW is cut into with synchronous sends (`Layout.backward_parts`): 2
+    (input and weight gradients: each a forward's matmuls, Narayanan et al. 2021), 3
+    under full remat (the forward first). save_dots also recomputes the attention
+    scores and weighted values (batched dots, not saved), a small share of a forward:
+    rounded away in the cell count, charged by the planner (`framework/model/flops.py`)."""
+
+    name: str
+    recompute_forward: bool  # the whole layer forward again before its backward
+    recompute_attention: bool  # the attention's batched dots again (save_dots)
+    backward_in_f: int
+
+    @property
+    def keeps_inputs_only(self) -> bool:
+        """The stash holds each layer's input only: a split backward's B and W recompute
+        from it (`SplitBackward.recompute`)."""
+        return self.name != "none"
+
+
+REMATS = {"none": Remat("none", False, False, 2),
+          "save_dots": Remat("save_dots", False, True, 2),
+          "full": Remat("full", True, False, 3)}
+
+
+def global_stages(parallel: ParallelConfig) -> int:
+    """Pipeline ranks x the layer chunks each holds (the schedule's, or virtual_stages)."""
+    return parallel.pipeline * chunks_per_rank(parallel.schedule, parallel.virtual_stages)
+
+
+def overlapped(parallel: ParallelConfig) -> bool:
+    """`parallel.overlap_sends`, or where it is null the schedule's own default."""
+    if parallel.overlap_sends is None:
+        return overlaps_by_default(parallel.schedule)
+    return bool(parallel.overlap_sends)
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A validated (model, parallel) and, for the per-device token counts, the step's
+    shape. `parallel.stage_layers` is resolved: counts per global stage, or None (even)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    seq_len: int | None = None
+    global_batch: int | None = None
+
+    # --- The mesh ----------------------------------------------------------------------
+    @property
+    def degrees(self) -> dict[str, int]:
+        return degrees(self.parallel)
+
+    @property
+    def abstract_mesh(self) -> AbstractMesh:
+        """The mesh's axes and degrees without devices (for tracing per-device shapes)."""
+        return AbstractMesh(tuple(self.degrees.values()), AXES)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism in effect: with one tensor device it is a no-op (it
+        crashed: the norms' gradients were typed as varying over `tensor`)."""
+        return self.parallel.sequence_parallel and self.parallel.tensor > 1
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        """The mesh axes replicated parameters are made per-device over, and the loss
+        summed over: `context` only where it splits the sequence."""
+        return (PIPE, DATA) + ((CONTEXT,) if self.parallel.context > 1 else ())
+
+    @property
+    def vary_over(self) -> tuple[str, ...]:
+        """The axes the weights are typed as varying over inside the step."""
+        return self.manual + ((TENSOR,) if self.sequence_parallel else ())
+
+    @property
+    def gathers_per_use(self) -> bool:
+        """FSDP gathering each use's weights (framework/parallel/data.py)."""
+        return gathers_per_use(self.parallel)
+
+    # --- Remat -------------------------------------------------------------------------
+    @property
+    def remat(self) -> Remat:
+        return REMATS[self.parallel.remat]
+
+    @property
+    def layer_remat(self) -> str:
+        """The policy the layers run under: FSDP gathering per use runs no remat as
+        save_dots (gathered weights are never saved for the backward, which gathers them
+        again; a pipeline would keep them once per microbatch in flight)."""
+        return "save_dots" if self.gathers_per_use and self.remat.name == "none" \
+            else self.remat.name
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the layers' backward recomputes any of their forward."""
+        return self.layer_remat != "none"
+
+    # --- The pipeline's stages ----------------------------------------------------------
+    @property
+    def chunks_per_rank(self) -> int:
+        return chunks_per_rank(self.parallel.schedule, self.parallel.virtual_stages)
+
+    @property
+    def global_stages(self) -> int:
+        return global_stages(self.parallel)
+
+    @property
+    def v_shape(self) -> bool:
+        """The schedule places its stages in a V (ZB-V): so does the parameter layout."""
+        return self.program.stages.placement == V_SHAPE
+
+    @property
+    def stage_layers(self) -> tuple | None:
+        """Real layers per global stage (uneven stages), None when even."""
+        return self.parallel.stage_layers
+
+    @property
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        """Real layers of every global stage, even or not."""
+        return self.stage_layers or (self.model.n_layers // self.global_stages,) * \
+            self.global_stages
+
+    @property
+    def chunk_layers(self) -> int:
+        """The layers a chunk holds (uneven stages: the largest, the others padded)."""
+        return max(self.stage_layer_counts)
+
+    @property
+    def backward_parts(self) -> int:
+        """The cells a BW is cut into: its cost in F's, at most one per layer of a chunk."""
+        return max(1, min(self.remat.backward_in_f, self.chunk_layers))
+
+    @property
+    def overlap(self) -> bool:
+        return overlapped(self.parallel)
+
+    @cached_property
+    def program(self) -> Program:
+        p = self.parallel
+        return program(p.schedule, p.pipeline, p.microbatches, p.virtual_stages,
+                       self.overlap, self.stage_layers, self.backward_parts)
+
+    # --- The step's tokens on one device ------------------------------------------------
+    @property
+    def rows_per_replica(self) -> int:
+        return self.global_batch // self.parallel.data
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        return self.rows_per_replica // self.parallel.microbatches
+
+    @property
+    def seq_per_device(self) -> int:
+        """A device's tokens of a sequence (context parallelism splits it)."""
+        return self.seq_len // self.parallel.context
+
+    @property
+    def hidden_seq(self) -> int:
+        """The sequence length of a device's hidden states between the layers (sequence
+        parallelism splits them over `tensor`)."""
+        return self.seq_per_device // (self.parallel.tensor if self.sequence_parallel else 1)
+
+
+def with_stage_layers(model: ModelConfig, parallel: ParallelConfig,
+                      seq_len: int | None) -> ParallelConfig:
+    """`parallel` with `stage_layers` resolved: `auto` balanced on each stage's training
+    FLOPs per token (`layout.balance`; the head's counted, attention causal:
+    framework/model/flops.py), and counts that are all equal as None (even)."""
+    if parallel.stage_layers is None:
+        return parallel
+    counts = tuple(parallel.stage_layers)
+    if parallel.stage_layers == "auto":
+        counts = balance(model.n_layers, global_stages(parallel),
+                         *stage_flops_per_token(model, seq_len))
+    return dataclasses.replace(parallel, stage_layers=None if len(set(counts)) == 1 else counts)
+
+
+@lru_cache(maxsize=None)
+def resolved(model: ModelConfig, parallel: ParallelConfig, seq_len: int | None = None,
+             global_batch: int | None = None) -> Layout:
+    """The Layout of a configuration `validate` accepts (or would: the analyses' own
+    layouts), its `auto` stage layers balanced. One per configuration."""
+    return Layout(model, with_stage_layers(model, parallel, seq_len), seq_len, global_batch)

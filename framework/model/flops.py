@@ -1,0 +1,87 @@
+"""FLOPs of training one token, the one module that counts them, in named conventions.
+
+Model FLOPs (MFU, throughput, the compile report), PaLM (Chowdhery et al. 2022),
+appendix B:
+
+    6 * N  +  12 * L * H * Q * T
+
+6N: every parameter that takes part in a matmul costs 2 FLOPs per token forward and 4
+backward (N: all layer weights plus the LM head; the embedding lookup is a gather, not
+a matmul; a tied table counts once, as the head). 12*L*H*Q*T: attention scores and the
+weighted sum of values (2 matmuls of T x Q per head per token, forward and backward), L
+layers, H heads of size Q (`model.head_dim`), T keys per query. Like PaLM this counts the
+full T x T score matrix (`FULL_SCORES`), not the causal half, and no recomputation:
+*model* FLOPs, so MFU compares layouts and published runs fairly. A layer with a sliding
+window w (Mistral, Gemma 2's local layers) counts min(w, T) keys per query.
+
+The other conventions, each named where it is read:
+  CAUSAL_SCORES   half the scores, what a causal kernel computes: the stage balance of
+                  `parallel.stage_layers=auto` (relative costs of the stages, Kaplan et
+                  al. 2020 count the same terms)
+  recomputed      what remat adds (hardware FLOPs, the planner's compute time): the
+                  layers' forward again under full remat (a third of their training
+                  FLOPs); under save_dots the attention's batched dots (scores and
+                  weighted values, 4 L H Q T; not saved by the policy); a split backward
+                  (zero-bubble) under remat runs the recomputation and the input
+                  gradient twice, in B and in W.
+"""
+
+from __future__ import annotations
+
+from framework.config import ModelConfig
+from framework.model.registry import spec_of
+
+FULL_SCORES, CAUSAL_SCORES = "full", "causal"
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """N of the 6N term: parameters used in matmuls (layers and LM head)."""
+    embedding_lookup = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+    return spec_of(model).count_params(model) - embedding_lookup
+
+
+def attention_flops(model: ModelConfig, seq_len: int, scores: str = FULL_SCORES) -> float:
+    """Training FLOPs per token of every layer's scores and weighted values (keys per
+    query: seq_len, or the window on local layers); CAUSAL_SCORES: half of them."""
+    full = 12 * model.n_heads * model.head_dim * sum(spec_of(model).keys_per_query(model, seq_len))
+    return float(full if scores == FULL_SCORES else full / 2)
+
+
+def head_flops(model: ModelConfig) -> float:
+    """Training FLOPs per token of the LM head's projection (the norm and the
+    cross-entropy are elementwise)."""
+    return float(6 * model.d_model * model.vocab_size)
+
+
+def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one trained token, PaLM appendix B (module docstring)."""
+    return float(6 * matmul_params(model) + attention_flops(model, seq_len))
+
+
+def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """(an average layer, the embedding (a lookup: none), the head): the costs the stage
+    balance weighs, attention by CAUSAL_SCORES."""
+    # 3x a forward of 2 FLOPs per matmul weight and, causal, half the 4 x keys x H x Q
+    # of the scores and weighted values (keys averaged over the layers)
+    spec = spec_of(model)
+    keys = sum(spec.keys_per_query(model, seq_len)) / model.n_layers
+    layer = 3 * (2 * spec.layer_matrix_params(model) + 2 * keys * model.n_heads * model.head_dim)
+    return float(layer), 0.0, head_flops(model)
+
+
+def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward: bool,
+                             recompute_attention: bool,
+                             split_backward: bool = False) -> tuple[float, float]:
+    """(the layers' training FLOPs per token with what remat recomputes, the head's):
+    model FLOPs (FULL_SCORES) plus the recomputed forward (`recompute_forward`: a third
+    of the layers'), or the attention's dots (`recompute_attention`: 4 L H Q T), and
+    with a split backward under remat the recomputation and the input gradient (a
+    third) once more (12N instead of 8N under full remat)."""
+    head = head_flops(model)
+    base = model_flops_per_token(model, seq_len) - head
+    recomputed = base / 3 if recompute_forward else 0.0
+    if recompute_attention:
+        recomputed = float(4 * model.n_layers * model.n_heads * model.head_dim * seq_len)
+    twice = recomputed + base / 3 if split_backward and (recompute_forward or
+                                                         recompute_attention) else 0.0
+    return base + recomputed + twice, head

@@ -1,0 +1,111 @@
+"""A stack of decoder layers as a pipeline stage runs it: under `scan` (compile time
+independent of depth), each layer under its remat policy (Chen et al. 2016's gradient
+checkpointing: `full` keeps each layer's input only; `save_dots` keeps the weight
+matmuls' outputs), padding layers passed over (uneven stages), and the decode path with
+a KV cache per layer. The layer itself is `framework/model/llama.py`'s `Block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from framework.config import ModelConfig
+from framework.model.documents import Documents
+from framework.model.layers import NO_TP, layer_windows, split_windows
+from framework.model.llama import Block, KVCache
+from framework.parallel.tensor import TensorParallel
+
+
+REMAT_POLICIES = {
+    "full": None,  # save only each layer's input; recompute the rest in the backward
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
+
+def checkpointed(layer, remat: str, gather):
+    """`layer(x, params, ...)` under the remat policy `remat`, with `gather` (one layer's
+    stored params -> those it runs with: FSDP's gather, which the engine hands over)
+    applied first. Gathered weights should never be saved for the backward: the caller
+    picks the policy (`Layout.layer_remat`: with a gather, no remat runs as save_dots)."""
+    if gather is not None:
+        inner = layer
+        layer = lambda x, params, *rest: inner(x, gather(params), *rest)
+    return layer if remat == "none" else jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+
+def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
+                extra: tuple = (), windows=None):
+    """scan of `layer(x, params, *extra, window) -> y` (or (y, aux)) over params stacked
+    on axis 0 (`extra`: the same for every layer, e.g. document masks; `windows`: each
+    layer's sliding window [n], scanned with them, else window None). With `n_real`
+    (traced) the layers from index n_real on are padding (uneven stages): `skip(real,
+    fn, params, x, *extra, window, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`,
+    a custom VJP: traced values as arguments, never closed over) runs a layer only
+    where it is real."""
+    if n_real is None:
+        one = lambda h, pw: layer(h, pw[0], *extra, pw[1])
+        return jax.lax.scan(one if has_aux else lambda h, pw: (one(h, pw), None), x,
+                            (layers, windows))
+
+    def step(h, scanned):
+        params, window, i = scanned
+        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra, window,
+                   has_aux=has_aux)
+        return out if has_aux else (out, None)
+
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return jax.lax.scan(step, x, (layers, windows, jnp.arange(n)))
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How a stage runs its layers, the same for every call of one engine: `remat` the
+    policy (`Layout.layer_remat`), `tp` the tensor-parallel plan, `skip` what passes
+    over padding layers (uneven stages: `pipeline/stage.py`'s `skip_unless`), `gather`
+    one layer's stored params -> the params it runs with (FSDP's gather), None: as
+    stored."""
+
+    remat: str = "none"
+    tp: TensorParallel = NO_TP
+    skip: Callable | None = None
+    gather: Callable | None = None
+
+
+def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=None,
+                 docs: Documents | None = None, first=None):
+    """Runs a stack of decoder layers under `scan` (compile time independent of depth).
+    layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
+    many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
+    all. `docs`: document masks, or None. `first`: the global index of the first layer
+    (a pipeline stage's, maybe traced; None: 0), which says which layers slide
+    (layers.layer_windows)."""
+    tp = stack.tp
+    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
+                                                 first), x)
+
+    def layer(x, layer_params, docs, window):
+        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
+                                    window=fixed if window is None else window)
+
+    return scan_layers(checkpointed(layer, stack.remat, stack.gather), x, layers, n_real,
+                       stack.skip, extra=(docs,), windows=windows)[0]
+
+
+def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
+                        tp: TensorParallel = NO_TP):
+    """The decode path of `apply_layers`: the same layers, each reading and extending its
+    KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
+    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]. The sliding
+    windows mask the cached keys older than each layer's window."""
+    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0]), x)
+
+    def layer(x, scanned):
+        layer_params, cache, window = scanned
+        return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start,
+                                    window=fixed if window is None else window)
+
+    return jax.lax.scan(layer, x, (layers, tuple(caches), windows))
