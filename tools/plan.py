@@ -14,7 +14,10 @@ the usual Hydra overrides (remat and sequence parallelism are taken from them).
 
 Settings (all optional except devices and device_memory_gb):
   peak_tflops      dense peak per device; default: --verify's target's device, else
-                   H100 SXM, for the model's dtype
+                   H100 SXM, for the model's dtype. Without it the compute time runs at
+                   the rates a GPU measured of such stages where there are some
+                   (framework/analysis/calibration.py: H200, also used for H100s), else
+                   at the peak
   tensor_gbps, pipe_gbps, data_gbps   link bandwidth per device per direction (GB/s);
                    default: the device's in-node link (H100: 450, NVLink 4) while an
                    axis stays inside a node of devices_per_node devices, else
@@ -97,7 +100,8 @@ def hardware(settings: dict, dtype: str, target=None):
         devices_per_node=settings.get("devices_per_node", known.per_node),
         axis_bandwidth=pinned,
         memory_fraction=settings.get("memory_fraction", catalogue.USABLE_FRACTION),
-        platform=target.platform if target is not None else "gpu")
+        platform=target.platform if target is not None else "gpu",
+        device=None if "peak_tflops" in settings else device)
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,8 @@ None, logged as null.
 
 from __future__ import annotations
 
+from framework import hardware
+
 
 def throughput(tokens_per_sec: float, n_devices: int, flops_token: float,
                peak: float | None) -> dict:
@@ -21,3 +23,12 @@ def throughput(tokens_per_sec: float, n_devices: int, flops_token: float,
         "perf/tflops_per_device": per_device / 1e12,
         "perf/mfu": None if peak is None else per_device / peak,
     }
+
+
+def per_step_time(device_kind: str, dtype: str, n_devices: int, tokens_per_step: int,
+                  flops_token: float):
+    """step time (s) -> the perf/* numbers of a run on these devices (`throughput`, the
+    device's peak for `dtype` from the catalogue)."""
+    peak = hardware.peak_flops(device_kind, dtype)
+    return lambda step_time: throughput(tokens_per_step / step_time, n_devices,
+                                        flops_token, peak)

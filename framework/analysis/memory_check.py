@@ -116,7 +116,8 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     from framework.engine.validate import check
 
     peak = hardware.peak_flops(kind, model.dtype) or 1e12
-    hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0)
+    hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0,
+                          platform=platform, device=kind)
     ranked = []
     for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):
         if not check(m, par, tr, n_devices):

@@ -36,12 +36,13 @@ import numpy as np
 
 from framework import hardware
 from framework.units import memory_unit
-from framework.analysis import comm_model
+from framework.analysis import calibration, comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import resolved
 from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
+from framework.model.attention import kernel_for
 from framework.model.flops import hardware_flops_per_token, model_flops_per_token
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
@@ -64,6 +65,8 @@ class Hardware:
     memory_fraction: float = hardware.USABLE_FRACTION  # of memory_bytes XLA may fill
     platform: str | None = None  # whose compiler the memory model predicts for (None:
     #                              this process's backend; memory_model.logit_copies)
+    device: str | None = None  # the device kind whose measured rates the compute time
+    #                            takes (framework/analysis/calibration.py); None: peak
 
     def bandwidth(self, axis: str, parallel: ParallelConfig) -> float:
         pinned = dict(self.axis_bandwidth)
@@ -119,7 +122,9 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
     head_beyond = max(0.0, cost[-1] + head - max(cost))
-    per_flop = tokens / (dp * cp * tp) / hw.peak_flops  # context: 1/cp of each sequence
+    share = measured_rate(lay, train.seq_len, hw) or 1.0
+    # context: 1/cp of each sequence; at the measured share of the peak where known
+    per_flop = tokens / (dp * cp * tp) / (hw.peak_flops * share)
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
            + head_beyond * per_flop}
     stored = optim.param_dtype if optim is not None else "float32"
@@ -139,9 +144,32 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         out["comm_tensor"] -= min(rings * share, budget)
     out["total"] = sum(out.values())
     out["bubble"] = sched.bubble_fraction
+    out["rate"] = share  # of the peak the compute term assumes (1: no measurement)
+    # the cells of the head's rank, one step, without waits (what tools/mock_gpu.py times)
+    head_rank = lay.program.stages.rank[-1]
+    out["stage"] = (sum(cost[g] for g in lay.program.stages.of[head_rank]) + head) * per_flop
     ideal = model_flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
     out["mfu"] = ideal / out["total"]
     return out
+
+
+def executor_kind(lay) -> str:
+    """The calibration's executor kind of a layout (framework/analysis/calibration.py)."""
+    if lay.parallel.pipeline == 1:
+        return calibration.SINGLE
+    if lay.program.schedule.split_backward:
+        return calibration.SPLIT
+    return calibration.AUTODIFF if lay.program.autodiff else calibration.TICKS
+
+
+def measured_rate(lay, seq_len: int, hw: Hardware) -> float | None:
+    """The share of the peak a stage of this layout ran at on `hw.device` (None: not
+    measured): by its attention kernel as `auto` resolves on the platform, its remat
+    and its executor kind."""
+    if hw.device is None:
+        return None
+    kernel = kernel_for(lay.model, seq_len, hw.platform or "gpu")
+    return calibration.rate(hw.device, kernel, lay.layer_remat, executor_kind(lay))
 
 
 @dataclass

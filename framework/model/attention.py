@@ -260,3 +260,15 @@ def _fused_bwd(fused, residuals, d_out):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def kernel_for(model: ModelConfig, kv_len: int, platform: str) -> str:
+    """The kernel `model.attention` runs for sequences of `kv_len` keys on `platform`:
+    `auto` resolved as `attend` resolves it (without document masks, which the layout
+    does not know)."""
+    if model.attention != "auto":
+        return model.attention
+    per_layer = bool(model.sliding_window_pattern and model.sliding_window)
+    return choose(platform, model.dtype, kv_len, model.head_dim,
+                  model.attn_softcap is not None or per_layer)
+

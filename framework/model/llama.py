@@ -33,6 +33,7 @@ et al. 2025 (its q/k norm: transformers' modeling_qwen3.py).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -249,7 +250,11 @@ def _unbox(boxed):
 
 
 def init_params_and_axes(cfg: ModelConfig, key):
-    """(params, logical_axes) in canonical layout; axes are tuples of names."""
+    """(params, logical_axes) in canonical layout; axes are tuples of names. The weights
+    do not depend on the attention kernel: the modules are initialised with the
+    reference one (cuDNN's cannot even be traced without the cuDNN library)."""
+    if cfg.attention == "cudnn":
+        cfg = dataclasses.replace(cfg, attention="dense")
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     tokens = jnp.zeros((1, 2), jnp.int32)
     x = jnp.zeros((1, 2, cfg.d_model), jnp.float32)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from framework import hardware
 from framework.analysis import audit, flops, memory_check
 from framework.model.flops import model_flops_per_token
 from framework.config import RunConfig
@@ -331,7 +330,9 @@ def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
     tracker.summary.update(stats)
     per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
     tracker.summary["model/flops_per_token"] = per_token
-    settings = _loop_settings(cfg, first, stats, parts.dataset, _perf(cfg, devset, per_token))
+    perf = flops.per_step_time(devset.kind, cfg.model.dtype, len(devset),
+                               cfg.train.global_batch_size * cfg.train.seq_len, per_token)
+    settings = _loop_settings(cfg, first, stats, parts.dataset, perf)
     result = train_loop(engine, state, batches, settings, tracker,
                         _hooks(cfg, engine, parts, codec, save),
                         _boundary(ckpt, devset, parts.stop),
@@ -363,14 +364,6 @@ def _loop_settings(cfg: RunConfig, first: int, stats: dict, dataset,
                         constants=constants,
                         once={"perf/compile_time_s": stats["perf/compile_time_s"]}, perf=perf,
                         prefetch=cfg.data.prefetch)
-
-
-def _perf(cfg: RunConfig, devset, per_token: float):
-    """step time -> the perf/* metrics (tokens/s, TFLOP/s per device, MFU)."""
-    peak = hardware.peak_flops(devset.kind, cfg.model.dtype)
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    return lambda step_time: flops.throughput(tokens_per_step / step_time, len(devset),
-                                              per_token, peak)
 
 
 def _boundary(ckpt: Checkpointer, devset, stop: StopRequests):

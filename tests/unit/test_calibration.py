@@ -1,0 +1,48 @@
+"""The planner against what a GPU measured (framework/analysis/calibration.py): each
+measured stage's predicted time within 10% (the rates are shared by the rows of a key:
+1B and 8B, 1F1B and interleaved), and the ranking the measurements imply: under full
+remat a zero-bubble stage redoes B's recomputation in W, so the planner never puts
+ZB-H1 ahead of 1F1B there; without a measurement it assumes the peak, as before."""
+
+import dataclasses
+
+import pytest
+
+from framework import hardware
+from framework.analysis import calibration, planner
+from framework.engine.validate import validate
+from tests.helpers import compose_recipe
+
+
+def _predict(overrides, device="h200"):
+    recipe, *rest = overrides
+    cfg = compose_recipe(recipe.split("=", 1)[1], *rest)
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, cfg.parallel.n_devices)
+    hw = planner.Hardware(memory_bytes=1.0, platform="gpu", device=device,
+                          peak_flops=hardware.peak_flops("h200", cfg.model.dtype))
+    return planner.predict_time(cfg.model, parallel, cfg.train, hw, cfg.optim)
+
+
+@pytest.mark.parametrize("row", calibration.MEASURED, ids=lambda r: " ".join(r.program[1:])
+                         or r.program[0])
+def test_each_measured_stage_is_predicted_within_ten_percent(row):
+    predicted = _predict(row.program)["stage"]
+    assert abs(predicted / row.step_s - 1) <= 0.10, (predicted, row.step_s)
+
+
+@pytest.mark.parametrize("recipe", ["recipe=llama_1b_8gpu", "recipe=llama3_8b"])
+def test_zero_bubble_is_not_ranked_first_under_full_remat(recipe):
+    one = _predict((recipe, "parallel.schedule=1f1b", "parallel.remat=full"))
+    zb = _predict((recipe, "parallel.schedule=zb_h1", "parallel.remat=full"))
+    assert zb["total"] > one["total"] and zb["bubble"] < one["bubble"]
+
+
+def test_an_unmeasured_device_is_predicted_at_its_peak():
+    assert calibration.rate("TPU v5", "blockwise", "full", calibration.TICKS) is None
+    assert calibration.rate("NVIDIA H100 80GB HBM3", "cudnn", "full", calibration.TICKS) == \
+        calibration.RATES["cudnn", "full", calibration.TICKS]  # the H200's, until measured
+    at_peak = _predict(("recipe=llama_1b_8gpu", "parallel.schedule=1f1b"), device=None)
+    measured = _predict(("recipe=llama_1b_8gpu", "parallel.schedule=1f1b"))
+    assert at_peak["rate"] == 1.0 and measured["rate"] < 1.0
+    assert at_peak["compute"] == pytest.approx(measured["compute"] * measured["rate"])
+    assert dataclasses.replace(planner.Hardware(1.0, 1.0)).device is None

@@ -1,0 +1,60 @@
+"""The planner's compute rates from the measured stages of
+framework/analysis/calibration.py: per row, the planner's FLOPs of the stage at the
+device's peak over its measured time; per (kernel, remat, executor) the mean, as
+`RATES` holds it; and, with the rates in place, each row's predicted stage time
+against its measurement.
+
+    python tools/calibrate.py            # the table, and RATES as Python
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from framework.runtime.quiet import start_cpu_only  # noqa: E402
+
+start_cpu_only()  # nothing here runs on a device
+
+from tools.recipe import compose  # noqa: E402
+
+
+def stage_seconds(row, calibrated: bool) -> float:
+    """The planner's time of the row's stage (its head's rank, one step, no waits)."""
+    from framework import hardware
+    from framework.analysis import planner
+    from framework.engine.validate import validate
+
+    cfg = compose(list(row.program))
+    parallel = validate(cfg.model, cfg.parallel, cfg.train, cfg.parallel.n_devices)
+    hw = planner.Hardware(memory_bytes=1.0, platform="gpu",
+                          peak_flops=hardware.peak_flops(row.device, cfg.model.dtype),
+                          device=row.device if calibrated else None)
+    return planner.predict_time(cfg.model, parallel, cfg.train, hw, cfg.optim)["stage"]
+
+
+def main() -> int:
+    from framework.analysis.calibration import MEASURED
+
+    shares = defaultdict(list)
+    print(f"{'program':<78} {'measured ms':>11} {'at peak ms':>10} {'share':>6} "
+          f"{'predicted ms':>12} {'ratio':>6}")
+    for row in MEASURED:
+        peak = stage_seconds(row, calibrated=False)
+        shares[row.kernel, row.remat, row.executor].append(peak / row.step_s)
+        predicted = stage_seconds(row, calibrated=True)
+        print(f"{' '.join(row.program):<78} {row.step_s * 1e3:>11.0f} {peak * 1e3:>10.0f} "
+              f"{peak / row.step_s:>6.1%} {predicted * 1e3:>12.0f} "
+              f"{predicted / row.step_s:>6.2f}")
+    print("\nRATES = {")
+    for key, values in shares.items():
+        print(f"    {key!r}: {sum(values) / len(values):.4f},  # {len(values)} row(s)")
+    print("}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
