@@ -64,7 +64,8 @@ def run(main: Callable[[list[str] | None], object], argv: list[str] | None = Non
     except StorageError as err:
         line, status = str(err), NO_SPACE
     except KeyboardInterrupt:
-        line, status = "interrupted: the output is as it was before this command", INTERRUPTED
+        line, status = ("interrupted: nothing was left half-written; run the command "
+                        "again to finish"), INTERRUPTED
     except OSError as err:
         line, status = os_error_line(err)
     except BrokenProcessPool:

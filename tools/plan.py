@@ -32,6 +32,7 @@ target's. Each compile takes minutes at 70B on a laptop.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -63,11 +64,28 @@ def check_settings(settings: dict) -> None:
     for name, value in settings.items():
         if name not in VALID:
             continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value:g} is not a finite number")
         low, high, closed = VALID[name]
         if (value < low if closed else value <= low) or (high is not None and value > high):
             rng = (f"in ({low}, {high}]" if high is not None else
                    f">= {low}" if closed else f"> {low}")
             raise ConfigError(f"{name}={value:g} is out of range: it must be {rng}")
+
+
+def check_choices(cfg) -> None:
+    """Raises ConfigError (one line) for a setting outside its valid values (`CHOICES`),
+    which the planner would otherwise only answer with "no valid layout"."""
+    from framework.config import CHOICES, not_one_of
+    from framework.errors import ConfigError
+
+    for key in CHOICES:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        problem = not_one_of(key, value) if value is not None else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def hardware(settings: dict, dtype: str, target=None):
@@ -114,6 +132,7 @@ def main(argv=None) -> int:
                               f"(e.g. devices=8 device_memory_gb=80)")
         check_settings(settings)
         cfg = compose(overrides)
+        check_choices(cfg)
         from framework.analysis import planner
 
         hw = hardware(settings, cfg.model.dtype, target)

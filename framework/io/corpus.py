@@ -84,17 +84,18 @@ class Shard:
                             f"time changed): the corpus changed during the run")
 
 
-def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[list[Shard], dict]:
+def open_corpus(path: str, vocab_size: int, verify: str = "checksum",
+                setting: str = "data.path") -> tuple[list[Shard], dict]:
     """(the shards, memory-mapped, in stream order; the manifest) of the corpus at `path`
-    (its folder or its manifest.json), checked (module docstring)."""
+    (its folder or its manifest.json), checked (module docstring); `setting` names it."""
     is_manifest = os.path.basename(path) == MANIFEST and os.path.isfile(path)
     if not (os.path.isdir(path) or is_manifest):
-        raise ConfigError(f"data.path={path} is not a corpus folder (nor its {MANIFEST}): "
+        raise ConfigError(f"{setting}={path} is not a corpus folder (nor its {MANIFEST}): "
                           f"prepare one with tools/prepare_data.py <folder> <inputs>")
     folder = os.path.dirname(path) if is_manifest else path
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise ConfigError(f"data.path={path} holds no {MANIFEST}: prepare a corpus with "
+        raise ConfigError(f"{setting}={path} holds no {MANIFEST}: prepare a corpus with "
                           f"tools/prepare_data.py <folder> <inputs>")
     manifest = read_manifest(manifest_path)
     dtype = np.dtype(manifest["dtype"])

@@ -25,28 +25,33 @@ class CorpusDataset(Dataset):
     the last holdout_fraction of the sequences are the held-out ones, in order."""
 
     def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig,
-                 least: int | None = None):
+                 least: int | None = None, setting: str = "data.path"):
         """`least`: the fewest training and held-out sequences it must hold (default one
-        batch; a mixture's corpus needs only one: a batch draws from every corpus)."""
+        batch; a mixture's corpus needs only one: a batch draws from every corpus).
+        `setting`: what names this corpus in messages (data.mixture[1].path, ...)."""
         super().__init__(train, vocab_size)
         least = self.global_batch if least is None else least
         self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
-                                                        vocab_size, cfg.verify)
-        self.separator, self.path = self.manifest.get("eos_id"), cfg.path
+                                                        vocab_size, cfg.verify, setting)
+        self.separator, self.path, self.setting = self.manifest.get("eos_id"), cfg.path, setting
         total = self.shards[-1].start + len(self.shards[-1].tokens)
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
         held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
         self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
         need = f"one batch of train.global_batch_size={least}" if least > 1 else "one"
+        where = f"{setting}={cfg.path} holds {n} sequences of train.seq_len={self.seq_len} " \
+                f"({total} tokens)"
+        if cfg.holdout_fraction >= 1 and held < least:  # a validation set
+            raise ConfigError(f"{where}, fewer than {need}: a validation set needs at "
+                              f"least that many")
         if cfg.holdout_fraction < 1 and self.n_train < least:
-            raise ConfigError(
-                f"data.path={cfg.path} holds {self.n_train} training sequences of "
-                f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
-                f"{cfg.holdout_fraction}), fewer than {need}")
-        if self.has_eval and held < least:
-            raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
-                              f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
-                              f"than {need}: raise it, or set 0")
+            raise ConfigError(f"{where}, {self.n_train} of them for training (data."
+                              f"holdout_fraction={cfg.holdout_fraction}), fewer than {need}")
+        if 0 < cfg.holdout_fraction < 1 and held < least:
+            lowest = min(1.0, least / max(n, 1))
+            raise ConfigError(f"{where}: data.holdout_fraction={cfg.holdout_fraction} holds "
+                              f"out {held} of them, fewer than {need}: set it to at least "
+                              f"{lowest:.3g}, or 0 (no eval/loss)")
 
     def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
         return self.samples(split, index * self.global_batch + row_indices(rows, self.global_batch))
@@ -66,7 +71,7 @@ class CorpusDataset(Dataset):
                                             self.seq_len + 1, checked)
                          for i in seqs]).astype(np.int32)
         if rows.size and rows.max() >= self.vocab_size:  # a shard rewritten mid-run
-            raise DataError(f"data.path={self.path} now holds token id {rows.max()} (model."
+            raise DataError(f"{self.setting}={self.path} now holds token id {rows.max()} (model."
                             f"vocab_size={self.vocab_size}): the corpus changed during the run")
         return rows
 
@@ -87,7 +92,7 @@ class MixtureDataset(Dataset):
         paths, weights = _mixture(cfg.mixture)
         self.parts = [CorpusDataset(train, vocab_size, DataConfig(
             kind="corpus", path=p, holdout_fraction=cfg.holdout_fraction, verify=cfg.verify),
-            least=1) for p in paths]
+            least=1, setting=f"data.mixture[{n}].path") for n, p in enumerate(paths)]
         _one_tokenizer(paths, self.parts)
         share = np.asarray(weights) / sum(weights) * self.BLOCK
         counts = np.floor(share).astype(np.int64)
@@ -167,8 +172,5 @@ def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,
                               f"digits, _ . -): it becomes the metric eval/<name>/loss")
         one = DataConfig(kind="corpus", path=str(path), holdout_fraction=1.0,
                          verify=cfg.verify)
-        try:
-            out[str(name)] = CorpusDataset(train, vocab_size, one)
-        except ConfigError as err:
-            raise ConfigError(f"eval.sets.{name}: {err}") from None
+        out[str(name)] = CorpusDataset(train, vocab_size, one, setting=f"eval.sets.{name}")
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -142,6 +143,8 @@ def _summary_status(folder: Path) -> str | None:
 
 
 COMPILE_STATUSES = ("compiled", "does_not_fit")  # summary.json of a compile report
+# A corpus in the making (framework/io/prepare.py): shards, or an input's done-marker.
+CORPUS_FILES = re.compile(r"shard-\d{5}-\d{3}\.(bin|idx)|input-\d{5}\.done")
 
 
 def owner(folder: str | os.PathLike) -> str | None:
@@ -157,7 +160,7 @@ def owner(folder: str | os.PathLike) -> str | None:
     if (folder / "export_hf.json").is_file() or (folder / "config.json").is_file():
         return "hf"
     if (folder / "manifest.json").is_file() or any(
-            n.startswith("input-") and n.endswith(".done") for n in entries(folder)):
+            CORPUS_FILES.fullmatch(n) for n in entries(folder)):
         return "corpus"
     return None
 

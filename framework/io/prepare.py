@@ -59,8 +59,10 @@ class Settings:
 
 
 def prepare_shards(folder: str, inputs: list[str], settings: Settings = Settings(),
-                   workers: int = 1, overwrite: bool = False, log=sys.stdout) -> dict:
-    """Writes the corpus into `folder` (module docstring); returns its manifest."""
+                   workers: int = 1, overwrite: bool = False, log=None) -> dict:
+    """Writes the corpus into `folder` (module docstring); returns its manifest.
+    Progress goes to `log` (default: stdout)."""
+    log = log or sys.stdout
     recipe = _check(folder, inputs, settings, overwrite)
     os.makedirs(folder, exist_ok=True)
     outputs.sweep_partials(folder)

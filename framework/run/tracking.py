@@ -257,34 +257,6 @@ class WandbSink:
         self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
 
 
-class TensorBoardSink:
-    """TensorBoard event files in `<run_dir>/tensorboard` (tensorboardX: the event
-    format without TensorFlow), from the records metrics.jsonl gets: numbers as
-    scalars, text (eval/sample) as text. A resumed run starts a new event file that
-    drops the older files' events from the resumed step on (TensorBoard's purge), as
-    metrics.jsonl drops its records after the checkpoint."""
-
-    def __init__(self, run_dir: Path, resumed_at: int | None = None):
-        from tensorboardX import SummaryWriter
-
-        self.dir = Path(run_dir) / "tensorboard"
-        self.writer = SummaryWriter(str(self.dir), purge_step=resumed_at)
-
-    def log(self, step: int, metrics: dict) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(key, value, step)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    _clean(value) is not None):
-                self.writer.add_scalar(key, float(value), step)
-
-    def sync(self) -> None:
-        self.writer.flush()
-
-    def finish(self, summary: dict) -> None:
-        self.writer.close()
-
-
 def previous_wandb_id(run_dir: Path) -> str | None:
     """The id of the newest W&B run in run_dir, from its folder's name
     (`wandb/offline-run-<time>-<id>`, `wandb/run-<time>-<id>`), which W&B creates

@@ -43,7 +43,8 @@ from framework.run.checks import check_run, clamp_warmup, sample_codec
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
-from framework.run.tracking import (JsonlSink, ProgressBar, TensorBoardSink, Tracker,
+from framework.run.tensorboard import TensorBoardSink
+from framework.run.tracking import (JsonlSink, ProgressBar, Tracker,
                                     WandbSink, final_line, read_metrics)
 from framework.runtime import devices as devices_lib
 from framework.runtime import distributed, faults, peers, runlock

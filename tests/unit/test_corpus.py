@@ -142,7 +142,7 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
     held = sets["wiki"]
     assert held.n_eval == 24 and held.n_train == 0
     assert sorted(held.eval_batch(0)[:, 0] // 8) == [0, 1, 2, 3]
-    for sets_, every, says in [({"wiki": str(tmp_path / "none")}, 5, "eval.sets.wiki: "),
+    for sets_, every, says in [({"wiki": str(tmp_path / "none")}, 5, "eval.sets.wiki="),
                                ({"a b": str(folder)}, 5, "not a plain name"),
                                ({"wiki": str(folder)}, 0, "needs eval.every > 0"),
                                ("wiki", 5, "is not a mapping")]:
