@@ -4,13 +4,15 @@ nothing is downloaded), for tools/prepare_data.py --tokenizer.
     python tools/train_tokenizer.py tokenizer.json notes/*.txt --vocab-size 4096
 
 Inputs are read as tools/prepare_data.py reads them (.txt whole, .jsonl by
-`--text-field`, framework/io/reading.py). The output is written whole or not at all
-(framework/io/outputs.py); it is never an input, and an existing file that is not a
-tokenizer.json is replaced only with --overwrite. Every error is one line `error: ...`
-(exit 2 for bad input; tools/entry.py lists the others). The end-of-document token `<|endoftext|>` is id 0: pass `--eos-id 0`
-to tools/prepare_data.py, and data.document_mask=true masks by it. Byte-level BPE
-(Radford et al. 2019, GPT-2): every byte is in the vocabulary, so any text encodes and
-decodes back exactly.
+`--text-field`, framework/io/reading.py). The end-of-document token `<|endoftext|>` is
+id 0: pass `--eos-id 0` to tools/prepare_data.py, and data.document_mask=true masks by
+it. Byte-level BPE (Radford et al. 2019, GPT-2): every byte is in the vocabulary, so
+any text encodes and decodes back exactly.
+
+The output is written whole or not at all (framework/io/outputs.py); it is never an
+input, and an existing file that is not a tokenizer.json is replaced only with
+--overwrite. Every error is one line `error: ...` (exit 2 for bad input; tools/entry.py
+lists the others).
 """
 
 from __future__ import annotations

@@ -278,6 +278,12 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
         raise ConfigError(f"data.holdout_fraction={cfg.holdout_fraction} must be in [0, 1)")
     if cfg.kind == "tokens" and cfg.path and os.path.isdir(os.path.expanduser(cfg.path)):
         cfg = dataclasses.replace(cfg, kind="corpus")  # a prepared folder of shards
+    if cfg.mixture is not None and cfg.kind != "corpus":
+        raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
+                          f"(not {cfg.kind})")
+    if cfg.mixture is not None and cfg.path:
+        raise ConfigError(f"data.mixture and data.path={cfg.path} both say what to train "
+                          f"on: put the corpus into data.mixture, or drop data.mixture")
     if cfg.kind == "synthetic":
         return SyntheticDataset(train, vocab_size)
     if cfg.kind == "markov":
@@ -298,9 +304,6 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
                               f"data.path={cfg.path}")
         dataset.separator = meta.get("eos_id")
         return dataset
-    if cfg.mixture is not None and cfg.kind != "corpus":
-        raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
-                          f"(not {cfg.kind})")
     if cfg.kind == "corpus":
         if cfg.verify not in VERIFY:
             raise ConfigError(not_one_of("data.verify", cfg.verify))

@@ -79,6 +79,32 @@ def check_added_keys(task: list[str], schema=RunConfig) -> None:
                           f"docs/configuration.md")
 
 
+def top_level_keys(text: str) -> list[str]:
+    """The keys of a mapping written on the command line ({a: x, b: {c: 1}} -> a, b)."""
+    keys, depth, part = [], 0, ""
+    for char in text.strip()[1:-1] + ",":
+        depth += (char in "{[") - (char in "}]")
+        if char == "," and depth == 0:
+            keys.append(part.split(":", 1)[0].strip().strip("'\""))
+            part = ""
+        else:
+            part += char
+    return [k for k in keys if k]
+
+
+def check_duplicate_keys(task: list[str]) -> None:
+    """Hydra keeps the last of two equal keys of a mapping given on the command line
+    (eval.sets={val: a/, val: b/} evaluates b/ only): one line instead."""
+    for override in task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if value.strip().startswith("{") and value.strip().endswith("}"):
+            keys = top_level_keys(value)
+            twice = next((k for k in keys if keys.count(k) > 1), None)
+            if twice is not None:
+                raise ConfigError(f"{key} names {twice!r} twice: give each entry its own "
+                                  f"name")
+
+
 def check_run_dir(hydra_overrides: list[str]) -> None:
     """An empty `hydra.run.dir=` would put the run in the current folder, where the
     next such run would resume from it."""
@@ -161,6 +187,7 @@ def _main(cfg: DictConfig) -> None:
         return
     try:
         check_added_keys(list(hc.overrides.task))
+        check_duplicate_keys(list(hc.overrides.task))
         check_run_dir(list(hc.overrides.hydra))
     except ConfigError as err:
         user_error(err)

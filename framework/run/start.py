@@ -287,6 +287,62 @@ def _casts(saved: dict, engine: Engine) -> list[str]:
             for (what, setting), (was, now) in said.items()]
 
 
+# --- A changed optimizer -----------------------------------------------------------------
+
+def _opt_keys(dtypes: dict) -> set[str]:
+    return {k for k in dtypes if k.startswith("opt_state/")}
+
+
+def other_optimizer(meta: dict, engine: Engine, train: TrainConfig, point: Point,
+                    mine: str) -> str | None:
+    """None when the checkpoint's optimizer state is this run's (optim.name `mine`): the
+    same name recorded, the same arrays kept; else, with train.reset_optimizer=true,
+    the saved optimizer in words (its state is dropped); ConfigError (one line) without."""
+    here = integrity.dtypes(to_nested(engine.layout.abstract_canonical()))
+    saved = meta.get("dtypes") or {}
+    theirs = meta.get("optim")
+    if not saved or (_opt_keys(saved) == _opt_keys(here) and theirs in (None, mine)):
+        return None
+    said = f"optim.name={theirs}" if theirs else "another optimizer"
+    if not train.reset_optimizer:
+        raise ConfigError(f"the checkpoint of step {point[1]} in {point[0]} holds the state "
+                          f"of {said}, and this run uses optim.name={mine}: set "
+                          f"train.reset_optimizer=true to keep its weights and step and "
+                          f"start {mine} afresh, or resume with {said}")
+    return said
+
+
+def check_same_tokenizer(meta: dict, records: dict, point: Point) -> None:
+    """ConfigError (one line) when the checkpoint was trained on ids of another
+    tokenizer than this run's data ("bytes" or a tokenizer.json's SHA-256; either
+    unknown: not checked)."""
+    theirs, mine = meta.get("tokenizer_sha256"), records.get("tokenizer_sha256")
+    if theirs and mine and theirs != mine:
+        said = lambda t: "byte-level" if t == "bytes" else f"tokenizer {t[:12]}"
+        raise ConfigError(f"the checkpoint of step {point[1]} in {point[0]} was trained on "
+                          f"{said(theirs)} ids, this run's data is {said(mine)}: its token "
+                          f"ids mean other text; prepare the data with the checkpoint's "
+                          f"tokenizer, or start afresh in another folder (hydra.run.dir)")
+
+
+def restore_weights(point: Point, own: Checkpointer, engine: Engine):
+    """The parameters and step saved at `point`, with this engine's optimizer state
+    started afresh (train.reset_optimizer)."""
+    folder, step = point
+    layout = engine.layout
+    shapes = layout.abstract_canonical()["params"]
+    reader = own if folder == own.directory else Checkpointer(folder, read_only=True)
+    try:
+        params = reader.restore_params(step, shapes)
+    finally:
+        if reader is not own:
+            reader.close()
+    state = layout.init(layout.from_canonical(params))
+    state["step"] = jax.device_put(jax.numpy.asarray(step, state["step"].dtype),
+                                   state["step"].sharding)
+    return state
+
+
 # --- The state -------------------------------------------------------------------------
 
 def restore(point: Point, own: Checkpointer, engine: Engine):
@@ -317,11 +373,13 @@ def fresh_state(model: ModelConfig, train: TrainConfig, engine: Engine, multi: b
 
 
 def start_state(model: ModelConfig, train: TrainConfig, engine: Engine, ckpt: Checkpointer,
-                devset) -> tuple[dict, Point | None]:
-    """(the state this run starts from, the checkpoint it came from or None). A
+                devset, records: dict | None = None) -> tuple[dict, Point | None]:
+    """(the state this run starts from, the checkpoint it came from or None). `records`:
+    what this run's checkpoints record (its optim.name and tokenizer are checked against
+    the checkpoint's: `other_optimizer`, `check_same_tokenizer`). A
     checkpoint that turns out damaged is reported in one line and the next one tried;
     the lines go to stderr, the choice to stdout."""
-    primary = devset.process_index == 0
+    primary, records = devset.process_index == 0, records or {}
 
     def say(lines, stream=None):
         for line in lines if primary else ():
@@ -333,9 +391,14 @@ def start_state(model: ModelConfig, train: TrainConfig, engine: Engine, ckpt: Ch
     while point is not None:
         try:
             meta = check_same_model(model, ckpt, point)
-            state = restore(point, ckpt, engine)
+            check_same_tokenizer(meta, records, point)
+            other = other_optimizer(meta, engine, train, point, records.get("optim", "adamw"))
+            state = restore_weights(point, ckpt, engine) if other else \
+                restore(point, ckpt, engine)
             say([f"resuming from the checkpoint of step {point[1]} in {point[0]}"
-                 f"{what_changed(meta, engine, train)}"])
+                 f"{what_changed(meta, engine, train)}" + (
+                     f"; the state of {other} is not kept: optim.name={records.get('optim')} "
+                     f"starts afresh (train.reset_optimizer=true)" if other else "")])
             return state, point
         except DamagedCheckpoint as err:
             point, notes = fall_back(train, ckpt, err, primary)

@@ -5,7 +5,7 @@ protos) as TensorBoard would."""
 import struct
 from pathlib import Path
 
-from framework.run.tensorboard import TensorBoardSink
+from framework.run.sinks import TensorBoardSink
 
 
 def read_events(folder: Path) -> list:

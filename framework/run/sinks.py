@@ -1,13 +1,16 @@
-"""TensorBoard event files of a run (`logging.tensorboard=true`), from the records
-metrics.jsonl gets (framework/run/tracking.py)."""
+"""Where a run's records go besides summary.json (`make_tracker`): metrics.jsonl, the
+progress bar, W&B (framework/run/tracking.py) and TensorBoard event files
+(`logging.tensorboard=true`, `TensorBoardSink`)."""
 
 from __future__ import annotations
 
 import errno
 from pathlib import Path
 
+from framework.config import RunConfig
 from framework.errors import ConfigError
-from framework.run.tracking import _clean
+from framework.run.tracking import (JsonlSink, ProgressBar, Tracker, WandbSink, _clean,
+                                    read_metrics)
 
 
 class TensorBoardSink:
@@ -43,3 +46,26 @@ class TensorBoardSink:
 
     def finish(self, summary: dict) -> None:
         self.writer.close()
+
+
+def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
+                 primary: bool, resumed_at: int | None, start: int) -> Tracker:
+    """Process 0: metrics.jsonl, progress bar, W&B, summary.json. Others: nothing."""
+    if not primary:
+        return Tracker(run_dir, [], base, write=False)
+    sinks = [JsonlSink(run_dir, resumed_at)]
+    if sinks[0].kept_aside is not None:  # records that would otherwise be lost
+        print(f"the earlier {sinks[0].path.name} is kept as {sinks[0].kept_aside}",
+              flush=True)
+    if start >= cfg.train.steps:  # nothing to train: keep the last record's numbers
+        records = read_metrics(run_dir) if resumed_at is not None else []
+        return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
+    if cfg.logging.progress:
+        sinks.append(ProgressBar(cfg.train.steps, first=start))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, resumed_at))
+    if cfg.logging.wandb.mode != "disabled":
+        wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config)
+        base = {**base, "wandb_dir": str(wandb_sink.dir)}
+        sinks.append(wandb_sink)
+    return Tracker(run_dir, sinks, base)
