@@ -136,6 +136,8 @@ def main(argv=None) -> int:
         from framework.analysis import planner
 
         hw = hardware(settings, cfg.model.dtype, target)
+        print(f"ranking every layout of this model for {settings['devices']} devices (a "
+              f"minute or more for large device counts) ...", flush=True)
         plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
                              cfg.optim)
     except ConfigError as err:

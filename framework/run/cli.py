@@ -272,6 +272,9 @@ def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> dict:
     if _USER_FULL_ERROR is not None:
         env["HYDRA_FULL_ERROR"] = _USER_FULL_ERROR
     parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    if hc.job.num == 0:  # the folder tools/sweep_report.py reads
+        print(f"sweep folder: {hc.sweep.dir} (python tools/sweep_report.py {hc.sweep.dir})",
+              flush=True)
     summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
                             parallel, env, module)
     print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
@@ -332,6 +335,31 @@ def main(task=None) -> None:
 def user_error(err: BaseException):
     if _USER_FULL_ERROR == "1":
         raise err
+    _remove_unused_run_dir()
     print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
     sys.exit(sweep.USER_ERROR)
+
+
+def _remove_unused_run_dir() -> None:
+    """A refused run leaves no folder behind: Hydra creates the run folder (and its
+    empty log) before the task can check anything. Removed only when it holds nothing
+    else, with the default outputs/<date>/ above it when that is left empty."""
+    if not _TASK_STARTED or not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.RUN:
+        return
+    folder = Path(hc.runtime.output_dir)
+    try:
+        held = list(folder.iterdir())
+        if any(p.name != f"{hc.job.name}.log" or p.stat().st_size for p in held):
+            return
+        for p in held:
+            p.unlink()
+        folder.rmdir()
+        default = not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)
+        for parent in (folder.parent, folder.parent.parent) if default else ():
+            parent.rmdir()  # OSError when not empty: kept
+    except OSError:
+        pass
 

@@ -373,6 +373,11 @@ def final_line(summary: dict) -> str:
              f"step {summary.get('step', 0)}"]
     if summary.get("train/loss") is not None:
         parts.append(f"loss {summary['train/loss']:.4f}")
+    floor = summary.get("data/entropy_floor")
+    if summary.get("eval/loss") is not None:  # markov data: how far above the best loss
+        parts.append(f"eval/loss {summary['eval/loss']:.4f}" + (
+            f" ({summary['eval/loss'] - floor:+.3f} above the floor {floor:.3f})"
+            if floor is not None else ""))
     if summary.get("perf/tokens_per_sec") is not None:
         parts.append(f"{summary['perf/tokens_per_sec']:,.0f} tok/s")
         parts.append(f"{summary['perf/tflops_per_device']:.4g} TFLOP/s/device")

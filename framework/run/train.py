@@ -156,6 +156,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     summary = tracker.finish(status, wall_time_s=time.perf_counter() - started, **summary)
     if primary:
         print(final_line(summary), flush=True)
+        print(f"run folder: {run_dir}", flush=True)
     return summary
 
 

@@ -51,3 +51,18 @@ def test_15_gpu_asked_for_without_one_is_one_line(tmp_path, env):
     assert proc.returncode == 2 and len(lines(proc)) == 1, proc.stderr[-2000:]
     assert "devices.platform=gpu is not available here (JAX finds no GPU" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_refused_setting_leaves_no_run_folder(tmp_path, env):
+    """The front door: Hydra creates outputs/<date>/<time>/ before the settings are
+    checked; a refused run removes it (and the empty outputs/ above it)."""
+    proc = cli.framework("run", "recipe=llama_tiny_debug", "parallel.pipeline=3",
+                         cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2 and len(lines(proc)) == 1
+    assert not (tmp_path / "outputs").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    proc = cli.framework("run", "recipe=llama_tiny_debug", "parallel.pipeline=3",
+                         f"hydra.run.dir={tmp_path / 'mine'}", cwd=tmp_path, env=env,
+                         timeout=120)
+    assert proc.returncode == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "kept"
