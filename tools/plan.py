@@ -109,6 +109,20 @@ def hardware(settings: dict, dtype: str, target=None):
         platform=target.platform if target is not None else "gpu")
 
 
+def rank_layouts(settings: dict, overrides: list[str], target):
+    """(the composed config, the hardware, every valid layout ranked), saying first that
+    ranking can take a while."""
+    from framework.analysis import planner
+
+    cfg = compose(overrides)
+    check_choices(cfg)
+    hw = hardware(settings, cfg.model.dtype, target)
+    print(f"ranking every layout of this model for {settings['devices']} devices (a minute "
+          f"or more for large device counts) ...", flush=True)
+    return cfg, hw, planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
+                                 cfg.optim)
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
@@ -131,15 +145,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
                               f"(e.g. devices=8 device_memory_gb=80)")
         check_settings(settings)
-        cfg = compose(overrides)
-        check_choices(cfg)
-        from framework.analysis import planner
-
-        hw = hardware(settings, cfg.model.dtype, target)
-        print(f"ranking every layout of this model for {settings['devices']} devices (a "
-              f"minute or more for large device counts) ...", flush=True)
-        plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
-                             cfg.optim)
+        cfg, hw, plans = rank_layouts(settings, overrides, target)
     except ConfigError as err:
         return user_error(err)
     if not plans:
@@ -153,6 +159,8 @@ def main(argv=None) -> int:
     print(f"{settings['devices']} devices x {settings['device_memory_gb']:g} GiB "
           f"(usable {hw.memory_fraction:.0%}), peak {hw.peak_flops / 1e12:.1f} TFLOP/s per "
           f"device; {len(plans)} valid layouts, {n_fit} fit")
+    from framework.analysis import planner
+
     print(planner.table(plans, settings.get("top", 20), settings.get("unfit", 5)))
     print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
           "grads + acts (kept residuals + the largest transient); step ms = compute "

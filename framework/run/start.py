@@ -1,7 +1,8 @@
 """Where a run starts: from its own newest checkpoint, from another run's
 (`train.resume_from`), from a Hugging Face folder (`train.init_from`) or from fresh
 weights; what is moved aside on the way; what happens when the chosen checkpoint turns
-out damaged. Every rule of it is in this module.
+out damaged. Every rule of it is in this module, but for what a resume may find changed
+besides the model (another optimizer, another tokenizer: framework/run/resume.py).
 
     train.init_from=<HF folder>                the model settings come from its
                                                config.json (`resolve_init_from`); the run
@@ -51,6 +52,7 @@ from framework.io.hf.safetensors import Tensors
 from framework.io.weights import model_config_from_dict
 from framework.model.llama import init_params
 from framework.parallel.mesh import mesh_name
+from framework.run.resume import check_same_tokenizer, other_optimizer, restore_weights
 from framework.runtime import distributed
 
 Point = tuple[str, int]  # (checkpoint folder, step)
@@ -285,62 +287,6 @@ def _casts(saved: dict, engine: Engine) -> list[str]:
             said.setdefault(what, (saved[key], dtype))
     return [f"{what} saved in {was}, cast to {now} ({setting})"
             for (what, setting), (was, now) in said.items()]
-
-
-# --- A changed optimizer -----------------------------------------------------------------
-
-def _opt_keys(dtypes: dict) -> set[str]:
-    return {k for k in dtypes if k.startswith("opt_state/")}
-
-
-def other_optimizer(meta: dict, engine: Engine, train: TrainConfig, point: Point,
-                    mine: str) -> str | None:
-    """None when the checkpoint's optimizer state is this run's (optim.name `mine`): the
-    same name recorded, the same arrays kept; else, with train.reset_optimizer=true,
-    the saved optimizer in words (its state is dropped); ConfigError (one line) without."""
-    here = integrity.dtypes(to_nested(engine.layout.abstract_canonical()))
-    saved = meta.get("dtypes") or {}
-    theirs = meta.get("optim")
-    if not saved or (_opt_keys(saved) == _opt_keys(here) and theirs in (None, mine)):
-        return None
-    said = f"optim.name={theirs}" if theirs else "another optimizer"
-    if not train.reset_optimizer:
-        raise ConfigError(f"the checkpoint of step {point[1]} in {point[0]} holds the state "
-                          f"of {said}, and this run uses optim.name={mine}: set "
-                          f"train.reset_optimizer=true to keep its weights and step and "
-                          f"start {mine} afresh, or resume with {said}")
-    return said
-
-
-def check_same_tokenizer(meta: dict, records: dict, point: Point) -> None:
-    """ConfigError (one line) when the checkpoint was trained on ids of another
-    tokenizer than this run's data ("bytes" or a tokenizer.json's SHA-256; either
-    unknown: not checked)."""
-    theirs, mine = meta.get("tokenizer_sha256"), records.get("tokenizer_sha256")
-    if theirs and mine and theirs != mine:
-        said = lambda t: "byte-level" if t == "bytes" else f"tokenizer {t[:12]}"
-        raise ConfigError(f"the checkpoint of step {point[1]} in {point[0]} was trained on "
-                          f"{said(theirs)} ids, this run's data is {said(mine)}: its token "
-                          f"ids mean other text; prepare the data with the checkpoint's "
-                          f"tokenizer, or start afresh in another folder (hydra.run.dir)")
-
-
-def restore_weights(point: Point, own: Checkpointer, engine: Engine):
-    """The parameters and step saved at `point`, with this engine's optimizer state
-    started afresh (train.reset_optimizer)."""
-    folder, step = point
-    layout = engine.layout
-    shapes = layout.abstract_canonical()["params"]
-    reader = own if folder == own.directory else Checkpointer(folder, read_only=True)
-    try:
-        params = reader.restore_params(step, shapes)
-    finally:
-        if reader is not own:
-            reader.close()
-    state = layout.init(layout.from_canonical(params))
-    state["step"] = jax.device_put(jax.numpy.asarray(step, state["step"].dtype),
-                                   state["step"].sharding)
-    return state
 
 
 # --- The state -------------------------------------------------------------------------

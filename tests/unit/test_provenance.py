@@ -152,8 +152,9 @@ def test_13_optimizer_values_accepted_before_without_a_word():
     from framework.model.llama import init_params
     from framework.run.checks import check_no_decay, check_run
 
-    for optim, says in [(OptimConfig(schedule="wsd", decay_steps=500), "is more than "
-                         "train.steps=100"), (OptimConfig(decay_steps=5), "set optim.schedule=wsd")]:
+    for optim, says in [(OptimConfig(schedule="wsd", decay_steps=500),
+                         "is more than train.steps=100"),
+                        (OptimConfig(decay_steps=5), "set optim.schedule=wsd")]:
         with pytest.raises(ConfigError, match=says):
             check_run(RunConfig(optim=optim))
     params = jax.eval_shape(lambda: init_params(ModelConfig(), jax.random.key(0)))
