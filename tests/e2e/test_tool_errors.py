@@ -33,6 +33,20 @@ def test_1_2_14_the_tools_verbatim(tmp_path, env):
         f"error: {bad}:2: no 'text' field (--text-field names the field that holds the text)"]
 
 
+def test_4_a_compile_into_a_training_runs_folder_is_refused(tmp_path, env):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "summary.json").write_text('{"status": "running", "step": 40}\n')
+    (run / "metrics.jsonl").write_text('{"step": 40}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    proc = cli.framework("compile", "recipe=llama_tiny_debug", f"hydra.run.dir={run}",
+                         cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2 and len(lines(proc)) == 1
+    assert "is a training run's folder" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()
+            and p.name != "run.log"} == before  # Hydra's own log aside
+
+
 def test_16_an_export_prints_only_its_own_line(tmp_path, env):
     proc = cli.ok(cli.tool("export_hf", str(FIXTURES / "hf" / "tied_gqa"),
                            str(tmp_path / "out"), env=env, timeout=120))
