@@ -31,11 +31,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework.runtime.quiet import import_jax  # noqa: E402
+from framework.runtime.quiet import start_cpu_only  # noqa: E402
 
-import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+start_cpu_only()  # it reads onto the CPU only; the plugins' start-up lines stay off stderr
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError  # noqa: E402
+from tools import entry  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30}
@@ -76,45 +77,48 @@ def export(source_path: str, out: str, step: int | None = None, dtype: str | Non
                                              "dtype": dtype})
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> entry.Parser:
+    p = entry.Parser(prog="tools/export_hf.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="run folder, checkpoint folder or step folder")
+    p.add_argument("out", help="the Hugging Face folder to write")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty folder of files that is not a previous "
+                        "export (a previous export is replaced without it)")
+    return p
+
+
+def build(argv: list[str] | None = None) -> list[str]:
+    """The command line's work, raising its errors; returns the files written."""
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only folders
     from framework.runtime import faults
 
     faults.LibraryOutput(os.devnull).install()  # an abandoned restore's thread noise
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="run folder, checkpoint folder or step folder")
-    parser.add_argument("out", help="the Hugging Face folder to write")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"))
-    parser.add_argument("--max-shard-size", default="5GB")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty folder of files that is not a previous "
-                             "export (a previous export is replaced without it)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     from framework.io.hf.export_folder import entries
 
     try:
         before = entries(args.out) if os.path.isdir(args.out) else []
     except OSError:  # unreadable: export() says so in one line
         before = []
-    try:
-        files = export(args.source, args.out, args.step, args.dtype, args.max_shard_size,
-                       args.overwrite)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the previous contents of the folder are still there
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    files = export(args.source, args.out, args.step, args.dtype, args.max_shard_size,
+                   args.overwrite)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
     gone = sorted(set(before) - set(files))
     replaced = (f", replacing the {len(before)} files it held"
                 + (f" ({len(gone)} not rewritten, now gone)" if gone else "")) if before else ""
     print(f"wrote {', '.join(files)} ({size / 1e6:.1f} MB) to {args.out}{replaced}: "
           f"AutoModelForCausalLM.from_pretrained({args.out!r}) loads it", file=sys.stderr)
-    return 0
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: `build`, every failure one line (tools/entry.py)."""
+    return entry.run(build, argv)
 
 
 if __name__ == "__main__":

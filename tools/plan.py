@@ -37,6 +37,7 @@ target's. Each compile takes minutes at 70B on a laptop.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -69,11 +70,28 @@ def check_settings(settings: dict) -> None:
     for name, value in settings.items():
         if name not in VALID:
             continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value:g} is not a finite number")
         low, high, closed = VALID[name]
         if (value < low if closed else value <= low) or (high is not None and value > high):
             rng = (f"in ({low}, {high}]" if high is not None else
                    f">= {low}" if closed else f"> {low}")
             raise ConfigError(f"{name}={value:g} is out of range: it must be {rng}")
+
+
+def check_choices(cfg) -> None:
+    """Raises ConfigError (one line) for a setting outside its valid values (`CHOICES`),
+    which the planner would otherwise only answer with "no valid layout"."""
+    from framework.config import CHOICES, not_one_of
+    from framework.errors import ConfigError
+
+    for key in CHOICES:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        problem = not_one_of(key, value) if value is not None else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def hardware(settings: dict, dtype: str, target=None):
@@ -104,6 +122,20 @@ def hardware(settings: dict, dtype: str, target=None):
         device=None if "peak_tflops" in settings else device)
 
 
+def rank_layouts(settings: dict, overrides: list[str], target):
+    """(the composed config, the hardware, every valid layout ranked), saying first that
+    ranking can take a while."""
+    from framework.analysis import planner
+
+    cfg = compose(overrides)
+    check_choices(cfg)
+    hw = hardware(settings, cfg.model.dtype, target)
+    print(f"ranking every layout of this model for {settings['devices']} devices (a minute "
+          f"or more for large device counts) ...", flush=True)
+    return cfg, hw, planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
+                                 cfg.optim)
+
+
 def main(argv=None) -> int:
     from framework.errors import ConfigError
     from framework.parallel.mesh import mesh_name
@@ -122,12 +154,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"missing {' and '.join(f'{k}=<value>' for k in missing)} "
                               f"(e.g. devices=8 device_memory_gb=80)")
         check_settings(settings)
-        cfg = compose(overrides)
-        from framework.analysis import planner
-
-        hw = hardware(settings, cfg.model.dtype, target)
-        plans = planner.plan(cfg.model, cfg.train, cfg.parallel, settings["devices"], hw,
-                             cfg.optim)
+        cfg, hw, plans = rank_layouts(settings, overrides, target)
     except ConfigError as err:
         return user_error(err)
     if not plans:
@@ -141,6 +168,8 @@ def main(argv=None) -> int:
     print(f"{settings['devices']} devices x {settings['device_memory_gb']:g} GiB "
           f"(usable {hw.memory_fraction:.0%}), peak {hw.peak_flops / 1e12:.1f} TFLOP/s per "
           f"device; {len(plans)} valid layouts, {n_fit} fit")
+    from framework.analysis import planner
+
     print(planner.table(plans, settings.get("top", 20), settings.get("unfit", 5)))
     print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
           "grads + acts (kept residuals + the largest transient); step ms = compute "

@@ -9,7 +9,9 @@ The configuration is composed exactly as `python -m framework.run` composes it
 applies. Writes `compile_report.json` (and `summary.json`) in the run folder, and what
 the compilers log themselves (XLA's warnings, libtpu's start-up) to `compile.log`. Exit
 status 2 with one line on stderr for bad input and for a program that does not fit the
-target's memory; `-m` runs one process per job, as training sweeps do.
+target's memory; `-m` runs one process per job, as training sweeps do. The run folder's
+lock is held while compiling (a training run there is refused, and a compile in a
+training run's folder is refused: its summary.json is the run's).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from framework.compile import report as report_lib
 from framework.compile.targets import parse
 from framework.config import CompileConfig
 from framework.errors import ConfigError
+from framework.io import outputs
 from framework.run import cli as run_cli
 from framework.run.tracking import SUMMARY_FILE
+from framework.runtime import faults, runlock
 from framework.runtime.quiet import stderr_to
 
 COMPILER_LOG = "compile.log"
@@ -43,30 +47,61 @@ def _main(cfg: DictConfig) -> None:
             _NOT_COMPILED.append(f"{Path(hc.runtime.output_dir).name} "
                                  f"({summary.get('status')}: {summary.get('reason', '')})")
         return
-    from framework.compile.program import TooBig, compile_report
-
     try:
         run_cli.check_added_keys(list(hc.overrides.task), CompileConfig)
     except ConfigError as err:
         run_cli.user_error(err)
     run_cfg: CompileConfig = run_cli.typed_config(cfg)
     run_dir = Path(hc.runtime.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    recipe = {"recipe": hc.runtime.choices.get("recipe")}
+    try:
+        lock = hold_folder(run_dir)
+    except ConfigError as err:
+        run_cli.user_error(err)
+    try:
+        _compile(run_cfg, run_dir, {"recipe": hc.runtime.choices.get("recipe")})
+    finally:
+        lock.release()
+
+
+def hold_folder(run_dir: Path) -> runlock.RunLock:
+    """The folder's lock (framework/runtime/runlock.py), held while compiling: a
+    training run there is refused (FolderBusy), as is a folder that is another tool's
+    output (a training run's: its summary.json is not a compile's to replace)."""
+    found = outputs.owner(run_dir) if run_dir.is_dir() else None
+    if found not in (None, "compile"):
+        raise ConfigError(f"hydra.run.dir={run_dir} is {outputs.KINDS[found]}: a compile "
+                          f"writes summary.json and compile_report.json there, which would "
+                          f"replace its own; choose another folder")
+    return runlock.acquire(run_dir)
+
+
+def _compile(run_cfg: CompileConfig, run_dir: Path, recipe: dict) -> None:
+    from framework.compile.program import TooBig, compile_report
+
     try:
         with stderr_to(run_dir / COMPILER_LOG):  # the compilers' own chatter
             report = {**recipe, **compile_report(run_cfg, parse(run_cfg.target))}
     except TooBig as err:
-        report_lib.write_json(run_dir / report_lib.REPORT_FILE, {**recipe, **err.report})
-        report_lib.write_json(run_dir / SUMMARY_FILE, {"status": "does_not_fit",
-                                                      "reason": str(err), "exit_code": 2})
+        _write(run_dir / report_lib.REPORT_FILE, {**recipe, **err.report})
+        _write(run_dir / SUMMARY_FILE, {"status": "does_not_fit", "reason": str(err),
+                                        "exit_code": 2})
         run_cli.user_error(err)
     except ConfigError as err:
         run_cli.user_error(err)
-    report_lib.write_json(run_dir / report_lib.REPORT_FILE, report)
-    report_lib.write_json(run_dir / SUMMARY_FILE, {"status": "compiled", **report})
+    _write(run_dir / report_lib.REPORT_FILE, report)
+    _write(run_dir / SUMMARY_FILE, {"status": "compiled", **report})
     print("\n".join(report_lib.lines(report)), flush=True)
     print(f"report: {run_dir / report_lib.REPORT_FILE}", flush=True)
+
+
+def _write(path: Path, data: dict) -> None:
+    """A report file, whole or not at all; a failure is one line (exit 4: no space)."""
+    try:
+        outputs.write_json(path, data)
+    except OSError as err:
+        print(f"error: cannot write {path}: {err.strerror or err}", file=sys.stderr,
+              flush=True)
+        sys.exit(faults.STORAGE_EXIT)
 
 
 def main() -> None:

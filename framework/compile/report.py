@@ -4,20 +4,9 @@ sweeps."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 from framework.units import MIB, size
 
 REPORT_FILE = "compile_report.json"
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Written whole or not at all (a temporary file renamed over the old one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _gib(value) -> str:

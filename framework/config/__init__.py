@@ -201,6 +201,9 @@ class TrainConfig:
     # safetensors): start at step 0 from its weights; the model settings are read from
     # its config.json (framework/io/hf/family.py).
     init_from: Optional[str] = None
+    # Resume from a checkpoint whose optimizer state is another optimizer's (optim.name
+    # changed): keep its weights and step, start the optimizer afresh (run/start.py).
+    reset_optimizer: bool = False
 
 
 @dataclass

@@ -25,9 +25,12 @@ mesh, and a process reads only its own rows, from memory-mapped shards (memory b
 whatever the corpus size).
 
 Checks before training (one line each, `ConfigError`): a missing manifest or shard, a
-shard whose size or checksum differs from the manifest's (`data.verify=checksum`
-reads every byte; `size` only compares sizes), a vocabulary beyond `model.vocab_size`,
-fewer training sequences than one batch.
+manifest a reader does not understand (a key missing or of the wrong type) or one
+edited by hand (its `seal`, a SHA-256 of the rest, no longer matches), a shard whose
+size or checksum differs from the manifest's (`data.verify=checksum` reads every byte;
+`size` only compares sizes), a vocabulary beyond `model.vocab_size`, fewer training
+sequences than one batch. During training every read first compares the shard's size
+and modification time with those it had at the start (`Shard.check`, `DataError`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from framework.errors import ConfigError, DataError
+from framework.io import outputs
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -58,69 +62,135 @@ def sha256(path: str, chunk: int = 1 << 24) -> str:
 class Shard:
     tokens: np.ndarray  # [n_tokens] memory-mapped ids
     start: int  # its first token's position in the whole stream
-    path: str = ""  # its file, and that file's size in the manifest (checked per read)
-    nbytes: int = 0
+    path: str = ""  # its file, and that file's size and modification time when opened
+    nbytes: int = 0  # (checked per read)
+    mtime_ns: int | None = None
 
     def check(self) -> None:
-        """DataError unless the file still has its manifest's size: a shard truncated
-        after the start would be read past its end (SIGBUS through the memory map)."""
+        """DataError unless the file still has the size and modification time it had
+        when the run opened it: a shard truncated after the start would be read past
+        its end (SIGBUS through the memory map), one rewritten in place with other ids
+        would be trained on without a word."""
         try:
-            size = os.path.getsize(self.path)
+            st = os.stat(self.path)
         except OSError as err:
             raise DataError(f"{self.path} can no longer be read ({err.strerror}): the corpus "
                             f"changed during the run") from None
-        if size != self.nbytes:
-            raise DataError(f"{self.path} is now {size} bytes, its manifest says "
+        if st.st_size != self.nbytes:
+            raise DataError(f"{self.path} is now {st.st_size} bytes, its manifest says "
                             f"{self.nbytes}: the corpus changed during the run")
+        if self.mtime_ns is not None and st.st_mtime_ns != self.mtime_ns:
+            raise DataError(f"{self.path} was rewritten during the run (its modification "
+                            f"time changed): the corpus changed during the run")
 
 
-def open_corpus(path: str, vocab_size: int, verify: str = "checksum") -> tuple[list[Shard], dict]:
+def open_corpus(path: str, vocab_size: int, verify: str = "checksum",
+                setting: str = "data.path") -> tuple[list[Shard], dict]:
     """(the shards, memory-mapped, in stream order; the manifest) of the corpus at `path`
-    (its folder or its manifest.json), checked (module docstring)."""
+    (its folder or its manifest.json), checked (module docstring); `setting` names it."""
     is_manifest = os.path.basename(path) == MANIFEST and os.path.isfile(path)
     if not (os.path.isdir(path) or is_manifest):
-        raise ConfigError(f"data.path={path} is not a corpus folder (nor its {MANIFEST}): "
+        raise ConfigError(f"{setting}={path} is not a corpus folder (nor its {MANIFEST}): "
                           f"prepare one with tools/prepare_data.py <folder> <inputs>")
     folder = os.path.dirname(path) if is_manifest else path
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise ConfigError(f"data.path={path} holds no {MANIFEST}: prepare a corpus with "
+        raise ConfigError(f"{setting}={path} holds no {MANIFEST}: prepare a corpus with "
                           f"tools/prepare_data.py <folder> <inputs>")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        shards_meta, dtype = manifest["shards"], np.dtype(manifest["dtype"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{manifest_path} is not a corpus manifest ({err}): prepare the "
-                          f"corpus again with tools/prepare_data.py <folder>") from None
-    if manifest.get("vocab_size", 0) > vocab_size:
+    manifest = read_manifest(manifest_path)
+    dtype = np.dtype(manifest["dtype"])
+    if manifest["vocab_size"] > vocab_size:
         raise ConfigError(f"{manifest_path}: the corpus's tokenizer has a vocabulary of "
                           f"{manifest['vocab_size']} but model.vocab_size={vocab_size}: "
                           f"set model.vocab_size >= {manifest['vocab_size']}")
     shards, start = [], 0
-    for meta in shards_meta:
+    for meta in manifest["shards"]:
         for key in ("file", "index"):
             _check_file(os.path.join(folder, meta[key]), meta[f"{key}_bytes"],
                         meta[f"{key}_sha256"], verify)
-        tokens = np.memmap(os.path.join(folder, meta["file"]), dtype=dtype, mode="r")
-        shards.append(Shard(tokens, start, os.path.join(folder, meta["file"]),
-                            meta["file_bytes"]))
+        where = os.path.join(folder, meta["file"])
+        tokens = np.memmap(where, dtype=dtype, mode="r") if meta["file_bytes"] else \
+            np.zeros(0, dtype)
+        shards.append(Shard(tokens, start, where, meta["file_bytes"],
+                            os.stat(where).st_mtime_ns))
         start += len(tokens)
     if not shards or start == 0:
         raise ConfigError(f"{manifest_path} lists no tokens")
     return shards, manifest
 
 
+SHARD_KEYS = {"file": str, "index": str, "file_bytes": int, "index_bytes": int,
+              "file_sha256": str, "index_sha256": str, "tokens": int, "documents": int}
+
+
+def read_manifest(manifest_path: str) -> dict:
+    """The manifest, checked: every key a reader uses, of its type; its seal (written
+    with it) intact. ConfigError (one line) naming what is wrong otherwise."""
+    again = "prepare the corpus again with tools/prepare_data.py <folder> <inputs>"
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{manifest_path} is not readable JSON ({err}): {again}") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ConfigError(f"{manifest_path}: {problem}: {again}")
+    if "seal" in manifest and manifest["seal"] != seal(manifest):
+        raise ConfigError(f"{manifest_path} was edited after the corpus was prepared (its "
+                          f"seal no longer matches: eos_id, dtype, tokenizer or shards "
+                          f"changed by hand): {again}")
+    return manifest
+
+
+def _manifest_problem(m) -> str | None:
+    """What makes `m` not a manifest a reader understands, in words (None: nothing)."""
+    if not isinstance(m, dict):
+        return "not a JSON object"
+    if m.get("dtype") not in ("uint16", "uint32"):
+        return f"dtype {m.get('dtype')!r} is not one of uint16, uint32"
+    vocab, eos = m.get("vocab_size"), m.get("eos_id")
+    if not _is_int(vocab) or vocab < 1:
+        return f"vocab_size {vocab!r} is not a whole number >= 1"
+    if eos is not None and (not _is_int(eos) or not 0 <= eos < vocab):
+        return f"eos_id {eos!r} is not a token id below its vocab_size {vocab}"
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        return "it lists no shards (a list 'shards')"
+    for n, shard in enumerate(shards):
+        bad = [k for k, kind in SHARD_KEYS.items() if not isinstance(shard, dict)
+               or not isinstance(shard.get(k), kind) or isinstance(shard.get(k), bool)]
+        if bad:
+            return f"shard {n} lacks {', '.join(bad)} (or has the wrong type)"
+        if os.path.basename(shard["file"]) != shard["file"] or \
+                os.path.basename(shard["index"]) != shard["index"]:
+            return f"shard {n} names a file outside the corpus folder"
+    return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def seal(manifest: dict) -> str:
+    """SHA-256 of the manifest without its seal: written with it, checked by readers."""
+    body = {k: v for k, v in manifest.items() if k != "seal"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+AGAIN = ("prepare the corpus again with the same command (tools/prepare_data.py prepares "
+         "again the inputs whose shards are missing or damaged)")
+
+
 def _check_file(path: str, size: int, digest: str, verify: str) -> None:
     if not os.path.isfile(path):
-        raise ConfigError(f"corpus shard {path} is missing: restore it, or prepare the "
-                          f"corpus again (tools/prepare_data.py <folder> skips finished shards)")
+        raise ConfigError(f"corpus shard {path} is missing: restore it, or {AGAIN}")
     if os.path.getsize(path) != size:
         raise ConfigError(f"corpus shard {path} is {os.path.getsize(path)} bytes but its "
-                          f"manifest says {size}: the file is truncated or was replaced")
+                          f"manifest says {size}: the file is truncated or was replaced; "
+                          f"restore it, or {AGAIN}")
     if verify == "checksum" and sha256(path) != digest:
         raise ConfigError(f"corpus shard {path} does not match its manifest's SHA-256: the "
-                          f"file is damaged; restore it or prepare the corpus again")
+                          f"file is damaged; restore it, or {AGAIN}")
 
 
 # --- Writing (tools/prepare_data.py <folder>) -------------------------------------------
@@ -139,24 +209,23 @@ def write_shard(folder: str, name: str, docs: list[np.ndarray], dtype: str) -> d
     entry = {"documents": len(docs), "tokens": int(offsets[-1])}
     for key, suffix, array in (("file", ".bin", None), ("index", ".idx", offsets)):
         path = os.path.join(folder, name + suffix)
-        with open(path + ".tmp", "wb") as f:
+        with outputs.replacing(path) as f:
             if array is None:
                 for d in docs:
                     np.asarray(d, dtype=dtype).tofile(f)
             else:
                 array.tofile(f)
-        os.replace(path + ".tmp", path)
         entry.update({key: name + suffix, f"{key}_bytes": os.path.getsize(path),
                       f"{key}_sha256": sha256(path)})
     return entry
 
 
 def write_manifest(folder: str, shards: list[dict], **fields) -> dict:
+    """Writes the manifest (sealed: `seal`) whole or not at all; returns it."""
     manifest = {"format": FORMAT, **fields, "documents": sum(s["documents"] for s in shards),
                 "tokens": sum(s["tokens"] for s in shards), "shards": shards}
-    with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+    manifest["seal"] = seal(manifest)
+    outputs.write_json(os.path.join(folder, MANIFEST), manifest, indent=1)
     return manifest
 
 

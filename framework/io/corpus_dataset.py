@@ -7,7 +7,6 @@ dataset of framework/io/data.py.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 
@@ -17,6 +16,7 @@ from framework.config import DataConfig, EvalConfig, TrainConfig
 from framework.errors import ConfigError, DataError
 from framework.io import corpus
 from framework.io.data import TRAIN, Dataset, Rows, row_indices
+from framework.io.tokenizer import BYTES, fingerprint
 
 
 class CorpusDataset(Dataset):
@@ -25,28 +25,33 @@ class CorpusDataset(Dataset):
     the last holdout_fraction of the sequences are the held-out ones, in order."""
 
     def __init__(self, train: TrainConfig, vocab_size: int, cfg: DataConfig,
-                 least: int | None = None):
+                 least: int | None = None, setting: str = "data.path"):
         """`least`: the fewest training and held-out sequences it must hold (default one
-        batch; a mixture's corpus needs only one: a batch draws from every corpus)."""
+        batch; a mixture's corpus needs only one: a batch draws from every corpus).
+        `setting`: what names this corpus in messages (data.mixture[1].path, ...)."""
         super().__init__(train, vocab_size)
         least = self.global_batch if least is None else least
         self.shards, self.manifest = corpus.open_corpus(os.path.expanduser(cfg.path),
-                                                        vocab_size, cfg.verify)
-        self.separator, self.path = self.manifest.get("eos_id"), cfg.path
+                                                        vocab_size, cfg.verify, setting)
+        self.separator, self.path, self.setting = self.manifest.get("eos_id"), cfg.path, setting
         total = self.shards[-1].start + len(self.shards[-1].tokens)
         n = (total - 1) // self.seq_len  # windows of seq_len + 1, stride seq_len
         held = int(n * cfg.holdout_fraction)  # 1: a validation set (`eval_sets`)
         self.n_train, self.n_eval, self.has_eval = n - held, held, held > 0
         need = f"one batch of train.global_batch_size={least}" if least > 1 else "one"
+        where = f"{setting}={cfg.path} holds {n} sequences of train.seq_len={self.seq_len} " \
+                f"({total} tokens)"
+        if cfg.holdout_fraction >= 1 and held < least:  # a validation set
+            raise ConfigError(f"{where}, fewer than {need}: a validation set needs at "
+                              f"least that many")
         if cfg.holdout_fraction < 1 and self.n_train < least:
-            raise ConfigError(
-                f"data.path={cfg.path} holds {self.n_train} training sequences of "
-                f"train.seq_len={self.seq_len} ({total} tokens, data.holdout_fraction="
-                f"{cfg.holdout_fraction}), fewer than {need}")
-        if self.has_eval and held < least:
-            raise ConfigError(f"data.path={cfg.path}: data.holdout_fraction="
-                              f"{cfg.holdout_fraction} holds out {held} sequences, fewer "
-                              f"than {need}: raise it, or set 0")
+            raise ConfigError(f"{where}, {self.n_train} of them for training (data."
+                              f"holdout_fraction={cfg.holdout_fraction}), fewer than {need}")
+        if 0 < cfg.holdout_fraction < 1 and held < least:
+            lowest = min(1.0, least / max(n, 1))
+            raise ConfigError(f"{where}: data.holdout_fraction={cfg.holdout_fraction} holds "
+                              f"out {held} of them, fewer than {need}: set it to at least "
+                              f"{lowest:.3g}, or 0 (no eval/loss)")
 
     def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
         return self.samples(split, index * self.global_batch + row_indices(rows, self.global_batch))
@@ -66,7 +71,7 @@ class CorpusDataset(Dataset):
                                             self.seq_len + 1, checked)
                          for i in seqs]).astype(np.int32)
         if rows.size and rows.max() >= self.vocab_size:  # a shard rewritten mid-run
-            raise DataError(f"data.path={self.path} now holds token id {rows.max()} (model."
+            raise DataError(f"{self.setting}={self.path} now holds token id {rows.max()} (model."
                             f"vocab_size={self.vocab_size}): the corpus changed during the run")
         return rows
 
@@ -87,7 +92,7 @@ class MixtureDataset(Dataset):
         paths, weights = _mixture(cfg.mixture)
         self.parts = [CorpusDataset(train, vocab_size, DataConfig(
             kind="corpus", path=p, holdout_fraction=cfg.holdout_fraction, verify=cfg.verify),
-            least=1) for p in paths]
+            least=1, setting=f"data.mixture[{n}].path") for n, p in enumerate(paths)]
         _one_tokenizer(paths, self.parts)
         share = np.asarray(weights) / sum(weights) * self.BLOCK
         counts = np.floor(share).astype(np.int64)
@@ -112,8 +117,13 @@ class MixtureDataset(Dataset):
         return out
 
 
+MIXTURE_KEYS = {"path": str, "weight": (int, float)}
+
+
 def _mixture(given) -> tuple[list[str], list[float]]:
-    """(paths, weights) of `data.mixture`, a list of {path, weight}; one line if not."""
+    """(paths, weights) of `data.mixture`, a list of {path, weight}; one line if not:
+    an entry with another key (a misspelt `weigth` would silently weigh 1), a path
+    that is not text, a weight that is not a number >= 0 (true is not 1)."""
     example = "'data.mixture=[{path: web/, weight: 0.7}, {path: code/, weight: 0.3}]'"
     if not isinstance(given, (list, tuple)) or not given:
         raise ConfigError(f"data.mixture={given!r} is not a list of corpora with weights, "
@@ -123,26 +133,37 @@ def _mixture(given) -> tuple[list[str], list[float]]:
         if not isinstance(entry, dict) or not entry.get("path"):
             raise ConfigError(f"data.mixture[{n}]={entry!r} names no corpus: each entry is "
                               f"{{path: <corpus folder>, weight: <share>}}, e.g. {example}")
+        unknown = sorted(set(map(str, entry)) - set(MIXTURE_KEYS))
+        if unknown:
+            raise ConfigError(f"data.mixture[{n}] has the key {unknown[0]!r}: an entry has "
+                              f"only path and weight, e.g. {example}")
         weight = entry.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight < 0:
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or \
+                not np.isfinite(weight) or weight < 0:
             raise ConfigError(f"data.mixture[{n}].weight={weight!r} must be a number >= 0")
-        paths.append(str(entry["path"]))
+        if not isinstance(entry["path"], str):
+            raise ConfigError(f"data.mixture[{n}].path={entry['path']!r} is not a folder name")
+        paths.append(entry["path"])
         weights.append(float(weight))
     if sum(weights) <= 0:
         raise ConfigError(f"data.mixture's weights add up to 0: give some corpus a weight > 0")
     return paths, weights
 
 
+def tokenizer_of(part: CorpusDataset) -> str | None:
+    """What a corpus's ids mean: "bytes", its tokenizer.json copy's SHA-256 (recorded
+    in the manifest, else read), or None (unknown)."""
+    name = part.manifest.get("tokenizer")
+    if not name or name == BYTES:
+        return name
+    return part.manifest.get("tokenizer_sha256") or fingerprint(
+        os.path.join(os.path.expanduser(part.path), name))
+
+
 def _one_tokenizer(paths: list[str], parts: list[CorpusDataset]) -> None:
     """ConfigError unless every corpus of a mixture was prepared with one tokenizer
     (byte-level, or tokenizer.json copies with the same bytes): ids mean one thing."""
-    def which(path, part):
-        name = part.manifest.get("tokenizer")
-        if not name or name == "bytes":
-            return name
-        with open(os.path.join(os.path.expanduser(path), name), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    seen = [which(p, part) for p, part in zip(paths, parts)]
+    seen = [tokenizer_of(part) for part in parts]
     for path, tok in zip(paths[1:], seen[1:]):
         if tok != seen[0]:
             raise ConfigError(f"data.mixture: {paths[0]} and {path} were prepared with "
@@ -151,24 +172,32 @@ def _one_tokenizer(paths: list[str], parts: list[CorpusDataset]) -> None:
 
 
 def eval_sets(evaluation: EvalConfig, cfg: DataConfig, train: TrainConfig,
-              vocab_size: int) -> dict[str, Dataset]:
+              vocab_size: int, tokenizer: str | None = None) -> dict[str, Dataset]:
     """The named validation sets of `eval.sets` ({name: corpus folder}), each read whole
-    as held-out sequences and logged as eval/<name>/loss; checked like `data.path`."""
+    as held-out sequences and logged as eval/<name>/loss; checked like `data.path`, and
+    (`tokenizer`: the training data's, framework/io/tokenizer.py `for_run`) prepared
+    with the training data's tokenizer, as a mixture's corpora are."""
     sets = evaluation.sets or {}
     if not isinstance(sets, dict):
         raise ConfigError(f"eval.sets={sets!r} is not a mapping of names to corpus folders, "
                           f"e.g. 'eval.sets={{wiki: wiki_val/, code: code_val/}}'")
     if sets and not evaluation.every:
         raise ConfigError("eval.sets needs eval.every > 0 (how often they are evaluated)")
-    out = {}
+    mine, out = fingerprint(tokenizer), {}
     for name, path in sets.items():
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
             raise ConfigError(f"eval.sets name {name!r} is not a plain name (letters, "
                               f"digits, _ . -): it becomes the metric eval/<name>/loss")
-        one = DataConfig(kind="corpus", path=str(path), holdout_fraction=1.0,
-                         verify=cfg.verify)
-        try:
-            out[str(name)] = CorpusDataset(train, vocab_size, one)
-        except ConfigError as err:
-            raise ConfigError(f"eval.sets.{name}: {err}") from None
+        if str(name) in out:
+            raise ConfigError(f"eval.sets names {name!r} twice: each set needs its own name")
+        if not isinstance(path, str):
+            raise ConfigError(f"eval.sets.{name}={path!r} is not a corpus folder's name, "
+                              f"e.g. 'eval.sets={{{name}: {name}_val/}}'")
+        one = DataConfig(kind="corpus", path=path, holdout_fraction=1.0, verify=cfg.verify)
+        out[str(name)] = CorpusDataset(train, vocab_size, one, setting=f"eval.sets.{name}")
+        theirs = tokenizer_of(out[str(name)])
+        if mine and theirs and theirs != mine:
+            raise ConfigError(f"eval.sets.{name}={path} was prepared with another tokenizer "
+                              f"than the training data (its ids mean other text): prepare "
+                              f"it with the training data's --tokenizer")
     return out

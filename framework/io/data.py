@@ -29,6 +29,7 @@ import numpy as np
 
 from framework.errors import ConfigError
 from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
+from framework.io import corpus
 from framework.model.documents import DocumentMask
 
 KINDS = CHOICES["data.kind"]
@@ -198,13 +199,14 @@ def open_text(cfg: DataConfig, vocab_size: int) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def open_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
-    """A flat binary file of token ids: [n_tokens] uint16/uint32, memory-mapped."""
+def open_tokens(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, dict]:
+    """A flat binary file of token ids ([n_tokens] uint16/uint32, memory-mapped) and what
+    its sidecar says ({} without one)."""
     path = _check_path(cfg, "a flat uint16/uint32 token file from tools/prepare_data.py")
     problem = not_one_of("data.token_dtype", cfg.token_dtype)
     if problem:
         raise ConfigError(problem)
-    _check_sidecar(path, cfg)
+    meta = _check_sidecar(path, cfg)
     itemsize = np.dtype(cfg.token_dtype).itemsize
     if os.path.getsize(path) % itemsize:
         raise ConfigError(f"data.path={cfg.path} is {os.path.getsize(path)} bytes, not a "
@@ -214,7 +216,7 @@ def open_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
     if top >= vocab_size:
         raise ConfigError(f"data.path={cfg.path} holds token id {top} but model.vocab_size="
                           f"{vocab_size}: {_vocab_hint(path, cfg, top, vocab_size)}")
-    return tokens
+    return tokens, meta
 
 
 def _vocab_hint(path: str, cfg: DataConfig, top: int, vocab_size: int) -> str:
@@ -228,17 +230,39 @@ def _vocab_hint(path: str, cfg: DataConfig, top: int, vocab_size: int) -> str:
 
 
 def _check_sidecar(path: str, cfg: DataConfig) -> dict:
-    """tools/prepare_data.py writes <file>.json; when present its dtype must match.
-    Returns what it says ({} without one)."""
+    """tools/prepare_data.py writes <file>.json; when present, the file must be what it
+    describes: its dtype, its size (n_tokens ids), its SHA-256 (data.verify=checksum),
+    an eos_id inside its vocabulary. Returns what it says ({} without one)."""
     meta_path = path + ".json"
     if not os.path.isfile(meta_path):
         return {}
-    with open(meta_path) as f:
-        meta = json.load(f)
+    again = "prepare it again with tools/prepare_data.py"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{meta_path} (the sidecar of data.path={cfg.path}) is not "
+                          f"readable JSON ({err}): {again}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{meta_path} is not a sidecar of tools/prepare_data.py: {again}")
     if meta.get("dtype", cfg.token_dtype) != cfg.token_dtype:
         raise ConfigError(f"data.path={cfg.path} was written as {meta['dtype']} "
                           f"(see {meta_path}) but data.token_dtype={cfg.token_dtype}: "
                           f"set data.token_dtype={meta['dtype']}")
+    n_tokens, eos = meta.get("n_tokens"), meta.get("eos_id")
+    if n_tokens is not None:
+        expected = n_tokens * np.dtype(cfg.token_dtype).itemsize if isinstance(
+            n_tokens, int) else None
+        if expected != os.path.getsize(path):
+            raise ConfigError(f"data.path={cfg.path} is {os.path.getsize(path)} bytes but "
+                              f"{meta_path} records {n_tokens!r} tokens ({expected} bytes): "
+                              f"the file is partial or was replaced; {again}")
+    if cfg.verify == "checksum" and meta.get("sha256") and \
+            corpus.sha256(path) != meta["sha256"]:
+        raise ConfigError(f"data.path={cfg.path} does not match the SHA-256 in {meta_path}: "
+                          f"the file was changed or damaged; {again}")
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or eos < 0):
+        raise ConfigError(f"{meta_path}: eos_id {eos!r} is not a token id: {again}")
     return meta
 
 
@@ -254,6 +278,12 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
         raise ConfigError(f"data.holdout_fraction={cfg.holdout_fraction} must be in [0, 1)")
     if cfg.kind == "tokens" and cfg.path and os.path.isdir(os.path.expanduser(cfg.path)):
         cfg = dataclasses.replace(cfg, kind="corpus")  # a prepared folder of shards
+    if cfg.mixture is not None and cfg.kind != "corpus":
+        raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
+                          f"(not {cfg.kind})")
+    if cfg.mixture is not None and cfg.path:
+        raise ConfigError(f"data.mixture and data.path={cfg.path} both say what to train "
+                          f"on: put the corpus into data.mixture, or drop data.mixture")
     if cfg.kind == "synthetic":
         return SyntheticDataset(train, vocab_size)
     if cfg.kind == "markov":
@@ -269,13 +299,11 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
         return FileDataset(train, vocab_size, open_text(cfg, vocab_size), cfg.holdout_fraction,
                            f"data.path={cfg.path}")
     if cfg.kind == "tokens":
-        dataset = FileDataset(train, vocab_size, open_tokens(cfg, vocab_size),
-                              cfg.holdout_fraction, f"data.path={cfg.path}")
-        dataset.separator = _check_sidecar(os.path.expanduser(cfg.path), cfg).get("eos_id")
+        tokens, meta = open_tokens(cfg, vocab_size)
+        dataset = FileDataset(train, vocab_size, tokens, cfg.holdout_fraction,
+                              f"data.path={cfg.path}")
+        dataset.separator = meta.get("eos_id")
         return dataset
-    if cfg.mixture is not None and cfg.kind != "corpus":
-        raise ConfigError(f"data.mixture mixes corpora: it needs data.kind=corpus "
-                          f"(not {cfg.kind})")
     if cfg.kind == "corpus":
         if cfg.verify not in VERIFY:
             raise ConfigError(not_one_of("data.verify", cfg.verify))

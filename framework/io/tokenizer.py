@@ -4,13 +4,14 @@ the optional `tokenizers` package (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
 from framework.errors import ConfigError
+from framework.io import outputs
 
 BYTES = "bytes"  # how metadata and sidecars name the byte-level codec
 
@@ -34,20 +35,43 @@ def byte_codec(vocab_size: int) -> Codec:
                  .decode("utf-8", errors="replace"))
 
 
-def hf_codec(path: str) -> Codec:
-    """A tokenizer.json. encode adds the special tokens its post-processor defines
-    (Llama 3's <|begin_of_text|>), as transformers does; decode drops special tokens."""
+def read_hf(path: str, setting: str = "tokenizer"):
+    """The `tokenizers` Tokenizer of a local tokenizer.json; ConfigError (one line,
+    naming `setting`) when the package is missing or the file is not one."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError(f"{path} needs the optional 'tokenizers' package: "
+        raise ConfigError(f"{setting} {path} needs the optional 'tokenizers' package: "
                           f"pip install -e '.[tokenizers]'") from None
     if not os.path.isfile(path):
-        raise ConfigError(f"tokenizer {path} does not exist")
+        raise ConfigError(f"{setting} {path}: no such file (a local tokenizer.json)")
     try:
-        tok = Tokenizer.from_file(path)
+        return Tokenizer.from_file(path)
     except Exception as err:  # the Rust library raises its own exception type
-        raise ConfigError(f"{path} is not a readable tokenizer.json ({err})") from None
+        reason = " ".join(str(err).split())[:200]
+        raise ConfigError(f"{setting} {path} is not a readable tokenizer.json "
+                          f"({reason})") from None
+
+
+def fingerprint(spec: str | None) -> str | None:
+    """What a tokenizer is, for comparing two: "bytes", the SHA-256 of a tokenizer.json's
+    bytes, or None (unknown)."""
+    if spec is None or spec == BYTES:
+        return spec
+    digest = hashlib.sha256()
+    try:
+        with open(spec, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def hf_codec(path: str) -> Codec:
+    """A tokenizer.json. encode adds the special tokens its post-processor defines
+    (Llama 3's <|begin_of_text|>), as transformers does; decode drops special tokens."""
+    tok = read_hf(path)
     return Codec(path, lambda text: tok.encode(text).ids,
                  lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
@@ -111,7 +135,7 @@ def keep_in(spec: str | None, run_dir: str, write: bool) -> str | None:
     copy = os.path.join(os.path.abspath(run_dir), "tokenizer.json")
     if write and os.path.abspath(spec) != copy:
         try:
-            shutil.copyfile(spec, copy)
+            outputs.copy_file(spec, copy)
         except OSError as err:
             raise ConfigError(f"cannot copy the tokenizer {spec} into {run_dir}: "
                               f"{err.strerror or err}") from None

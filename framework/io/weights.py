@@ -3,9 +3,11 @@ Face folder (config.json + safetensors), a run folder (`<run>/checkpoints/`), a
 checkpoint folder (Orbax steps) or one step folder of it; the model it describes, its
 tokenizer and how to load its parameters onto given shardings.
 
-Tokenizer lookup for a checkpoint: the checkpoint's metadata (`tokenizer`: "bytes" or
-a tokenizer.json path, written by the training run), else `<run folder>/tokenizer.json`,
-else byte-level when the run trained on bytes (`data` text/markov/synthetic with a
+Tokenizer lookup for a checkpoint: "bytes" when its metadata says so; else the run
+folder's own copy `<run folder>/tokenizer.json`, else the path the metadata records,
+each only when its SHA-256 is the one the metadata records (`tokenizer_sha256`: a
+copied or archived run never decodes with whatever now sits at an old path); else
+byte-level when the run trained on bytes (`data` text/markov/synthetic with a
 vocabulary of at most 256), else unknown (ids only). For a HF folder: its
 tokenizer.json if present, else byte-level when its vocabulary is 256 (what
 tools/export_hf.py writes for a byte-level run), else unknown.
@@ -39,7 +41,7 @@ from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import holds_checkpoints, locate
 from framework.errors import ConfigError, DamagedCheckpoint
 from framework.config import ModelConfig, RopeScaling
-from framework.io.tokenizer import BYTES
+from framework.io.tokenizer import BYTES, fingerprint
 
 BYTE_LEVEL_DATA = ("text", "markov", "synthetic")
 # Positions of a checkpoint that records neither max_position_embeddings nor seq_len
@@ -181,12 +183,16 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 
 def _checkpoint_tokenizer(meta: dict, run_dir: Path, model: ModelConfig) -> str | None:
-    recorded = meta.get("tokenizer")
-    if recorded == BYTES or (recorded and os.path.isfile(recorded)):
-        return recorded
-    if (run_dir / hf.TOKENIZER_FILE).is_file():
-        return str(run_dir / hf.TOKENIZER_FILE)
-    if meta.get("data") in BYTE_LEVEL_DATA and model.vocab_size <= 256:
+    """The tokenizer of a checkpoint: the run folder's own copy first (a copied or
+    archived run decodes with its own), else the recorded path; either only when its
+    SHA-256 is the recorded one (when one is). Unknown (None) otherwise."""
+    recorded, digest = meta.get("tokenizer"), meta.get("tokenizer_sha256")
+    if recorded == BYTES:
+        return BYTES
+    for candidate in (str(run_dir / hf.TOKENIZER_FILE), recorded):
+        if candidate and os.path.isfile(candidate) and digest in (None, fingerprint(candidate)):
+            return candidate
+    if meta.get("data") in BYTE_LEVEL_DATA and model.vocab_size <= 256 and not recorded:
         return BYTES
     return None
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from fnmatch import fnmatchcase
+
+import jax
 
 from framework.config import RunConfig, check_ranges, not_one_of
 from framework.engine.validate import check
@@ -49,6 +52,13 @@ def check_run(cfg: RunConfig) -> None:
         errs.append("logging.wandb.mode=online needs a W&B login: run `wandb login` (or set "
                     "WANDB_API_KEY), or log offline (logging=wandb_offline) and `wandb sync` "
                     "the run later")
+    decay = cfg.optim.decay_steps
+    if decay is not None and cfg.optim.schedule != "wsd":
+        errs.append(f"optim.decay_steps={decay} is the length of wsd's final decay, and "
+                    f"optim.schedule={cfg.optim.schedule}: set optim.schedule=wsd, or drop it")
+    elif decay is not None and decay > cfg.train.steps:
+        errs.append(f"optim.decay_steps={decay} is more than train.steps={cfg.train.steps}: "
+                    f"the decay would not end by the last step; set it <= {cfg.train.steps}")
     if cfg.eval.sample_prompt is not None and not cfg.eval.every:
         errs.append("eval.sample_prompt is written at each evaluation: set eval.every > 0")
     try:
@@ -57,6 +67,22 @@ def check_run(cfg: RunConfig) -> None:
         errs.append(str(err))
     if errs:
         raise ConfigError("; ".join(errs))
+
+
+def check_no_decay(patterns: tuple[str, ...], params) -> None:
+    """ConfigError (one line) for an optim.no_decay pattern that names no parameter of
+    the model (`params`: its tree, any layout; names as framework/engine/optim.py's
+    `decay_mask` reads them, e.g. layers/attn/wqkv): a typo would decay everything."""
+    if not patterns:
+        return
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        parts = [str(getattr(k, "key", k)) for k in path]
+        names.append("/".join(["layers" if parts[0] == "stages" else parts[0]] + parts[1:]))
+    for pattern in patterns:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            raise ConfigError(f"optim.no_decay pattern {pattern!r} names no parameter: the "
+                              f"names are {', '.join(sorted(set(names)))}")
 
 
 def clamp_warmup(cfg: RunConfig) -> tuple[RunConfig, str | None]:

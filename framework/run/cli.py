@@ -79,6 +79,32 @@ def check_added_keys(task: list[str], schema=RunConfig) -> None:
                           f"docs/configuration.md")
 
 
+def top_level_keys(text: str) -> list[str]:
+    """The keys of a mapping written on the command line ({a: x, b: {c: 1}} -> a, b)."""
+    keys, depth, part = [], 0, ""
+    for char in text.strip()[1:-1] + ",":
+        depth += (char in "{[") - (char in "}]")
+        if char == "," and depth == 0:
+            keys.append(part.split(":", 1)[0].strip().strip("'\""))
+            part = ""
+        else:
+            part += char
+    return [k for k in keys if k]
+
+
+def check_duplicate_keys(task: list[str]) -> None:
+    """Hydra keeps the last of two equal keys of a mapping given on the command line
+    (eval.sets={val: a/, val: b/} evaluates b/ only): one line instead."""
+    for override in task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if value.strip().startswith("{") and value.strip().endswith("}"):
+            keys = top_level_keys(value)
+            twice = next((k for k in keys if keys.count(k) > 1), None)
+            if twice is not None:
+                raise ConfigError(f"{key} names {twice!r} twice: give each entry its own "
+                                  f"name")
+
+
 def check_run_dir(hydra_overrides: list[str]) -> None:
     """An empty `hydra.run.dir=` would put the run in the current folder, where the
     next such run would resume from it."""
@@ -161,6 +187,7 @@ def _main(cfg: DictConfig) -> None:
         return
     try:
         check_added_keys(list(hc.overrides.task))
+        check_duplicate_keys(list(hc.overrides.task))
         check_run_dir(list(hc.overrides.hydra))
     except ConfigError as err:
         user_error(err)
@@ -245,6 +272,9 @@ def launch_job(cfg: DictConfig, hc, module: str = "framework.run") -> dict:
     if _USER_FULL_ERROR is not None:
         env["HYDRA_FULL_ERROR"] = _USER_FULL_ERROR
     parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    if hc.job.num == 0:  # the folder tools/sweep_report.py reads
+        print(f"sweep folder: {hc.sweep.dir} (python tools/sweep_report.py {hc.sweep.dir})",
+              flush=True)
     summary = sweep.run_job(list(hc.overrides.task), job_dir, group, job_dir.name,
                             parallel, env, module)
     print(sweep.report_line(hc.job.num, job_dir.name, summary), flush=True)
@@ -305,6 +335,31 @@ def main(task=None) -> None:
 def user_error(err: BaseException):
     if _USER_FULL_ERROR == "1":
         raise err
+    _remove_unused_run_dir()
     print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
     sys.exit(sweep.USER_ERROR)
+
+
+def _remove_unused_run_dir() -> None:
+    """A refused run leaves no folder behind: Hydra creates the run folder (and its
+    empty log) before the task can check anything. Removed only when it holds nothing
+    else, with the default outputs/<date>/ above it when that is left empty."""
+    if not _TASK_STARTED or not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.RUN:
+        return
+    folder = Path(hc.runtime.output_dir)
+    try:
+        held = list(folder.iterdir())
+        if any(p.name != f"{hc.job.name}.log" or p.stat().st_size for p in held):
+            return
+        for p in held:
+            p.unlink()
+        folder.rmdir()
+        default = not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)
+        for parent in (folder.parent, folder.parent.parent) if default else ():
+            parent.rmdir()  # OSError when not empty: kept
+    except OSError:
+        pass
 

@@ -35,6 +35,9 @@ TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 # The decoding step takes the seed as a uint32 and top_k as an int32
 # (framework/engine/decode.py, Decoder.generate): larger values cannot reach it.
 SEED_MAX, TOP_K_MAX = 2**32 - 1, 2**31 - 1
+# Beyond this temperature sampling is uniform to float32 precision (logits / T of any
+# model round to nearly 0); 1e300 overflowed to an infinite temperature.
+TEMPERATURE_MAX = 100.0
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:
@@ -65,8 +68,9 @@ def check_settings(cfg: GenerateConfig) -> list[str]:
     for key, ok, want in (
             ("max_new_tokens", cfg.max_new_tokens >= 1,
              ">= 1 (and fit the model's positions with the prompt)"),
-            ("temperature", math.isfinite(cfg.temperature) and cfg.temperature >= 0,
-             "a finite number >= 0 (0: greedy)"),
+            ("temperature", math.isfinite(cfg.temperature)
+             and 0 <= cfg.temperature <= TEMPERATURE_MAX,
+             f"in [0, {TEMPERATURE_MAX:g}] (0: greedy; higher is uniform sampling)"),
             ("top_k", 0 <= cfg.top_k <= TOP_K_MAX, f"in [0, {TOP_K_MAX}] (0: off)"),
             ("top_p", 0 < cfg.top_p <= 1, "in (0, 1] (1: off)"),
             ("seed", 0 <= cfg.seed <= SEED_MAX, f"in [0, {SEED_MAX}] (a uint32)"),
@@ -74,6 +78,8 @@ def check_settings(cfg: GenerateConfig) -> list[str]:
             ("step", cfg.step is None or cfg.step >= 0, ">= 0")):
         if not ok:
             errs.append(f"{key}={getattr(cfg, key)} must be {want}")
+    if cfg.prompt and cfg.prompt_ids is not None:
+        errs.append("prompt and prompt_ids both give the prompt: give one of them")
     dtypes = CHOICES["model.dtype"]
     if cfg.dtype is not None and cfg.dtype not in dtypes:
         errs.append(f"dtype={cfg.dtype!r} is not one of {', '.join(dtypes)}")

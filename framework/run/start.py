@@ -1,7 +1,8 @@
 """Where a run starts: from its own newest checkpoint, from another run's
 (`train.resume_from`), from a Hugging Face folder (`train.init_from`) or from fresh
 weights; what is moved aside on the way; what happens when the chosen checkpoint turns
-out damaged. Every rule of it is in this module.
+out damaged. Every rule of it is in this module, but for what a resume may find changed
+besides the model (another optimizer, another tokenizer: framework/run/resume.py).
 
     train.init_from=<HF folder>                the model settings come from its
                                                config.json (`resolve_init_from`); the run
@@ -51,6 +52,7 @@ from framework.io.hf.safetensors import Tensors
 from framework.io.weights import model_config_from_dict
 from framework.model.registry import spec_of
 from framework.parallel.mesh import mesh_name
+from framework.run.resume import check_same_tokenizer, other_optimizer, restore_weights
 from framework.runtime import distributed
 
 Point = tuple[str, int]  # (checkpoint folder, step)
@@ -317,11 +319,13 @@ def fresh_state(model: ModelConfig, train: TrainConfig, engine: Engine, multi: b
 
 
 def start_state(model: ModelConfig, train: TrainConfig, engine: Engine, ckpt: Checkpointer,
-                devset) -> tuple[dict, Point | None]:
-    """(the state this run starts from, the checkpoint it came from or None). A
+                devset, records: dict | None = None) -> tuple[dict, Point | None]:
+    """(the state this run starts from, the checkpoint it came from or None). `records`:
+    what this run's checkpoints record (its optim.name and tokenizer are checked against
+    the checkpoint's: `other_optimizer`, `check_same_tokenizer`). A
     checkpoint that turns out damaged is reported in one line and the next one tried;
     the lines go to stderr, the choice to stdout."""
-    primary = devset.process_index == 0
+    primary, records = devset.process_index == 0, records or {}
 
     def say(lines, stream=None):
         for line in lines if primary else ():
@@ -333,9 +337,14 @@ def start_state(model: ModelConfig, train: TrainConfig, engine: Engine, ckpt: Ch
     while point is not None:
         try:
             meta = check_same_model(model, ckpt, point)
-            state = restore(point, ckpt, engine)
+            check_same_tokenizer(meta, records, point)
+            other = other_optimizer(meta, engine, train, point, records.get("optim", "adamw"))
+            state = restore_weights(point, ckpt, engine) if other else \
+                restore(point, ckpt, engine)
             say([f"resuming from the checkpoint of step {point[1]} in {point[0]}"
-                 f"{what_changed(meta, engine, train)}"])
+                 f"{what_changed(meta, engine, train)}" + (
+                     f"; the state of {other} is not kept: optim.name={records.get('optim')} "
+                     f"starts afresh (train.reset_optimizer=true)" if other else "")])
             return state, point
         except DamagedCheckpoint as err:
             point, notes = fall_back(train, ckpt, err, primary)

@@ -257,34 +257,6 @@ class WandbSink:
         self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
 
 
-class TensorBoardSink:
-    """TensorBoard event files in `<run_dir>/tensorboard` (tensorboardX: the event
-    format without TensorFlow), from the records metrics.jsonl gets: numbers as
-    scalars, text (eval/sample) as text. A resumed run starts a new event file that
-    drops the older files' events from the resumed step on (TensorBoard's purge), as
-    metrics.jsonl drops its records after the checkpoint."""
-
-    def __init__(self, run_dir: Path, resumed_at: int | None = None):
-        from tensorboardX import SummaryWriter
-
-        self.dir = Path(run_dir) / "tensorboard"
-        self.writer = SummaryWriter(str(self.dir), purge_step=resumed_at)
-
-    def log(self, step: int, metrics: dict) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(key, value, step)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    _clean(value) is not None):
-                self.writer.add_scalar(key, float(value), step)
-
-    def sync(self) -> None:
-        self.writer.flush()
-
-    def finish(self, summary: dict) -> None:
-        self.writer.close()
-
-
 def previous_wandb_id(run_dir: Path) -> str | None:
     """The id of the newest W&B run in run_dir, from its folder's name
     (`wandb/offline-run-<time>-<id>`, `wandb/run-<time>-<id>`), which W&B creates
@@ -401,6 +373,11 @@ def final_line(summary: dict) -> str:
              f"step {summary.get('step', 0)}"]
     if summary.get("train/loss") is not None:
         parts.append(f"loss {summary['train/loss']:.4f}")
+    floor = summary.get("data/entropy_floor")
+    if summary.get("eval/loss") is not None:  # markov data: how far above the best loss
+        parts.append(f"eval/loss {summary['eval/loss']:.4f}" + (
+            f" ({summary['eval/loss'] - floor:+.3f} above the floor {floor:.3f})"
+            if floor is not None else ""))
     if summary.get("perf/tokens_per_sec") is not None:
         parts.append(f"{summary['perf/tokens_per_sec']:,.0f} tok/s")
         parts.append(f"{summary['perf/tflops_per_device']:.4g} TFLOP/s/device")

@@ -40,12 +40,12 @@ from framework.model import attention
 from framework.model.registry import spec_of
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
-from framework.run.checks import check_run, clamp_warmup, sample_codec
+from framework.run.checks import check_no_decay, check_run, clamp_warmup, sample_codec
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
-from framework.run.tracking import (JsonlSink, ProgressBar, TensorBoardSink, Tracker,
-                                    WandbSink, final_line, read_metrics)
+from framework.run.sinks import make_tracker
+from framework.run.tracking import Tracker, final_line
 from framework.runtime import devices as devices_lib
 from framework.runtime import distributed, faults, peers, runlock
 from framework.runtime.faults import StopRequests
@@ -110,7 +110,8 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
          on_start: Callable[[], None] | None, model_io: dict) -> dict:
     started = time.perf_counter()
     dataset = make_dataset(cfg.data, cfg.train, cfg.model.vocab_size)
-    sets = eval_sets(cfg.eval, cfg.data, cfg.train, cfg.model.vocab_size)
+    sets = eval_sets(cfg.eval, cfg.data, cfg.train, cfg.model.vocab_size,
+                     model_io["tokenizer"])
     documents = document_mask(cfg.data, dataset, sets)
     if cfg.eval.every and not dataset.has_eval:
         raise ConfigError(f"eval.every={cfg.eval.every} needs held-out data but "
@@ -126,9 +127,10 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     primary = devset.process_index == 0
     # What a checkpoint needs for generation and export besides the weights.
     meta = {"data": cfg.data.kind, "seed": cfg.train.seed, "train_steps": cfg.train.steps,
-            "seq_len": cfg.train.seq_len, "init_from": cfg.train.init_from,
-            "hf_config": model_io["hf_config"],
-            "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary)}
+            "optim": cfg.optim.name, "seq_len": cfg.train.seq_len,
+            "init_from": cfg.train.init_from, "hf_config": model_io["hf_config"],
+            "tokenizer": tokenizer_lib.keep_in(model_io["tokenizer"], str(run_dir), primary),
+            "tokenizer_sha256": tokenizer_lib.fingerprint(model_io["tokenizer"])}
     engine = _build(cfg, devset, documents)
     meta["layout"] = mesh_name(engine.parallel)  # said when a resume reshards
     ckpt = Checkpointer(_checkpoint_folder(cfg, run_dir), keep=cfg.checkpoint.keep,
@@ -139,7 +141,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
         # From here on SIGTERM only sets a flag (also while restoring and compiling).
         with StopRequests(multi_process=devset.process_count > 1,
                           stop_at=cfg.train.stop_at) as stop:
-            state, point = start.start_state(cfg.model, cfg.train, engine, ckpt, devset)
+            state, point = start.start_state(cfg.model, cfg.train, engine, ckpt, devset, meta)
             ckpt.lineage = start.lineage_of(cfg.train, ckpt, point)
             tracker = _tracker(cfg, run_dir, run_config, engine, devset, ckpt, point)
             parts = _Parts(cfg, engine, dataset, devset, tracker, ckpt, stop, sets)
@@ -155,6 +157,7 @@ def _run(cfg: RunConfig, run_dir: Path, run_config: dict, guard: runlock.Guard,
     summary = tracker.finish(status, wall_time_s=time.perf_counter() - started, **summary)
     if primary:
         print(final_line(summary), flush=True)
+        print(f"run folder: {run_dir}", flush=True)
     return summary
 
 
@@ -166,6 +169,7 @@ def _build(cfg: RunConfig, devset, documents=None):
     memory_check.check(cfg, parallel, devset)  # CPU: predicted, before anything is compiled
     mesh = make_mesh(parallel, devset.devices)
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh, documents)
+    check_no_decay(cfg.optim.no_decay, engine.abstract_params())  # names the unmatched
     memory_check.check_compiled(cfg, engine, devset)  # GPU/TPU: compiled, nothing allocated
     return engine
 
@@ -213,29 +217,6 @@ def _tracker(cfg: RunConfig, run_dir: Path, run_config: dict, engine, devset,
     return make_tracker(cfg, run_dir, {**run_config, "parallel": base["parallel"]}, base,
                         devset.process_index == 0, resumed_at=point[1] if own else None,
                         start=0 if point is None else point[1])
-
-
-def make_tracker(cfg: RunConfig, run_dir: Path, run_config: dict, base: dict,
-                 primary: bool, resumed_at: int | None, start: int) -> Tracker:
-    """Process 0: metrics.jsonl, progress bar, W&B, summary.json. Others: nothing."""
-    if not primary:
-        return Tracker(run_dir, [], base, write=False)
-    sinks = [JsonlSink(run_dir, resumed_at)]
-    if sinks[0].kept_aside is not None:  # records that would otherwise be lost
-        print(f"the earlier {sinks[0].path.name} is kept as {sinks[0].kept_aside}",
-              flush=True)
-    if start >= cfg.train.steps:  # nothing to train: keep the last record's numbers
-        records = read_metrics(run_dir) if resumed_at is not None else []
-        return Tracker(run_dir, sinks, {**base, **(records[-1] if records else {})})
-    if cfg.logging.progress:
-        sinks.append(ProgressBar(cfg.train.steps, first=start))
-    if cfg.logging.tensorboard:
-        sinks.append(TensorBoardSink(run_dir, resumed_at))
-    if cfg.logging.wandb.mode != "disabled":
-        wandb_sink = WandbSink(cfg.logging.wandb, run_dir, base["run_name"], run_config)
-        base = {**base, "wandb_dir": str(wandb_sink.dir)}
-        sinks.append(wandb_sink)
-    return Tracker(run_dir, sinks, base)
 
 
 def _plural(n: int, word: str) -> str:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import json
+import logging
 import os
 import platform as platform_lib
 import subprocess
@@ -244,24 +245,31 @@ def start(devices: DevicesConfig, parallel: ParallelConfig,
     if platform != "auto":
         jax.config.update("jax_platforms", jax_platform(platform))
     distributed.initialize(launch)
+    bridge = logging.getLogger("jax._src.xla_bridge")  # a plugin's failed start-up, as a
+    level, bridge.level = bridge.level, logging.CRITICAL  # traceback: said in one line below
     try:
         with filtered_stderr():
             found = tuple(jax.devices())
-    except RuntimeError as err:
+    except (RuntimeError, AssertionError) as err:  # AssertionError: JAX 0.10 when every
+        # backend of jax_platforms failed to start (a CUDA plugin without a GPU)
         raise ConfigError(f"devices.platform={devices.platform} is not available here "
                           f"({_missing_platform(devices.platform, err)}); use "
                           f"devices.platform=auto or cpu") from None
+    finally:
+        bridge.setLevel(level)
     platform = found[0].platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     return DeviceSet(found, platform, platform == "cpu", str(found[0].device_kind),
                      jax.process_index(), jax.process_count())
 
 
-def _missing_platform(platform: str, err: RuntimeError) -> str:
+def _missing_platform(platform: str, err: Exception) -> str:
     """Why JAX has no such device, in words. JAX's own message for a missing GPU names
-    the last backend it probed (ROCm), which misleads on a machine without any GPU."""
+    the last backend it probed (ROCm), which misleads on a machine without any GPU; with
+    the CUDA plugin installed and no GPU, JAX 0.10 raises a bare AssertionError."""
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    if platform == "gpu" and ("rocm" in first.lower() or "unknown backend" in first.lower()):
+    if platform == "gpu" and ("rocm" in first.lower() or "unknown backend" in first.lower()
+                              or isinstance(err, AssertionError)):
         return ("JAX finds no GPU: no NVIDIA GPU is visible, or JAX's CUDA plugin is not "
                 "installed (pip install 'jax[cuda12]')")
     if platform == "tpu" and "unknown backend" in first.lower():

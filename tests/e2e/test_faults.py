@@ -365,7 +365,7 @@ def corpus(folder: Path) -> Path:
 
 def test_sigterm_saves_a_final_checkpoint_and_exits_0_here_on_a_token_file(tmp_path, env):
     tokens = tmp_path / "corpus.bin"
-    load_prepare_data().main([str(tokens), str(corpus(tmp_path))])
+    load_prepare_data().build([str(tokens), str(corpus(tmp_path))])
     run_dir = tmp_path / "run"
     # Synchronous saves every step: the run is still busy when its first record appears.
     args = (*BASE, "data=tokens", f"data.path={tokens}", "checkpoint.every=1",
@@ -551,7 +551,7 @@ def test_a_shard_damaged_during_the_run_stops_it_in_one_line_with_its_checkpoint
     naming the file (exit 5, DataError), summary.json says failed, and the checkpoints
     saved before are intact: with the shard restored the run resumes from the last."""
     folder = tmp_path / "c"
-    load_tool("prepare_data").main([str(folder), str(corpus(tmp_path)), "--processes", "1"])
+    load_tool("prepare_data").build([str(folder), str(corpus(tmp_path)), "--processes", "1"])
     shard = next(folder.glob("shard-*.bin"))
     whole = shard.read_bytes()
     run_dir = tmp_path / "run"

@@ -51,7 +51,7 @@ def corpus(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     rng = np.random.default_rng(0)
     (folder / "text.txt").write_text(" ".join(rng.choice(WORDS, 3000)))
-    load_tool("prepare_data").main([str(folder / "corpus.bin"), str(folder / "text.txt"),
+    load_tool("prepare_data").build([str(folder / "corpus.bin"), str(folder / "text.txt"),
                                     "--tokenizer", str(folder / "tokenizer.json")])
     return folder
 

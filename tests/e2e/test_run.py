@@ -239,7 +239,7 @@ def test_a_corpus_run_resumed_mid_epoch_on_another_mesh_sees_the_same_batches(tm
     run on (2, 2, 2), to float rounding (another batch would be far off)."""
     text = "".join(f"{i} fine words make a corpus.\n" for i in range(30))[:20 * 32 + 1]
     (tmp_path / "a.txt").write_text(text)
-    load_tool("prepare_data").main([str(tmp_path / "c"), str(tmp_path / "a.txt"),
+    load_tool("prepare_data").build([str(tmp_path / "c"), str(tmp_path / "a.txt"),
                                     "--processes", "1"])
     args = ("recipe=llama_tiny_debug", "train.steps=6", "logging.every=1", "logging=no_wandb",
             "profile.steps=0", "eval.every=0", "data=corpus", "data.holdout_fraction=0",

@@ -118,7 +118,7 @@ def test_prepare_shards_from_text_and_json_lines_and_resume(tmp_path):
     out = tmp_path / "corpus"
     args = [str(out), *inputs, "--processes", "2", "--shard-tokens", "200",
             "--text-field", "body"]
-    manifest = load_tool("prepare_data").main(args)
+    manifest = load_tool("prepare_data").build(args)
     assert manifest["documents"] == 41 and len(manifest["shards"]) > 2
     shards, _ = corpus.open_corpus(str(out), 256)
     stream = np.concatenate([np.asarray(s.tokens) for s in shards])
@@ -128,7 +128,7 @@ def test_prepare_shards_from_text_and_json_lines_and_resume(tmp_path):
     # a restart redoes only the input whose record is gone, and ends with the same corpus
     os.remove(out / "input-00001.done")
     stamp = os.path.getmtime(out / manifest["shards"][0]["file"])
-    assert load_tool("prepare_data").main(args) == manifest
+    assert load_tool("prepare_data").build(args) == manifest
     assert os.path.getmtime(out / manifest["shards"][0]["file"]) == stamp
 
 
@@ -142,7 +142,7 @@ def test_named_validation_sets_are_whole_corpora_checked_before_training(tmp_pat
     held = sets["wiki"]
     assert held.n_eval == 24 and held.n_train == 0
     assert sorted(held.eval_batch(0)[:, 0] // 8) == [0, 1, 2, 3]
-    for sets_, every, says in [({"wiki": str(tmp_path / "none")}, 5, "eval.sets.wiki: "),
+    for sets_, every, says in [({"wiki": str(tmp_path / "none")}, 5, "eval.sets.wiki="),
                                ({"a b": str(folder)}, 5, "not a plain name"),
                                ({"wiki": str(folder)}, 0, "needs eval.every > 0"),
                                ("wiki", 5, "is not a mapping")]:
@@ -170,6 +170,7 @@ def test_a_mixture_takes_each_corpus_in_its_share_each_in_its_own_epochs(tmp_pat
     manifest = json.loads((b / corpus.MANIFEST).read_text())
     for entry in manifest["shards"]:
         entry["file_sha256"] = corpus.sha256(str(b / entry["file"]))
+    manifest["seal"] = corpus.seal(manifest)  # edited on purpose: sealed again
     (b / corpus.MANIFEST).write_text(json.dumps(manifest))
     mix = [{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}]
     train = TrainConfig(seq_len=8, global_batch_size=64, seed=2)
@@ -220,14 +221,14 @@ def test_a_trained_tokenizer_ends_documents_with_id_0_and_masks_by_it(tmp_path):
     text = "Grüße: the pipeline"
     assert tok.decode(tok.encode(text).ids) == text
     assert tool([str(tmp_path / "x.json"), str(tmp_path / "nothing.txt")]) == 2
-    load_tool("prepare_data").main([str(tmp_path / "c"), str(tmp_path / "d.jsonl"),
+    load_tool("prepare_data").build([str(tmp_path / "c"), str(tmp_path / "d.jsonl"),
                                     "--tokenizer", str(tmp_path / "tok.json"), "--eos-id", "0"])
     train = TrainConfig(seq_len=16, global_batch_size=2)
     dataset = data.make_dataset(DataConfig(kind="corpus", path=str(tmp_path / "c")), train, 512)
     cfg = DataConfig(kind="corpus", document_mask=True)
     assert data.document_mask(cfg, dataset, {}).separator == 0
     assert (dataset.train_batch(0) == 0).any()  # documents end inside the rows
-    load_tool("prepare_data").main([str(tmp_path / "b"), str(tmp_path / "d.jsonl")])  # bytes
+    load_tool("prepare_data").build([str(tmp_path / "b"), str(tmp_path / "d.jsonl")])  # bytes
     mix = [{"path": str(tmp_path / "c"), "weight": 1}, {"path": str(tmp_path / "b"), "weight": 1}]
     with pytest.raises(ConfigError, match="different tokenizers"):
         data.make_dataset(DataConfig(kind="corpus", mixture=mix), train, 512)

@@ -251,7 +251,7 @@ def test_a_resumed_run_keeps_metrics_up_to_its_checkpoint_and_appends(tmp_path):
 
 
 def test_only_process_0_writes_metrics_summary_and_wandb(tmp_path):
-    from framework.run.train import make_tracker
+    from framework.run.sinks import make_tracker
     from tests.helpers import compose_recipe
 
     cfg = compose_recipe("llama_tiny_debug")  # W&B offline by default

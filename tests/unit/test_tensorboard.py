@@ -5,7 +5,7 @@ protos) as TensorBoard would."""
 import struct
 from pathlib import Path
 
-from framework.run.tracking import TensorBoardSink
+from framework.run.sinks import TensorBoardSink
 
 
 def read_events(folder: Path) -> list:
@@ -59,3 +59,16 @@ def test_a_resumed_run_purges_from_its_checkpoint(tmp_path):
     purges = [e for e in events if e.HasField("session_log") and e.step == 20]
     assert purges and purges[0].session_log.status == purges[0].session_log.START
     assert scalars(events)["train/loss"][-1] == (30, 3.0)
+
+
+def test_a_file_where_the_event_folder_goes_is_one_line(tmp_path):
+    """Issue 46, item 20: <run>/tensorboard a file was a 76-line traceback."""
+    import pytest
+
+    from framework.errors import ConfigError
+
+    (tmp_path / "tensorboard").write_text("not a folder")
+    with pytest.raises(ConfigError, match="logging.tensorboard=true writes .*tensorboard, "
+                                          "which cannot be used .*logging.tensorboard=false"):
+        TensorBoardSink(tmp_path)
+    assert (tmp_path / "tensorboard").read_text() == "not a folder"

@@ -14,6 +14,8 @@ and guessing wrong would delete it.
     holding sub-folders                    refused, even with --overwrite
     holding checkpoints (a run folder,     refused, even with --overwrite: generation
       a checkpoint or a step folder)         from a run folder reads its checkpoints
+    another tool's output (a prepared      refused, even with --overwrite
+      corpus, a compile report)
 
 The new export is written into `<out>/.export-partial/` first; only when every file is
 there are the old files removed and the new ones renamed into `<out>`. A failure while
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from framework.errors import ConfigError
+from framework.io import outputs
 from framework.io.checkpoint.paths import holds_checkpoints
 
 MANIFEST = "export_hf.json"
@@ -83,8 +86,13 @@ def check_destination(out: str | Path, source: str, overwrite: bool = False) -> 
                           f"replaces one)")
     try:
         held = entries(path) if path.exists() else []
+        found = outputs.owner(path) if held else None
     except OSError as err:
         raise ConfigError(f"cannot read the output folder {out}: {err.strerror or err}") from None
+    if found in ("corpus", "compile"):
+        raise ConfigError(f"the output folder {out} is {outputs.KINDS[found]}, another "
+                          f"tool's output (--overwrite never replaces one): export into "
+                          f"another folder")
     if not held:
         return Destination(path, (), False)
     if previous_export(path) is not None:

@@ -40,6 +40,7 @@ the model.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -104,8 +105,25 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# Tensors a folder may hold that no model reads: RoPE's cached frequencies (older
+# transformers), the head of tied embeddings (some exports keep a copy).
+HARMLESS = re.compile(r"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|lm_head\.weight)")
+
+
 def check_tensors(tensors: Tensors, cfg: ModelConfig, where: str) -> None:
-    for name, shape in expected_tensors(cfg).items():
+    """ConfigError (one line) unless the folder holds every tensor of `cfg`'s layout, of
+    its shape, and no tensor that layout would drop (a Qwen2 folder labelled llama would
+    lose its q/k/v biases, a Gemma 2 one its extra norms, without a word)."""
+    expected = expected_tensors(cfg)
+    unused = [n for n in tensors.where if n not in expected and not HARMLESS.fullmatch(n)]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ConfigError(f"{where} holds tensors that model.family={cfg.family} does not "
+                          f"use ({', '.join(sorted(unused)[:3])}{more}): its config.json's "
+                          f"model_type or settings do not describe these weights; fix "
+                          f"config.json (q/k/v biases are qwen2's, q/k norms qwen3's, post "
+                          f"norms gemma2's)")
+    for name, shape in expected.items():
         if name not in tensors:
             raise ConfigError(f"{where}: tensor {name} is missing"
                               + (" (config.json says the embeddings are untied)"
