@@ -24,6 +24,10 @@ Compile time: the step of the recipe's model traced and compiled with 4 and with
 layers, at (1,1,1) and at the recipe's layout (layers are scanned, so 32 layers should
 cost at most 1.5x what 4 cost); on CPU by default (`--compile-reps`).
 
+`--profile`: the recipe's layout profiled too (`jax.profiler`): its device time per kind
+of kernel (matmuls, attention, copies and slices, collectives, elementwise), kernels per
+step and the top ops (framework/analysis/device_time.py).
+
 Attention: `--attention dense,blockwise,cudnn` (the default on GPUs) adds a row per
 kernel at the recipe's layout (`model.attention`; the first rows run `auto`). Before a
 row is built its memory is predicted (`framework/analysis/memory_model.py`) and checked against
@@ -48,7 +52,7 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 from tools.recipe import compose, user_error  # noqa: E402
-from tools.bench_measure import Timing, compile_times, measure, peak_for  # noqa: E402
+from tools.bench_measure import Timing, compile_times, measure, peak_for, profile  # noqa: E402
 from tools.bench_report import LAPTOP, kernel_run, laptop_lines, report  # noqa: E402
 from framework.parallel.mesh import mesh_name  # noqa: E402
 
@@ -124,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--laptop", action=argparse.BooleanOptionalAction, default=None,
                         help="the laptop row (default: on CPU)")
     parser.add_argument("--markdown", type=Path, help="also write the report here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the recipe's layout: device time per kind of "
+                             "kernel, kernels per step, the top ops")
     return parser
 
 
@@ -178,6 +185,10 @@ def main(argv=None) -> int:
     extra = [f"Skipped {line}." for line in skipped] + _extra_lines(cfg, devset, args)
     compiled = _compile_rows(cfg, devset, args, valid)
     text = report(cfg, devset, args, peak, measured, compiled, extra)
+    if args.profile:
+        own = next((p for p in valid if p == cfg.parallel), valid[0])
+        lines = profile(cfg, own, devset.devices).lines()
+        text += f"\n\nProfile of {mesh_name(own)}:\n\n```\n" + "\n".join(lines) + "\n```"
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")

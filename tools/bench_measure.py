@@ -299,3 +299,26 @@ def compile_times(cfg, par, devices, layers=(4, 32), reps: int = 3) -> dict[int,
             inputs = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
             out[n].append(eng.compile(*inputs))
     return out
+
+
+def profile(cfg, par, devices, steps: int = 3):
+    """Where one layout's step spends its device time (framework/analysis/device_time.py):
+    the engine's step run `steps` times under `jax.profiler` after one untimed step."""
+    import tempfile
+
+    import jax
+
+    from framework.analysis import device_time
+    from framework.model.reference import tokens_for_step
+    from framework.model.registry import spec_of
+
+    params = jax.jit(lambda key: spec_of(cfg.model).init_params(cfg.model, key))(
+        jax.random.key(cfg.train.seed))
+    tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
+                             cfg.train.seq_len, cfg.model.vocab_size)
+    runner = _EngineRunner(cfg, par, devices, params, tokens)
+    runner.step().block_until_ready()
+    with tempfile.TemporaryDirectory() as folder:
+        return device_time.profile_steps(lambda: runner.step().block_until_ready(), steps,
+                                         folder, runner.engine.compiled.as_text())
+

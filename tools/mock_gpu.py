@@ -40,13 +40,18 @@ from tools.recipe import compose, user_error  # noqa: E402
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="recipe=<name> and key=value overrides")
-    parser.add_argument("--schedules", default="", help="comma-separated (default: the recipe's)")
+    parser.add_argument("--schedules", default="",
+                        help="comma-separated, each name[:virtual stages] (e.g. "
+                             "1f1b,interleaved_1f1b:2,zb_v; default: the recipe's)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
     parser.add_argument("--no-mock", action="store_true", help="the run's own devices")
     parser.add_argument("--stage", default="last",
                         help="the pipeline stage this GPU runs: first, last, all (one row "
                              "each) or a number (mocked runs; default last: the head's)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each row's step: device time per kind of kernel, "
+                             "kernels per step, the top ops")
     return parser
 
 
@@ -87,9 +92,11 @@ def stage_grid(parallel, devices: list, here, stage: int):
     return grid.reshape(shape)
 
 
-def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict:
+def measure(cfg, parallel, devset, steps: int, stage: int | None = None,
+            profile: bool = False) -> dict:
     """One schedule's step, compiled for the whole mesh; `stage`: the pipeline stage
-    this process's GPU holds (mocked runs; None: the devices in their own order)."""
+    this process's GPU holds (mocked runs; None: the devices in their own order);
+    `profile`: also where its device time goes (`row["profile"]`)."""
     import jax
     from jax.sharding import AxisType
 
@@ -115,6 +122,7 @@ def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict
         if i >= 2:
             times.append(time.perf_counter() - start)
     step = statistics.median(times)
+    found = _profile(engine, state, tokens) if profile else None
     model_flops = (model_flops_per_token(cfg.model, cfg.train.seq_len)
                    * cfg.train.global_batch_size * cfg.train.seq_len / len(devset))
     peak = hardware.peak_flops(devset.kind, cfg.model.dtype)
@@ -122,7 +130,41 @@ def measure(cfg, parallel, devset, steps: int, stage: int | None = None) -> dict
             "compile_s": stats["perf/compile_time_s"],
             "memory_gib": stats.get("memory/peak_bytes_per_device", 0) / 2**30,
             "step_s": step, "steps": times, "tflops_per_device": model_flops / step / 1e12,
-            "mfu": model_flops / step / peak if peak else None}
+            "mfu": model_flops / step / peak if peak else None,
+            "profile": None if found is None else {
+                "seconds": found.seconds, "kernels": found.kernels, "top": found.top,
+                "lines": found.lines()}}
+
+
+def _profile(engine, state, tokens, steps: int = 2):
+    """The step's device time by kind of kernel (framework/analysis/device_time.py)."""
+    import tempfile
+
+    import jax
+
+    from framework.analysis import device_time
+
+    held = [state]
+
+    def one():
+        held[0], metrics = engine.step(held[0], tokens)
+        jax.block_until_ready((held[0], metrics))
+
+    with tempfile.TemporaryDirectory() as folder:
+        return device_time.profile_steps(one, steps, folder, engine.compiled.as_text())
+
+
+def with_schedule(parallel, spec: str):
+    """`parallel` running `name[:virtual stages]` (a schedule without virtual stages
+    runs with 1; with them, the given count or the layout's own)."""
+    from framework.errors import ConfigError
+    from framework.parallel.pipeline.schedule import uses_virtual_stages
+
+    name, _, v = spec.partition(":")
+    if v and not v.isdigit():
+        raise ConfigError(f"--schedules {spec!r}: name[:virtual stages], e.g. interleaved_1f1b:2")
+    virtual = int(v) if v else (parallel.virtual_stages if uses_virtual_stages(name) else 1)
+    return dataclasses.replace(parallel, schedule=name, virtual_stages=virtual)
 
 
 def stages_of(spec: str, pipeline: int) -> list[int]:
@@ -160,21 +202,23 @@ def main(argv=None) -> int:
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                        + " --xla_gpu_shard_autotuning=false").strip()
         devset = devices.start(cfg.devices, cfg.parallel)
-        schedules = [s for s in args.schedules.split(",") if s] or [cfg.parallel.schedule]
-        layouts = [validate(cfg.model, dataclasses.replace(cfg.parallel, schedule=s),
-                            cfg.train, len(devset)) for s in schedules]
+        layouts = [validate(cfg.model, with_schedule(cfg.parallel, s), cfg.train, len(devset))
+                   for s in [s for s in args.schedules.split(",") if s]
+                   or [cfg.parallel.schedule]]
     except ConfigError as err:
         return user_error(err)
     print(f"{len(devset)} x {devset.kind} ({jax.local_device_count()} here)", flush=True)
     rows = []
     for parallel, stage in [(par, st) for par in layouts for st in stages]:
-        row = measure(cfg, parallel, devset, args.steps, stage)
+        row = measure(cfg, parallel, devset, args.steps, stage, args.profile)
         rows.append(row)
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         where = "" if stage is None else f" stage {stage}"
         print(f"{row['mesh'] + where:<36} compile {row['compile_s']:6.1f} s  memory "
               f"{row['memory_gib']:6.2f} GiB  step {row['step_s'] * 1e3:9.1f} ms  "
               f"{row['tflops_per_device']:7.1f} TFLOP/s/device  MFU {mfu}", flush=True)
+        for line in (row["profile"] or {}).get("lines", []):
+            print("    " + line, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": devset.kind, "rows": rows}, indent=2))
     return 0
