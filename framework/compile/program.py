@@ -11,7 +11,7 @@ CUDA plugin, or the local backend. From the compiled program:
               peak (`memory_check.compiled_bytes`), against the device's memory
     comm      the communication audit of the target's program (bytes per device per step
               by mesh axis, `framework/analysis/audit.py`), and on GPUs the share of those
-              bytes that overlaps computation (`framework/analysis/overlap.py`)
+              bytes that overlaps computation (`framework/analysis/overlap.py`'s rule)
 
 and beside them what this project predicts without compiling: the memory model's bytes
 per device and the planner's step time (`framework/analysis/planner.py`), with the
@@ -94,17 +94,17 @@ def memory_fields(compiled, platform: str) -> dict:
 
 
 def comm_fields(compiled, engine, platform: str) -> dict:
-    from framework.analysis import audit, overlap
+    from framework.analysis import audit
 
     mesh_shape = dict(engine.mesh.shape)
     found = audit.engine_collectives(engine, compiled.as_text())
     out = {f"comm/bytes_per_step/{a}": float(b)
            for a, b in audit.bytes_per_axis(found, mesh_shape).items()}
     if platform == "gpu":
-        for axis, share in overlap.overlapped_fraction(found, mesh_shape).items():
+        for axis, share in audit.overlapped_fraction(found, mesh_shape).items():
             out[f"comm/overlapped_fraction/{axis}"] = share
         for axis in ("pipe", "context"):  # the stage-to-stage sends, the ring attention's
-            out[f"comm/overlapped_fraction/{axis}_sends"] = overlap.sends_overlapped_fraction(
+            out[f"comm/overlapped_fraction/{axis}_sends"] = audit.sends_overlapped_fraction(
                 found, axis)
     return out
 
