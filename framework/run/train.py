@@ -40,11 +40,11 @@ from framework.model.llama import count_params
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
 from framework.run.checks import check_run, clamp_warmup, sample_codec
+from framework.run.dashboards import TensorBoardSink, WandbSink
 from framework.run.hooks import (make_batches, make_evaluator, make_sampler, profile_window,
                                  save_checkpoint)
 from framework.run.loop import Hook, LoopSettings, to_host, train_loop
-from framework.run.tracking import (JsonlSink, ProgressBar, TensorBoardSink, Tracker,
-                                    WandbSink, final_line, read_metrics)
+from framework.run.tracking import JsonlSink, ProgressBar, Tracker, final_line, read_metrics
 from framework.runtime import devices as devices_lib
 from framework.runtime import distributed, faults, peers, runlock
 from framework.runtime.faults import StopRequests

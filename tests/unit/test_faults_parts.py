@@ -22,7 +22,7 @@ import pytest
 from framework import errors
 from framework.io.checkpoint import integrity
 from framework.runtime import devices, runlock
-from framework.run import sweep, tracking
+from framework.run import dashboards, sweep, tracking
 from framework.config import ParallelConfig
 from framework.errors import StorageError
 
@@ -147,11 +147,11 @@ def test_metrics_lines_are_whole_and_a_resume_checks_and_keeps_what_it_drops(tmp
 
 
 def test_the_wandb_run_of_a_folder_is_found_by_its_folder_name(tmp_path):
-    assert tracking.previous_wandb_id(tmp_path) is None
+    assert dashboards.previous_wandb_id(tmp_path) is None
     (tmp_path / "wandb" / "offline-run-20261123_101010-abc123").mkdir(parents=True)
-    assert tracking.previous_wandb_id(tmp_path) == "abc123"  # no .wandb file needed
+    assert dashboards.previous_wandb_id(tmp_path) == "abc123"  # no .wandb file needed
     (tmp_path / "wandb" / "offline-run-20261123_111111-abc123").mkdir()
-    assert tracking.previous_wandb_id(tmp_path) == "abc123"
+    assert dashboards.previous_wandb_id(tmp_path) == "abc123"
 
 
 # --- Checkpoint fingerprints and storage errors --------------------------------------------

@@ -1,11 +1,11 @@
-"""TensorBoard scalars (`logging.tensorboard=true`, framework/run/tracking.py): the
+"""TensorBoard scalars (`logging.tensorboard=true`, framework/run/dashboards.py): the
 records metrics.jsonl gets, read back from the event files (TFRecord framing, Event
 protos) as TensorBoard would."""
 
 import struct
 from pathlib import Path
 
-from framework.run.tracking import TensorBoardSink
+from framework.run.dashboards import TensorBoardSink
 
 
 def read_events(folder: Path) -> list:
