@@ -155,10 +155,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
 
 def _too_big(cfg: RunConfig, parallel: ParallelConfig, target: Target, needed: float,
              limit: float, report: dict, what: str = "") -> str:
-    from framework.analysis.memory_check import SHOWN, suggestions
+    from framework.analysis.memory_check import SHOWN, Budget, suggestions
 
-    fits = suggestions(cfg.model, parallel, cfg.train, report["n_devices"], limit,
-                       target.platform, report["device_kind"], optim=cfg.optim)
+    budget = Budget(report["n_devices"], limit, target.platform, report["device_kind"])
+    fits = suggestions(cfg.model, parallel, cfg.train, budget, optim=cfg.optim)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               "nothing on these devices is predicted to fit: use more devices or a smaller model")
     figure = what or "the compiler's figure"
