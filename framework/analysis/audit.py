@@ -11,7 +11,9 @@ algorithms on a group of n devices and a per-device buffer of S bytes:
     all-reduce 2(n-1)/n*S    all-gather (n-1)/n*S_out    reduce-scatter (n-1)*S_out
     all-to-all (n-1)/n*S     collective-permute S, by the devices that send.
 A collective over several axes is split between them as a hierarchical ring would
-(one pass per axis), so the per-axis totals add up.
+(one pass per axis), so the per-axis totals add up. On GPUs, the collectives that
+overlap a matmul are marked (framework/analysis/overlap.py's rule) and weighed per axis
+(`overlapped_fraction`, `sends_overlapped_fraction`).
 
 A static program cannot say how often a branch of a conditional runs. The engine wraps
 work that only some ranks or ticks do in named scopes (the embedding on the first
@@ -179,6 +181,23 @@ def bytes_per_axis(found: list[Collective], mesh_shape: dict[str, int]) -> dict[
             per = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": (n - 1) / n}.get(c.kind, (n - 1) / n)
             out[a] += per * c.buffer_bytes * c.executions * c.senders
     return out
+
+
+def sends_overlapped_fraction(found: list[Collective], axis: str = "pipe") -> float | None:
+    """The share of the point-to-point bytes over `axis` (`collective-permute`s: the
+    pipeline's stage-to-stage sends over `pipe`, the ring attention's over `context`)
+    sent by overlapping permutes (None when there are none)."""
+    sends = [c for c in found if c.kind == "collective-permute" and axis in c.axes]
+    total = sum(c.bytes_per_step for c in sends)
+    return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
+
+
+def overlapped_fraction(found: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float | None]:
+    """Per mesh axis: the share of its bytes per step sent by overlapping collectives
+    (None for an axis that sends nothing)."""
+    total = bytes_per_axis(found, mesh_shape)
+    hidden = bytes_per_axis([c for c in found if c.overlapped], mesh_shape)
+    return {a: (hidden[a] / total[a] if total[a] else None) for a in mesh_shape}
 
 
 def report(found: list[Collective]) -> str:

@@ -104,10 +104,21 @@ def _candidates(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What a suggested layout must fit: `n_devices` devices of `platform` ("cpu", "gpu",
+    "tpu") with `limit` bytes each; `kind` names the device (its peak FLOPs rank the
+    candidates; "" or unknown: 1 TFLOP/s)."""
+
+    n_devices: int
+    limit: float
+    platform: str
+    kind: str = ""
+
+
 def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                n_devices: int, limit: float, platform: str, kind: str = "",
-                wanted: int = SHOWN, optim=None) -> list[str]:
-    """Up to `wanted` changes predicted to fit under `limit`, fastest first
+                budget: Budget, wanted: int = SHOWN, optim=None) -> list[str]:
+    """Up to `wanted` changes predicted to fit under `budget.limit`, fastest first
     ('<overrides> (x GiB)'). The candidates are ranked by the step-time model first
     (cheap) and only then asked for their memory (a trace of the layers each), in that
     order, until `wanted` fit: the same answer as predicting every candidate's memory."""
@@ -115,19 +126,19 @@ def suggestions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     from framework.analysis import memory_model, planner
     from framework.engine.validate import check
 
-    peak = hardware.peak_flops(kind, model.dtype) or 1e12
-    hw = planner.Hardware(memory_bytes=limit, peak_flops=peak, memory_fraction=1.0,
-                          platform=platform, device=kind)
+    peak = hardware.peak_flops(budget.kind, model.dtype) or 1e12
+    hw = planner.Hardware(memory_bytes=budget.limit, peak_flops=peak, memory_fraction=1.0,
+                          platform=budget.platform, device=budget.kind)
     ranked = []
-    for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, n_devices)):
-        if not check(m, par, tr, n_devices):
+    for i, (m, par, tr) in enumerate(_candidates(model, parallel, train, budget.n_devices)):
+        if not check(m, par, tr, budget.n_devices):
             smaller_batch = tr.global_batch_size != train.global_batch_size
             speed = planner.predict_time(m, par, tr, hw, optim)["total"] / tr.global_batch_size
             ranked.append(((smaller_batch, speed, i), (m, par, tr)))
     found = []
     for _, (m, par, tr) in sorted(ranked, key=lambda r: r[0]):
-        total = memory_model.predict_memory(m, par, tr, platform, optim)["total"]
-        if total <= limit:
+        total = memory_model.predict_memory(m, par, tr, budget.platform, optim)["total"]
+        if total <= budget.limit:
             found.append(f"{_changes(model, parallel, train, (m, par, tr))} ({_size(total)})")
             if len(found) == wanted:
                 break
@@ -145,8 +156,8 @@ def _limit(cfg: RunConfig, devset) -> tuple[float | None, str]:
 
 def _refuse(cfg: RunConfig, parallel: ParallelConfig, devset, total: float, limit: float,
             source: str, whose: str) -> MemoryCheckError:
-    fits = suggestions(cfg.model, parallel, cfg.train, len(devset), limit, devset.platform,
-                       devset.kind, optim=cfg.optim)
+    fits = suggestions(cfg.model, parallel, cfg.train,
+                       Budget(len(devset), limit, devset.platform, devset.kind), optim=cfg.optim)
     n = len(devset)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               f"nothing on {n} device{'s' if n > 1 else ''} is predicted to fit: use more "

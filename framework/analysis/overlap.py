@@ -16,7 +16,7 @@ stream), does not overlap; neither does a plain synchronous collective
 Overlapped says that real work runs beside the transfer, not that it covers its time.
 
 `overlapped_names(program)` gives the collective instructions that overlap;
-`framework/analysis/audit.py` marks them, and `overlapped_fraction` weighs them by
+`framework/analysis/audit.py` marks them, and its `overlapped_fraction` weighs them by
 bytes per mesh axis.
 """
 
@@ -74,22 +74,3 @@ def overlapped_names(program) -> set[str]:
                 if attr == "calls":
                     found.update(x.name for x in program.computations.get(callee, ()))
     return found
-
-
-def sends_overlapped_fraction(found: list, axis: str = "pipe") -> float | None:
-    """The share of the point-to-point bytes over `axis` (`collective-permute`s: the
-    pipeline's stage-to-stage sends over `pipe`, the ring attention's over `context`)
-    sent by overlapping permutes (None when there are none)."""
-    sends = [c for c in found if c.kind == "collective-permute" and axis in c.axes]
-    total = sum(c.bytes_per_step for c in sends)
-    return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
-
-
-def overlapped_fraction(found: list, mesh_shape: dict[str, int]) -> dict[str, float | None]:
-    """Per mesh axis: the share of its bytes per step sent by overlapping collectives
-    (None for an axis that sends nothing)."""
-    from framework.analysis.audit import bytes_per_axis
-
-    total = bytes_per_axis(found, mesh_shape)
-    hidden = bytes_per_axis([c for c in found if c.overlapped], mesh_shape)
-    return {a: (hidden[a] / total[a] if total[a] else None) for a in mesh_shape}

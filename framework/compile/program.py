@@ -11,7 +11,7 @@ CUDA plugin, or the local backend. From the compiled program:
               peak (`memory_check.compiled_bytes`), against the device's memory
     comm      the communication audit of the target's program (bytes per device per step
               by mesh axis, `framework/analysis/audit.py`), and on GPUs the share of those
-              bytes that overlaps computation (`framework/analysis/overlap.py`)
+              bytes that overlaps computation (`framework/analysis/overlap.py`'s rule)
 
 and beside them what this project predicts without compiling: the memory model's bytes
 per device and the planner's step time (`framework/analysis/planner.py`), with the
@@ -93,17 +93,17 @@ def memory_fields(compiled, platform: str) -> dict:
 
 
 def comm_fields(compiled, engine, platform: str) -> dict:
-    from framework.analysis import audit, overlap
+    from framework.analysis import audit
 
     mesh_shape = dict(engine.mesh.shape)
     found = audit.engine_collectives(engine, compiled.as_text())
     out = {f"comm/bytes_per_step/{a}": float(b)
            for a, b in audit.bytes_per_axis(found, mesh_shape).items()}
     if platform == "gpu":
-        for axis, share in overlap.overlapped_fraction(found, mesh_shape).items():
+        for axis, share in audit.overlapped_fraction(found, mesh_shape).items():
             out[f"comm/overlapped_fraction/{axis}"] = share
         for axis in ("pipe", "context"):  # the stage-to-stage sends, the ring attention's
-            out[f"comm/overlapped_fraction/{axis}_sends"] = overlap.sends_overlapped_fraction(
+            out[f"comm/overlapped_fraction/{axis}_sends"] = audit.sends_overlapped_fraction(
                 found, axis)
     return out
 
@@ -154,10 +154,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
 
 def _too_big(cfg: RunConfig, parallel: ParallelConfig, target: Target, needed: float,
              limit: float, report: dict, what: str = "") -> str:
-    from framework.analysis.memory_check import SHOWN, suggestions
+    from framework.analysis.memory_check import SHOWN, Budget, suggestions
 
-    fits = suggestions(cfg.model, parallel, cfg.train, report["n_devices"], limit,
-                       target.platform, report["device_kind"], optim=cfg.optim)
+    budget = Budget(report["n_devices"], limit, target.platform, report["device_kind"])
+    fits = suggestions(cfg.model, parallel, cfg.train, budget, optim=cfg.optim)
     advice = (f"predicted to fit: {'; '.join(fits[:SHOWN])}" if fits else
               "nothing on these devices is predicted to fit: use more devices or a smaller model")
     figure = what or "the compiler's figure"

@@ -15,7 +15,7 @@ import numpy as np
 from framework.config import DataConfig, EvalConfig, TrainConfig
 from framework.errors import ConfigError, DataError
 from framework.io import corpus
-from framework.io.data import TRAIN, Dataset, Rows, row_indices
+from framework.io.dataset import TRAIN, Dataset, Rows, row_indices
 from framework.io.tokenizer import BYTES, fingerprint
 
 

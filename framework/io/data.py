@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import numpy as np
@@ -30,68 +30,12 @@ import numpy as np
 from framework.errors import ConfigError
 from framework.config import CHOICES, DataConfig, TrainConfig, not_one_of
 from framework.io import corpus
+from framework.io.dataset import CHAIN, EVAL, TRAIN, Dataset
 from framework.model.documents import DocumentMask
 
 KINDS = CHOICES["data.kind"]
 VERIFY = CHOICES["data.verify"]
-TRAIN, EVAL, CHAIN = 0, 1, 2  # seed streams: training rows, held-out rows, the Markov chain
 MAX_MARKOV_VOCAB = 4096  # the chain is a dense [vocab, vocab] float64 matrix
-Rows = slice | Sequence[int] | np.ndarray | None
-
-
-class Dataset:
-    """Batches of [rows, seq_len + 1] int32 tokens (inputs and next-token targets)."""
-
-    entropy_floor: float | None = None  # nats/token; known only for `markov`
-    has_eval: bool = True  # False when there is no held-out split
-
-    # The token that ends each packed document (a corpus's eos_id), or None: what
-    # data.document_mask masks by (`document_mask`).
-    separator: int | None = None
-
-    def __init__(self, train: TrainConfig, vocab_size: int):
-        self.seq_len = train.seq_len
-        self.global_batch = train.global_batch_size
-        self.seed = train.seed
-        self.vocab_size = vocab_size  # ids are in [0, vocab_size)
-
-    @property
-    def global_shape(self) -> tuple[int, int]:
-        return (self.global_batch, self.seq_len + 1)
-
-    def train_batch(self, step: int, rows: Rows = None) -> np.ndarray:
-        """Rows `rows` (default: all) of the global batch of training step `step`."""
-        return self._batch(TRAIN, step, rows)
-
-    def eval_batch(self, index: int, rows: Rows = None) -> np.ndarray:
-        """Rows of held-out batch `index` (the same batches at every evaluation)."""
-        if not self.has_eval:
-            raise ConfigError(f"{type(self).__name__} has no held-out split: set "
-                              f"data.holdout_fraction > 0 or eval.every=0")
-        return self._batch(EVAL, index, rows)
-
-    def _batch(self, split: int, index: int, rows: Rows) -> np.ndarray:
-        ids = row_indices(rows, self.global_batch)
-        rngs = [np.random.default_rng([self.seed, split, index, int(r)]) for r in ids]
-        out = self._rows(rngs, split).astype(np.int32)  # [n_rows, seq_len + 1]
-        assert out.shape == (len(ids), self.seq_len + 1), out.shape
-        return out
-
-    def _rows(self, rngs: list[np.random.Generator], split: int) -> np.ndarray:
-        """One [seq_len + 1] row per generator, stacked."""
-        raise NotImplementedError
-
-
-def row_indices(rows: Rows, global_batch: int) -> np.ndarray:
-    """`rows` (None, a slice or indices) as a sorted int array within [0, global_batch)."""
-    if rows is None:
-        return np.arange(global_batch)
-    if isinstance(rows, slice):
-        return np.arange(global_batch)[rows]
-    ids = np.asarray(rows, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= global_batch):
-        raise IndexError(f"rows {ids.min()}..{ids.max()} outside a batch of {global_batch}")
-    return ids
 
 
 class SyntheticDataset(Dataset):
@@ -314,7 +258,7 @@ def make_dataset(cfg: DataConfig, train: TrainConfig, vocab_size: int) -> Datase
         if not cfg.path:
             raise ConfigError("data.kind=corpus needs data.path=<a corpus folder from "
                               "tools/prepare_data.py <folder>> (or data.mixture)")
-        from framework.io.corpus_dataset import CorpusDataset  # it builds on Dataset
+        from framework.io.corpus_dataset import CorpusDataset
 
         return CorpusDataset(train, vocab_size, cfg)
     raise ConfigError(not_one_of("data.kind", cfg.kind))

@@ -1,7 +1,9 @@
-"""Causal grouped-query attention kernels, as plain functions of (q, k, v, block sizes,
-position offsets). The model (`framework/model/llama.py`) calls `attend` with its
-`ModelConfig` (the kernel, `model.attention`, and its block sizes); nothing here knows
-about meshes, so under tensor parallelism each device simply runs its own heads.
+"""Causal grouped-query attention kernels, as plain functions of q, k, v, which keys
+each query sees (`Mask`) and how scores are made (`ScoreForm`; both defined in
+framework/model/blockwise.py). The model (`framework/model/llama.py`) calls `attend`
+with its `ModelConfig` (the kernel, `model.attention`, and its block sizes); nothing
+here knows about meshes, so under tensor parallelism each device simply runs its own
+heads.
 
 Shapes (grouped-query attention, Ainslie et al. 2023: the r query heads of a group share
 one key/value head, which is never repeated):
@@ -9,10 +11,10 @@ one key/value head, which is never repeated):
     q: [batch, q_len, kv_heads, r, head_dim]     k, v: [batch, kv_len, kv_heads, head_dim]
     out: like q
 
-Positions: query i sits at q_offset + i, key j at kv_offset + j, and a query attends
-the keys at or before its position (causal). Training uses 0 and 0; a decode step with
-a cache passes the cache position as q_offset. Offsets may be Python ints or traced int32
-scalars. Scores are scaled by 1/sqrt(head_dim) (Vaswani et al. 2017), or by the
+Positions (`Mask`): query i sits at q_offset + i, key j at kv_offset + j, and a query
+attends the keys at or before its position (causal). Training uses 0 and 0; a decode
+step with a cache passes the cache position as q_offset. Offsets may be Python ints or
+traced int32 scalars. Scores are scaled by 1/sqrt(head_dim) (Vaswani et al. 2017), or by the
 model's own scale, and soft-capped where the model says (`ScoreForm`, `score_form`).
 
 Sliding window (Mistral, Gemma 2's local layers; transformers' masking_utils.py:
@@ -49,7 +51,8 @@ import jax.numpy as jnp
 
 from framework.config import CHOICES, ModelConfig, not_one_of
 from framework.errors import ConfigError
-from framework.model.blockwise import PLAIN, ScoreForm, blockwise_attention, zeros_varying_like
+from framework.model.blockwise import (PLAIN, Blocks, Mask, ScoreForm, blockwise_attention,
+                                       zeros_varying_like)
 from framework.model.documents import visible
 
 IMPLEMENTATIONS = CHOICES["model.attention"]
@@ -134,60 +137,57 @@ def score_form(model: ModelConfig) -> ScoreForm:
                      getattr(model, "attn_softcap", None))
 
 
-def attend(q, k, v, model: ModelConfig, *, q_offset=0, kv_offset=0,
-           platform: str | None = None, segments=None, window=None):
+def attend(q, k, v, model: ModelConfig, *, q_offset=0, platform: str | None = None,
+           segments=None, window=None):
     """Causal attention by `model.attention` (one of IMPLEMENTATIONS), blockwise with
     `model.attention_block_q` queries and `model.attention_block_kv` keys per block.
-    `platform` resolves `auto` (default: JAX's default backend); `segments`: the
-    queries' and keys' document ids, or None; `window`: the sliding window, or None
-    (module docstring)."""
+    The keys start at position 0 (the queries' own sequence, or a decode cache from its
+    start), the queries at `q_offset`; `segments`: the queries' and keys' document ids,
+    or None; `window`: the sliding window, or None (`Mask`). `platform` resolves `auto`
+    (default: JAX's default backend)."""
     implementation, form = model.attention, score_form(model)
+    mask = Mask(q_offset, 0, segments, window)
     if implementation == "auto":
         implementation = choose(platform or jax.default_backend(), q.dtype, k.shape[1],
                                 q.shape[-1], form.softcap is not None or segments is not None
                                 or not (window is None or isinstance(window, int)))
     if implementation == "dense":
-        return dense_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,
-                               segments=segments, window=window, form=form)
+        return dense_attention(q, k, v, mask=mask, form=form)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, block_q=model.attention_block_q,
-                                   block_kv=model.attention_block_kv, q_offset=q_offset,
-                                   kv_offset=kv_offset, segments=segments, window=window,
-                                   form=form)
+        blocks = Blocks(model.attention_block_q, model.attention_block_kv)
+        return blockwise_attention(q, k, v, mask=mask, form=form, blocks=blocks)
     if implementation == "cudnn":
-        return cudnn_attention(q, k, v, q_offset=q_offset, kv_offset=kv_offset,
-                               segments=segments, window=window, scale=form.scale)
+        return cudnn_attention(q, k, v, mask=mask, scale=form.scale)
     raise ValueError(f"attention implementation {implementation!r} is not one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
 
 
-def _causal_mask(q_len: int, kv_len: int, q_offset, kv_offset, segments=None, window=None):
-    """[q_len, kv_len] bool: key position <= query position (and, with `window`, fewer
-    than `window` before it); with `segments` [b, q_len, kv_len], and the key in the
+def _causal_mask(q_len: int, kv_len: int, mask: Mask):
+    """[q_len, kv_len] bool: key position <= query position (and, with a window, fewer
+    than `mask.window` before it); with segments [b, q_len, kv_len], and the key in the
     query's document."""
-    q_pos = q_offset + jnp.arange(q_len, dtype=jnp.int32)
-    kv_pos = kv_offset + jnp.arange(kv_len, dtype=jnp.int32)
+    q_pos = mask.q_offset + jnp.arange(q_len, dtype=jnp.int32)
+    kv_pos = mask.kv_offset + jnp.arange(kv_len, dtype=jnp.int32)
     causal = kv_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        causal = causal & (q_pos[:, None] - kv_pos[None, :] < window)
-    return causal if segments is None else causal[None] & visible(*segments)
+    if mask.window is not None:
+        causal = causal & (q_pos[:, None] - kv_pos[None, :] < mask.window)
+    return causal if mask.segments is None else causal[None] & visible(*mask.segments)
 
 
 # ---------------------------------------------------------------------------------
 # dense: the reference.
 
 
-def dense_attention(q, k, v, *, q_offset=0, kv_offset=0, segments=None, window=None,
-                    form: ScoreForm = PLAIN):
+def dense_attention(q, k, v, *, mask: Mask = Mask(), form: ScoreForm = PLAIN):
     """All scores at once: [batch, kv_heads, r, q_len, kv_len] float32, in `form`,
     masked with the smallest finite float (a query with no visible key averages every
     value)."""
     scores = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) * form.of(q.shape[-1])
     if form.softcap is not None:  # c tanh(s / c), Gemma 2 (transformers' modeling_gemma2.py)
         scores = form.softcap * jnp.tanh(scores / form.softcap)
-    mask = _causal_mask(q.shape[1], k.shape[1], q_offset, kv_offset, segments, window)
-    mask = mask if segments is None else mask[:, None, None]  # [b, 1, 1, s, t]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    seen = _causal_mask(q.shape[1], k.shape[1], mask)
+    seen = seen if mask.segments is None else seen[:, None, None]  # [b, 1, 1, s, t]
+    scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bgrst,btgk->bsgrk", probs, v)
 
@@ -196,8 +196,8 @@ def dense_attention(q, k, v, *, q_offset=0, kv_offset=0, segments=None, window=N
 # cudnn: NVIDIA's fused kernel.
 
 
-def cudnn_attention(q, k, v, *, q_offset=0, kv_offset=0, implementation: str = "cudnn",
-                    segments=None, window=None, scale=None):
+def cudnn_attention(q, k, v, *, mask: Mask = Mask(), scale: float | None = None,
+                    implementation: str = "cudnn"):
     """cuDNN flash attention. GQA is native (query heads [kv_heads * r] in group-major
     order, keys and values with kv_heads heads). With equal static offsets and lengths
     (training) the causal mask is cuDNN's own, which skips the masked blocks, and so is
@@ -210,16 +210,17 @@ def cudnn_attention(q, k, v, *, q_offset=0, kv_offset=0, implementation: str = "
     this wrapper on CPU)."""
     b, s, g, r, hd = q.shape
     flat = q.reshape(b, s, g * r, hd)  # head g*r + j: query j of group g, as JAX's GQA expects
-    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
-               and q_offset == kv_offset and s == k.shape[1]
+    window = mask.window
+    aligned = (isinstance(mask.q_offset, int) and isinstance(mask.kv_offset, int)
+               and mask.q_offset == mask.kv_offset and s == k.shape[1]
                and (window is None or isinstance(window, int)))
     if aligned:
-        mask = None if segments is None else visible(*segments)[:, None]
+        seen = None if mask.segments is None else visible(*mask.segments)[:, None]
     else:
-        mask = _causal_mask(s, k.shape[1], q_offset, kv_offset, segments, window)
-        mask = mask[None, None] if segments is None else mask[:, None]
+        seen = _causal_mask(s, k.shape[1], mask)
+        seen = seen[None, None] if mask.segments is None else seen[:, None]
     fused = _Fused(implementation, aligned, window - 1 if aligned and window else None, scale)
-    return _fused(fused, flat, k, v, mask).reshape(b, s, g, r, hd)
+    return _fused(fused, flat, k, v, seen).reshape(b, s, g, r, hd)
 
 
 class _Fused(NamedTuple):

@@ -2,16 +2,24 @@
 (framework/model/attention.py dispatches): online softmax over key blocks (Milakov &
 Gimelshein 2018; Rabe & Staats 2021; FlashAttention, Dao et al. 2022) with a
 recomputing backward (FlashAttention-2, Dao 2023), and the same pieces for ring
-attention (framework/model/ring_attention.py). Shapes and positions as in attention.py;
-`segments` (document ids of the queries and the keys), the sliding `window` and the
-score `form` (scale, soft-cap) as there: key blocks wholly outside the window are
-never visited, and the soft-cap's derivative, 1 - tanh^2, enters the backward's ds.
+attention (framework/model/ring_attention.py). Shapes as in attention.py. What a call
+takes besides q, k, v, in three small settings defined here (attention.py's kernels take
+the first two as well):
+
+    Mask       which keys a query sees: the positions of the first query and key, the
+               document ids (`segments`), the sliding `window`; traced or not (a pytree)
+    ScoreForm  how a score is made of q.k: scale and soft-cap (static)
+    Blocks     queries and keys per block (static)
+
+Key blocks wholly outside the window are never visited, and the soft-cap's derivative,
+1 - tanh^2, enters the backward's ds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,26 +44,48 @@ class ScoreForm:
 PLAIN = ScoreForm()
 
 
-def blockwise_attention(q, k, v, *, block_q: int = 512, block_kv: int = 512, q_offset=0,
-                        kv_offset=0, segments=None, window=None, form: ScoreForm = PLAIN):
+class Mask(NamedTuple):
+    """Which keys a query sees: query i sits at position q_offset + i and key j at
+    kv_offset + j, and a query sees the keys at or before its position (causal); with
+    `segments` = (seg_q [b, q_len], seg_k [b, kv_len]) int32 document ids, only those of
+    its own document; with `window` w, only those fewer than w positions before it.
+    Offsets and window: Python ints or traced int32 scalars; segments or window None:
+    none. A pytree: its arrays are arguments of the kernels' VJPs."""
+
+    q_offset: Any = 0
+    kv_offset: Any = 0
+    segments: tuple | None = None
+    window: Any = None
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The blockwise kernel's tiles (static): `q` queries and `kv` keys per block
+    (model.attention_block_q, model.attention_block_kv; cut to a shorter sequence)."""
+
+    q: int = 512
+    kv: int = 512
+
+
+def blockwise_attention(q, k, v, *, mask: Mask = Mask(), form: ScoreForm = PLAIN,
+                        blocks: Blocks = Blocks()):
     """Flash-style attention in plain JAX (see the module docstring). Memory: the
-    inputs, the output, a float32 log-sum-exp per query and one [block_q, block_kv]
-    score block per (batch, head); never [q_len, kv_len]. `window`: a key is visible
-    only to queries fewer than `window` positions after it (int or traced int32;
-    None: no window)."""
+    inputs, the output, a float32 log-sum-exp per query and one [blocks.q, blocks.kv]
+    score block per (batch, head); never [q_len, kv_len]."""
     q_len, kv_len = q.shape[1], k.shape[1]
-    bq, bk = min(block_q, q_len), min(block_kv, kv_len)
+    bq, bk = min(blocks.q, q_len), min(blocks.kv, kv_len)
     if bq < 1 or bk < 1:
-        raise ValueError(f"attention block sizes must be >= 1, got {block_q}, {block_kv}")
+        raise ValueError(f"attention block sizes must be >= 1, got {blocks.q}, {blocks.kv}")
     pad = lambda x, n: jnp.pad(x, [(0, 0), (0, -x.shape[1] % n)] + [(0, 0)] * (x.ndim - 2))
     # typed like q, k, v inside a shard_map: the offsets are residuals of the VJP, and a
     # pipeline executor stashes residuals by type (constants would stand apart)
     typed = zeros_varying_like((), q, k, v).astype(jnp.int32)
-    offsets = jnp.asarray(q_offset, jnp.int32) + typed, jnp.asarray(kv_offset, jnp.int32) + typed
-    window = None if window is None else jnp.asarray(window, jnp.int32) + typed
-    out = _flash(bq, bk, kv_len, form, pad(q, bq), pad(k, bk), pad(v, bk), *offsets,
-                 _padded_segments(segments, bq, bk), window)
-    return out[:, :q_len]
+    offsets = (jnp.asarray(mask.q_offset, jnp.int32) + typed,
+               jnp.asarray(mask.kv_offset, jnp.int32) + typed)
+    window = None if mask.window is None else jnp.asarray(mask.window, jnp.int32) + typed
+    padded = pad(q, bq), pad(k, bk), pad(v, bk)  # [b, s rounded up to whole blocks, ...]
+    typed_mask = Mask(*offsets, _padded_segments(mask.segments, bq, bk), window)
+    return _flash(_Kernel(bq, bk, kv_len, form), *padded, typed_mask)[:, :q_len]
 
 
 def _padded_segments(segments, bq: int, bk: int):
@@ -83,6 +113,18 @@ def zeros_varying_like(shape, *like):
 
 
 @dataclass(frozen=True)
+class _Kernel:
+    """The static settings of one kernel call: bq queries and bk keys per block (they
+    tile the padded lengths), kv_len real keys (those after it are padding), the score
+    form."""
+
+    bq: int
+    bk: int
+    kv_len: int
+    form: ScoreForm = PLAIN
+
+
+@dataclass(frozen=True)
 class _Tiling:
     """How the padded queries and keys are cut into blocks and where they sit: bq queries
     and bk keys per block, kv_len real keys (those after it are padding), and the
@@ -99,11 +141,13 @@ class _Tiling:
     form: ScoreForm = PLAIN
 
     @staticmethod
-    def of(bq, bk, kv_len, q_offset, kv_offset, segments, window=None,
-           form: ScoreForm = PLAIN) -> "_Tiling":
+    def of(kernel: _Kernel, mask: Mask) -> "_Tiling":
+        """`kernel`'s tiling of the positions and documents of `mask` (offsets int32)."""
+        segments = mask.segments
         blocked = None if segments is None else (
-            _blocks(segments[0], bq), _blocks(segments[1], bk))
-        return _Tiling(bq, bk, kv_len, q_offset, kv_offset, blocked, window, form)
+            _blocks(segments[0], kernel.bq), _blocks(segments[1], kernel.bk))
+        return _Tiling(kernel.bq, kernel.bk, kernel.kv_len, mask.q_offset, mask.kv_offset,
+                       blocked, mask.window, kernel.form)
 
     def kv_blocks(self, i, nk):
         """Key blocks query block i can see: [lo, hi), from the first within the window of
@@ -145,21 +189,22 @@ def _block_scores(q_blk, k_blk, i, j, tiling: _Tiling):
     return jnp.where(seen, s, -jnp.inf), tanh
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None, window=None):
-    return _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments,
-                          window)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(kernel: _Kernel, q, k, v, mask: Mask):
+    """q: [b, sq, g, r, hd], k, v: [b, sk, g, hd] with sq, sk whole blocks of `kernel`;
+    `mask`'s offsets (and window) int32 arrays. -> like q."""
+    return _flash_forward(kernel, q, k, v, mask)[0]
 
 
-def _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None,
-                   window=None):
+def _flash_forward(kernel: _Kernel, q, k, v, mask: Mask):
     """(out [b, sq, g, r, hd], log-sum-exp [nq, b, bq, g, r] float32). Per query block,
     a loop over the key blocks it can see with the online-softmax update
         m' = max(m, rowmax(s)),  l' = e^(m - m') l + rowsum(e^(s - m')),
         acc' = e^(m - m') acc + e^(s - m') v."""
+    bq, bk = kernel.bq, kernel.bk
     nk = k.shape[1] // bk
     kb, vb = _blocks(k, bk), _blocks(v, bk)
-    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments, window, form)
+    tiling = _Tiling.of(kernel, mask)
 
     def query_block(args):
         i, q_blk = args  # q_blk: [b, bq, g, r, hd]
@@ -188,24 +233,23 @@ def _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=
     return _unblocks(out), lse
 
 
-def _flash_fwd(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments=None,
-               window=None):
-    out, lse = _flash_forward(bq, bk, kv_len, form, q, k, v, q_offset, kv_offset, segments,
-                              window)
-    return out, (q, k, v, out, lse, q_offset, kv_offset, segments, window)
+def _flash_fwd(kernel: _Kernel, q, k, v, mask: Mask):
+    out, lse = _flash_forward(kernel, q, k, v, mask)
+    return out, (q, k, v, out, lse, mask)
 
 
-def _flash_bwd(bq, bk, kv_len, form, residuals, d_out):
+def _flash_bwd(kernel: _Kernel, residuals, d_out):
     """FlashAttention-2's backward, outer loop over key blocks: for key block j and each
     query block i that sees it, p = e^(s - lse) (recomputed), dv_j += p^T do,
     ds = p * (do v_j^T - D) with D = rowsum(do * out), dk_j += ds^T q, dq_i += ds k_j;
     with a soft-cap, ds *= 1 - tanh^2 (d/dx c tanh(x / c))."""
-    q, k, v, out, lse, q_offset, kv_offset, segments, window = residuals
-    scale = form.of(q.shape[-1])
+    q, k, v, out, lse, mask = residuals
+    bq, bk = kernel.bq, kernel.bk
+    scale = kernel.form.of(q.shape[-1])
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb, dob = _blocks(q, bq), _blocks(d_out, bq)
     delta = _blocks(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), bq)
-    tiling = _Tiling.of(bq, bk, kv_len, q_offset, kv_offset, segments, window, form)
+    tiling = _Tiling.of(kernel, mask)
 
     def key_block(dq, args):
         j, k_blk, v_blk = args
@@ -232,9 +276,8 @@ def _flash_bwd(bq, bk, kv_len, form, residuals, d_out):
     dq0 = zeros_varying_like(qb.shape, q, k, v, d_out)  # [nq, b, bq, g, r, hd] float32
     dq, (dk, dv) = jax.lax.scan(
         key_block, dq0, (jnp.arange(nk, dtype=jnp.int32), _blocks(k, bk), _blocks(v, bk)))
-    no_grad = jax.tree.map(lambda _: None, segments)  # integer ids: no cotangent
-    return (_unblocks(dq).astype(q.dtype), _unblocks(dk), _unblocks(dv), None, None, no_grad,
-            None)
+    no_grad = jax.tree.map(lambda _: None, mask)  # integer positions and ids: no cotangent
+    return _unblocks(dq).astype(q.dtype), _unblocks(dk), _unblocks(dv), no_grad
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -243,20 +286,27 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Pieces for ring attention (framework/parallel/context.py), which merges the partial
 # attentions of the key chunks it is passed and takes their gradients itself.
 
-def flash_piece(q, k, v, bq: int, bk: int, q_offset, kv_offset, segments=None, window=None,
-                form: ScoreForm = PLAIN):
-    """The blockwise forward on lengths that bq and bk tile: (out like q, log-sum-exp
+def _int32_offsets(mask: Mask) -> Mask:
+    """`mask` with its offsets as int32 arrays, as the kernel computes positions."""
+    return mask._replace(q_offset=jnp.asarray(mask.q_offset, jnp.int32),
+                         kv_offset=jnp.asarray(mask.kv_offset, jnp.int32))
+
+
+def flash_piece(q, k, v, blocks: Blocks, mask: Mask, form: ScoreForm = PLAIN):
+    """The blockwise forward on lengths that `blocks` tile: (out like q, log-sum-exp
     [b, sq, g, r] float32, -inf where a query sees no key)."""
-    offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
-    out, lse = _flash_forward(bq, bk, k.shape[1], form, q, k, v, *offsets, segments, window)
+    out, lse = _flash_forward(_Kernel(blocks.q, blocks.kv, k.shape[1], form), q, k, v,
+                              _int32_offsets(mask))
     lse = _unblocks(lse)
     return out, jnp.where(jnp.isinf(lse), -jnp.inf, lse)
 
 
-def flash_piece_grads(q, k, v, out, lse, d_out, bq: int, bk: int, q_offset, kv_offset,
-                      segments=None, window=None, form: ScoreForm = PLAIN):
-    """(dq, dk, dv) of this piece, from the *whole* attention's output and log-sum-exp
-    of the queries (FlashAttention-2's backward restricted to these keys)."""
-    offsets = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)
-    residuals = (q, k, v, out, _blocks(lse, bq), *offsets, segments, window)
-    return _flash_bwd(bq, bk, k.shape[1], form, residuals, d_out)[:3]
+def flash_piece_grads(q, k, v, whole, d_out, blocks: Blocks, mask: Mask,
+                      form: ScoreForm = PLAIN):
+    """(dq, dk, dv) of this piece, from `whole` = (out like q, log-sum-exp [b, sq, g, r]):
+    the *whole* attention's of these queries, flash_piece's pair merged over every
+    piece (FlashAttention-2's backward restricted to these keys)."""
+    out, lse = whole
+    mask = _int32_offsets(mask)
+    residuals = (q, k, v, out, _blocks(lse, blocks.q), mask)
+    return _flash_bwd(_Kernel(blocks.q, blocks.kv, k.shape[1], form), residuals, d_out)[:3]

@@ -10,7 +10,7 @@ j it holds those of device s = i - j (mod c) and adds their contribution to its
 queries' output with FlashAttention's online-softmax merge (Dao et al. 2022: outputs
 normalised over their own keys, combined by their log-sum-exps), while they travel on
 to device i + 1. Per step each (query chunk, key chunk) pair runs the blockwise kernel
-of framework/model/attention.py (`flash_piece`) at its own positions; a pair wholly
+of framework/model/blockwise.py (`flash_piece`) at its own positions; a pair wholly
 above the causal diagonal visits no key block, so each device computes two chunk-pairs
 a step. The backward is a ring too (a custom VJP: memory linear in the sequence, only
 q, k, v, the output and the log-sum-exp kept): the keys and values go around again
@@ -32,7 +32,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from framework.model.blockwise import flash_piece, flash_piece_grads
+from framework.model.blockwise import PLAIN, Blocks, Mask, flash_piece, flash_piece_grads
 
 SEQ = 1  # activations are [batch, seq, ...]
 
@@ -44,11 +44,11 @@ def ring_attention(q, k, v, cfg, cp, segments=None, window=None, form=None):
     document ids [b, n], or None; `window`: the sliding window (int or traced), or
     None; `form`: the scores' ScoreForm (None: plain)."""
     h = q.shape[SEQ] // 2
-    blocks = (_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
+    blocks = Blocks(_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
     if cfg.attention == "dense":
-        blocks = (h, h)
+        blocks = Blocks(h, h)
     window = None if window is None else jnp.asarray(window, jnp.int32)
-    return _ring(cp, (blocks, form), q, k, v, segments, window)
+    return _ring(cp, (blocks, PLAIN if form is None else form), q, k, v, segments, window)
 
 
 def _divisor(n: int, at_most: int) -> int:
@@ -61,13 +61,13 @@ def _halves(x):
     return x[:, :h], x[:, h:]
 
 
-def _pair_segments(segments, qc, kc, h):
-    """The document ids of query chunk qc and key chunk kc (chunk c: positions c h ..
-    c h + h - 1), or None."""
+def _pair_mask(segments, window, qc, kc, h) -> Mask:
+    """What the queries of chunk qc see of the keys of chunk kc (chunk c: positions c h
+    .. c h + h - 1): their positions, their document ids (or None), the window."""
     if segments is None:
-        return None
+        return Mask(qc * h, kc * h, None, window)
     cut = lambda c: jax.lax.dynamic_slice_in_dim(segments, c * h, h, axis=SEQ)
-    return cut(qc), cut(kc)
+    return Mask(qc * h, kc * h, (cut(qc), cut(kc)), window)
 
 
 def _pairs(cp, step: int):
@@ -93,20 +93,14 @@ def _merge(out, lse, piece_out, piece_lse):
     return out, jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
 
 
-def _piece_args(how, window):
-    """flash_piece's keyword arguments: the window and the score form (`how`: (blocks,
-    form), static)."""
-    return dict(window=window) | ({} if how[1] is None else dict(form=how[1]))
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _ring(cp, how, q, k, v, segments=None, window=None):
     return _ring_forward(cp, how, q, k, v, segments, window)[0]
 
 
 def _ring_forward(cp, how, q, k, v, segments=None, window=None):
-    """(out like q, log-sum-exp [b, 2h, g, r] float32). how: (block sizes, score form)."""
-    blocks = how[0]
+    """(out like q, log-sum-exp [b, 2h, g, r] float32). how: (Blocks, ScoreForm)."""
+    blocks, form = how
     h = q.shape[SEQ] // 2
     qs = _halves(q)
     outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]  # [b, h, g, r, hd] per half
@@ -117,9 +111,8 @@ def _ring_forward(cp, how, q, k, v, segments=None, window=None):
             outs, lses = list(outs), list(lses)
             ks, vs = _halves(kv[0]), _halves(kv[1])
             for a, b, qc, kc in _pairs(cp, step):
-                o, lse = flash_piece(qs[a], ks[b], vs[b], *blocks, qc * h, kc * h,
-                                     _pair_segments(segments, qc, kc, h),
-                                     **_piece_args(how, window))
+                o, lse = flash_piece(qs[a], ks[b], vs[b], blocks,
+                                     _pair_mask(segments, window, qc, kc, h), form)
                 outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
             return outs, lses
 
@@ -142,7 +135,7 @@ def _ring_bwd(cp, how, residuals, d_out):
     more shift after the last step brings each device its own. Each step's shifts (the
     keys and values on, the last step's sum) travel while its blocks run."""
     q, k, v, out, lse, segments, window = residuals
-    h, blocks = q.shape[SEQ] // 2, how[0]
+    h, (blocks, form) = q.shape[SEQ] // 2, how
     qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     kv, summed = (k, v), None  # summed: the gradients of the keys/values held, so far
@@ -152,10 +145,9 @@ def _ring_bwd(cp, how, residuals, d_out):
         dq, parts = list(dq), [[0.0, 0.0], [0.0, 0.0]]  # [dk, dv][key half]
         ks, vs = _halves(kv[0]), _halves(kv[1])
         for a, b, qc, kc in _pairs(cp, step):
-            dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                 d_outs[a], *blocks, qc * h, kc * h,
-                                                 _pair_segments(segments, qc, kc, h),
-                                                 **_piece_args(how, window))
+            dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], (outs[a], lses[a]),
+                                                 d_outs[a], blocks,
+                                                 _pair_mask(segments, window, qc, kc, h), form)
             dq[a] = dq[a] + dq_a
             parts[0][b] = parts[0][b] + dk_b.astype(jnp.float32)
             parts[1][b] = parts[1][b] + dv_b.astype(jnp.float32)

@@ -39,9 +39,10 @@ def _rel(a, b):
 def test_blockwise_equals_dense_values_and_gradients(shape, blocks, offsets):
     q, k, v, w = _qkv(*shape)
     qo, ko = offsets
-    dense = lambda q, k, v: attention.dense_attention(q, k, v, q_offset=qo, kv_offset=ko)
+    tiles = attention.Blocks(*blocks)
+    dense = lambda q, k, v: attention.dense_attention(q, k, v, mask=attention.Mask(qo, ko))
     block = lambda q, k, v: attention.blockwise_attention(
-        q, k, v, block_q=blocks[0], block_kv=blocks[1], q_offset=qo, kv_offset=ko)
+        q, k, v, mask=attention.Mask(qo, ko), blocks=tiles)
     loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
     (ld, gd), (lb, gb) = loss(dense)(q, k, v), loss(block)(q, k, v)
     assert _rel(block(q, k, v), dense(q, k, v)) < 1e-5
@@ -50,7 +51,7 @@ def test_blockwise_equals_dense_values_and_gradients(shape, blocks, offsets):
         assert _rel(a, b) < 1e-5
     # Traced offsets (a cache position) give the same result.
     traced = jax.jit(lambda q, k, v, o: attention.blockwise_attention(
-        q, k, v, block_q=blocks[0], block_kv=blocks[1], q_offset=o, kv_offset=ko))
+        q, k, v, mask=attention.Mask(o, ko), blocks=tiles))
     assert _rel(traced(q, k, v, jnp.int32(qo)), dense(q, k, v)) < 1e-5
 
 
@@ -77,10 +78,10 @@ def test_window_and_softcap_kernels_values_and_gradients(shape, blocks, offset, 
     q, k = 3 * q, 3 * k  # scores beyond the cap, so that tanh bends them
     form = attention.ScoreForm(scale=0.3, softcap=5.0)
     plain = _plain_attention(q, k, v, offset, window, 0.3, 5.0)
-    kw = dict(q_offset=offset, window=window, form=form)
+    kw = dict(mask=attention.Mask(q_offset=offset, window=window), form=form)
     dense = lambda q, k, v: attention.dense_attention(q, k, v, **kw)
     block = lambda q, k, v: attention.blockwise_attention(
-        q, k, v, block_q=blocks[0], block_kv=blocks[1], **kw)
+        q, k, v, blocks=attention.Blocks(*blocks), **kw)
     assert _rel(dense(q, k, v), plain) < 1e-5 and _rel(block(q, k, v), plain) < 1e-5
     loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))
     (ld, gd), (lb, gb) = loss(dense)(q, k, v), loss(block)(q, k, v)
@@ -89,18 +90,18 @@ def test_window_and_softcap_kernels_values_and_gradients(shape, blocks, offset, 
         assert _rel(a, b) < 1e-5
     # A traced window (one scanned with the layers) and traced offsets: the same.
     traced = jax.jit(lambda q, k, v, o, win: attention.blockwise_attention(
-        q, k, v, block_q=blocks[0], block_kv=blocks[1], q_offset=o, window=win, form=form))
+        q, k, v, mask=attention.Mask(q_offset=o, window=win), form=form,
+        blocks=attention.Blocks(*blocks)))
     assert _rel(traced(q, k, v, jnp.int32(offset), jnp.int32(window)), plain) < 1e-5
     # The cuDNN wrapper's window (no soft-cap there), through XLA's kernel.
-    cudnn = attention.cudnn_attention(q, k, v, q_offset=offset, window=window, scale=0.3,
-                                      implementation="xla")
+    cudnn = attention.cudnn_attention(q, k, v, mask=kw["mask"], scale=0.3, implementation="xla")
     assert _rel(cudnn, _plain_attention(q, k, v, offset, window, 0.3, 1e9)) < 1e-5
 
 
 def test_blockwise_bfloat16_keeps_float32_statistics():
     q, k, v, _ = _qkv(2, 64, 64, 2, 2, 16, jnp.bfloat16)
     exact = attention.dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
-    out = attention.blockwise_attention(q, k, v, block_q=16, block_kv=16)
+    out = attention.blockwise_attention(q, k, v, blocks=attention.Blocks(16, 16))
     assert out.dtype == jnp.bfloat16
     assert _rel(out, exact) < 2e-2  # bfloat16 rounding of inputs/outputs only
 
@@ -112,8 +113,9 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
     ref = attention.dense_attention(q, k, v)
     assert _rel(attention.cudnn_attention(q, k, v, implementation="xla"), ref) < 1e-5
     q2 = q[:, 8:]  # queries 8..11 against all 12 keys: an explicit mask
-    out = attention.cudnn_attention(q2, k, v, q_offset=8, implementation="xla")
-    assert _rel(out, attention.dense_attention(q2, k, v, q_offset=8)) < 1e-5
+    eight = attention.Mask(q_offset=8)
+    out = attention.cudnn_attention(q2, k, v, mask=eight, implementation="xla")
+    assert _rel(out, attention.dense_attention(q2, k, v, mask=eight)) < 1e-5
     loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))),
                                       argnums=(0, 1, 2)))
     fused = lambda q, k, v: attention.cudnn_attention(q, k, v, implementation="xla")

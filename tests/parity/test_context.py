@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from framework.analysis import audit, comm_model
 from framework.config import ModelConfig
 from framework.model.attention import dense_attention
-from framework.model.blockwise import ScoreForm
+from framework.model.blockwise import Mask, ScoreForm
 from framework.model.ring_attention import ring_attention
 from framework.parallel.context import ContextParallel
 from tests.helpers import REPO, TRAIN, engine, engine_grads, max_rel_err, reference_grads, worst
@@ -47,7 +47,8 @@ def _ring_and_dense(c: int, permute: bool, attention: str, block: int, window=No
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 3, out_specs=P())
     plain = {} if form is None else dict(form=form)
-    dense = lambda q, k, v: jnp.sum(dense_attention(q, k, v, window=window, **plain) * w)
+    dense = lambda q, k, v: jnp.sum(dense_attention(q, k, v, mask=Mask(window=window), **plain)
+                                    * w)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
     return grad(ring), grad(dense)
 

@@ -75,11 +75,12 @@ def test_cudnn_wrappers_masks_match_the_dense_kernels():
     q = jax.random.normal(keys[0], (b, n, g, r, hd))
     k, v = (jax.random.normal(key, (b, n, g, hd)) for key in keys[1:])
     seg = segment_ids(packed()[:b, :n], SEP)
-    dense = attention.dense_attention(q, k, v, segments=(seg, seg))
-    fused = attention.cudnn_attention(q, k, v, implementation="xla", segments=(seg, seg))
+    documents = attention.Mask(segments=(seg, seg))
+    dense = attention.dense_attention(q, k, v, mask=documents)
+    fused = attention.cudnn_attention(q, k, v, mask=documents, implementation="xla")
     assert float(jnp.max(jnp.abs(fused - dense))) < 1e-5
-    shifted = attention.cudnn_attention(q[:, 8:], k, v, q_offset=8, implementation="xla",
-                                        segments=(seg[:, 8:], seg))
+    shifted = attention.cudnn_attention(q[:, 8:], k, v, implementation="xla",
+                                        mask=attention.Mask(8, 0, (seg[:, 8:], seg)))
     assert float(jnp.max(jnp.abs(shifted - dense[:, 8:]))) < 1e-5
 
 
