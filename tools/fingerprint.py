@@ -53,7 +53,8 @@ def _variants(schedule_names):
             yield name, sends
 
 
-def lowered(cfg, devices) -> dict:
+def lowered(cfg, devices, target) -> dict:
+    from framework.compile.targets import cudnn_of
     from framework.engine.build import build_engine
     from framework.engine.validate import validate
     from framework.parallel.mesh import make_mesh
@@ -62,7 +63,8 @@ def lowered(cfg, devices) -> dict:
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, devices))
     state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
-    low = engine.step_fn.lower(state, tokens)
+    with cudnn_of(target):
+        low = engine.step_fn.lower(state, tokens)
     names = sorted(set(_NAME_LOC.findall(low.as_text(debug_info=True))))
     return {"hlo": _sha(low.as_text()), "scopes": _sha("\n".join(names)),
             "n_scopes": len(names)}
@@ -103,7 +105,7 @@ def fingerprint_case(recipe: str, target_name: str, programs: bool) -> dict:
         try:
             entry = predicted(cfg, target.platform, kind, target.n_devices)
             if programs:
-                entry.update(lowered(cfg, devices))
+                entry.update(lowered(cfg, devices, target))
         except ConfigError as err:
             entry = {"refused": str(err)}
         print(f"{key}: {time.perf_counter() - start:.1f} s {entry.get('hlo', '')}",

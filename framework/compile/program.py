@@ -23,7 +23,8 @@ from __future__ import annotations
 import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
-from framework.compile.targets import Target, compile_devices
+from framework.analysis.traffic import moved_bytes
+from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from framework.errors import ConfigError
 from framework.units import gib as _size
@@ -68,7 +69,8 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
            * train.global_batch_size * train.seq_len / n_devices}
     peak = hardware.peak_flops(kind, model.dtype)
     if peak:
-        hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak)
+        hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak, platform=platform,
+                              device=kind)  # at the rates measured of such stages
         time = planner.predict_time(model, parallel, train, hw, optim)
         out["time/predicted_step_s"] = time["total"]
     return out
@@ -128,11 +130,13 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
     report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
     report["pipeline/backward_parts"] = engine.schedule.parts
+    report["attention"] = engine.attention_kernel(cfg.train.seq_len)
     state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     start = time.perf_counter()
     try:
-        compiled = engine.step_fn.lower(state, tokens).compile(
-            compiler_options=compiler_options(target.platform))
+        with cudnn_of(target):  # cuDNN's attention compiled without the library
+            compiled = engine.step_fn.lower(state, tokens).compile(
+                compiler_options=compiler_options(target.platform))
     except Exception as err:  # XLA's runtime error type differs between jaxlib versions
         oom = hbm_oom(err)
         if oom is None:
@@ -144,6 +148,8 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update(memory_fields(compiled, platform))
     report["memory/device_bytes"] = target.device_bytes
     report.update(comm_fields(compiled, engine, platform))
+    report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
+                   for kind, nbytes in moved_bytes(compiled.as_text()).items()})
     total = report["memory/compiled_bytes_per_device"]
     report["fits"] = target.device_bytes is None or total <= target.device_bytes
     if not report["fits"]:

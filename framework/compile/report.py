@@ -24,7 +24,9 @@ def lines(report: dict) -> list[str]:
     ratio = f" ({predicted / compiled:.2f}x the compiler)" if predicted and compiled else ""
     out = [f"{report['target']}: {report['n_devices']} x {report['device_kind']}, "
            f"{report['mesh']} ({report['schedule']}"
-           f"{', ' + report['sends'] + ' sends' if 'sends' in report else ''}), compiled in "
+           f"{', ' + report['sends'] + ' sends' if 'sends' in report else ''}"
+           f"{', ' + report['attention'] + ' attention' if 'attention' in report else ''}"
+           f"), compiled in "
            f"{report['compile_time_s']:.1f} s",
            f"memory per device (compiler): arguments {_gib(report['memory/argument_bytes_per_device'])}"
            f", outputs {_gib(report['memory/output_bytes_per_device'])}, temporaries "
@@ -39,6 +41,10 @@ def lines(report: dict) -> list[str]:
     if shares:
         out.append("overlapped with compute: " + ", ".join(
             f"{a} {'-' if s is None else f'{s:.0%}'}" for a, s in shares))
+    if "traffic/copied_bytes_per_step" in report:
+        out.append("moved without computing per device per step: " + ", ".join(
+            f"{kind} {_gib(report[f'traffic/{kind}_bytes_per_step'])}"
+            for kind in ("copied", "sliced", "updated")))
     flops = report["flops/model_per_device_per_step"]
     step = report.get("time/predicted_step_s")
     out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"

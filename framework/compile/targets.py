@@ -17,6 +17,7 @@ touches this file only; adding a GPU model adds one file to `gpus/`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -156,3 +157,40 @@ def compile_devices(target: Target) -> list:
     with filtered_stderr():
         return list(topologies.get_topology_desc(
             platform="cuda", target_config=target.config_text, topology=target.topology).devices)
+
+
+def _version(text: str, field: str) -> tuple[int, int]:
+    """(major, minor) of a `field { major: M minor: m }` of a GPU target config."""
+    found = re.search(field + r"\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?", text)
+    return (int(found.group(1)), int(found.group(2) or 0)) if found else (0, 0)
+
+
+@contextlib.contextmanager
+def cudnn_of(target: Target):
+    """While tracing and compiling for `target` on a machine without the cuDNN library:
+    JAX's lowering of cuDNN's fused attention asks the library for its version and the
+    local GPU for its compute capability, and fails; the target's config names both
+    (`dnn_version_info`, `cuda_compute_capability`), so JAX is told those instead, and
+    XLA's GPU compiler compiles the fused attention's custom calls without a device
+    (jaxlib 0.10.2: `__cudnn$fmhaSoftmax` and its backward in llama_1b_8gpu's step for
+    gpu:h100x8, 2026-11-27). A GPU target only, and only where the library is missing:
+    on a GPU machine JAX asks its own cuDNN."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    try:
+        missing = target.platform == "gpu" and not fused.check_cudnn_version()
+    except (RuntimeError, OSError):
+        missing = target.platform == "gpu"
+    if not missing:
+        yield
+        return
+    major, minor = _version(target.config_text, "dnn_version_info")
+    capability = _version(target.config_text, "cuda_compute_capability")
+    saved = fused.check_cudnn_version, fused.check_compute_capability
+    fused.check_cudnn_version = lambda: major * 10000 + minor * 100
+    fused.check_compute_capability = lambda wanted: capability >= tuple(
+        int(x) for x in wanted.split("."))
+    try:
+        yield
+    finally:
+        fused.check_cudnn_version, fused.check_compute_capability = saved

@@ -23,6 +23,7 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, train_step
+from framework.model import attention
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import DATA
 from framework.parallel.pipeline import layout
@@ -102,6 +103,11 @@ class Engine:
         return jax.jit(self._loss_and_grads(forward_only=True),
                        in_shardings=(self.state_shardings["params"], self.batch_sharding()))
 
+    def attention_kernel(self, seq_len: int) -> str:
+        """The attention kernel the step runs for sequences of `seq_len` (`auto` was
+        resolved for the mesh's platform when built: what is left picks by length)."""
+        return attention.kernel_for(self.model, seq_len, "host")
+
     def batch_sharding(self):
         return NamedSharding(self.mesh, P(DATA))
 
@@ -135,6 +141,10 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
                  total_steps: int, mesh, documents: DocumentMask | None = None) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh.
     `documents`: attention within each row's documents (data.document_mask)."""
+    # `auto` attention as the mesh's platform runs it (a GPU target compiled from a CPU
+    # machine: cuDNN's kernel, as the run will use)
+    platform = mesh.devices.flat[0].platform
+    model = attention.for_platform(model, platform, documents is not None)
     lay = resolved(model, parallel)
     specs, dims = param_specs(lay)
     state = StateLayout(lay, mesh, make_optimizer(optim, total_steps), specs, dims,

@@ -43,6 +43,7 @@ Document masks (framework/model/documents.py): `segments=(seg_q [b, q_len], seg_
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple
 
@@ -272,4 +273,17 @@ def kernel_for(model: ModelConfig, kv_len: int, platform: str) -> str:
     per_layer = bool(model.sliding_window_pattern and model.sliding_window)
     return choose(platform, model.dtype, kv_len, model.head_dim,
                   model.attn_softcap is not None or per_layer)
+
+
+def for_platform(model: ModelConfig, platform: str, documents: bool = False) -> ModelConfig:
+    """`model` with `auto` resolved where the platform decides it at every length: cuDNN
+    on NVIDIA GPUs where the model's shape allows it and rows carry no document masks
+    (`choose`). An engine for a GPU target then traces the run's own kernel even when
+    this process's backend is a CPU (`framework.compile`), where `attend` would resolve
+    `auto` for the CPU. Elsewhere `auto` stays: each call picks by its length."""
+    if model.attention != "auto" or documents or not _gpu_platform(platform):
+        return model
+    if kernel_for(model, DENSE_MAX_SEQ + 1, platform) != "cudnn":
+        return model
+    return dataclasses.replace(model, attention="cudnn")
 
