@@ -62,10 +62,18 @@ def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
                                 mutable=[PRODUCTS])[1][PRODUCTS]
 
 
+def _traceable(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` for tracing what does not depend on the attention kernel (the weights and
+    which of them the weight ops read): with the reference kernel where cuDNN's is set
+    (cuDNN's cannot even be traced without the cuDNN library)."""
+    return dataclasses.replace(cfg, attention="dense") if cfg.attention == "cudnn" else cfg
+
+
 def weights_outside_weight_op(cfg: ModelConfig) -> list[str]:
     """Block parameters that no `weight_op` reads ('module/name'): the split backward's
     W half replays the weight ops only, so their gradient would silently be zero under
     a zero-bubble schedule; the engine refuses them when it is built. Traced only."""
+    cfg = _traceable(cfg)
     x = jax.ShapeDtypeStruct((1, 16, cfg.d_model), jnp.dtype(cfg.dtype))
     variables = jax.eval_shape(lambda x: Block(cfg).init(jax.random.key(0), x), x)
     path = lambda keys: "/".join(str(k.key) for k in keys)
@@ -253,8 +261,7 @@ def init_params_and_axes(cfg: ModelConfig, key):
     """(params, logical_axes) in canonical layout; axes are tuples of names. The weights
     do not depend on the attention kernel: the modules are initialised with the
     reference one (cuDNN's cannot even be traced without the cuDNN library)."""
-    if cfg.attention == "cudnn":
-        cfg = dataclasses.replace(cfg, attention="dense")
+    cfg = _traceable(cfg)
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     tokens = jnp.zeros((1, 2), jnp.int32)
     x = jnp.zeros((1, 2, cfg.d_model), jnp.float32)
