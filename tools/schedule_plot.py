@@ -7,9 +7,9 @@ actually did beside it.
     python tools/schedule_plot.py --schedule 1f1b --pipeline 4 --microbatches 8 --sync -o sync.png
     python tools/schedule_plot.py --trace outputs/<date>/<time> -o timeline.png
 
-Table: ranks are rows, ticks are columns; F cells blue, B orange, W green, fused BW
-red, each labelled with its microbatch (and chunk, with virtual stages); idle cells are
-blank. The table drawn is the very one the engine executes
+Table: ranks are rows, ticks are columns; each cell in its kind's colour (F blue, B
+orange, W green, fused BW red, its parts in shades of red: `kinds.CellKind.colour`),
+labelled with its microbatch (and chunk, with virtual stages); idle cells are blank. The table drawn is the very one the engine executes
 (`framework/parallel/pipeline/`).
 
 Trace (`--trace <run folder>`): the run's profiled steps (`profile.steps`), read from
@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,13 +40,8 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 from framework.parallel.pipeline.program import program  # noqa: E402
 from framework.parallel.pipeline.schedule import schedule_names  # noqa: E402
-from framework.parallel.pipeline.table import (  # noqa: E402
-    BW, BW_PARTS, IDLE, KIND_NAMES, B, F, Schedule, W)
-
-COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756",
-          **dict(zip(BW_PARTS, ("#e45756", "#f28e8c", "#b33a3a")))}
-LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward",
-          **{k: f"backward, part {j} of the layers (BW{j})" for j, k in enumerate(BW_PARTS)}}
+from framework.parallel.pipeline.kinds import BY_NAME, IDLE, KINDS  # noqa: E402
+from framework.parallel.pipeline.table import Schedule  # noqa: E402
 
 
 def _draw_table(ax, schedule: Schedule) -> int:
@@ -57,7 +53,8 @@ def _draw_table(ax, schedule: Schedule) -> int:
             if kind == IDLE:
                 idle += 1
                 continue
-            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=COLORS[kind], edgecolor="white"))
+            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=KINDS[kind].colour,
+                                   edgecolor="white"))
             label = str(schedule.microbatch[t, r])
             if schedule.n_chunks > 1:
                 label += f".{schedule.chunk[t, r]}"
@@ -80,8 +77,10 @@ def _draw_table(ax, schedule: Schedule) -> int:
 
 
 def _legend(fig, kinds):
-    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds],
-               loc="lower center", ncol=len(kinds), frameon=False)
+    """A legend entry per kind (codes), in the kinds' order."""
+    rows = [KINDS[k] for k in sorted(set(kinds) - {IDLE})]
+    fig.legend(handles=[Patch(color=k.colour, label=k.label) for k in rows],
+               loc="lower center", ncol=len(rows), frameon=False)
 
 
 def draw(schedule: Schedule, path: str) -> int:
@@ -89,7 +88,7 @@ def draw(schedule: Schedule, path: str) -> int:
     ticks, ranks = schedule.kind.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * ticks + 1.5), 0.5 * ranks + 1.6))
     idle = _draw_table(ax, schedule)
-    _legend(fig, [k for k in (F, B, W, BW) if (schedule.kind == k).any()])
+    _legend(fig, np.unique(schedule.kind).tolist())
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -111,9 +110,9 @@ def draw_trace(run_dir: str, path: str) -> dict:
     kinds_seen = set()
     for rank, intervals in enumerate(step["ranks"]):
         for start, end, kind in intervals:
-            k = KIND_NAMES.index(kind)
-            kinds_seen.add(k)
-            bottom.add_patch(Rectangle((start, rank), end - start, 1, facecolor=COLORS[k],
+            k = BY_NAME[kind]
+            kinds_seen.add(k.code)
+            bottom.add_patch(Rectangle((start, rank), end - start, 1, facecolor=k.colour,
                                        edgecolor="none"))
     span = max((e for ivs in step["ranks"] for _, e, _ in ivs), default=1.0)
     bottom.set_xlim(0, span)
@@ -123,7 +122,7 @@ def draw_trace(run_dir: str, path: str) -> dict:
     timed = ", ".join(f"{b:.1%}" for b in timeline["bubble_timed_per_rank"])
     bottom.set_title(f"measured: bubble {timeline['bubble_timed']:.1%} (per rank {timed}), "
                      f"{timeline['platform']}")
-    _legend(fig, sorted(kinds_seen | {k for k in (F, B, W, BW) if (schedule.kind == k).any()}))
+    _legend(fig, kinds_seen | set(np.unique(schedule.kind).tolist()))
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,7 +11,8 @@ import pytest
 
 from framework.parallel.pipeline import buffers as buffers_lib
 from framework.parallel.pipeline import schedule as schedules
-from framework.parallel.pipeline.schedule import BW, B, F, IDLE, W, make_schedule
+from framework.parallel.pipeline.kinds import BW, BW_PARTS, KINDS, B, F, W
+from framework.parallel.pipeline.schedule import make_schedule
 
 # --- Tables --------------------------------------------------------------------------
 
@@ -25,7 +26,7 @@ def test_every_registered_table_passes_its_check():
                     s = make_schedule(name, p, m, v, overlap, parts)
                     buffers_lib.plan(s)  # raises if a slot is overwritten while live
                     kinds = ((F, B, W) if s.split_backward else (F, BW) if s.parts == 1
-                             else (F, *schedules.BW_PARTS[:s.parts]))
+                             else (F, *BW_PARTS[:s.parts]))
                     for k in kinds:  # each microbatch passes each stage once per kind
                         assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (
                             name, p, m, v, overlap, k)
@@ -185,7 +186,7 @@ def test_the_chart_shows_every_cell_of_the_table(sched, v, tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
 
-    from tools.schedule_plot import COLORS, _draw_table, draw
+    from tools.schedule_plot import _draw_table, draw
 
     s = make_schedule(sched, 2, 4, v)
     draw(s, str(tmp_path / "chart.png"))
@@ -194,7 +195,7 @@ def test_the_chart_shows_every_cell_of_the_table(sched, v, tmp_path):
     _draw_table(ax, s)
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3] / 255.0
-    palette = {IDLE: (1.0, 1.0, 1.0), **{k: to_rgb(c) for k, c in COLORS.items()}}
+    palette = {k.code: to_rgb(k.colour) for k in KINDS}  # (idle: white)
     seen = np.zeros_like(s.kind)
     for (t, r), _ in np.ndenumerate(s.kind):
         x, y = ax.transData.transform((t + 0.2, r + 0.2))

@@ -71,12 +71,12 @@ from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.comm import (manual_axes, only_on, send, send_overlapped,
                                               slots, store, varying, zeros_typed_like)
 from framework.parallel.pipeline.program import Program
-from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
+from framework.parallel.pipeline.kinds import ACT, BW, BW_PARTS, GRAD, KINDS, B, F, W, makes_dx
+from framework.parallel.pipeline.scopes import CELL, LOOP, ON_FIRST, ON_LAST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
 from framework.parallel.pipeline.tick_types import (Carry, CellIn, Run, TickState, Types,
                                                     cond_fields, forward_in_parts,
                                                     layer_slice, trace_types)
-from framework.parallel.pipeline.table import ACT, BW, BW_PARTS, GRAD, B, F, W, makes_dx
 
 
 # --- The cells --------------------------------------------------------------------------
@@ -304,16 +304,16 @@ class Cells:
         out = []
         for kind, (fn, writes) in cells.items():
             if kind in self.kinds:
-                out.append(Run((CELL_SCOPES[kind],), kind, None, fn, writes,
+                out.append(Run((KINDS[kind].scope,), kind, None, fn, writes,
                                parts.get(kind, slice(None))))
                 if kind == F:
-                    out.append(Run((CELL_SCOPES[F], ON_LAST), F, "last", self.head,
+                    out.append(Run((KINDS[F].scope, ON_LAST), F, "last", self.head,
                                    ("grads.head", "grads.embed", "loss", "grad")))
                 if kind == B and not self.pair:
-                    out.append(Run((CELL_SCOPES[B],), B, None, self.store_douts,
+                    out.append(Run((KINDS[B].scope,), B, None, self.store_douts,
                                    self.douts_home, unconditional=self.apart))
                 if makes_dx(kind):
-                    out.append(Run((CELL_SCOPES[kind], ON_FIRST), kind, "first",
+                    out.append(Run((KINDS[kind].scope, ON_FIRST), kind, "first",
                                    self.embed_grad, ("grads.embed",)))
         return out
 
@@ -356,7 +356,7 @@ def _tick(cells: Cells, rank, phase: int):
                 if cells.apart:
                     state = cells.put(state, values, cells.slot_or_spare(by_b, slot, state))
                 else:
-                    state = cond_fields((CELL_SCOPES[B],), by_b,
+                    state = cond_fields((KINDS[B].scope,), by_b,
                                         lambda s: cells.put(s, values, slot), state,
                                         cells.douts_home)
             for run in runs:
