@@ -301,3 +301,25 @@ def test_actions_in_a_wrong_order_are_refused_in_one_line(edit, error):
     sync = make_schedule("1f1b", 4, 8, 1, False)  # read as if its sends overlapped
     with pytest.raises(ValueError, match="arrives at the end of tick"):
         from_actions(to_actions(sync), overlap=True)
+
+
+def test_planning_never_imports_execution():
+    """The pipeline package's seam (its docstring): the host-side planning modules import
+    no module of the device-side execution, at module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import framework.parallel.pipeline as pipeline
+
+    root = Path(pipeline.__file__).parent
+    planning = {"kinds", "table", "simulate", "schedule", "actions", "buffers", "program",
+                "scopes", "layout"}
+    execution = {p.stem for p in root.glob("*.py")} - planning - {"__init__"}
+    assert execution == {"stage", "comm", "autodiff", "ticks", "cells", "lowering",
+                         "tick_types", "stash"}
+    for name in planning:
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "framework.parallel.pipeline"):
+                imported = {node.module.rsplit(".", 1)[-1], *(a.name for a in node.names)}
+                assert not imported & execution, (name, node.module)
