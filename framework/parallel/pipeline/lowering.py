@@ -130,10 +130,13 @@ class Cells(cells.Cells):
             writes = tuple(f for out in kind.writes for f in self.fields(out))
             return Run(branch.scopes, kind.code, branch.on, self.work(kind), writes, role,
                        layers, then)
-        fn, writes = {Role.HEAD: (self.head, _HEAD),
-                      Role.EMBED_GRAD: (self.embed_grad, (Field.GRADS_EMBED,))}.get(
-            role, (self.store_douts, (Field.SAVED,) if self.recompute else (Field.STASH,)))
-        return Run(branch.scopes, kind.code, branch.on, fn, writes, role)
+        if role is Role.HEAD:
+            return Run(branch.scopes, kind.code, branch.on, self.head, _HEAD, role)
+        if role is Role.EMBED_GRAD:
+            return Run(branch.scopes, kind.code, branch.on, self.embed_grad,
+                       (Field.GRADS_EMBED,), role)
+        douts = (Field.SAVED,) if self.recompute else (Field.STASH,)  # (recompute: dy)
+        return Run(branch.scopes, kind.code, branch.on, self.store_douts, douts, role)
 
     def dispatch(self, run: Run, kind, state: TickState, cell: CellIn) -> TickState:
         """`run` on this rank. `apart`: what it keeps is stored after its conditional

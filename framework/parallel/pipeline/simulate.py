@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from framework.parallel.pipeline.kinds import (IDLE, KINDS, B, F, W, Work, dependents,
-                                               needs, stored_at, units)
+from framework.parallel.pipeline.kinds import (FREES_STASH, IDLE, KINDS, STASHES, B, F, W,
+                                               Work, dependents, needs, stored_at, units)
 from framework.parallel.pipeline.table import INTERLEAVED, Schedule, StageMap, stage_map
 
 Cell = tuple[int, int, int]  # (kind, microbatch, chunk): one entry of a rank's program
@@ -121,7 +121,7 @@ def greedy_programs(p: int, m: int, v: int, placement: str, limit: int,
             programs[r].append(cell)
             (work,) = clock.work(cell, r)
             done[work] = t
-            in_flight[r] += 1 if cell[0] == F else -1 if cell[0] == W else 0
+            in_flight[r] += int(STASHES[cell[0]]) - int(FREES_STASH[cell[0]])
             left -= 1
             for k, i, g in after.get(work, ()):
                 if all(need.work in done for need in needs(k, i, g, S)):
