@@ -6,11 +6,18 @@ actually did beside it.
         --virtual-stages 2 -o interleaved.png
     python tools/schedule_plot.py --schedule 1f1b --pipeline 4 --microbatches 8 --sync -o sync.png
     python tools/schedule_plot.py --trace outputs/<date>/<time> -o timeline.png
+    python tools/schedule_plot.py --schedule zb_h1 --pipeline 4 --microbatches 8 --sync \\
+        --csv zb_h1.csv -o zb_h1.png        # also its per-rank actions (torch.pipelining)
+    python tools/schedule_plot.py --from-csv zb_h1.csv --sync -o loaded.png
 
-Table: ranks are rows, ticks are columns; F cells blue, B orange, W green, fused BW
-red, each labelled with its microbatch (and chunk, with virtual stages); idle cells are
-blank. The table drawn is the very one the engine executes
-(`framework/parallel/pipeline/`).
+Table: ranks are rows, ticks are columns; each cell in its kind's colour (F blue, B
+orange, W green, fused BW red, its parts in shades of red: `kinds.CellKind.colour`),
+labelled with its microbatch (and chunk, with virtual stages); idle cells are blank.
+The table drawn is the very one the engine executes (`framework/parallel/pipeline/`).
+
+Actions (`--csv`, `--from-csv`): the table as torch.pipelining's compute-only CSV, a
+row per rank of `{stage}{F|I|W|B}{microbatch}` actions (empty: idle), written, or read
+back and checked by the buffer plan (`framework/parallel/pipeline/actions.py`).
 
 Trace (`--trace <run folder>`): the run's profiled steps (`profile.steps`), read from
 the timeline its profile left (`profile/timeline.json`, `framework/analysis/profiling.py`): per
@@ -26,6 +33,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,13 +47,9 @@ from framework.runtime.quiet import import_jax  # noqa: E402
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 from framework.parallel.pipeline.program import program  # noqa: E402
 from framework.parallel.pipeline.schedule import schedule_names  # noqa: E402
-from framework.parallel.pipeline.table import (  # noqa: E402
-    BW, BW_PARTS, IDLE, KIND_NAMES, B, F, Schedule, W)
-
-COLORS = {F: "#4c78a8", B: "#f58518", W: "#54a24b", BW: "#e45756",
-          **dict(zip(BW_PARTS, ("#e45756", "#f28e8c", "#b33a3a")))}
-LABELS = {F: "forward", B: "input gradient (B)", W: "weight gradient (W)", BW: "backward",
-          **{k: f"backward, part {j} of the layers (BW{j})" for j, k in enumerate(BW_PARTS)}}
+from framework.parallel.pipeline.actions import from_csv, to_csv  # noqa: E402
+from framework.parallel.pipeline.kinds import BY_NAME, IDLE, KINDS  # noqa: E402
+from framework.parallel.pipeline.table import Schedule  # noqa: E402
 
 
 def _draw_table(ax, schedule: Schedule) -> int:
@@ -57,7 +61,8 @@ def _draw_table(ax, schedule: Schedule) -> int:
             if kind == IDLE:
                 idle += 1
                 continue
-            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=COLORS[kind], edgecolor="white"))
+            ax.add_patch(Rectangle((t, r), 1, 1, facecolor=KINDS[kind].colour,
+                                   edgecolor="white"))
             label = str(schedule.microbatch[t, r])
             if schedule.n_chunks > 1:
                 label += f".{schedule.chunk[t, r]}"
@@ -80,8 +85,10 @@ def _draw_table(ax, schedule: Schedule) -> int:
 
 
 def _legend(fig, kinds):
-    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds],
-               loc="lower center", ncol=len(kinds), frameon=False)
+    """A legend entry per kind (codes), in the kinds' order."""
+    rows = [KINDS[k] for k in sorted(set(kinds) - {IDLE})]
+    fig.legend(handles=[Patch(color=k.colour, label=k.label) for k in rows],
+               loc="lower center", ncol=len(rows), frameon=False)
 
 
 def draw(schedule: Schedule, path: str) -> int:
@@ -89,7 +96,7 @@ def draw(schedule: Schedule, path: str) -> int:
     ticks, ranks = schedule.kind.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * ticks + 1.5), 0.5 * ranks + 1.6))
     idle = _draw_table(ax, schedule)
-    _legend(fig, [k for k in (F, B, W, BW) if (schedule.kind == k).any()])
+    _legend(fig, np.unique(schedule.kind).tolist())
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -111,9 +118,9 @@ def draw_trace(run_dir: str, path: str) -> dict:
     kinds_seen = set()
     for rank, intervals in enumerate(step["ranks"]):
         for start, end, kind in intervals:
-            k = KIND_NAMES.index(kind)
-            kinds_seen.add(k)
-            bottom.add_patch(Rectangle((start, rank), end - start, 1, facecolor=COLORS[k],
+            k = BY_NAME[kind]
+            kinds_seen.add(k.code)
+            bottom.add_patch(Rectangle((start, rank), end - start, 1, facecolor=k.colour,
                                        edgecolor="none"))
     span = max((e for ivs in step["ranks"] for _, e, _ in ivs), default=1.0)
     bottom.set_xlim(0, span)
@@ -123,14 +130,14 @@ def draw_trace(run_dir: str, path: str) -> dict:
     timed = ", ".join(f"{b:.1%}" for b in timeline["bubble_timed_per_rank"])
     bottom.set_title(f"measured: bubble {timeline['bubble_timed']:.1%} (per rank {timed}), "
                      f"{timeline['platform']}")
-    _legend(fig, sorted(kinds_seen | {k for k in (F, B, W, BW) if (schedule.kind == k).any()}))
+    _legend(fig, kinds_seen | set(np.unique(schedule.kind).tolist()))
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return timeline
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", choices=schedule_names())
     parser.add_argument("--pipeline", type=int)
@@ -141,8 +148,38 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", type=int, default=2, choices=(1, 2, 3),
                         help="with --sync, the cells 1F1B cuts each BW into (2; 3 under "
                              "parallel.remat=full; 1: whole BWs)")
+    parser.add_argument("--csv", metavar="PATH",
+                        help="also write the table as per-rank actions (torch.pipelining's "
+                             "CSV: a row per rank, e.g. 0F0,1I0,1W0,0B1)")
+    parser.add_argument("--from-csv", metavar="PATH",
+                        help="draw the table of such a CSV instead (checked by the buffer "
+                             "plan; its sends overlap unless --sync)")
     parser.add_argument("--trace", help="a run folder whose profile to draw")
     parser.add_argument("-o", "--output", default="schedule.png")
+    return parser
+
+
+def _table(args, parser) -> Schedule:
+    """The table the arguments name: read from --from-csv, or a registered schedule's."""
+    if args.from_csv:
+        try:
+            return from_csv(Path(args.from_csv).read_text(), name=Path(args.from_csv).stem,
+                            microbatches=args.microbatches or 0, overlap=not args.sync)
+        except (OSError, ValueError) as err:
+            parser.error(f"--from-csv {args.from_csv}: {err}")
+    if args.schedule is None or args.pipeline is None or args.microbatches is None:
+        parser.error("give --schedule, --pipeline and --microbatches (or --from-csv, --trace)")
+    from framework.parallel.pipeline.schedule import check
+    problems = check(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
+    if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
+        parser.error("; ".join(problems) or "--pipeline, --microbatches and "
+                     "--virtual-stages must be >= 1")
+    return program(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
+                   overlap=not args.sync, parts=args.parts).schedule
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.trace:
         if not (Path(args.trace) / "profile" / "timeline.json").exists():
@@ -152,18 +189,13 @@ def main(argv=None) -> int:
         print(f"wrote {args.output}: bubble measured {timeline['bubble_timed']:.4f}, "
               f"table {timeline['bubble_table']:.4f}")
         return 0
-    if args.schedule is None or args.pipeline is None or args.microbatches is None:
-        parser.error("give --schedule, --pipeline and --microbatches (or --trace)")
-    from framework.parallel.pipeline.schedule import check
-    problems = check(args.schedule, args.pipeline, args.microbatches, args.virtual_stages)
-    if args.pipeline < 1 or args.microbatches < 1 or args.virtual_stages < 1 or problems:
-        parser.error("; ".join(problems) or "--pipeline, --microbatches and "
-                     "--virtual-stages must be >= 1")
-    schedule = program(args.schedule, args.pipeline, args.microbatches, args.virtual_stages,
-                       overlap=not args.sync, parts=args.parts).schedule
+    schedule = _table(args, parser)
     idle = draw(schedule, args.output)
-    print(f"wrote {args.output}: {schedule.n_ticks} ticks x {args.pipeline} ranks, "
+    print(f"wrote {args.output}: {schedule.n_ticks} ticks x {schedule.n_stages} ranks, "
           f"{idle} idle cells, table bubble {schedule.bubble_fraction:.4f}")
+    if args.csv:
+        Path(args.csv).write_text(to_csv(schedule))
+        print(f"wrote {args.csv}: {schedule.n_stages} ranks' actions")
     return 0
 
 

@@ -40,7 +40,8 @@ def gpipe_ticks(p: int, m: int, v: int, overlap: bool = False):
 
     programs = [[(s.F, i, 0) for i in range(m)] + [(s.BW, i, 0) for i in range(m)]
                 for _ in range(p)]
-    return s.simulate("gpipe_ticks", p, m, 1, programs, (p - 1) / (m + p - 1), overlap=overlap)
+    return s.simulate("gpipe_ticks", m, programs, (p - 1) / (m + p - 1),
+                      s.Clock.of(p, overlap=overlap))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -42,8 +42,9 @@ import numpy as np
 
 from framework.analysis import hlo as hlo_lib
 from framework.parallel.mesh import PIPE
-from framework.parallel.pipeline.table import BW, F, KIND_NAMES, MAKES_DX
-from framework.parallel.pipeline.scopes import CELL, CELL_SCOPES, LOOP, ON_FIRST, ON_LAST
+from framework.parallel.pipeline.kinds import BW, KINDS, F
+from framework.parallel.pipeline.program import Program
+from framework.parallel.pipeline.scopes import CELL, LOOP
 
 TRACE_DIR = "profile"
 TIMELINE_FILE = "timeline.json"
@@ -59,12 +60,14 @@ def classify(hlo: str, schedule) -> tuple[str, dict[str, str], dict[str, str]]:
                    tick executor's), "forward" / "backward" (autodiff's loop and its
                    transpose); every instruction of a computation they call is theirs
       stage work   every instruction of a computation called from the busy branch of
-                   a cell's conditional in a loop (`_busy_work`)
+                   a cell's conditional in a loop (`_busy_work`), labelled with its kind:
+                   the tick executor's by the branches its dispatch opens
+                   (`Program.branches`: a scope -> the kind it runs for)
     Containers (while, conditional, call) are left out of the work: their events on
     CPU time the dispatch, not the content."""
     program = hlo_lib.parse(hlo)
     work, loops = {}, {}
-    used = set(np.unique(schedule.kind).tolist())
+    kinds = _kinds_by_scope(schedule)
     for instrs in program.computations.values():
         for loop in instrs:
             label = _loop_label(loop)
@@ -75,7 +78,7 @@ def classify(hlo: str, schedule) -> tuple[str, dict[str, str], dict[str, str]]:
                 for inner in program.computations[comp]:
                     loops[inner.name] = label
                     if inner.opcode == "conditional" and inner.op_name.endswith("/cond"):
-                        work.update(_busy_work(program, inner, label, used))
+                        work.update(_busy_work(program, inner, label, kinds))
     return program.module, work, loops
 
 
@@ -113,26 +116,30 @@ def _loop_label(instr) -> str | None:
     return "backward" if parts[-2].startswith("transpose(") else "forward"
 
 
-def _busy_work(program, cond, label: str, used: set) -> dict[str, str]:
+def _kinds_by_scope(schedule) -> dict[str, int]:
+    """The tick executor's branch scopes -> the kind each runs for (the head's: F; the
+    embedding gradient's: the kind that makes dx), from the branches its dispatch opens."""
+    prog = Program(schedule)
+    return {} if prog.autodiff else {b.scopes[-1]: b.kind.code for phase in
+                                     range(schedule.ticks_per_step) for b in prog.branches(phase)}
+
+
+def _busy_work(program, cond, label: str, kinds: dict) -> dict[str, str]:
     """{instruction: cell kind} of the busy branch of a cell's conditional: in the tick
-    executor each kind's (the `CELL_SCOPES` one), the head's (F) and the embedding
-    gradient's (the first stage's backward); GPipe/circular's `stage_or_skip` in the
-    `cell` scope, F forward and BW backward. Branch 1 is the busy one."""
+    executor by its scope (`kinds`); GPipe/circular's `stage_or_skip` in the `cell`
+    scope, F forward and BW backward. Branch 1 is the busy one."""
     scope = cond.op_name.split("/")[-2]
     if label == "ticks":
-        ends = [k for k in MAKES_DX if k in used]
-        kinds = {**{name: k for k, name in CELL_SCOPES.items()}, ON_LAST: F,
-                 ON_FIRST: ends[0] if ends else BW}
         kind = kinds.get(scope)
     else:
         kind = (F if label == "forward" else BW) if scope == CELL else None
-    if kind is None or kind not in used or len(cond.branches) != 2:
+    if kind is None or len(cond.branches) != 2:
         return {}
     work = {}
     for comp in program.reachable([cond.branches[1]]):
         for leaf in program.computations[comp]:
             if leaf.opcode not in CONTAINERS:
-                work[leaf.name] = KIND_NAMES[kind]
+                work[leaf.name] = KINDS[kind].name
     return work
 
 

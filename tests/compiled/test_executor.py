@@ -57,3 +57,29 @@ def test_on_the_gpu_compiler_the_stash_and_chunk_gradients_are_not_copied(schedu
     memory_check.check_compiled(cfg, eng, devset)
     copied, carry = carried_copies(eng.compiled.as_text(), share=0.1)
     assert copied == 0, f"{copied} bytes of carried buffers copied a step (carry {carry})"
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["pass_through", "apart"])
+@pytest.mark.parametrize("schedule,v,overlap", [("1f1b", 1, True), ("1f1b", 1, False),
+                                                ("zb_h1", 1, True), ("zb_h1", 1, False),
+                                                ("interleaved_1f1b", 2, True)])
+def test_the_lowered_dispatch_opens_the_programs_branches(schedule, v, overlap, apart,
+                                                          monkeypatch):
+    """The conditionals the lowered tick loop opens, by their named scopes, are the
+    branches of its Program (`Program.branches`), whose scopes the audit's weights are
+    computed from: every scope it opens has a weight, and every weight a scope. (Lowered,
+    not compiled: a few seconds each.)"""
+    import re
+
+    from framework.engine import step
+
+    monkeypatch.setattr(step, "passes_through", lambda platform: not apart)
+    eng = engine(4, 1, 1, 8, schedule=schedule, virtual_stages=v, overlap_sends=overlap)
+    state = eng.init_state(params())
+    text = eng.step_fn.lower(state, eng.shard_batch(tokens(0))).as_text(debug_info=True)
+    opened = set(re.findall(r'"cell/(cell_\w+(?:/on_\w+_stage)?)/cond', text))
+    prog, k = eng.program, eng.program.schedule.ticks_per_step
+    branches = {"/".join(b.scopes) for phase in range(k) for b in prog.branches(phase)}
+    assert opened == branches
+    weighted = {name for name in prog.scope_weights if not name.startswith("send_")}
+    assert weighted == {scope.split("/")[-1] for scope in opened}

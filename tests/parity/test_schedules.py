@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from framework.parallel.pipeline import schedule as schedules
-from framework.parallel.pipeline.schedule import BW, F
+from framework.parallel.pipeline.kinds import BW, F
 from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
                            reference_grads, reference_losses, tokens, worst)
 

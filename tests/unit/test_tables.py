@@ -11,7 +11,8 @@ import pytest
 
 from framework.parallel.pipeline import buffers as buffers_lib
 from framework.parallel.pipeline import schedule as schedules
-from framework.parallel.pipeline.schedule import BW, B, F, IDLE, W, make_schedule
+from framework.parallel.pipeline.kinds import BW, BW_PARTS, KINDS, B, F, W
+from framework.parallel.pipeline.schedule import make_schedule
 
 # --- Tables --------------------------------------------------------------------------
 
@@ -25,7 +26,7 @@ def test_every_registered_table_passes_its_check():
                     s = make_schedule(name, p, m, v, overlap, parts)
                     buffers_lib.plan(s)  # raises if a slot is overwritten while live
                     kinds = ((F, B, W) if s.split_backward else (F, BW) if s.parts == 1
-                             else (F, *schedules.BW_PARTS[:s.parts]))
+                             else (F, *BW_PARTS[:s.parts]))
                     for k in kinds:  # each microbatch passes each stage once per kind
                         assert ((s.kind == k).sum(axis=0) == m * s.n_chunks).all(), (
                             name, p, m, v, overlap, k)
@@ -185,7 +186,7 @@ def test_the_chart_shows_every_cell_of_the_table(sched, v, tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
 
-    from tools.schedule_plot import COLORS, _draw_table, draw
+    from tools.schedule_plot import _draw_table, draw
 
     s = make_schedule(sched, 2, 4, v)
     draw(s, str(tmp_path / "chart.png"))
@@ -194,7 +195,7 @@ def test_the_chart_shows_every_cell_of_the_table(sched, v, tmp_path):
     _draw_table(ax, s)
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3] / 255.0
-    palette = {IDLE: (1.0, 1.0, 1.0), **{k: to_rgb(c) for k, c in COLORS.items()}}
+    palette = {k.code: to_rgb(k.colour) for k in KINDS}  # (idle: white)
     seen = np.zeros_like(s.kind)
     for (t, r), _ in np.ndenumerate(s.kind):
         x, y = ax.transData.transform((t + 0.2, r + 0.2))
@@ -243,3 +244,83 @@ def test_zb_v_ships_with_synchronous_sends_below_zb_h1_and_sends_no_zeros():
                       for n in ("zb_v", "zb_h1"))
             assert zv.schedule.bubble_fraction < zh.schedule.bubble_fraction, (p, m)
             assert zv.sends_per_step == 2 * m * zv.stages.crossings(), (p, m)
+
+
+# --- Per-rank action lists (torch.pipelining's CSV) --------------------------------------
+
+def test_every_table_round_trips_through_per_rank_actions():
+    """Every registered table written as torch.pipelining's CSV (a row per rank of
+    `{stage}{F|I|W|B}{microbatch}`, BW parts with a `.j` suffix) reads back as the same
+    table, checked by the buffer plan."""
+    from framework.parallel.pipeline.actions import from_csv, to_csv
+
+    for name in schedules.schedule_names():
+        for p, m in [(1, 2), (2, 4), (4, 8), (3, 6)]:
+            for v in (1, 2) if schedules.uses_virtual_stages(name) else (1,):
+                if schedules.check(name, p, m, v):
+                    continue
+                for overlap, parts in ((True, 1), (False, 1), (False, 2), (False, 3)):
+                    s = make_schedule(name, p, m, v, overlap, parts)
+                    back = from_csv(to_csv(s), name=s.name, microbatches=m,
+                                    overlap=s.overlap, executor=s.executor)
+                    for field in ("kind", "microbatch", "chunk"):
+                        np.testing.assert_array_equal(getattr(back, field), getattr(s, field))
+                    assert (back.n_chunks, back.parts) == (s.n_chunks, s.parts)
+                    np.testing.assert_array_equal(back.stages.of, s.stages.of)  # (p 1: V
+                    #                                    and interleaved are the same map)
+                    assert to_csv(back) == to_csv(s)
+
+
+def test_actions_read_torch_pipelinings_letters():
+    """Our B is torch's I (the input gradient), our fused BW torch's B (full backward)."""
+    from framework.parallel.pipeline.actions import from_csv, to_csv
+
+    assert to_csv(make_schedule("1f1b", 2, 2, 1, False)) == "0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1,\n"
+    zb = from_csv("0F0,0F1,,0I0,0W0,0I1,0W1\n,1F0,1I0,1F1,1I1,1W0,1W1\n")
+    np.testing.assert_array_equal(zb.kind, make_schedule("zb_h1", 2, 2, 1, False).kind)
+    parts = to_csv(make_schedule("1f1b", 2, 2, 1, False, parts=2)).split("\n")[0]
+    assert parts == "0F0,0F1,,,0B0.1,0B0.0,,0B1.1,0B1.0", parts  # BW1 (top), then BW0
+
+
+@pytest.mark.parametrize("edit,error", [
+    ({(0, 3): "0W0", (0, 4): "0I0"}, "W\\(0, stage 0\\) at tick 3 runs before B\\(0, stage 0\\)"),
+    ({(1, 1): "", (1, 0): "1F0"}, "runs before F\\(0, stage 0\\)"),
+    ({(0, 4): ""}, "W\\(0, stage 0\\) is missing"),
+    ({(0, 0): "0X0"}, "'0X0' is not an action"),
+    ({(1, 1): "0F0"}, "neither interleaved"),
+])
+def test_actions_in_a_wrong_order_are_refused_in_one_line(edit, error):
+    """The buffer plan's replay refuses a table that breaks the dependency rule."""
+    from framework.parallel.pipeline.actions import from_actions, to_actions
+
+    rows = to_actions(make_schedule("zb_h1", 2, 2, 1, False))
+    for (r, t), action in edit.items():
+        rows[r][t] = action
+    with pytest.raises(ValueError, match=error) as err:
+        from_actions(rows)
+    assert "\n" not in str(err.value)
+    sync = make_schedule("1f1b", 4, 8, 1, False)  # read as if its sends overlapped
+    with pytest.raises(ValueError, match="arrives at the end of tick"):
+        from_actions(to_actions(sync), overlap=True)
+
+
+def test_planning_never_imports_execution():
+    """The pipeline package's seam (its docstring): the host-side planning modules import
+    no module of the device-side execution, at module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import framework.parallel.pipeline as pipeline
+
+    root = Path(pipeline.__file__).parent
+    planning = {"kinds", "table", "simulate", "schedule", "actions", "buffers", "program",
+                "scopes", "layout"}
+    execution = {p.stem for p in root.glob("*.py")} - planning - {"__init__"}
+    assert execution == {"stage", "comm", "autodiff", "ticks", "cells", "lowering",
+                         "tick_types", "stash"}
+    for name in planning:
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "framework.parallel.pipeline"):
+                imported = {node.module.rsplit(".", 1)[-1], *(a.name for a in node.names)}
+                assert not imported & execution, (name, node.module)

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.comm import (manual_axes, only_on, send, slots, store,
                                               zeros_typed_like)
+from framework.parallel.pipeline.kinds import ACT, F
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, LOOP, ON_FIRST, ON_LAST, STAGE
 from framework.parallel.pipeline.stage import StageFns, of_microbatch, skip_unless
-from framework.parallel.pipeline.table import ACT, F
 
 
 def forward(prog: Program, fns: StageFns, params, inputs, targets, docs=None):

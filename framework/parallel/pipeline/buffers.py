@@ -36,8 +36,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from framework.parallel.pipeline.table import (ACT, AUTODIFF, BW_PARTS, GRAD, KIND_NAMES,
-                                               STASH, B, F, Schedule, W, needs)
+from framework.parallel.pipeline.kinds import (ACT, GRAD, KINDS, STASH, F, backward_units,
+                                               needs, stored_at)
+from framework.parallel.pipeline.table import AUTODIFF, Schedule
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Buffers:
 def messages(s: Schedule) -> list[Message]:
     """Every message the table implies: per unit of work the executor runs, what it
     needs through ACT or GRAD (`table.needs`), from the cell that made it (autodiff
-    tables: the forward rows' activations only)."""
+    tables: the forward rows' activations only), stored when `stored_at` says."""
     rows = s.forward_rows()
     at, S = rows.cells(), s.n_global_stages
     out = []
@@ -87,7 +88,8 @@ def messages(s: Schedule) -> list[Message]:
             for buffer in set(need.via) & {ACT, GRAD}:
                 if need.work in at:  # (autodiff: the last stage's dL/dy is not a cell's)
                     t0, r0 = at[need.work]
-                    out.append(Message(buffer, i, r0, r, t0, t, t0 + int(s.overlap and r0 != r)))
+                    stored = stored_at(t0, r0, r, s.overlap)
+                    out.append(Message(buffer, i, r0, r, t0, t, stored))
     return sorted(out, key=lambda msg: (msg.sent, msg.src, msg.buffer))
 
 
@@ -140,7 +142,7 @@ def _plan(s: Schedule) -> Buffers:
             slots, n = _colour([(min(ts), max(ts), key) for key, ts in users.items()])
             n_slots["stash"] = max(n_slots["stash"], n)
             for (i, g), k in slots.items():
-                for kind in {F, *units_of(rows)}:
+                for kind in {F, *backward_units(rows.parts)}:
                     if (kind, i, g) in at:
                         stash[at[kind, i, g]] = k
     on: dict[tuple, list] = {}  # (buffer, shift) -> its messages
@@ -150,11 +152,6 @@ def _plan(s: Schedule) -> Buffers:
                          s.ticks_per_step)
                 for buf in (ACT, GRAD) for shift in range(p) if (buf, shift) in on]
     return Buffers(n_slots, stash, read, tuple(channels), tuple(msgs))
-
-
-def units_of(s: Schedule) -> tuple[int, ...]:
-    """The units of work the table's backward cells do (a BW does a B and a W)."""
-    return BW_PARTS[:s.parts] if s.parts > 1 else (B, W)
 
 
 def stash_users(s: Schedule, at: dict, r: int) -> dict:
@@ -226,22 +223,22 @@ def check(s: Schedule, buffers: Buffers) -> None:
     rows = s.forward_rows()
     at = rows.cells()
     S, m = s.n_global_stages, s.n_microbatches
-    kinds = (F,) if s.executor == AUTODIFF else (F, *units_of(s))
+    kinds = (F,) if s.executor == AUTODIFF else (F, *backward_units(s.parts))
     for i in range(m):
         for g in range(S):
             for kind in kinds:
-                name = f"{KIND_NAMES[kind]}({i}, stage {g})"
+                name = f"{KINDS[kind].name}({i}, stage {g})"
                 if (kind, i, g) not in at:
                     raise ValueError(f"schedule {s.name}: {name} is missing")
                 if at[kind, i, g][1] != s.stages.rank[g]:
                     raise ValueError(f"schedule {s.name}: {name} on the wrong rank")
-    for (kind, i, g), (t, _) in at.items():
+    for (kind, i, g), cell in at.items():
         for need in needs(kind, i, g, S, s.parts):
             t0 = at.get(need.work, (-1,))[0]  # (autodiff: the backward is not in the rows)
-            if t0 > t or (t0 == t and not (kind == W and need.work[0] == B)):
+            if t0 > cell[0] or (t0 == cell[0] and at[need.work] != cell):  # (a BW's own B)
                 k, j, h = need.work
-                raise ValueError(f"schedule {s.name}: {KIND_NAMES[kind]}({i}, stage {g}) at "
-                                 f"tick {t} runs before {KIND_NAMES[k]}({j}, stage {h})")
+                raise ValueError(f"schedule {s.name}: {KINDS[kind].name}({i}, stage {g}) at "
+                                 f"tick {cell[0]} runs before {KINDS[k].name}({j}, stage {h})")
     # Slots: replay stores (end of tick) and reads (during the tick) per rank and buffer.
     live: dict[tuple, object] = {}  # (buffer, rank, slot) -> what it holds
     events = []  # (tick, order, action, key, content): reads (0) before stores (1)

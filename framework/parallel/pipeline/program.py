@@ -6,9 +6,11 @@
       .buffers         the buffer plan: stash and receive slots per cell, the sends per
                        tick and channel, checked by replaying the table (`buffers.py`)
       .scan_inputs()   what the executor's tick loop scans over, one row per tick
-      .kinds(phase)    the cell kinds a tick of the loop's step can run (its branches)
-      .scope_weights   per named scope of the executor's program, the share of the loop's
-                       executions that run it (the communication audit weighs by it)
+      .kinds(phase)    the cell kinds a tick of the loop's step can run
+      .branches(phase) the conditionals that tick's dispatch opens, in order: each
+                       kind's work and what follows it, with their named scopes
+      .scope_weights   per named scope those open, the share of the loop's executions
+                       that run it (the communication audit weighs by it)
       .sends_per_step  messages put on the wire per step (the comm model, the planner)
       .real(stage)     uneven stages: how many of a chunk's layers are real
       .first(stage, n) the global index of a stage's first layer (sliding-window layers)
@@ -22,9 +24,10 @@ planner only needs the table and the send count).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,10 +35,30 @@ import numpy as np
 from framework.parallel.pipeline import buffers as buffer_plan
 from framework.parallel.pipeline.layout import stage_starts
 from framework.parallel.pipeline.schedule import forward_only, make_schedule
-from framework.parallel.pipeline.scopes import (CELL_SCOPES, ON_FIRST, ON_LAST, STAGE,
-                                                send_scope)
-from framework.parallel.pipeline.table import (AUTODIFF, IDLE, MAKES_DX, F, Schedule,
-                                               StageMap)
+from framework.parallel.pipeline.kinds import IDLE, KINDS, B, CellKind, F, Out
+from framework.parallel.pipeline.scopes import ON_FIRST, ON_LAST, STAGE, send_scope
+from framework.parallel.pipeline.table import AUTODIFF, Schedule, StageMap
+
+
+class Role(enum.Enum):
+    """What a branch of a tick's dispatch does for its kind (`Branch`)."""
+
+    WORK = "the kind's work (`cells.Cells.work`)"
+    HEAD = "after F on the last stage: the head and the loss"
+    EMBED_GRAD = "after the cell that makes dx, on the first stage: the embedding's gradient"
+    STORE_DOUTS = "after B: its douts into the microbatch's slot (synchronous sends)"
+    HELD_DOUTS = "first in a pair's forward tick: the last tick's B douts into their slot"
+
+
+class Branch(NamedTuple):
+    """One conditional of a tick's dispatch: `role` for the ranks whose cell is of `kind`
+    (and, `on` "first" / "last", whose stage is the first / last), inside `scopes`
+    (outermost first)."""
+
+    kind: CellKind
+    role: Role
+    on: Optional[str]
+    scopes: tuple
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,24 +117,54 @@ class Program:
             rows["stash"] = b.stash
         return rows
 
+    def branches(self, phase: int) -> tuple[Branch, ...]:
+        """The conditionals tick `phase` of the tick loop's step opens, in order: with
+        a pair of ticks a step and a split backward, first the last tick's B douts
+        (`Role.HELD_DOUTS`); then per kind it runs (`kinds`), its work, and what follows
+        it on its row's say: the head after F (`CellKind.head`), B's douts after B
+        (one tick a step), the embedding's gradient after dx (`CellKind.makes_dx`)."""
+        s, out = self.schedule, []
+        pair = s.ticks_per_step > 1
+        if phase == 0 and pair and s.split_backward:
+            out.append(Branch(KINDS[B], Role.HELD_DOUTS, None, (KINDS[B].scope,)))
+        for kind in (KINDS[k] for k in sorted(self.kinds(phase))):
+            out.append(Branch(kind, Role.WORK, None, (kind.scope,)))
+            if kind.head:
+                out.append(Branch(kind, Role.HEAD, "last", (kind.scope, ON_LAST)))
+            if Out.DOUTS in kind.writes and not pair:
+                out.append(Branch(kind, Role.STORE_DOUTS, None, (kind.scope,)))
+            if kind.makes_dx:
+                out.append(Branch(kind, Role.EMBED_GRAD, "first", (kind.scope, ON_FIRST)))
+        return tuple(out)
+
+    def _branch_weight(self, branch: Branch, steps: int) -> float:
+        """The share of its conditional's executions on a device that run `branch`: a
+        kind's cells over the ticks whose dispatch holds its branch (each tick of the
+        step its kind runs in); nested in the kind's scope, its cells on the stage `on`
+        over all of them (the head on the last stage's m F cells, ...)."""
+        s, code = self.schedule, branch.kind.code
+        cells = int((s.kind == code).sum())
+        if branch.on is None:
+            ticks = sum(any(b.role is Role.WORK and b.kind == branch.kind for b in
+                            self.branches(phase)) for phase in range(s.ticks_per_step))
+            return float(cells) / (steps * s.n_stages * max(1, ticks))
+        stage = 0 if branch.on == "first" else s.n_global_stages - 1
+        return int(((s.kind == code) & (s.global_stage == stage)).sum()) / max(cells, 1)
+
     @cached_property
     def scope_weights(self) -> dict[str, float]:
-        """Per named scope (`scopes.py`), the share of the loop body's executions on a
-        device that run it. Tick executor: a kind's branch is in the dispatch of each
-        tick of the step it may run in (`kinds`); the head runs on the m F cells of the
-        last stage, the embedding's gradient on the m backward cells of the first.
-        Autodiff executor: a rank is busy in its share of the forward rows' cells."""
-        s, p, m = self.schedule, self.schedule.n_stages, self.schedule.n_microbatches
+        """Per named scope the executor's program opens, the share of the loop body's
+        executions on a device that run it. Tick executor: the innermost scope of each
+        branch its dispatch opens (`branches`). Autodiff executor: a rank is busy in its
+        share of the forward rows' cells."""
+        s, p = self.schedule, self.schedule.n_stages
         if self.autodiff:
             weights = {ON_FIRST: 1 / p, ON_LAST: 1 / p,
                        STAGE: float((s.forward_rows().kind == F).mean())}
         else:
             steps = s.n_ticks // s.ticks_per_step
-            dispatches = [self.kinds(phase) for phase in range(s.ticks_per_step)]
-            weights = {CELL_SCOPES[k]: float((s.kind == k).sum()) / (
-                steps * p * max(1, sum(k in d for d in dispatches))) for k in CELL_SCOPES}
-            weights[ON_LAST] = m / max(int((s.kind == F).sum()), 1)
-            weights[ON_FIRST] = m / max(int(np.isin(s.kind, MAKES_DX).sum()), 1)
+            weights = {b.scopes[-1]: self._branch_weight(b, steps)
+                       for phase in range(s.ticks_per_step) for b in self.branches(phase)}
         # Sends: per pattern, the share of ticks that send it (overlapped: every tick of
         # the loop's step it is in, unconditionally).
         weights.update({send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))

@@ -1,9 +1,10 @@
 """Pipeline schedules: a registry of table generators (a new schedule is one
 generator registered with `@register`; nothing else needs to change). What a table is
-made of (cells, the dependency rule, the stage map) is in `table.py`; the lockstep
-simulator that turns per-rank programs into a table in `simulate.py`; everything the
-executors and the analyses read of a table is compiled once into a `Program`
-(`program.py`).
+made of is in `kinds.py` (the cell kinds, the dependency rule) and `table.py` (the stage
+map, the table); the lockstep simulator that turns per-rank programs into a table in
+`simulate.py`; everything the executors and the analyses read of a table is compiled
+once into a `Program` (`program.py`); a table read from per-rank action lists
+(torch.pipelining's CSV) in `actions.py`.
 
   gpipe             (Huang et al. 2019) all forwards, then all backwards. The executor
                     runs the forward rows; JAX autodiff runs the mirrored backward half.
@@ -40,10 +41,10 @@ from typing import Callable
 
 import numpy as np
 
+from framework.parallel.pipeline.kinds import BW, BW_PARTS, IDLE, B, F, W
 from framework.parallel.pipeline.simulate import Cell, Clock, greedy_programs, simulate
-from framework.parallel.pipeline.table import (  # noqa: F401  (the kinds, for readers)
-    AUTODIFF, BW, BW_PARTS, IDLE, INTERLEAVED, KIND_NAMES, TICKS, V_SHAPE, B, F, Schedule,
-    W, stage_map)
+from framework.parallel.pipeline.table import (AUTODIFF, INTERLEAVED, V_SHAPE, Schedule,
+                                               stage_map)
 
 
 # --- Generators: name -> (p, m, v) -> Schedule ---------------------------------------

@@ -1,14 +1,15 @@
 """The lockstep simulator behind every tick-loop schedule: per-rank programs (ordered
 lists of cells) -> a table, each cell at the first tick the dependency rule
-(`table.needs`) and the sends allow.
+(`kinds.needs`) and the sends allow.
 
 Sends that overlap compute (`overlap`, `parallel.overlap_sends`). A synchronous send
 sits between two ticks: a message sent at tick t is usable at t+1, and no compute runs
 while it travels. An overlapped send travels during the sender's next tick
 (`framework/parallel/pipeline/ticks.py`), so a message to another rank is usable at t+2
-(to itself still at t+1). Ticks then come in pairs, a forward tick (F, or W) and a
-backward tick (B or BW, or W): the activations travel during the backward tick and the
-gradients during the next forward tick, and each hop costs one pair.
+(to itself still at t+1; `kinds.stored_at`). Ticks then come in pairs, a forward tick
+and a backward tick, each kind in the one its row names (`CellKind.phase`: F forward, B,
+BW and its parts backward, W either): the activations travel during the backward tick
+and the gradients during the next forward tick, and each hop costs one pair.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from framework.parallel.pipeline.table import (BW, IDLE, INTERLEAVED, B, F, Schedule,
-                                               StageMap, W, Work, dependents, needs,
-                                               stage_map, units)
+from framework.parallel.pipeline.kinds import (FREES_STASH, IDLE, KINDS, STASHES, B, F, W,
+                                               Work, dependents, needs, stored_at, units)
+from framework.parallel.pipeline.table import INTERLEAVED, Schedule, StageMap, stage_map
 
 Cell = tuple[int, int, int]  # (kind, microbatch, chunk): one entry of a rank's program
 
 
 @dataclass(frozen=True)
 class Clock:
-    """When a cell may run in a lockstep table: after what it needs, one tick after
-    a message to itself, two after one from another rank when sends overlap (then F
-    runs only in forward ticks, even, and B or BW only in backward ticks, odd)."""
+    """When a cell may run in a lockstep table: once what it needs is usable (the tick
+    after the one its message is stored at, `stored_at`; a cell's own units need
+    nothing of each other), and with overlapped sends only in the tick of a pair its
+    kind runs in (`CellKind.phase`: forward ticks even, backward ticks odd)."""
 
     stages: StageMap
     overlap: bool
@@ -47,15 +49,16 @@ class Clock:
 
     def ready(self, cell: Cell, r: int, t: int, done: dict) -> bool:
         kind, i, c = cell
-        if self.overlap and kind != W and (kind == F) != (t % 2 == 0):
+        phase = KINDS[kind].phase
+        if self.overlap and phase is not None and phase != t % 2:
             return False
-        S = self.stages.n_stages
-        for k, _, g in self.work(cell, r):
+        S, own = self.stages.n_stages, self.work(cell, r)
+        for k, _, g in own:
             for need in needs(k, i, g, S, self.parts):
-                if need.work[0] == B and k == W and kind == BW:
+                if need.work in own:
                     continue  # a BW's own B
-                lag = 2 if self.overlap and self.stages.rank[need.work[2]] != r else 1
-                if done.get(need.work, t) + lag > t:
+                src = int(self.stages.rank[need.work[2]])
+                if stored_at(done.get(need.work, t), src, r, self.overlap) >= t:
                     return False
         return True
 
@@ -118,7 +121,7 @@ def greedy_programs(p: int, m: int, v: int, placement: str, limit: int,
             programs[r].append(cell)
             (work,) = clock.work(cell, r)
             done[work] = t
-            in_flight[r] += 1 if cell[0] == F else -1 if cell[0] == W else 0
+            in_flight[r] += int(STASHES[cell[0]]) - int(FREES_STASH[cell[0]])
             left -= 1
             for k, i, g in after.get(work, ()):
                 if all(need.work in done for need in needs(k, i, g, S)):

@@ -1,24 +1,13 @@
-"""What a pipeline table is made of: cells, the dependency rule, the stage map.
+"""What a pipeline table is made of: its cells, the stage map, the table.
 
-A cell is F(i, g) (forward of microbatch i through global stage g), B(i, g) (the
-gradient w.r.t. the stage's input), W(i, g) (the gradient w.r.t. its weights) or
-BW(i, g) (B and W fused, as in 1F1B). A table may also cut each BW into `parts` cells
-by layers, BW{k-1}(i, g), ..., BW0(i, g): BWj is the fused backward of the j-th part of
-the stage's layers counted from the bottom, so the first to run is the top part and
-BW0 makes dx. With parts sized so that each costs what F costs (BW = 2F, or 3F under
-full remat), every lockstep tick costs one F: 1F1B's ticks are then balanced with
-synchronous sends, at 1F1B's closed-form bubble and its p microbatches in flight.
+A table is (tick, rank) -> cell, a cell one kind of work (`kinds.py`: F, B, W, BW, the
+BW parts, each one row of `KINDS`) over one microbatch and one layer chunk of the rank.
 Kinds are small integers, one encoding for everyone: the table's arrays, the
-simulator's records, the buffer plan and the charts (`KIND_NAMES` only for printing).
-A BW cell does the work of a B and a W (`units`).
+simulator's records, the buffer plan and the charts.
 
-Three facts every reader of a table needs, each defined once here:
+Two facts every reader of a table needs besides the kinds (and their dependency rule,
+`kinds.needs`), each defined once here:
 
-  the dependency rule  `needs(kind, i, g, S)`: what a cell waits for, and through which
-                       buffer what it waits for reaches it (an activation message, a
-                       gradient message, or the microbatch's stash slot). The simulator
-                       schedules by it, the buffer plan derives messages and slots from
-                       it, and the plan's check replays it. `dependents` is its inverse.
   the stage map        `StageMap`: global stage g <-> (rank, chunk). Megatron-LM's
                        interleaved assignment (Narayanan et al. 2021): stage c*p + r on
                        rank r as its chunk c, so a microbatch goes round the ring v
@@ -35,83 +24,11 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-IDLE, F, B, W, BW = 0, 1, 2, 3, 4
-BW_PARTS = (5, 6, 7)  # BW0, BW1, BW2: a BW cut by layers, counted from the bottom
-MAX_PARTS = len(BW_PARTS)
-KIND_NAMES = ("idle", "F", "B", "W", "BW", "BW0", "BW1", "BW2")
-# Unit costs (Qi et al. 2024's analysis: F = B = W); a fused BW costs B + W; a part of
-# a BW cut into as many parts as it costs F's, one F.
-UNIT_COST = np.array([0, 1, 1, 1, 2, 1, 1, 1])
+from framework.parallel.pipeline.kinds import (COST, FREES_STASH, KINDS, STASHES, B, F, W,
+                                               Work, units)
+
 AUTODIFF, TICKS = "autodiff", "ticks"  # who runs the backward: JAX autodiff, or the table
 INTERLEAVED, V_SHAPE = "interleaved", "v"  # where global stages live (`StageMap`)
-ACT, GRAD, STASH = "act", "grad", "stash"  # how a cell gets what it needs
-
-
-def units(kind: int) -> tuple[int, ...]:
-    """The units of work a cell does: BW is a B and a W at the same tick."""
-    return (B, W) if kind == BW else () if kind == IDLE else (kind,)
-
-
-MAKES_DX = (B, BW, BW_PARTS[0])  # the kinds that end a stage's backward (`makes_dx`)
-
-
-def makes_dx(kind: int) -> bool:
-    """The cell that ends a stage's backward, sending dx to the stage below (and, on the
-    first stage, taking the embedding's gradient)."""
-    return kind in MAKES_DX
-
-
-# --- The dependency rule ----------------------------------------------------------------
-
-Work = tuple[int, int, int]  # (kind, microbatch, global stage): one unit of work
-
-
-@dataclass(frozen=True)
-class Need:
-    """A cell waits for `work` to have run; what that made reaches it through `via`:
-    ACT or GRAD messages (the buffer plan's receive slots), or the STASH slot of the
-    microbatch on this rank (what the forward kept for the backward)."""
-
-    work: Work
-    via: tuple[str, ...]
-
-
-def needs(kind: int, i: int, g: int, S: int, parts: int = 1) -> list[Need]:
-    """The pipeline's dependency rule, for one unit of work of microbatch i at global
-    stage g of S (in a table whose BWs are cut into `parts`): F(i, g) needs F(i, g-1)'s
-    output; the first backward cell of (i, g), B or the top part BW{parts-1}, needs
-    F(i, g)'s stash and dL/dy: the last stage's own (its F computed the loss), else dx
-    from the cell that ends the backward of (i, g+1) (B, or BW0); a lower part BWj
-    needs F's stash and the gradient BW{j+1} passed down (a message to itself); W(i, g)
-    needs what B(i, g) left in the stash (the weight ops' output gradients, or under
-    remat the incoming gradient)."""
-    if kind == F:
-        return [Need((F, i, g - 1), (ACT,))] if g > 0 else []
-    if kind == W:
-        return [Need((B, i, g), (STASH,))]
-    if kind == B or kind in BW_PARTS[:parts]:
-        top = kind == B or kind == BW_PARTS[parts - 1]
-        if not top:  # a lower part: the gradient from the part above it
-            return [Need((F, i, g), (STASH,)), Need((kind + 1, i, g), (GRAD,))]
-        if g == S - 1:
-            return [Need((F, i, g), (GRAD, STASH))]
-        below = B if kind == B else BW_PARTS[0]
-        return [Need((F, i, g), (STASH,)), Need((below, i, g + 1), (GRAD,))]
-    raise ValueError(f"needs: {KIND_NAMES[kind]} is not one unit of work of a table with "
-                     f"{parts} part(s) (see `units`)")
-
-
-@lru_cache(maxsize=None)
-def dependents(m: int, S: int) -> dict[Work, tuple[Work, ...]]:
-    """The rule inverted: per unit of work of a table of F, B and W cells, the units
-    that need it (m microbatches, S stages)."""
-    out: dict[Work, list] = {}
-    for kind in (F, B, W):
-        for i in range(m):
-            for g in range(S):
-                for need in needs(kind, i, g, S):
-                    out.setdefault(need.work, []).append((kind, i, g))
-    return {k: tuple(v) for k, v in out.items()}
 
 
 # --- The stage map ----------------------------------------------------------------------
@@ -162,7 +79,7 @@ class Schedule:
     n_stages: int  # pipeline ranks, p
     n_microbatches: int  # m
     n_chunks: int  # layer chunks per rank, v
-    kind: np.ndarray  # [ticks, ranks] IDLE / F / B / W / BW
+    kind: np.ndarray  # [ticks, ranks] the cells' kinds (`kinds.KINDS` codes)
     microbatch: np.ndarray  # [ticks, ranks] (0 where idle)
     chunk: np.ndarray  # [ticks, ranks] chunk index on that rank (0 where idle)
     formula_bubble: float  # the closed form from the paper the schedule comes from
@@ -198,7 +115,7 @@ class Schedule:
         """Idle share of the step in lockstep ticks with unit costs (F = B = W = 1, BW =
         2): every rank waits for the slowest cell of each tick, as one SPMD program
         does. 1 - busy cost / (ranks x sum over ticks of the tick's largest cost)."""
-        cost = UNIT_COST[self.kind]
+        cost = COST[self.kind]
         return float(1 - cost.sum() / (self.n_stages * cost.max(axis=1).sum()))
 
     def forward_rows(self) -> "Schedule":
@@ -220,8 +137,7 @@ class Schedule:
     def max_in_flight(self) -> np.ndarray:
         """Per rank: the most microbatch-chunks whose forward ran but whose weight
         gradient (BW or W) did not yet."""
-        done = np.isin(self.kind, (BW, W, BW_PARTS[0]))
-        live = np.cumsum((self.kind == F).astype(int) - done, axis=0)
+        live = np.cumsum(STASHES[self.kind].astype(int) - FREES_STASH[self.kind], axis=0)
         return live.max(axis=0)
 
     def cells(self) -> dict[Work, tuple[int, int]]:
@@ -233,7 +149,7 @@ class Schedule:
             for k in units(int(kind)):
                 work = (k, int(self.microbatch[t, r]), int(stage[t, r]))
                 if work in at:
-                    raise ValueError(f"schedule {self.name}: {KIND_NAMES[k]}({work[1]}, "
+                    raise ValueError(f"schedule {self.name}: {KINDS[k].name}({work[1]}, "
                                      f"stage {work[2]}) appears twice")
                 at[work] = (t, r)
         return at

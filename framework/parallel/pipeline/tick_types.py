@@ -1,6 +1,7 @@
 """What flows through the tick executor's loop (framework/parallel/pipeline/ticks.py):
-the carry, a cell's inputs and outputs, a BW cut into parts, and the types of what a
-cell keeps, traced once from one forward (`trace_types`).
+the carry, a cell's inputs and outputs (and, typed, the fields of its state a branch
+writes), a BW cut into parts, and the types of what a cell keeps, traced once from one
+forward (`trace_types`).
 
 Shapes: mb = rows of a microbatch, seq = its tokens (/tensor with sequence
 parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots`).
@@ -8,15 +9,14 @@ parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots
 
 from __future__ import annotations
 
+import enum
 from functools import partial
-from contextlib import ExitStack
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.stage import StageFns, of_microbatch, split_vjp
 from framework.parallel.pipeline.stash import Packing
@@ -37,7 +37,7 @@ class Carry(NamedTuple):
     #                messages, sent to the other ranks during this tick ({} if synchronous)
     held: tuple = ()  # a pair of ticks a step, split backward: (B's douts (recompute:
     #                   [dy]), its stash slot, whether this rank ran B), stored at the
-    #                   start of the next tick (`Cells.put`)
+    #                   start of the next tick (`Role.HELD_DOUTS`, `Cells.put`)
 
 
 class CellIn(NamedTuple):
@@ -51,15 +51,16 @@ class CellIn(NamedTuple):
     stage: jax.Array  # int: its global stage (uneven stages: how many layers are real)
     first: jax.Array  # bool: global stage 0 (embeds its input)
     last: jax.Array  # bool: the last global stage (head + loss)
+    held: tuple = ()  # the carry's `held`: the last tick's B douts, their slot, whether B ran
 
 
 class TickState(NamedTuple):
-    """What a tick's cells update (`ticks.py`): each kind's cell runs under its own
+    """What a tick's cells update (`cells.py`): each kind's cell runs under its own
     two-way conditional that takes this whole state and, on the ranks not running it,
-    returns it unchanged. XLA keeps a value passed through a two-way conditional in its
-    buffer; an n-way `lax.switch` copied every value a branch returns unchanged (the
-    gradient accumulators, twice a tick), and a slot of zeros built by the branches
-    that store nothing."""
+    returns it unchanged (`lowering.py`). XLA keeps a value passed through a two-way
+    conditional in its buffer; an n-way `lax.switch` copied every value a branch returns
+    unchanged (the gradient accumulators, twice a tick), and a slot of zeros built by
+    the branches that store nothing."""
 
     grads: dict  # the carry's gradient accumulators
     loss: jax.Array  # f32 []
@@ -68,75 +69,45 @@ class TickState(NamedTuple):
     act: jax.Array  # [mb, seq, d] sent on the `act` channels (F's output), zeros if none
     grad: jax.Array  # [mb, seq, d] sent on the `grad` channels (dL/dy or dx)
     douts: list  # B (split): the weight ops' output gradients (recompute: [dy]) for W
-    g_w: object = None  # `Cells.apart`: a cell's weight gradients, added after it
-    fresh: object = None  # `Cells.apart`: F's residuals and kept inputs, stored after it
-
-# --- A cell's conditional ---------------------------------------------------------------
-
-class Run(NamedTuple):
-    """`fn(state, cell)` runs on the ranks whose cell is of `kind` (and, `on` "first" /
-    "last", whose stage is the first / last), as its own two-way conditional that
-    returns only the fields of the state in `writes`: what it reads is an operand, not
-    an output (XLA copied a stash that one conditional both read and returned)."""
-
-    scopes: tuple  # named scopes, outermost first
-    kind: int
-    on: Optional[str]
-    fn: Callable
-    writes: tuple  # fields of TickState; "grads.chunks" etc.: that part of the gradients
-    #                (only: the GPU compiler copies what a conditional passes through)
-    layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
-    # no conditional: `writes` written on every rank, into the spare stash slot where
-    # `kind` does not run (`Cells.dispatch`; B's douts apart, with synchronous sends)
-    unconditional: bool = False
-
-    def pred(self, kind, cell: CellIn):
-        """Whether it runs on this rank this tick."""
-        pred = kind == self.kind
-        if self.on is not None:
-            pred = pred & (cell.first if self.on == "first" else cell.last)
-        return pred
-
-    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
-        pred = self.pred(kind, cell)
-        return cond_fields(self.scopes, pred, lambda s: self.fn(s, cell), state, self.writes)
+    g_w: object = None  # a cell's weight gradients [Lc or its part's layers, ...], to add
+    fresh: object = None  # F's {"residuals", "kept"} (its VJP's, the weight ops' inputs)
+    #                       for its stash slot: written in the branch, or after it apart
 
 
-def cond_fields(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState:
-    """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
-    were: a two-way conditional that returns only those fields, inside the named
-    `scopes` (nested: the communication audit weighs a scope inside another by both,
-    `Program.scope_weights`). What `fn` writes is typed as varying over the manual axes
-    as what it replaces (a value computed from constants alone, e.g. a window's
-    positions among F's fresh residuals, is invariant: the parity search found it)."""
-    def run(s):
-        new, old = fields_of(fn(s), writes), fields_of(s, writes)
-        return jax.tree.map(lambda a, b: varying(a, jax.typeof(b).manual_axis_type.varying),
-                            new, old)
+class Field(enum.Enum):
+    """A field of `TickState` that a branch writes (`lowering.Run.writes`); (field, the
+    entry of the gradients' dict it is, or None)."""
 
-    with ExitStack() as stack:
-        for scope in scopes:
-            stack.enter_context(jax.named_scope(scope))
-        out = jax.lax.cond(pred, run, lambda s: fields_of(s, writes), state)
-    return with_fields(state, writes, out)
+    STASH = ("stash", None)
+    SAVED = ("saved", None)
+    ACT = ("act", None)
+    GRAD = ("grad", None)
+    DOUTS = ("douts", None)
+    LOSS = ("loss", None)
+    G_W = ("g_w", None)
+    FRESH = ("fresh", None)
+    GRADS_CHUNKS = ("grads", "chunks")
+    GRADS_HEAD = ("grads", "head")
+    GRADS_EMBED = ("grads", "embed")
 
 
 def fields_of(state: TickState, fields: tuple) -> tuple:
-    """The values of `fields` of the state; "grads.x": the gradients' part x only."""
-    return tuple(state.grads[f[6:]] if f.startswith("grads.") else getattr(state, f)
-                 for f in fields)
+    """The values of `fields` (`Field`s) of the state."""
+    return tuple(getattr(state, f.value[0]) if f.value[1] is None else
+                 getattr(state, f.value[0])[f.value[1]] for f in fields)
 
 
 def with_fields(state: TickState, fields: tuple, values: tuple) -> TickState:
-    """The state with `fields` (as `_fields` names them) set to `values`."""
-    parts = {f[6:]: v for f, v in zip(fields, values) if f.startswith("grads.")}
-    rest = {f: v for f, v in zip(fields, values) if not f.startswith("grads.")}
-    return state._replace(**rest, **({"grads": dict(state.grads, **parts)} if parts else {}))
+    """The state with `fields` (`Field`s) set to `values`."""
+    grads = {f.value[1]: v for f, v in zip(fields, values) if f.value[1] is not None}
+    rest = {f.value[0]: v for f, v in zip(fields, values) if f.value[1] is None}
+    return state._replace(**rest, **({"grads": dict(state.grads, **grads)} if grads else {}))
 
 
+# --- A BW cut into parts, and the types of what a cell keeps -------------------------
 
 class Piece(NamedTuple):
-    """One part of a chunk's layers whose backward is its own cell (BWj, `table.py`):
+    """One part of a chunk's layers whose backward is its own cell (BWj, `kinds.py`):
     layers [lo, hi) of the chunk, its VJP's residuals at [start, start + n) of the
     stash slot's list, and how to rebuild the VJP from them (`stage.join_vjp`)."""
 

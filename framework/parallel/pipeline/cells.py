@@ -1,0 +1,225 @@
+"""What each kind of cell does to the tick state: the tick executor's work, one method
+per kind (`Cells.work`), on one chunk of one microbatch (framework/parallel/pipeline/
+ticks.py runs them; how they are lowered for each compiler is lowering.py's).
+
+  F(i, c)   x = the embedded microbatch (first stage) or its receive slot;
+            y, vjp = jax.vjp(chunk c's layers); the VJP's residuals (the activations
+            the backward needs; parameters are recognised by identity and never
+            copied) are what it keeps (`fresh`, for the microbatch's stash slot). The
+            last stage then runs head + loss and keeps dL/dy for its own backward.
+  BW(i, c)  rebuild the VJP from the stash slot, pull the incoming gradient through it:
+            the weight gradients (`g_w`, to add) and dx to send on.
+  B(i, c)   (split backward) the VJP w.r.t. the input and the weight matmuls' outputs
+            only: dx is sent on, the matmul output gradients (`douts`) overwrite the
+            (now dead) residuals in the stash slot, next to the matmul inputs F saved.
+  W(i, c)   the weight gradients from that slot: one matmul per weight.
+  BWj(i, c) BW over part j of the chunk's layers, from that part's residuals; BW0 sends
+            dx on, the others pass the gradient down to the part below.
+
+Under rematerialisation (`SplitBackward.recompute`) the stash is 1F1B's (the layer
+inputs): B pulls dy through the chunk's full VJP for dx, keeps dy (one message's size),
+and W pulls it through again for the weight gradients. Memory: 1F1B's plus one message
+per microbatch in flight; compute: the chunk's recomputed forward and input gradient
+run twice (B and W) instead of once.
+
+A cell's work makes what its kind's row says (`kinds.CellKind.writes`); what it keeps
+and its weight gradients it hands on (`fresh`, `g_w`), and `write_kept` and `accumulate`
+put them in place (inside the cell's conditional, or after it: `lowering.py`).
+
+Shapes: mb = rows of a microbatch, seq = its tokens (/tensor with sequence
+parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from framework.parallel.pipeline.comm import only_on, slots, zeros_typed_like
+from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
+from framework.parallel.pipeline.program import Program
+from framework.parallel.pipeline.scopes import ON_FIRST
+from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
+from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types,
+                                                    forward_in_parts, layer_slice)
+
+
+@dataclass(frozen=True)
+class Cells:
+    """The cells a rank can run in a tick. Each kind's work takes (state: TickState,
+    cell: CellIn) and returns the state it updates (`work`)."""
+
+    fns: StageFns
+    prog: Program
+    params: dict  # {'embed', 'head', 'chunks' [v, Lc, ...]} of this rank
+    inputs: jax.Array  # [microbatches, mb, seq] token ids
+    targets: jax.Array  # [microbatches, mb, seq]
+    types: Types
+    manual: tuple  # mesh axes every carried value varies over
+    split: bool  # the backward is split into B and W cells
+    recompute: bool = False  # ... each pulling dy through the full VJP (SplitBackward)
+    docs: object = None  # the microbatches' document masks (leaves [microbatches, ...])
+    kinds: frozenset = frozenset()  # the cell kinds this tick of the loop's step runs
+
+    def work(self, kind: CellKind):
+        """The function that does a cell of `kind`: (state, cell) -> state."""
+        if kind.part is not None:
+            return self.backward_part(kind.part)
+        return {F: self.forward, B: self.backward, W: self.weight, BW: self.backward}[kind.code]
+
+    # --- Helpers ------------------------------------------------------------------------
+
+    def zeros(self, like, n=None):
+        """Zeros like `like` (n slots of it), varying at least over `manual`."""
+        shape = like.shape if n is None else slots(like.shape, n)
+        return zeros_typed_like(jax.ShapeDtypeStruct(shape, like.dtype), self.manual,
+                                jax.typeof(like).manual_axis_type.varying)
+
+    def weights(self, chunk):
+        """This rank's chunk `chunk` [Lc, ...]; one chunk: a static index."""
+        v = jax.tree.leaves(self.params["chunks"])[0].shape[0]
+        return jax.tree.map(lambda a: a[0] if v == 1 else a[chunk], self.params["chunks"])
+
+    def add_chunk(self, grads, chunk, update, layers=slice(None)):
+        """grads of chunk `chunk` (its `layers`, a static slice) += update."""
+        v = jax.tree.leaves(grads["chunks"])[0].shape[0]
+        return dict(grads, chunks=jax.tree.map(
+            lambda a, u: a.at[0, layers].add(u) if v == 1 else a.at[chunk, layers].add(u),
+            grads["chunks"], update))
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """F keeps the weight ops' inputs for W (a split backward without remat)."""
+        return self.split and not self.recompute
+
+    @property
+    def pair(self) -> bool:
+        """A (forward, backward) pair of ticks a loop step (overlapped sends)."""
+        return self.prog.schedule.ticks_per_step > 1
+
+    def held_zeros(self) -> list:
+        """Zeros like what B keeps for W (`TickState.douts`); [] without a split backward."""
+        if not self.split:
+            return []
+        return [self.zeros(a) for a in (self.types.saved if self.recompute else self.types.douts)]
+
+    # --- Where what a cell makes goes ---------------------------------------------------
+
+    def write_kept(self, state: TickState, cell: CellIn) -> TickState:
+        """F's residuals (`fresh`) into stash slot `cell.slot`, its kept inputs into the
+        saved buffers'."""
+        fresh, t = state.fresh, self.types
+        saved = [buf.at[cell.slot].set(e) for buf, e in zip(state.saved, fresh["kept"])]
+        return state._replace(stash=t.packing.store(state.stash, fresh["residuals"],
+                                                    cell.slot, t.residuals),
+                              saved=saved or state.saved, fresh=None)
+
+    def accumulate(self, state: TickState, cell: CellIn, layers=slice(None)) -> TickState:
+        """The gradients of chunk `cell.chunk` (its `layers`) += the cell's `g_w`."""
+        grads = self.add_chunk(state.grads, cell.chunk, state.g_w, layers)
+        return state._replace(grads=grads, g_w=None)
+
+    def put(self, state: TickState, values: list, slot) -> TickState:
+        """B's douts into the slot whose residuals it read (recompute: dy into the saved
+        buffer), in a conditional of its own: XLA copied the stash where one both read
+        and rewrote it. With a pair of ticks a step, at the start of the next tick
+        (`Carry.held`): a W in the forward tick reads what a write in the backward tick
+        would overwrite, no data path orders the two, and XLA copied the whole stash
+        each step; so every write of a step comes before its reads."""
+        if self.recompute:
+            return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
+        t = self.types
+        return state._replace(stash=t.packing.store(state.stash, values, slot, t.douts))
+
+    def store_douts(self, state: TickState, cell: CellIn) -> TickState:
+        return self.put(state, state.douts, cell.slot)
+
+    # --- The work of each kind ----------------------------------------------------------
+
+    def forward(self, state: TickState, cell: CellIn) -> TickState:
+        """F: the chunk's forward; its VJP's residuals (and, split, the weight ops'
+        inputs) for the microbatch's stash slot, its output to `act`."""
+        fns, p = self.fns, self.params
+        x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
+                    lambda: cell.x)
+        w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
+        first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
+        kept = []
+        if self.types.pieces:  # a BW cut into parts: one VJP per part
+            y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
+                                               len(self.types.pieces), docs, first)
+        elif self.keeps_inputs:
+            y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
+                                                docs=docs, first=first)
+            residuals, kept = split_vjp(vjp_fn, w)[0], jax.tree.leaves(kept)
+        else:  # (recompute: B writes the saved buffer)
+            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
+                            first=first)
+            y, vjp_fn = jax.vjp(chunk, w, x)
+            residuals = split_vjp(vjp_fn, w)[0]
+        return state._replace(fresh={"residuals": residuals, "kept": kept}, act=y)
+
+    def head(self, state: TickState, cell: CellIn) -> TickState:
+        """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""
+        fns, p, grads = self.fns, self.params, state.grads
+        value, (g_head, g_embed, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1, 2))(
+            p["head"], p["embed"], state.act, self.targets[cell.mb])
+        grads = dict(grads, head=_add(grads["head"], g_head), embed=_add(grads["embed"], g_embed))
+        return state._replace(grads=grads, loss=state.loss + value, grad=dy)
+
+    def backward(self, state: TickState, cell: CellIn) -> TickState:
+        """BW, or B when the backward is split (its weight half comes later, in W)."""
+        t, w = self.types, self.weights(cell.chunk)
+        vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
+                          t.param_slot, w)
+        if self.recompute:  # B: dx only (XLA drops the weight half); dy kept for W
+            return state._replace(douts=[cell.dy], grad=vjp_fn(cell.dy)[1])
+        if self.split:  # B: the gradients of the input and of the matmul outputs
+            dx, douts = vjp_fn(cell.dy)
+            return state._replace(douts=jax.tree.leaves(douts), grad=dx)
+        g_w, dx = vjp_fn(cell.dy)  # BW: the gradients of the input and of the weights
+        return state._replace(grad=dx, g_w=g_w)
+
+    def backward_part(self, j: int):
+        """The BWj cell: the fused backward of part j of the chunk's layers (bottom
+        first), from that part's residuals in the stash slot; BW0 sends dx on, the
+        others pass the gradient down to the part below (a message to itself)."""
+        piece = self.types.pieces[j]
+
+        def run(state: TickState, cell: CellIn) -> TickState:
+            w = layer_slice(self.weights(cell.chunk), piece.lo, piece.hi)
+            acts = self.types.packing.read(state.stash, cell.slot, self.types.residuals)
+            vjp_fn = join_vjp(acts[piece.start:piece.start + piece.n], piece.vjp_def,
+                              piece.param_slot, w)
+            g_w, dx = vjp_fn(cell.dy)
+            return state._replace(grad=dx, g_w=g_w)
+
+        return run
+
+    def weight(self, state: TickState, cell: CellIn) -> TickState:
+        """W: the weight gradients, from the microbatch's stash slot and saved buffers."""
+        t, w = self.types, self.weights(cell.chunk)
+        if self.recompute:  # the full VJP again, for the weights only (dx is dropped)
+            vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
+                              t.param_slot, w)
+            g_w = vjp_fn(state.saved[0][cell.slot])[0]
+        else:
+            kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in state.saved])
+            douts = jax.tree.unflatten(t.dout_def,
+                                       t.packing.read(state.stash, cell.slot, t.douts))
+            g_w = self.fns.split.weight_grads(w, kept, douts)
+        return state._replace(g_w=g_w)
+
+    def embed_grad(self, state: TickState, cell: CellIn) -> TickState:
+        """After the first stage's backward: the embedding's gradient from dx."""
+        embed, grads = self.params["embed"], state.grads
+        g_embed = jax.vjp(lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](
+            state.grad)[0]
+        return state._replace(grads=dict(grads, embed=_add(grads["embed"], g_embed)))
+
+
+def _add(tree, update):
+    return jax.tree.map(jnp.add, tree, update)

@@ -1,0 +1,173 @@
+"""How the cells are lowered for a compiler: each branch a tick's dispatch opens
+(`Program.branches`) becomes a `Run`, its own two-way `lax.cond` on "this rank's cell is
+of that kind" (and, for the head and the embedding's gradient, on the stage), run in
+order. A conditional returns only the fields of the tick's state its branch writes
+(typed, `tick_types.Field`); what it reads is an operand, not an output (XLA copied a
+stash that one conditional both read and returned). A single `lax.switch` over the
+kinds, as before, copied the gradient accumulators in every branch that left them alone
+and again after it, and built a slot of zeros for the stash write of every cell but F:
+1F1B with synchronous sends took 1.31x GPipe's step here, 0.93x now.
+
+Two lowerings of what a cell keeps (F's residuals, `fresh`) and its weight gradients
+(`g_w`), chosen by the compiler (`StageFns.pass_through`, `engine.step.passes_through`):
+
+  pass-through  (XLA's CPU and TPU compilers, its GPU compiler from jaxlib 0.11.2) they
+                are written in place inside the branch (`Cells.write_kept`,
+                `Cells.accumulate`); the other ranks pass the state through, and the
+                compiler keeps a value passed through a two-way conditional in its buffer.
+  apart         (the GPU compiler before jaxlib 0.11.2 copies what a conditional passes
+                through) they leave the branch as fresh values and are written in place
+                after it: zeros where the cell does not run, written to a spare stash
+                slot / added to the gradients. B's douts are then written on every rank
+                (into the spare slot where B does not run), with no conditional.
+
+The named scopes the branches open are the Program's (`Branch.scopes`), so the audit's
+weights (`Program.scope_weights`) are computed from the same branches this lowers.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from functools import partial
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from framework.parallel.pipeline import cells
+from framework.parallel.pipeline.comm import varying
+from framework.parallel.pipeline.kinds import Out
+from framework.parallel.pipeline.program import Branch, Role
+from framework.parallel.pipeline.tick_types import (CellIn, Field, TickState, fields_of,
+                                                    with_fields)
+
+
+class Run(NamedTuple):
+    """`fn(state, cell)` (then, in the branch, `then(state, cell)`) on the ranks whose cell
+    is of `kind` (and, `on` "first" / "last", whose stage is the first / last), as its own
+    two-way conditional that returns only the fields of the state in `writes`."""
+
+    scopes: tuple  # named scopes, outermost first
+    kind: int
+    on: Optional[str]
+    fn: Callable
+    writes: tuple  # Field, ...
+    role: Role
+    layers: slice = slice(None)  # the chunk's layers whose gradients it makes (BWj)
+    then: Optional[Callable] = None  # pass-through: what the work hands on, in place
+
+    def pred(self, kind, cell: CellIn):
+        """Whether it runs on this rank this tick."""
+        pred = kind == self.kind
+        if self.on is not None:
+            pred = pred & (cell.first if self.on == "first" else cell.last)
+        return pred
+
+    def __call__(self, kind, state: TickState, cell: CellIn) -> TickState:
+        pred = self.pred(kind, cell)
+        return cond_fields(self.scopes, pred, lambda s: self.fn(s, cell) if self.then is None
+                           else self.then(self.fn(s, cell), cell), state, self.writes)
+
+
+def cond_fields(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> TickState:
+    """state with its fields `writes` from `fn(state)` where `pred` holds, else as they
+    were: a two-way conditional that returns only those fields, inside the named
+    `scopes` (nested: the communication audit weighs a scope inside another by both,
+    `Program.scope_weights`). What `fn` writes is typed as varying over the manual axes
+    as what it replaces (a value computed from constants alone, e.g. a window's
+    positions among F's fresh residuals, is invariant: the parity search found it)."""
+    def run(s):
+        new, old = fields_of(fn(s), writes), fields_of(s, writes)
+        return jax.tree.map(lambda a, b: varying(a, jax.typeof(b).manual_axis_type.varying),
+                            new, old)
+
+    with ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(jax.named_scope(scope))
+        out = jax.lax.cond(pred, run, lambda s: fields_of(s, writes), state)
+    return with_fields(state, writes, out)
+
+
+_HEAD = (Field.GRADS_HEAD, Field.GRADS_EMBED, Field.LOSS, Field.GRAD)  # head + loss
+
+
+class Cells(cells.Cells):
+    """The cells of `cells.py`, lowered: `lower` makes a tick's branch a conditional and
+    `dispatch` runs it, as this compiler needs (`apart`). (Named as its base: the
+    compiled program's locations name the frames that trace it, `Cells.dispatch`.)"""
+
+    @property
+    def apart(self) -> bool:
+        """A cell's weight gradients and what it keeps leave its conditional as fresh
+        values, added / written in place after it (zeros, the spare stash slot, where
+        it does not run: `dispatch`), for a compiler that would copy what a conditional
+        passes through (`StageFns.pass_through`: the GPU's before jaxlib 0.11.2)."""
+        return not self.fns.pass_through
+
+    def fields(self, out: Out) -> tuple:
+        """The fields of the tick state a branch that makes `out` writes."""
+        if out is Out.KEPT:
+            return (Field.FRESH,) if self.apart else (
+                (Field.STASH, Field.SAVED) if self.split else (Field.STASH,))
+        if out is Out.WEIGHT_GRADS:
+            return (Field.G_W,) if self.apart else (Field.GRADS_CHUNKS,)
+        return (Field[out.name],)
+
+    def lower(self, branch: Branch) -> Run:
+        """The conditional of one branch of a tick's dispatch: a kind's work writes the
+        fields of what its row says it makes (`CellKind.writes`), and, passing through,
+        puts what it keeps and its weight gradients in place in the branch."""
+        kind, role = branch.kind, branch.role
+        if role is Role.WORK:
+            layers, then = slice(None), None
+            if kind.part is not None:
+                piece = self.types.pieces[kind.part]
+                layers = slice(piece.lo, piece.hi)
+            if not self.apart and Out.KEPT in kind.writes:
+                then = self.write_kept
+            elif not self.apart and Out.WEIGHT_GRADS in kind.writes:
+                then = partial(self.accumulate, layers=layers)
+            writes = tuple(f for out in kind.writes for f in self.fields(out))
+            return Run(branch.scopes, kind.code, branch.on, self.work(kind), writes, role,
+                       layers, then)
+        if role is Role.HEAD:
+            return Run(branch.scopes, kind.code, branch.on, self.head, _HEAD, role)
+        if role is Role.EMBED_GRAD:
+            return Run(branch.scopes, kind.code, branch.on, self.embed_grad,
+                       (Field.GRADS_EMBED,), role)
+        douts = (Field.SAVED,) if self.recompute else (Field.STASH,)  # (recompute: dy)
+        return Run(branch.scopes, kind.code, branch.on, self.store_douts, douts, role)
+
+    def dispatch(self, run: Run, kind, state: TickState, cell: CellIn) -> TickState:
+        """`run` on this rank. `apart`: what it keeps is stored after its conditional
+        (into the spare slot where it does not run: a fresh slot of zeros), its weight
+        gradients added into the accumulators (zeros where it does not run), in place;
+        B's douts are written on every rank. The last tick's B douts come from `cell.held`
+        (values, slot, whether B ran)."""
+        if run.role is Role.HELD_DOUTS:
+            values, slot, by_b = cell.held
+            if self.apart:
+                return self.put(state, values, self.slot_or_spare(by_b, slot, state))
+            return cond_fields(run.scopes, by_b, partial(self.put, values=values, slot=slot),
+                               state, run.writes)
+        if run.role is Role.STORE_DOUTS and self.apart:
+            return self.put(state, state.douts, self.slot_or_spare(run.pred(kind, cell),
+                                                                    cell.slot, state))
+        if Field.FRESH in run.writes:
+            t = self.types
+            zeros = {"residuals": [self.zeros(a) for a in t.residuals],
+                     "kept": [self.zeros(a) for a in t.saved] if self.keeps_inputs else []}
+            state = run(kind, state._replace(fresh=zeros), cell)
+            slot = self.slot_or_spare(run.pred(kind, cell), cell.slot, state)
+            return self.write_kept(state, cell._replace(slot=slot))
+        if Field.G_W not in run.writes:
+            return run(kind, state, cell)
+        like = jax.tree.map(lambda a: a[0, run.layers], state.grads["chunks"])
+        state = run(kind, state._replace(g_w=jax.tree.map(self.zeros, like)), cell)
+        grads = self.add_chunk(state.grads, cell.chunk, state.g_w, run.layers)
+        return state._replace(grads=grads, g_w=None)
+
+    def slot_or_spare(self, pred, slot, state: TickState):
+        """`slot` where `pred`, else the stash's spare last slot (`apart` only)."""
+        spare = next(iter(state.stash.values())).shape[0] - 1
+        return jnp.where(pred, slot, spare)
