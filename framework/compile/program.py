@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
+from framework.analysis.gemms import fp8_share
 from framework.analysis.traffic import moved_bytes
 from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -114,11 +115,12 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     """Compiles the run's step for `target`; the report's fields (module docstring).
     Raises ConfigError (bad settings) or TooBig (the compiled program does not fit)."""
     from framework.engine.build import DocumentMask, build_engine
-    from framework.engine.validate import validate
+    from framework.engine.validate import check_platform, validate
     from framework.parallel.mesh import make_mesh, mesh_name
 
     found, platform, kind = devices_for(cfg, target)
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
+    check_platform(cfg.model, platform)
     report = {"target": target.name, "device_kind": kind, "n_devices": len(found),
               "mesh": mesh_name(parallel), "schedule": parallel.schedule,
               **predictions(cfg.model, parallel, cfg.train, platform, kind, len(found),
@@ -148,8 +150,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update(memory_fields(compiled, platform))
     report["memory/device_bytes"] = target.device_bytes
     report.update(comm_fields(compiled, engine, platform))
+    text = compiled.as_text()
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
-                   for kind, nbytes in moved_bytes(compiled.as_text()).items()})
+                   for kind, nbytes in moved_bytes(text).items()})
+    report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
     total = report["memory/compiled_bytes_per_device"]
     report["fits"] = target.device_bytes is None or total <= target.device_bytes
     if not report["fits"]:

@@ -45,6 +45,9 @@ def lines(report: dict) -> list[str]:
         out.append("moved without computing per device per step: " + ", ".join(
             f"{kind} {_gib(report[f'traffic/{kind}_bytes_per_step'])}"
             for kind in ("copied", "sliced", "updated")))
+    if report.get("flops/fp8_share_of_layer_matmuls") is not None:
+        out.append(f"layers' matmul FLOPs on FP8 operands: "
+                   f"{report['flops/fp8_share_of_layer_matmuls']:.0%}")
     flops = report["flops/model_per_device_per_step"]
     step = report.get("time/predicted_step_s")
     out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"

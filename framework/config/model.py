@@ -129,6 +129,9 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
+    # FP8 matmuls in the layers (framework/model/fp8.py): none, or tensorwise (E4M3
+    # forward, E5M2 gradients, each tensor scaled by its absolute maximum in the step)
+    fp8: str = "none"
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

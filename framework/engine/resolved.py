@@ -115,6 +115,14 @@ class Layout:
         return self.manual + ((TENSOR,) if self.sequence_parallel else ())
 
     @property
+    def microbatch_axes(self) -> tuple[str, ...]:
+        """The axes one microbatch of a data replica is split over (its sequence over
+        `context`, its features or sequence over `tensor`): a whole-tensor statistic of
+        a microbatch (FP8's scales) reduces over these, so that a layout computes what
+        one device computes with data x microbatches microbatches."""
+        return tuple(a for a in (CONTEXT, TENSOR) if self.degrees[a] > 1)
+
+    @property
     def gathers_per_use(self) -> bool:
         """FSDP gathering each use's weights (framework/parallel/data.py)."""
         return gathers_per_use(self.parallel)

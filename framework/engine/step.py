@@ -172,7 +172,8 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
     tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
                         param_rules(parallel.tensor_split),
                         collective_matmul=parallel.collective_matmul,
-                        permute=not options.cpu, context=cp)
+                        permute=not options.cpu, context=cp,
+                        stat_axes=layout.microbatch_axes)
     if split:
         check_weight_ops(layout.model)
 

@@ -17,7 +17,7 @@ import warnings
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
                               not_one_of, shown)
 from framework.errors import ConfigError
-from framework.model import attention
+from framework.model import attention, fp8
 from framework.engine.resolved import Layout, global_stages, resolved, with_stage_layers
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
@@ -48,7 +48,8 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     errs += [e for e in (not_one_of("parallel.remat", p.remat),
                          not_one_of("parallel.fsdp_regather", p.fsdp_regather),
                          not_one_of("model.dtype", model.dtype)) if e]
-    errs += attention.check_settings(model)
+    errs += attention.check_settings(model) + fp8.check_settings(model)
+    errs += fp8.check_layout(model, p)
     if n_devices is not None and p.data != -1 and p.n_devices != n_devices:
         errs.append(
             f"parallel.pipeline*data*context*tensor={p.pipeline}*{p.data}*{p.context}*"
@@ -155,3 +156,15 @@ def resolve(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     the engine and the analyses read of it."""
     return resolved(model, validate(model, parallel, train, n_devices), train.seq_len,
                     train.global_batch_size)
+
+
+def check_platform(model: ModelConfig, platform: str) -> None:
+    """One-line ConfigErrors for what the model cannot run on `platform` (the attention
+    kernel, FP8), checked once the devices are known, before anything is compiled. FP8
+    on CPUs runs emulated, slowly: said once."""
+    attention.check_platform(model, platform)
+    fp8.check_platform(model, platform)
+    if model.fp8 != "none" and platform == "cpu":
+        warnings.warn("model.fp8 on CPUs is emulated (slow): its numbers are those of a "
+                      "GPU's FP8 GEMMs, its speed is not", stacklevel=2)
+

@@ -16,6 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from framework.model import fp8
+
 # Collections of the split backward (`framework/engine/split.py`), read only when present.
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
 
@@ -29,7 +31,11 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
         x = module.get_variable(GIVEN, name)
     if module.is_mutable_collection(SAVED):
         module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
-    y = jnp.einsum(eq, x, w)
+    cfg = getattr(module, "cfg", None)
+    if getattr(cfg, "fp8", "none") != "none" and fp8.is_matmul(eq, w):  # model.fp8
+        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max)
+    else:
+        y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
         module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
     return module.perturb(name, y, collection=TAPS)

@@ -77,6 +77,9 @@ class TensorParallel:
     collective_matmul: bool = False  # rings instead of f and g (sequence parallel only)
     permute: bool = True  # the rings' shift by collective-permute (False: CPU, above)
     context: ContextParallel = ContextParallel()  # the sequence's split over `context`
+    # The mesh axes one microbatch's tensors are split over (a whole-tensor statistic,
+    # e.g. FP8's absolute maximum, reduces over them: `whole_max`).
+    stat_axes: tuple = ()
 
     def __post_init__(self):
         split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}
@@ -91,6 +94,14 @@ class TensorParallel:
         if self.sequence_parallel and "vocab" not in split and self.size > 1:
             raise PlanError("sequence parallelism needs the vocabulary split over "
                             f"{TENSOR} (the loss is summed over whole sequences)")
+
+    def whole_max(self, v):
+        """A per-device maximum (a scalar) as the whole tensor's: the max over the
+        `stat_axes` the value varies over (a tensor replicated over one is the same
+        on each device, and the max changes nothing)."""
+        varying = jax.typeof(v).manual_axis_type.varying
+        axes = tuple(a for a in self.stat_axes if a in varying)
+        return jax.lax.pmax(v, axes) if axes else v
 
     def splits(self, logical: str) -> bool:
         """Whether this logical axis is split over the mesh axis this object runs on."""

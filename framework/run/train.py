@@ -29,14 +29,13 @@ from framework.analysis import audit, flops, memory_check
 from framework.model.flops import model_flops_per_token
 from framework.config import RunConfig
 from framework.engine.build import Engine, build_engine
-from framework.engine.validate import validate
+from framework.engine.validate import check_platform, validate
 from framework.errors import ConfigError, Diverged, StorageError
 from framework.io import tokenizer as tokenizer_lib
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import COMPLETE_MARKERS
 from framework.io.corpus_dataset import eval_sets
 from framework.io.data import Dataset, document_mask, make_dataset
-from framework.model import attention
 from framework.model.registry import spec_of
 from framework.parallel.mesh import describe, make_mesh, mesh_name
 from framework.run import start
@@ -165,7 +164,7 @@ def _build(cfg: RunConfig, devset, documents=None):
     """The engine for these devices, once the layout is valid for them, the attention
     kernel runs on their platform and the run is predicted to fit their memory."""
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(devset))
-    attention.check_platform(cfg.model, devset.platform)
+    check_platform(cfg.model, devset.platform)
     memory_check.check(cfg, parallel, devset)  # CPU: predicted, before anything is compiled
     mesh = make_mesh(parallel, devset.devices)
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh, documents)

@@ -1,0 +1,157 @@
+"""FP8 matmuls with per-tensor current scaling (`model.fp8=tensorwise`).
+
+A layer's matmul y = einsum(eq, x, w) runs on float8 operands (Micikevicius et al. 2022,
+"FP8 Formats for Deep Learning"): the forward's x and w in E4M3 (3 mantissa bits,
+largest finite 448), the backward's output gradient dy in E5M2 (2 mantissa bits,
+largest finite 57344: gradients span a wider range), every product accumulated in
+float32 and the result cast to the compute dtype. Each operand is scaled into its
+format's range by its own absolute maximum in the same step ("current scaling", as
+Megatron-LM/TransformerEngine's `Float8CurrentScaling`):
+
+    s_x = amax(|x|) / 448,  x8 = E4M3(x / s_x),  y = (x8 @ w8) * s_x * s_w
+
+The absolute maximum is the whole tensor's, not a device's shard: the tensor-parallel
+plan reduces it over the axes the tensor is split over (`TensorParallel.whole_max`), so
+an FP8 run on any layout computes what it computes on one device with the same
+microbatches. The backward: dx = dy8 @ w8^T and dw = x8^T @ dy8, from the forward's
+quantized x8 and w8 (kept as the residuals: a quarter of float32's bytes) and dy8 at its
+own scale. Norms, the embedding, the head and the loss stay in the compute dtype
+(`framework/model/weight_ops.py` applies this to the layers' matrices only).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from framework.config import CHOICES
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+MODES = CHOICES["model.fp8"]
+# cuBLASLt's FP8 GEMMs take matrix dimensions that are multiples of 16 (NVIDIA's FP8
+# requirements; XLA's GEMM rewriter leaves other shapes to a slower path).
+GEMM_MULTIPLE = 16
+
+
+def _largest(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def _scale(amax):
+    """The factor that maps a tensor's absolute maximum onto the format's largest
+    finite value (1 where the tensor is all zeros)."""
+    return jnp.where(amax > 0, amax, 1.0)
+
+
+def quantize(x, dtype, whole_max):
+    """(x in `dtype` scaled into its range, the scale s: x ~ x8 * s). `whole_max` reduces
+    a scalar to the whole tensor's (the plan's max over the axes x is split over)."""
+    amax = whole_max(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    s = _scale(amax) / _largest(dtype)
+    return (x.astype(jnp.float32) / s).astype(dtype), s
+
+
+def _transposed(eq: str) -> tuple[str, str]:
+    """The einsums of the two cotangents of `a,b->c`: da = `c,b->a`, db = `a,c->b`
+    (every index of a and b appears in c or in the other operand: plain matmuls)."""
+    inputs, out = eq.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+def _dot(eq, a, b):
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+
+def fp8_einsum(eq: str, x, w, whole_max):
+    """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
+    accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
+    docstring). Inside a shard_map both operands are first typed as varying over the
+    same mesh axes: the cotangent of one that was replicated over an axis (x before a
+    column-parallel matmul) is then summed over it by autodiff, as for a plain einsum."""
+    axes = _varying(x) | _varying(w)
+    cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
+        if axes - _varying(a) else a
+    return _scaled(eq, cast(x), cast(w), whole_max)
+
+
+def _varying(a) -> frozenset:
+    return frozenset(jax.typeof(a).manual_axis_type.varying)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _scaled(eq: str, x, w, whole_max):
+    return _forward(eq, x, w, whole_max)[0]
+
+
+def _forward(eq, x, w, whole_max):
+    x8, sx = quantize(x, E4M3, whole_max)
+    w8, sw = quantize(w, E4M3, whole_max)
+    y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
+    return y, (x8, sx, w8, sw)
+
+
+def _fwd(eq, x, w, whole_max):
+    return _forward(eq, x, w, whole_max)
+
+
+def _bwd(eq, whole_max, residuals, dy):
+    """The gradients in dy's dtype: the layers cast both operands to the compute dtype
+    before their matmuls (framework/model/llama.py), so x, w and y share it."""
+    x8, sx, w8, sw = residuals
+    dy8, sdy = quantize(dy, E5M2, whole_max)
+    for_x, for_w = _transposed(eq)
+    dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
+    dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
+    return dx, dw
+
+
+_scaled.defvjp(_fwd, _bwd)
+
+
+def is_matmul(eq: str, w) -> bool:
+    """Whether `einsum(eq, x, w)` is a matmul FP8 applies to: a matrix weight with an
+    index summed over (a norm's scale and a bias are elementwise)."""
+    inputs, out = eq.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    return w.ndim >= 2 and "." not in eq and any(i in a and i not in out for i in b)
+
+
+def check_settings(model) -> list[str]:
+    """Problems of `model.fp8` (whatever the platform)."""
+    mode = getattr(model, "fp8", "none")
+    if mode not in MODES:
+        return [f"model.fp8={mode!r} is not one of {', '.join(MODES)}"]
+    return []
+
+
+def check_layout(model, parallel) -> list[str]:
+    """What FP8 does not run with yet."""
+    if getattr(model, "fp8", "none") != "none" and parallel.collective_matmul:
+        return ["model.fp8=tensorwise does not run with parallel.collective_matmul=true yet "
+                "(the rings' blocks would need the whole tensor's scales): set "
+                "parallel.collective_matmul=false"]
+    return []
+
+
+def check_platform(model, platform: str) -> None:
+    """A one-line ConfigError where FP8 cannot run on `platform`: TPU v5p has no FP8
+    matrix units (its MXUs take bfloat16 and int8), and cuBLASLt's FP8 GEMMs need the
+    matrices' dimensions in multiples of GEMM_MULTIPLE. CPUs emulate FP8 (slowly)."""
+    from framework.errors import ConfigError
+
+    if getattr(model, "fp8", "none") == "none":
+        return
+    if platform == "tpu":
+        raise ConfigError("model.fp8=tensorwise needs FP8 matrix units (NVIDIA Hopper or "
+                          "later); TPU v5p has none: use model.fp8=none")
+    if platform in ("gpu", "cuda"):
+        dims = {"model.d_model": model.d_model, "model.d_ff": model.d_ff,
+                "model.n_heads * head_dim": model.n_heads * model.head_dim}
+        bad = [f"{k}={v}" for k, v in dims.items() if v % GEMM_MULTIPLE]
+        if bad:
+            raise ConfigError(f"model.fp8=tensorwise needs matrix dimensions that are "
+                              f"multiples of {GEMM_MULTIPLE} (cuBLASLt's FP8 GEMMs): "
+                              f"{', '.join(bad)}")

@@ -1,0 +1,29 @@
+"""FP8 on the GPU compiler, without a GPU (framework/compile): the 8B recipe's layers'
+matmuls compiled as FP8 GEMMs (`flops/fp8_share_of_layer_matmuls`, read from the
+optimized program: framework/analysis/gemms.py), the head kept in bfloat16."""
+
+import importlib.util
+
+import pytest
+
+from framework.compile import program, targets
+from tests.helpers import compose_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not importlib.util.find_spec("jax_plugins"), reason="needs pip install -e '.[aot]'")]
+SMALLER = ("model.n_layers=4", "train.global_batch_size=8", "target=gpu:h100x8")
+
+
+def _report(*overrides):
+    cfg = compose_recipe("llama3_8b", *SMALLER, *overrides, config="compile")
+    return program.compile_report(cfg, targets.parse(cfg.target))
+
+
+def test_the_8b_layers_run_fp8_gemms_on_the_gpu_compiler():
+    fp8 = _report("model.fp8=tensorwise", "parallel.collective_matmul=false")
+    bf16 = _report("parallel.collective_matmul=false")
+    assert fp8["flops/fp8_share_of_layer_matmuls"] >= 0.9
+    assert bf16["flops/fp8_share_of_layer_matmuls"] == 0.0
+    assert fp8["attention"] == bf16["attention"] == "cudnn"
+    # the quantization's temporaries cost a little memory (4 layers, full remat: +4.5%)
+    assert fp8["memory/compiled_bytes_per_device"] < 1.1 * bf16["memory/compiled_bytes_per_device"]
