@@ -30,31 +30,19 @@ def _array(type_text: str) -> tuple[str, list[int]]:
     return m.group(1), [int(d) for d in m.group(2).split(",") if d]
 
 
-def _operand_types(instr: hlo.Instruction, types: dict) -> list[str]:
-    args = instr.line.split(f" {instr.opcode}(", 1)[-1].split(")", 1)[0]
-    return [types.get(name, "") for name in re.findall(r"%([\w.\-]+)", args)]
-
-
 def matmul_flops(text: str) -> dict[tuple[str, bool], float]:
     """FLOPs per step of the program's dots by (lhs operand dtype, a layer's or not)."""
-    program = hlo.parse(text)
-    runs = program.multipliers()
     out = defaultdict(float)
-    for comp, instrs in program.computations.items():
-        factor = runs.get(comp, 0)
-        if not factor:
+    for factor, types, instr in hlo.executed(hlo.parse(text)):
+        if instr.opcode != "dot":
             continue
-        types = {i.name: i.result for i in instrs}
-        for instr in instrs:
-            if instr.opcode != "dot":
-                continue
-            operands = _operand_types(instr, types)
-            dtype, lhs = _array(operands[0]) if operands else ("", [])
-            contracting = _CONTRACTING.search(instr.line)
-            dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
-            result = math.prod(_array(instr.result)[1])
-            k = math.prod(lhs[d] for d in dims if d < len(lhs))
-            out[dtype, "Block" in instr.op_name] += factor * 2.0 * result * k
+        names = hlo.operands(instr)
+        dtype, lhs = _array(types.get(names[0], "")) if names else ("", [])
+        contracting = _CONTRACTING.search(instr.line)
+        dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
+        k = math.prod(lhs[d] for d in dims if d < len(lhs))
+        out[dtype, "Block" in instr.op_name] += factor * 2.0 * math.prod(
+            _array(instr.result)[1]) * k
     return dict(out)
 
 

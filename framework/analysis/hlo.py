@@ -139,6 +139,23 @@ class Program:
         return mult
 
 
+def operands(instr: Instruction) -> list[str]:
+    """The names of an instruction's operands, in order."""
+    args = instr.line.split(f" {instr.opcode}(", 1)[-1]
+    return re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
+
+
+def executed(program: Program):
+    """(runs per step, its computation's result types by name, instruction) of every
+    instruction of a computation the program runs (`Program.multipliers`)."""
+    runs = program.multipliers()
+    for comp, instrs in program.computations.items():
+        if runs.get(comp):
+            types = {i.name: i.result for i in instrs}
+            for instr in instrs:
+                yield runs[comp], types, instr
+
+
 def parse(hlo: str) -> Program:
     comps = split_computations(hlo)
     entry = comps.pop("__entry__", [""])[0]

@@ -36,29 +36,17 @@ def type_bytes(text: str) -> int:
     return total
 
 
-def _operands(instr: hlo.Instruction) -> list[str]:
-    args = instr.line.split(f" {instr.opcode}(", 1)[-1]
-    return re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
-
-
 def moved_bytes(text: str) -> dict[str, float]:
     """Bytes per step by kind (`copied`, `sliced`, `updated`) of a compiled program."""
-    program = hlo.parse(text)
-    runs = program.multipliers()
     out = dict.fromkeys(KINDS.values(), 0.0)
-    for comp, instrs in program.computations.items():
-        factor = runs.get(comp, 0)
-        if not factor:
+    for factor, types, instr in hlo.executed(hlo.parse(text)):
+        kind = KINDS.get(instr.opcode)
+        if kind is None:
             continue
-        results = {i.name: i.result for i in instrs}
-        for instr in instrs:
-            kind = KINDS.get(instr.opcode)
-            if kind is None:
-                continue
-            if kind == "updated":
-                update = _operands(instr)[1:2]
-                nbytes = type_bytes(results.get(update[0], "")) if update else 0
-            else:
-                nbytes = type_bytes(instr.result)
-            out[kind] += factor * nbytes
+        if kind == "updated":  # the update written, the buffer updated in place
+            update = hlo.operands(instr)[1:2]
+            nbytes = type_bytes(types.get(update[0], "")) if update else 0
+        else:
+            nbytes = type_bytes(instr.result)
+        out[kind] += factor * nbytes
     return out
