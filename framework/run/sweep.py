@@ -84,6 +84,9 @@ def run_job(overrides: list[str], job_dir: Path, group: str, name: str,
         if found.get("status") != "running":
             return found
         summary["run_name"] = found.get("run_name", name)  # it died without a word
+    # a refused job removes the empty folder it was given (framework/run/cli.py); in a
+    # sweep the folder is the job's record, so its summary goes back into it
+    job_dir.mkdir(parents=True, exist_ok=True)
     write_summary(job_dir, summary)
     return summary
 
