@@ -48,7 +48,9 @@ def _scale(amax):
 def quantize(x, dtype, whole_max):
     """(x in `dtype` scaled into its range, the scale s: x ~ x8 * s). `whole_max` reduces
     a scalar to the whole tensor's (the plan's max over the axes x is split over)."""
-    amax = whole_max(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    # a statistic, never differentiated (the autodiff executor linearizes the forward
+    # around this custom VJP's primal: pmax has no derivative rule)
+    amax = whole_max(jax.lax.stop_gradient(jnp.max(jnp.abs(x.astype(jnp.float32)))))
     s = _scale(amax) / _largest(dtype)
     return (x.astype(jnp.float32) / s).astype(dtype), s
 

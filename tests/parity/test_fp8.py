@@ -21,6 +21,7 @@ from tests.helpers import MODEL, TRAIN, engine, engine_grads, max_rel_err, refer
 
 FP8 = dataclasses.replace(MODEL, fp8="tensorwise")
 LAYOUTS = [
+    dict(pipeline=2, data=2, tensor=2, microbatches=2),  # GPipe: autodiff linearizes the forward
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),
     dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
     dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="interleaved_1f1b",
