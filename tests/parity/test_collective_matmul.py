@@ -51,8 +51,9 @@ def _tensor_collectives(cm: bool, target: str = "gpu:h100x8"):
     eng = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                        make_mesh(parallel, found))
     state, tokens = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
-    text = eng.step_fn.lower(state, tokens).compile(
-        compiler_options=program.compiler_options(platform)).as_text()
+    with targets.cudnn_of(targets.parse(cfg.target)):  # cuDNN's attention, no library
+        text = eng.step_fn.lower(state, tokens).compile(
+            compiler_options=program.compiler_options(platform)).as_text()
     return [c for c in audit.engine_collectives(eng, text)
             if c.axes == ("tensor",) and "/Block/" in c.op_name]
 

@@ -103,8 +103,10 @@ def test_bad_settings_are_one_line_errors():
 @pytest.mark.parametrize("arg, want", [
     ("seed=4294967296", "seed=4294967296 must be in [0, 4294967295] (a uint32)"),
     ("seed=-1", "seed=-1 must be in [0, 4294967295] (a uint32)"),
-    ("temperature=inf", "temperature=inf must be a finite number >= 0 (0: greedy)"),
-    ("temperature=nan", "temperature=nan must be a finite number >= 0 (0: greedy)"),
+    ("temperature=inf", "temperature=inf must be in [0, 100] (0: greedy; higher is uniform "
+                        "sampling)"),
+    ("temperature=nan", "temperature=nan must be in [0, 100] (0: greedy; higher is uniform "
+                        "sampling)"),
     ("top_k=2147483648", "top_k=2147483648 must be in [0, 2147483647] (0: off)"),
     ("step=-1", "step=-1 must be >= 0")])
 def test_settings_outside_what_decoding_takes_are_one_line_errors(arg, want):
