@@ -50,6 +50,19 @@ FITTED: dict[str, Fitted] = {
     "logit_copies/tpu": Fitted(
         0.5, "logits tensors at the head's peak, TPU compiler", f"{_1B_8GPU} 1f1b",
         "tpu:v5p-16", "0.10.2", "2026-11-26"),
+    # The loss in chunks (model.loss_chunk, framework/model/loss.py), read from the
+    # optimized program's buffers (not its peak, which is elsewhere: 2048- and
+    # 3072-token chunks both compile to 62.56 GiB at 9 rows): the scan body's logits
+    # and their gradient, both bfloat16 (one float32 chunk's worth); beside the scan
+    # the float32 weight-gradient sum and the weights' bfloat16 cast, transposed.
+    "logit_copies/chunk": Fitted(
+        1.0, "float32 [chunk, vocab/tensor] tensors in the chunked loss's scan body",
+        "llama_1b_1gpu model.loss_chunk=2048", "gpu:h100x1", "0.10.2",
+        "2026-11-28"),
+    "head_weight_copies/chunk": Fitted(
+        1.5, "float32 [embed, vocab/tensor] tensors beside the chunked loss's scan "
+        "(the weight-gradient sum, the weights' bfloat16 cast)",
+        "llama_1b_1gpu model.loss_chunk=2048", "gpu:h100x1", "0.10.2", "2026-11-28"),
     # [rows, seq, embed] tensors of the whole local batch GPipe keeps: the embedded
     # inputs, the pipeline's outputs, and their gradients.
     "batch_copies/gpipe": Fitted(

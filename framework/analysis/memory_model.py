@@ -48,7 +48,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  sends, the message arriving beside the cell.
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
-             microbatch by microbatch) and one layer's backward (its full residuals once
+             microbatch by microbatch; with `model.loss_chunk` those of one chunk, beside
+             the head's float32 weight-gradient sum, `head_bytes`) and one layer's backward (its full residuals once
              more, the attention kernel's score tensors, and the tick's slice of the
              residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
@@ -81,6 +82,7 @@ from framework.engine.resolved import Layout, resolved
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
+from framework.model.loss import chunk_count
 from framework.model.registry import spec_of
 from framework.parallel.mesh import TENSOR
 from framework.parallel.pipeline.stage import split_vjp
@@ -197,6 +199,19 @@ def _param_bytes(lay: Layout) -> Weights:
     stored = param_specs(lay)[0]
     return Weights(sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
                    max(sizes(plain, "stages")))
+
+
+def head_bytes(lay: Layout, kind: str, platform: str | None) -> float:
+    """The head + loss's peak, one microbatch on one device (`kind`: `logit_copies`'s):
+    the microbatch's logits tensors, or with `model.loss_chunk` one chunk's beside the
+    head's float32 weight-gradient sum and cast weights (framework/model/loss.py)."""
+    tokens, chunk = lay.rows_per_microbatch * lay.seq_per_device, lay.model.loss_chunk
+    vocab = lay.model.vocab_size // lay.parallel.tensor
+    if not chunk or chunk >= tokens:
+        return logit_copies(kind, platform) * tokens * vocab * FP32
+    chunk_tokens = tokens // chunk_count(tokens, chunk)
+    return (fitted("logit_copies/chunk") * chunk_tokens
+            + fitted("head_weight_copies/chunk") * lay.model.d_model) * vocab * FP32
 
 
 def logit_copies(kind: str, platform: str | None) -> float:
@@ -328,13 +343,12 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     layout's executor: autodiff's tick scan, or the tick executor's measured state."""
     sched, v, layers = lay.program.schedule, lay.chunks_per_rank, lay.chunk_layers
     tp, m, mb_rows = lay.parallel.tensor, lay.parallel.microbatches, lay.rows_per_microbatch
-    logits = lay.seq_per_device * (lay.model.vocab_size // tp) * FP32  # per row
     if sched.executor != AUTODIFF:  # its own state (receive slots, stash, accumulators)
         state = executor_state(lay.model, lay.parallel, lay.global_batch, lay.seq_len,
                                platform)
         backward = _layer_extras(lay, layer_backward + state["slot"], w, width)
         grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
-        head = logit_copies("1f1b", platform) * logits * mb_rows
+        head = head_bytes(lay, "1f1b", platform)
         return _tick_kept(state), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
     res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
@@ -342,8 +356,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
-    head = logit_copies("per_microbatch" if m > 1 else "whole_batch", platform) * logits \
-        * mb_rows
+    head = head_bytes(lay, "per_microbatch" if m > 1 else "whole_batch", platform)
     backward = layer_backward
     if ticks > 1:  # the tick scan's backward: one tick's slice of the residual stack,
         backward += res.chunk(layers, mb_rows)  # and a gradient accumulator for the

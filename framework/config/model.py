@@ -105,6 +105,9 @@ class ModelConfig:
     attention: str = "auto"  # auto | dense | blockwise | cudnn (framework/model/attention.py)
     attention_block_q: int = 512  # blockwise: queries per block
     attention_block_kv: int = 512  # blockwise: keys per block
+    # The loss over the vocabulary this many tokens at a time, the logits never alive
+    # for more (framework/model/loss.py); 0: over the whole microbatch's logits
+    loss_chunk: int = 0
     # The family (a key of FAMILIES): the Hugging Face architecture export
     # writes, and the preset of the two settings below where they are null.
     family: str = "llama"

@@ -53,6 +53,7 @@ RANGES: dict[str, Range] = {
     "model.explicit_head_dim": AT_LEAST_1, "model.sliding_window": AT_LEAST_1,
     "model.sliding_window_pattern": AT_LEAST_0, "model.query_pre_attn_scalar": POSITIVE,
     "model.attn_softcap": POSITIVE, "model.final_softcap": POSITIVE,
+    "model.loss_chunk": AT_LEAST_0,
     "optim.lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.weight_decay": AT_LEAST_0,
     "optim.grad_clip": AT_LEAST_0,  # 0: no clipping

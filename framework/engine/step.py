@@ -70,8 +70,8 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     gather = _per_use_gathers(per_use, model.dtype)
 
     def head_loss(head, embed, y, targets):
-        logits = spec.head(model, tp).apply({"params": head}, y, tied_table=embed["table"])
-        return spec.loss(logits, targets, tp, z_loss) / n_tokens_global
+        return spec.head_loss(model, tp, head, embed["table"], y, targets, z_loss) \
+            / n_tokens_global
 
     if per_use is not None:  # the head's gathered weights: gathered again for its backward
         plain = head_loss  # (never saved: the weight matmuls' outputs only, as a layer's)

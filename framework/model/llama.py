@@ -44,6 +44,8 @@ import flax.linen as nn
 from framework.model.attention import attend, score_form
 from framework.model.documents import Documents
 from framework.model.layers import MLP, NO_TP, param, norm, softcap
+from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
+                                  cross_entropy_sum)
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
@@ -213,33 +215,42 @@ class Head(nn.Module):
     """Final RMSNorm + LM head (vocabulary-parallel). With tied embeddings the caller
     passes the embedding table as `tied_table`. Returns this device's vocabulary slice
     of the logits, [batch, seq, vocab@tensor] float32, soft-capped by
-    `model.final_softcap` where set (Gemma 2)."""
+    `model.final_softcap` where set (Gemma 2). `features`: what the logits are made of,
+    for a loss that makes them a chunk at a time (framework/model/loss.py)."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
 
     @nn.compact
-    def __call__(self, x, tied_table=None):  # x: [batch, seq (/tensor with SP), embed]
+    def features(self, x, tied_table=None):
+        """x: [batch, seq (/tensor with SP), embed] -> (normed x [batch, seq, embed],
+        w [embed, vocab@tensor]), both in the compute dtype."""
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = self.tp.enter(norm(c, "norm")(x), "vocab").astype(dt)
         if c.tie_embeddings:
             w = tied_table.T  # [embed, vocab@tensor]
         else:
             w = param(self, "w", (c.d_model, c.vocab_size), ("embed", "vocab"))
-        return softcap((x @ w.astype(dt)).astype(jnp.float32), c.final_softcap)
+        return x, w.astype(dt)
+
+    def __call__(self, x, tied_table=None):
+        x, w = self.features(x, tied_table)
+        return softcap((x @ w).astype(jnp.float32), self.cfg.final_softcap)
 
 
-def cross_entropy_sum(logits, targets, tp: TensorParallel = NO_TP, z_loss: float = 0.0):
-    """Sum of token cross-entropies over a vocabulary-parallel logits tensor.
-    logits: [b, s, vocab@tensor] f32 (this device's slice), targets: [b, s] int32.
-    log Z = max + log sum exp(logits - max), both reduced over the vocabulary slices.
-    `z_loss`: + z_loss * (log Z)^2 per token (PaLM, Chowdhery et al. 2022: keeps the
-    softmax normaliser near 1, for bfloat16 stability at scale)."""
-    peak = tp.vocab_max(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))  # [b, s]
-    log_z = peak + jnp.log(tp.vocab_sum(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)))
-    local = targets - tp.vocab_offset(logits.shape[-1])  # one_hot is zero off this slice
-    label = tp.vocab_sum(jnp.sum(logits * jax.nn.one_hot(local, logits.shape[-1]), axis=-1))
-    return jnp.sum(log_z - label + (z_loss * log_z**2 if z_loss else 0.0))
+def head_loss(cfg: ModelConfig, tp: TensorParallel, head, table, y, targets,
+              z_loss: float = 0.0):
+    """The head's token cross-entropy sum (+ z-loss) on y [b, s (/tensor with SP), embed]
+    against targets [b, s] int32 (`head`: its parameters, `table`: the embedding's, read
+    when tied): over the whole batch's logits (the reference) where `model.loss_chunk`
+    is 0 or covers the tokens, else `model.loss_chunk` tokens at a time."""
+    module, variables = Head(cfg, tp), {"params": head}
+    if not cfg.loss_chunk or cfg.loss_chunk >= targets.size:
+        logits = module.apply(variables, y, tied_table=table)
+        return cross_entropy_sum(logits, targets, tp, z_loss)
+    x, w = module.apply(variables, y, tied_table=table, method=Head.features)
+    return chunked_cross_entropy_sum(x, w, targets, tp, z_loss, cfg.final_softcap,
+                                     cfg.loss_chunk)
 
 
 # ---------------------------------------------------------------------------------

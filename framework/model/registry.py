@@ -6,7 +6,8 @@ so that nothing outside this package imports a model class by name.
     spec.logical_axes(model)       their logical axis names (the sharding rules' input)
     spec.embed(model, tp) / spec.head(model, tp) / spec.block(model, tp): modules
     spec.apply_layers(...)         a stack of layers under scan (the pipeline's stage)
-    spec.loss(logits, targets, tp, z_loss): token cross-entropy sum
+    spec.head_loss(model, tp, head, table, y, targets, z_loss): the head's token
+                                   cross-entropy sum (model.loss_chunk: chunked)
     spec.weight_ops                what the zero-bubble split backward replays
     spec.count_params(model), spec.layer_matrix_params(model), spec.keys_per_query(...)
     spec.check(model)              problems of the model's own shape
@@ -55,7 +56,7 @@ class ModelSpec:
     apply_layers: Callable  # (model, layers, x, stack, n_real, docs, first)
     apply_layers_cached: Callable  # decoding with a KV cache
     kv_cache: Callable  # the cache's type
-    loss: Callable
+    head_loss: Callable  # (model, tp, head, table, y, targets, z_loss) -> sum
     checkpointed: Callable  # a layer under a remat policy, FSDP's gather first
     stack: Callable  # how a stage runs its layers (remat, tp, skip, gather)
     weight_ops: WeightOps
@@ -68,7 +69,7 @@ class ModelSpec:
 DECODER = ModelSpec(
     "decoder", llama.init_params, llama.param_logical_axes, llama.Embed, llama.Head,
     llama.Block, stack.apply_layers, stack.apply_layers_cached, llama.KVCache,
-    llama.cross_entropy_sum, stack.checkpointed, stack.Stack,
+    llama.head_loss, stack.checkpointed, stack.Stack,
     WeightOps(llama.Block, llama.SAVED, llama.TAPS, llama.replay_weight_ops,
               llama.weights_outside_weight_op, stack.scan_layers, layers.layer_windows,
               layers.split_windows),

@@ -13,7 +13,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 MODEL = ModelConfig(vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
                     attention="dense")
 TRAIN = TrainConfig(seq_len=64, global_batch_size=8)
-# (row, a layout and platform whose prediction reads it)
+# (row, a layout and platform whose prediction reads it[, the model's other settings])
 WHERE = {
     "logit_copies/whole_batch": (ParallelConfig(), "cpu", "dense"),
     "logit_copies/per_microbatch": (ParallelConfig(pipeline=2, microbatches=4), "cpu", "dense"),
@@ -29,6 +29,8 @@ WHERE = {
                            "dense"),
     "score_copies/dense": (ParallelConfig(), "cpu", "dense"),
     "score_copies/blockwise": (ParallelConfig(), "cpu", "blockwise"),
+    "logit_copies/chunk": (ParallelConfig(), "gpu", "dense", {"loss_chunk": 128}),
+    "head_weight_copies/chunk": (ParallelConfig(), "gpu", "dense", {"loss_chunk": 128}),
 }
 
 
@@ -42,8 +44,8 @@ def test_every_row_has_its_provenance():
 
 @pytest.mark.parametrize("name", sorted(WHERE))
 def test_every_row_is_read_by_the_memory_model(name, monkeypatch):
-    parallel, platform, kernel = WHERE[name]
-    model = dataclasses.replace(MODEL, attention=kernel)
+    parallel, platform, kernel, *more = WHERE[name]
+    model = dataclasses.replace(MODEL, attention=kernel, **(more[0] if more else {}))
     before = memory_model.predict_memory(model, parallel, TRAIN, platform)["total"]
     row = fitted.FITTED[name]
     monkeypatch.setitem(fitted.FITTED, name, dataclasses.replace(row, value=row.value * 50))
