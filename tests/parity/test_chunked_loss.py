@@ -78,8 +78,13 @@ TIED = dataclasses.replace(MODEL, tie_embeddings=True, loss_chunk=24)  # 4 rows 
 
 @pytest.mark.slow
 def test_chunked_engine_matches_reference_on_one_device():
+    """Training and the forward-only evaluation."""
     model = dataclasses.replace(TIED, n_layers=2)
-    _check(engine(model=model, microbatches=4), model)
+    eng = engine(model=model, microbatches=4)
+    _check(eng, model)
+    evaluated = eng.eval_loss_fn()(eng.shard_params(params(model)), eng.shard_batch(tokens(0)))
+    plain = reference.loss_fn(params(model), tokens(0), model)
+    assert abs(float(evaluated) - float(plain)) <= 1e-5 * float(plain)  # forward only
 
 
 @pytest.mark.slow
