@@ -87,8 +87,9 @@ def test_both_rope_spellings_and_the_llama_1b_group():
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "tie_word_embeddings": True, "max_position_embeddings": 131072}
-    group = compose_recipe("llama_1b_8gpu").model
-    assert hf.model_config(llama_3_2_1b, dtype=group.dtype) == group
+    group = compose_recipe("llama_1b_8gpu").model  # with its loss in chunks (not the model)
+    assert hf.model_config(llama_3_2_1b, dtype=group.dtype) == dataclasses.replace(
+        group, loss_chunk=0)
 
 
 def test_config_json_errors_are_one_line(tmp_path):
@@ -97,8 +98,9 @@ def test_config_json_errors_are_one_line(tmp_path):
         hf.merge_model({"d_model": 64, "n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
     assert str(err.value).startswith("model.d_model=64 but x/config.json has hidden_size=32")
     assert "\n" not in str(err.value)
-    merged = hf.merge_model({"n_layers": 2, "dtype": "bfloat16"}, cfg, "x/config.json")
-    assert merged == dataclasses.replace(cfg, dtype="bfloat16")
+    merged = hf.merge_model({"n_layers": 2, "dtype": "bfloat16", "loss_chunk": 64}, cfg,
+                            "x/config.json")  # the loss's chunk: the run's, kept
+    assert merged == dataclasses.replace(cfg, dtype="bfloat16", loss_chunk=64)
     bad = {**hf.read_config(HF / "tied_gqa"), "rope_parameters": {"rope_type": "yarn"}}
     with pytest.raises(ConfigError, match="rope_type 'yarn' is not supported"):
         hf.model_config(bad)

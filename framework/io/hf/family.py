@@ -223,9 +223,10 @@ def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> 
 
 
 def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig:
-    """The folder's model settings, with the compute dtype from `given` (the model.*
-    values the user or recipe set). Any other given value that differs from the
-    folder's is a ConfigError naming both."""
+    """The folder's model settings, with the compute dtype and the loss's chunk
+    (`loss_chunk`: how the run computes, not the model) from `given` (the model.* values
+    the user or recipe set). Any other given value that differs from the folder's is a
+    ConfigError naming both."""
     mine = dataclasses.asdict(folder_cfg)
     clashes = []
     for key, value in given.items():
@@ -250,7 +251,8 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
     if clashes:
         raise ConfigError("; ".join(clashes) + ": drop these settings (train.init_from "
                           "reads the model from config.json) or use another folder")
-    return dataclasses.replace(folder_cfg, dtype=given.get("dtype", folder_cfg.dtype))
+    return dataclasses.replace(folder_cfg, **{k: given[k] for k in ("dtype", "loss_chunk")
+                                              if k in given})
 
 
 def check_exportable(cfg: ModelConfig) -> None:
