@@ -2,7 +2,8 @@
 naive loss over the whole batch's logits: the function alone (loss, dx, dw; z-loss and
 Gemma 2's soft-cap, chunks that do not divide evenly into the requested size), and the
 engine with chunks against the single-device reference (tied embeddings, a
-vocabulary-parallel head under sequence parallelism, a pipeline's last stage)."""
+vocabulary-parallel head with and without sequence parallelism, the sequence split
+over `context`, FSDP, each executor's last stage)."""
 
 import dataclasses
 
@@ -93,6 +94,7 @@ def test_chunked_engine_matches_reference_on_one_device():
          sequence_parallel=True),
     dict(pipeline=2, tensor=2, microbatches=4, schedule="zb_v", fsdp=True, data=2),
     dict(pipeline=2, data=2, microbatches=2, schedule="gpipe"),
+    dict(pipeline=2, context=2, tensor=2, microbatches=2, schedule="1f1b"),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_chunked_engine_matches_reference_with_z_loss_and_softcap(kw):
     model = dataclasses.replace(TIED, final_softcap=2.0)
