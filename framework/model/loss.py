@@ -10,8 +10,9 @@ log-sum-exp and the loss in float32, and, since the loss is the last thing the s
 computes, its gradients right there: d logits = softmax (1 + 2 z log Z) - onehot, then
 dx for the chunk and dw summed over the chunks in float32. The backward only scales
 those by the incoming cotangent: no logits are recomputed and none are saved (a
-custom VJP). The fused linear cross-entropy of Liger Kernel (Hsu et al. 2024) and the
-chunked losses of torchtune/Cut Cross-Entropy (Wijmans et al. 2024) do the same.
+custom VJP). Liger Kernel's fused linear cross-entropy (Hsu et al. 2024) computes the
+gradients in the forward in the same way; torchtune's chunked cross-entropy and Cut
+Cross-Entropy (Wijmans et al. 2024) also never hold the whole logits.
 
 Per-token terms are defined once (`token_terms`): both paths compute the same
 numbers, the chunked one a chunk at a time, so they agree to rounding
