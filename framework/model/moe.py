@@ -57,7 +57,18 @@ def route(cfg: ModelConfig, logits):
 def _ragged(x_and_sizes, w):
     """x [N, d] (rows sorted by expert), group sizes [E] -> x @ w[e] per run: [N, f]."""
     x, sizes = x_and_sizes
-    return jax.lax.ragged_dot(x, w.reshape(w.shape[0], w.shape[1], -1), sizes)
+    return jax.lax.ragged_dot(x, w.reshape(w.shape[0], w.shape[1], -1), sizes,
+                              out_sharding=_explicit(x))
+
+
+def _explicit(x):
+    """x's sharding where it is on a mesh of Explicit axes (ragged_dot cannot infer its
+    output's there: a row-sharded x's, replicated features), else None (inferred)."""
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    explicit = mesh is not None and any(t == jax.sharding.AxisType.Explicit
+                                        for t in getattr(mesh, "axis_types", ()))
+    return sharding if explicit else None
 
 
 def grouped_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down):
@@ -114,7 +125,7 @@ def router_loss_terms(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
     e = logits.shape[-1]
     _, ids = route(cfg, logits)
     count = tp.whole_sum(jnp.sum(jax.nn.one_hot(ids, e), axis=(0, 1)))  # [E] top-k hits
-    tokens = tp.whole_sum(jnp.full((), logits.shape[0], jnp.float32))
+    tokens = jnp.sum(count) / cfg.moe.top_k  # each token hits top_k (typed like logits)
     f = jax.lax.stop_gradient(count / tokens)  # [E]: sums to top_k
     p = tp.whole_sum(jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)) / tokens  # [E]
     z = tp.whole_sum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
