@@ -57,18 +57,7 @@ def route(cfg: ModelConfig, logits):
 def _ragged(x_and_sizes, w):
     """x [N, d] (rows sorted by expert), group sizes [E] -> x @ w[e] per run: [N, f]."""
     x, sizes = x_and_sizes
-    return jax.lax.ragged_dot(x, w.reshape(w.shape[0], w.shape[1], -1), sizes,
-                              out_sharding=_explicit(x))
-
-
-def _explicit(x):
-    """x's sharding where it is on a mesh of Explicit axes (ragged_dot cannot infer its
-    output's there: a row-sharded x's, replicated features), else None (inferred)."""
-    sharding = jax.typeof(x).sharding
-    mesh = getattr(sharding, "mesh", None)
-    explicit = mesh is not None and any(t == jax.sharding.AxisType.Explicit
-                                        for t in getattr(mesh, "axis_types", ()))
-    return sharding if explicit else None
+    return jax.lax.ragged_dot(x, w.reshape(w.shape[0], w.shape[1], -1), sizes)
 
 
 def grouped_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down):

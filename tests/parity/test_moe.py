@@ -3,14 +3,18 @@ layouts: the loss and every gradient equal one device's whose microbatches are t
 data replicas' (data x microbatches of them: the auxiliary losses are statistics of a
 replica's microbatch, MoeConfig), for Qwen3-MoE and Mixtral settings, with the
 load-balancing and z losses on. One device with one microbatch is the reference model
-(framework/model/reference.py)."""
+(framework/model/reference.py), and with d x m microbatches the reference model run in
+d x m groups of rows."""
 
 import dataclasses
 
+import jax
 import pytest
 
 from framework.config import MoeConfig
-from tests.helpers import MODEL, engine, engine_grads, max_rel_err, reference_grads, worst
+from framework.model import reference
+from tests.helpers import (MODEL, engine, engine_grads, max_rel_err, params, reference_grads,
+                           tokens, worst)
 
 # Qwen3-MoE: q/k norm, 8 experts of 32, top 2 renormalised; Mixtral: 4 experts of 48,
 # top 2 (always renormalised). Both with the auxiliary and z losses.
@@ -61,8 +65,13 @@ def test_moe_on_every_path_equals_one_device(name, family):
     check(MODELS[family], LAYOUTS[name])
 
 
-def test_one_device_one_microbatch_is_the_reference_model():
-    loss, grads = one_device(QWEN3_MOE, 1)
-    ref_loss, ref_grads = reference_grads(QWEN3_MOE)
+def test_one_device_is_the_reference_model_run_in_groups():
+    """One device with 4 microbatches is the reference model with the batch's rows in 4
+    groups (framework/model/reference.py); with one group the aux losses' gradient
+    differs (they are statistics of a group)."""
+    loss, grads = one_device(QWEN3_MOE, 4)
+    ref_loss, ref_grads = jax.jit(lambda p, t: reference.loss_and_grads(
+        p, t, QWEN3_MOE, groups=4))(params(QWEN3_MOE), tokens(0))
     assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert worst(max_rel_err(grads, ref_grads)) <= 1e-4
+    assert worst(max_rel_err(grads, reference_grads(QWEN3_MOE)[1])) > 1e-3
