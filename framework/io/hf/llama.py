@@ -179,12 +179,10 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         ("layers", "attn", "wo"): per_layer(wo),
         ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
     }
-    if cfg.moe.enabled:  # the experts' layout: framework/io/hf/moe.py
-        readers.update(moe.readers(cfg, read, per_layer, _bounds))
-    else:
-        readers[("layers", "mlp", "w_gate_up")] = per_layer(w_gate_up)
-        readers[("layers", "mlp", "w_down")] = per_layer(
-            lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T)
+    readers.update(moe.readers(cfg, read, per_layer, _bounds) if cfg.moe.enabled else {
+        ("layers", "mlp", "w_gate_up"): per_layer(w_gate_up),  # (experts: io/hf/moe.py)
+        ("layers", "mlp", "w_down"): per_layer(
+            lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T)})
     for mine, theirs in layer_norms(cfg).items():
         readers[("layers", mine, "scale")] = per_layer(norm(f"{theirs}.weight"))
     if cfg.has_qkv_bias:
