@@ -53,7 +53,8 @@ def check(model, layout):
     assert worst(errs) <= 1e-4, errs
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral",
+                                                                marks=pytest.mark.slow)])
 def test_moe_on_pp2_dp2_tp2_1f1b_equals_one_device(family):
     check(MODELS[family], LAYOUTS["1f1b"])
 
@@ -65,6 +66,7 @@ def test_moe_on_every_path_equals_one_device(name, family):
     check(MODELS[family], LAYOUTS[name])
 
 
+@pytest.mark.slow
 def test_one_device_is_the_reference_model_run_in_groups():
     """One device with 4 microbatches is the reference model with the batch's rows in 4
     groups (framework/model/reference.py); with one group the aux losses' gradient

@@ -102,3 +102,17 @@ def test_a_moe_family_needs_experts():
     assert errs == ["model.moe.experts=0 must be >= 1 (model.family=mixtral is a mixture "
                     "of experts)"]
     assert check_model(dataclasses.replace(CFG, family="qwen3_moe")) == []
+
+
+def test_moe_settings_through_hydra_and_the_layout_check():
+    """`model.moe.*` from the command line; the layout check (framework/engine/validate.py)
+    refuses a bad one in one line before anything is compiled."""
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+    from tests.helpers import compose_recipe
+
+    cfg = compose_recipe("llama_tiny_debug", "model.family=mixtral", "model.moe.experts=4",
+                         "model.moe.top_k=5")
+    assert cfg.model.moe == MoeConfig(experts=4, top_k=5)
+    errs = check(cfg.model, ParallelConfig(), TrainConfig(seq_len=8, global_batch_size=8), 1)
+    assert errs == ["model.moe.top_k=5 must be in [1, model.moe.experts=4]"]
