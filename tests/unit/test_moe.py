@@ -116,3 +116,18 @@ def test_moe_settings_through_hydra_and_the_layout_check():
     assert cfg.model.moe == MoeConfig(experts=4, top_k=5)
     errs = check(cfg.model, ParallelConfig(), TrainConfig(seq_len=8, global_batch_size=8), 1)
     assert errs == ["model.moe.top_k=5 must be in [1, model.moe.experts=4]"]
+
+
+def test_parameter_count_and_flops_count_the_experts():
+    """count_params: every leaf (all experts and the router); the FLOPs' 6N: the
+    parameters one token uses (its top_k experts and the router)."""
+    from framework.model import flops
+    from framework.model.llama import count_params, init_params
+
+    cfg = dataclasses.replace(CFG, n_layers=2)
+    leaves = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    assert count_params(cfg) == sum(x.size for x in jax.tree.leaves(leaves))
+    idle = (cfg.moe.experts - cfg.moe.top_k) * 3 * cfg.d_model * 24 * cfg.n_layers
+    assert count_params(cfg, active=True) == count_params(cfg) - idle
+    embedding = cfg.vocab_size * cfg.d_model
+    assert flops.matmul_params(cfg) == count_params(cfg) - idle - embedding
