@@ -106,31 +106,37 @@ def _with_loss_bwd(saved, g):
 _with_loss_grad.defvjp(_with_loss_fwd, _with_loss_bwd)
 
 
-def router_loss_terms(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
-    """The losses of one group's router logits [T, E] float32 (this device's tokens of
-    it): (load-balancing loss E sum_e f_e P_e, z-loss mean_t lse_t^2), and the per-token
-    gradient weights `router_losses` adds: a_e = E f_e / T and 1 / T (T: the group's
-    tokens)."""
-    e = logits.shape[-1]
+def _hits(cfg: ModelConfig, logits, tp: TensorParallel):
+    """A group's top-k hits per expert [E] and its tokens T (this device's logits [T', E]
+    float32; summed over the devices the group is split over)."""
     _, ids = route(cfg, logits)
-    count = tp.whole_sum(jnp.sum(jax.nn.one_hot(ids, e), axis=(0, 1)))  # [E] top-k hits
-    tokens = jnp.sum(count) / cfg.moe.top_k  # each token hits top_k (typed like logits)
+    count = tp.whole_sum(jnp.sum(jax.nn.one_hot(ids, logits.shape[-1]), axis=(0, 1)))
+    return count, jnp.sum(count) / cfg.moe.top_k  # each token hits top_k (typed like logits)
+
+
+def router_loss_values(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
+    """The losses of one group's router logits [T, E] float32 (this device's tokens of
+    it): (load-balancing loss E sum_e f_e P_e, f_e the fraction of tokens whose top-k
+    holds e (no gradient, as transformers' one-hot), P_e the mean probability of e;
+    z-loss mean_t lse_t^2)."""
+    count, tokens = _hits(cfg, logits, tp)
     f = jax.lax.stop_gradient(count / tokens)  # [E]: sums to top_k
     p = tp.whole_sum(jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)) / tokens  # [E]
     z = tp.whole_sum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
-    return e * jnp.sum(f * p), z, e * f / tokens, 1.0 / tokens
+    return logits.shape[-1] * jnp.sum(f * p), z
 
 
 def router_losses(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
     """logits [T, E] float32, unchanged; their gradient gains the auxiliary losses' (each
-    coefficient over the groups and the MoE layers of a step: MoeConfig)."""
+    coefficient over the groups and the MoE layers of a step: MoeConfig): per token,
+    d/dp_te of the load-balancing loss is E f_e / T, of the z-loss's 2 lse_t / T."""
     m = cfg.moe
     if not (m.aux_loss_coef or m.z_loss_coef):
         return logits
-    _, _, a, per_token = router_loss_terms(cfg, jax.lax.stop_gradient(logits), tp)
-    scale = 1.0 / (tp.groups * moe_layers(cfg))
-    return _with_loss_grad(logits, m.aux_loss_coef * scale * a,
-                           m.z_loss_coef * scale * per_token)
+    count, tokens = _hits(cfg, jax.lax.stop_gradient(logits), tp)
+    scale = 1.0 / (tp.groups * moe_layers(cfg) * tokens)
+    aux_weight = m.aux_loss_coef * scale * logits.shape[-1] * count / tokens  # [E]
+    return _with_loss_grad(logits, aux_weight, m.z_loss_coef * scale)
 
 
 def moe_layers(cfg: ModelConfig) -> int:
