@@ -131,3 +131,34 @@ def test_parameter_count_and_flops_count_the_experts():
     assert count_params(cfg, active=True) == count_params(cfg) - idle
     embedding = cfg.vocab_size * cfg.d_model
     assert flops.matmul_params(cfg) == count_params(cfg) - idle - embedding
+
+
+def test_moe_config_json_reads_and_refuses_in_one_line():
+    """Qwen3-MoE and Mixtral config.json (the committed fixtures) -> model.moe; a feature
+    this model does not run is named in one line (framework/io/hf/moe.py)."""
+    from framework.errors import ConfigError
+    from framework.io.hf import family
+    from tests.helpers import FIXTURES
+
+    qwen = family.read_config(FIXTURES / "hf" / "qwen3_moe")
+    mixtral = family.read_config(FIXTURES / "hf" / "mixtral")
+    assert family.model_config(qwen).moe == MoeConfig(experts=4, top_k=2, expert_hidden=24,
+                                                      renormalize=False)
+    assert family.model_config(mixtral).moe == MoeConfig(experts=4, top_k=2, expert_hidden=48)
+    published = {k: v for k, v in qwen.items() if k != "num_local_experts"}
+    assert family.model_config({**published, "num_experts": 128}).moe.experts == 128
+    with_logits = {**mixtral, "output_router_logits": True}
+    assert family.model_config(with_logits).moe.aux_loss_coef == 0.02
+    refused = {"decoder_sparse_step=2 is not supported": {**qwen, "decoder_sparse_step": 2},
+               "mlp_only_layers=[0] is not supported": {**qwen, "mlp_only_layers": [0]},
+               "router_jitter_noise=0.1 is not supported": {**mixtral,
+                                                            "router_jitter_noise": 0.1},
+               "num_experts_per_tok=0 is not a whole number": {**mixtral,
+                                                               "num_experts_per_tok": 0},
+               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"}}
+    for message, config in refused.items():
+        with pytest.raises(ConfigError) as err:
+            family.model_config(config, "x/config.json")
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    exported = family.export_config(family.model_config(qwen), "float32")
+    assert family.model_config(exported) == family.model_config(qwen)
