@@ -34,6 +34,8 @@ LAYOUTS = {
                        remat="full"),
     "fsdp": dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", fsdp=True),
     "gpipe_context": dict(pipeline=2, data=1, tensor=2, microbatches=2, context=2),
+    "circular": dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="circular",
+                     virtual_stages=2),
     "sp_collective_uneven": dict(pipeline=2, data=2, tensor=2, microbatches=4,
                                  schedule="1f1b", sequence_parallel=True,
                                  collective_matmul=True, stage_layers=(3, 5)),
