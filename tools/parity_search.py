@@ -129,7 +129,9 @@ def overrides(model, par, train, data=None, param_dtype="float32") -> str:
 
 
 def _setting(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _relative_errors(grads, ref) -> list[float]:

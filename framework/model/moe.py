@@ -154,9 +154,11 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
-        c, dt, e, f = self.cfg, jnp.dtype(self.cfg.dtype), self.cfg.moe.experts, expert_hidden(self.cfg)
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, f = c.moe.experts, expert_hidden(c)
         w_router = param(self, "router", (c.d_model, e), ("embed", "experts"))
-        w_in = param(self, "w_gate_up", (e, c.d_model, 2, f), ("experts", "embed", "gate_up", "mlp"))
+        w_in = param(self, "w_gate_up", (e, c.d_model, 2, f),
+                     ("experts", "embed", "gate_up", "mlp"))
         w_down = param(self, "w_down", (e, f, c.d_model), ("experts", "mlp", "embed"))
         logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
         b, s_local = logits.shape[:2]

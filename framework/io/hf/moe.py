@@ -5,16 +5,18 @@ calls in here for the feed-forward). Checked against transformers 5.24's
 `modeling_qwen3_moe.py` and `modeling_mixtral.py`, whose `save_pretrained` writes one
 tensor per expert (nn.Linear weights [out, in]):
 
-    qwen3_moe: model.layers.N.mlp.gate.weight [E, d]               -> layers/moe/router[N] [d, E]
+    qwen3_moe: model.layers.N.mlp.gate.weight [E, d]               -> layers/moe/router[N]
+                                                                      [d, E]
                model.layers.N.mlp.experts.e.gate_proj / up_proj     -> layers/moe/w_gate_up[N]
                    .weight [f, d]                                      [E, d, 2, f]
-               model.layers.N.mlp.experts.e.down_proj.weight [d, f] -> layers/moe/w_down[N] [E, f, d]
+               model.layers.N.mlp.experts.e.down_proj.weight [d, f] -> layers/moe/w_down[N]
+                                                                      [E, f, d]
     mixtral:   model.layers.N.block_sparse_moe.gate.weight, experts.e.w1 (gate), w3 (up),
                w2 (down): the same shapes
 
-config.json: qwen3_moe's num_experts (or num_local_experts), num_experts_per_tok, moe_intermediate_size,
-norm_topk_prob (every layer sparse: decoder_sparse_step 1, mlp_only_layers []);
-mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
+config.json: qwen3_moe's num_experts (or num_local_experts), num_experts_per_tok,
+moe_intermediate_size, norm_topk_prob (every layer sparse: decoder_sparse_step 1,
+mlp_only_layers []); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
 width), always renormalised, router_jitter_noise 0. router_aux_loss_coef is
 transformers' training loss weight only where output_router_logits is true: read as
 model.moe.aux_loss_coef then, else 0.
