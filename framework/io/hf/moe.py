@@ -16,8 +16,9 @@ tensor per expert (nn.Linear weights [out, in]):
 
 config.json: qwen3_moe's num_experts (or num_local_experts), num_experts_per_tok,
 moe_intermediate_size, norm_topk_prob (every layer sparse: decoder_sparse_step 1,
-mlp_only_layers []); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
-width), always renormalised, router_jitter_noise 0. router_aux_loss_coef is
+mlp_only_layers []); mixtral's num_local_experts, num_experts_per_tok,
+intermediate_size (its experts' width), always renormalised, router_jitter_noise 0.
+router_aux_loss_coef is
 transformers' training loss weight only where output_router_logits is true: read as
 model.moe.aux_loss_coef then, else 0.
 """
