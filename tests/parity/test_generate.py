@@ -144,7 +144,8 @@ def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
     pytest.param("qwen2_tied", marks=pytest.mark.slow), "qwen3_head_dim",
     pytest.param("mistral_untied", marks=pytest.mark.slow),
     pytest.param("mistral_window", marks=pytest.mark.slow), "gemma2_window_softcap",
-    "qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_families_kv_cache_greedy_is_transformers_greedy(name):
     """Each family's fixture (q/k/v biases, q/k norm with head_dim 16, Mistral, Mistral
     with a window of 5, Gemma 2 with a window of 5 on every other layer and soft-caps,

@@ -58,8 +58,8 @@ def check(model, layout):
     assert worst(errs) <= 1e-4, errs
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral",
-                                                                marks=pytest.mark.slow)])
+@pytest.mark.slow  # 40-65 s on 2 shared cores (the fast tier: tests/unit/test_moe.py)
+@pytest.mark.parametrize("family", MODELS)
 def test_moe_on_pp2_dp2_tp2_1f1b_equals_one_device(family):
     check(MODELS[family], LAYOUTS["1f1b"])
 
