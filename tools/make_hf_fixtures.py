@@ -37,6 +37,10 @@ folder, reloaded in float32:
                         attention and final soft-caps that bend the scores and logits,
                         query_pre_attn_scalar 12 (not head_dim 16), head_dim 16 where
                         hidden/heads is 8, tied (as Gemma 2), float32
+    qwen3_moe           Qwen3-MoE: q/k norm, head_dim 16, 4 experts of 24, top 2 not
+                        renormalised (norm_topk_prob false), every layer sparse, float32
+    mixtral             Mixtral: 4 experts of 48 (intermediate_size), top 2, untied,
+                        no window, float32
 
 The windows (5) are shorter than the ids (12 tokens) and than prompt + continuation
 (4 + 16), so that they cut attention in both the logits and the greedy tokens.
@@ -56,7 +60,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config)
+                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -135,6 +139,14 @@ FIXTURES = {  # name -> writer of the folder (models built when chosen)
         8, Gemma2Config, num_hidden_layers=4, head_dim=16, tie_word_embeddings=True,
         sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=3.0,
         final_logit_softcapping=4.0)),
+    "qwen3_moe": lambda: saved(build(
+        9, Qwen3MoeConfig, head_dim=16, tie_word_embeddings=False, rope_parameters=ROPE_1E6,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
+    "mixtral": lambda: saved(build(
+        10, MixtralConfig, tie_word_embeddings=False, sliding_window=None,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+        router_jitter_noise=0.0)),
 }
 
 

@@ -8,7 +8,8 @@ tensor, microbatches, virtual stages, uneven stages (a third of them), overlappe
 synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
 tied embeddings, the dense or blockwise attention kernel and its block sizes, document
 masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
-the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer), sliding
+the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mixtures
+of experts with their experts, top-k, widths and auxiliary losses drawn), sliding
 windows (a third; on every layer or every other), attention and logit soft-caps, the
 stored parameter dtype (bfloat16 in a quarter), small model shapes; for the tick
 executor's schedules, half of them with the dispatch of GPU compilers that copy what a
@@ -48,9 +49,10 @@ BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradien
 def draw(rng: np.random.Generator, n_devices: int = 8):
     """(model, parallel, train, data, param_dtype) of one valid random configuration on
     at most n_devices (data: its document masks)."""
-    from framework.config import (CHOICES, DataConfig, ModelConfig, ParallelConfig,
-                                  TrainConfig)
+    from framework.config import (CHOICES, DataConfig, ModelConfig, MoeConfig,
+                                  ParallelConfig, TrainConfig)
     from framework.engine.validate import check
+    from framework.model.moe import MOE_FAMILIES
     from framework.parallel.pipeline import schedule as schedules
 
     pick = lambda options: options[int(rng.integers(len(options)))]
@@ -81,6 +83,12 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             sliding_window=int(rng.integers(2, 8)) if windowed else None,
             sliding_window_pattern=pick([0, 2]) if windowed else 0,
             attn_softcap=pick([None, 20.0]), final_softcap=pick([None, 30.0]))
+        if model.family in MOE_FAMILIES:  # (drawn only then: other cases keep their draw)
+            experts = pick([2, 4, 8])
+            model = dataclasses.replace(model, moe=MoeConfig(
+                experts=experts, top_k=pick([k for k in (1, 2) if k <= experts]),
+                expert_hidden=pick([None, 16]), renormalize=bool(rng.integers(2)),
+                aux_loss_coef=pick([0.0, 0.1]), z_loss_coef=pick([0.0, 0.01])))
         sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, context=c, microbatches=m,
                              schedule=name,
@@ -106,6 +114,9 @@ def overrides(model, par, train, data=None, param_dtype="float32") -> str:
     for group, cfg in items + ([("data", data)] if data is not None else []):
         for f in dataclasses.fields(cfg):
             value = getattr(cfg, f.name)
+            if f.name == "moe":  # a nested group: its own dotted settings
+                out += [f"model.moe.{k}={_setting(v)}" for k, v in vars(value).items()]
+                continue
             if f.name in ("rope_scaling", "resume", "resume_from", "stop_at", "init_from",
                           "steps", "tensor_split") or (
                     group == "data" and f.name not in ("document_mask", "reset_positions")):
@@ -115,6 +126,12 @@ def overrides(model, par, train, data=None, param_dtype="float32") -> str:
                 value = "[" + ",".join(map(str, value)) + "]"
             out.append(f"{group}.{f.name}={'null' if value is None else value}")
     return " ".join(out + [f"optim.param_dtype={param_dtype}"])
+
+
+def _setting(value) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _relative_errors(grads, ref) -> list[float]:
@@ -152,8 +169,9 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
     if data is not None and data.document_mask:  # token 0 ends documents, 1 in 8 tokens
         docs = DocumentMask(0, data.reset_positions)
         tokens = jnp.where(tokens < model.vocab_size // 8, 0, tokens)
+    # (a mixture of experts' auxiliary losses: statistics of each replica's microbatch)
     ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(
-        p, x, model, documents=docs))(params, tokens)
+        p, x, model, documents=docs, groups=par.data * par.microbatches))(params, tokens)
     eng = build_engine(model, par, OptimConfig(param_dtype=param_dtype), 1,
                        make_mesh(par, devices), docs)
     tolerance = TOLERANCE if param_dtype == "float32" else BF16_TOLERANCE
@@ -192,6 +210,8 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         extra += "" if model.family == "llama" else f" {model.family}"
         extra += f" window{model.sliding_window}" if model.sliding_window else ""
         extra += " softcap" if model.attn_softcap or model.final_softcap else ""
+        m = model.moe
+        extra += f" moe{m.experts}x{m.top_k}" if m.enabled else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"

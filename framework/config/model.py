@@ -25,6 +25,42 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(unsafe_hash=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward in place of the gated MLP (framework/model/moe.py).
+    experts 0: every layer's feed-forward is the dense MLP. Else each token's router
+    scores softmax(x W_router) over `experts` SwiGLU experts of width `expert_hidden`
+    (Hugging Face: moe_intermediate_size for Qwen3-MoE, intermediate_size for Mixtral),
+    and the token goes to its `top_k` best (every token to all of its top_k: dropless,
+    as transformers computes), weighted by their probabilities, renormalised to sum to
+    1 with `renormalize` (Qwen3-MoE's norm_topk_prob; Mixtral always). Losses added to
+    the training loss (their gradients only: the reported loss is the cross-entropy):
+    aux_loss_coef x the load-balancing loss (Switch Transformer, Fedus et al. 2021;
+    transformers' load_balancing_loss_func) E sum_e f_e P_e, f_e the fraction of
+    tokens whose top_k holds expert e, P_e the mean probability of e; z_loss_coef x
+    the router z-loss (ST-MoE, Zoph et al. 2022), the mean of logsumexp(logits)^2. Both
+    are statistics of one microbatch of one data replica (its tokens over `context`
+    and `tensor` pooled), averaged over the step's data x microbatches of them and over
+    the MoE layers (transformers pools all layers' tokens into one statistic: not
+    computable stage by stage, so the per-layer mean here differs from it)."""
+
+    experts: int = 0  # 0: dense feed-forward everywhere
+    top_k: int = 2
+    expert_hidden: Optional[int] = None  # one expert's hidden width; null: model.d_ff
+    renormalize: bool = True  # the top_k weights divided by their sum
+    # Which layers are MoE: layer i iff i >= first_dense and (i - first_dense) % every == 0
+    # (only every 1, first_dense 0 today: the layers are stacked, one structure each)
+    every: int = 1
+    first_dense: int = 0
+    shared_experts: int = 0  # experts every token goes through (not supported yet: 0)
+    aux_loss_coef: float = 0.0  # Mixtral's router_aux_loss_coef (0.02 in its config)
+    z_loss_coef: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+
 # What each model family presets (model.family): the settings that set it apart from
 # Llama, per the families' modeling code in transformers (Qwen2: biases on q_proj,
 # k_proj, v_proj, not o_proj; Qwen3: an RMSNorm over each q and k head before RoPE,
@@ -74,6 +110,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family({"qk_norm": True}, HfFamily("Qwen3ForCausalLM", {"attention_bias": False},
                                                 "use_sliding_window", True)),
     "mistral": Family({}, HfFamily("MistralForCausalLM", {}, None, True, "all")),
+    # Mixtures of experts (model.moe): Qwen3's attention, or Mistral's (Llama's layer)
+    "qwen3_moe": Family({"qk_norm": True},
+                        HfFamily("Qwen3MoeForCausalLM", {"attention_bias": False},
+                                 "use_sliding_window", True)),
+    "mixtral": Family({}, HfFamily("MixtralForCausalLM", {}, None, True, "all")),
     "gemma2": Family({"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
                       "embed_scale": True},
                      HfFamily("Gemma2ForCausalLM", {"attention_bias": False}, None, True,
@@ -135,6 +176,8 @@ class ModelConfig:
     # FP8 matmuls in the layers (framework/model/fp8.py): none, or tensorwise (E4M3
     # forward, E5M2 gradients, each tensor scaled by its absolute maximum in the step)
     fp8: str = "none"
+    # A mixture of experts in place of the gated MLP (MoeConfig; experts 0: none)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

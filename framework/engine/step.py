@@ -173,7 +173,8 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
                         param_rules(parallel.tensor_split),
                         collective_matmul=parallel.collective_matmul,
                         permute=not options.cpu, context=cp,
-                        stat_axes=layout.microbatch_axes)
+                        stat_axes=layout.microbatch_axes,
+                        groups=parallel.data * parallel.microbatches)
     if split:
         check_weight_ops(layout.model)
 

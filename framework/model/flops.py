@@ -35,9 +35,10 @@ FULL_SCORES, CAUSAL_SCORES = "full", "causal"
 
 
 def matmul_params(model: ModelConfig) -> int:
-    """N of the 6N term: parameters used in matmuls (layers and LM head)."""
+    """N of the 6N term: parameters used in matmuls (layers and LM head); of a mixture of
+    experts, those a token uses (its top_k experts)."""
     embedding_lookup = 0 if model.tie_embeddings else model.vocab_size * model.d_model
-    return spec_of(model).count_params(model) - embedding_lookup
+    return spec_of(model).count_params(model, active=True) - embedding_lookup
 
 
 def attention_flops(model: ModelConfig, seq_len: int, scores: str = FULL_SCORES) -> float:

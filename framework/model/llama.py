@@ -46,6 +46,7 @@ from framework.model.documents import Documents
 from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
                                   cross_entropy_sum)
+from framework.model.moe import MoE, check_moe, expert_hidden
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
@@ -185,7 +186,8 @@ class Block(nn.Module):
         else:
             attended, cache = attn(normed, cache, start, window=window)
             h = x + post("attn_post_norm")(attended)
-        out = h + post("mlp_post_norm")(MLP(c, self.tp, name="mlp")(norm(c, "mlp_norm")(h)))
+        ffn = MoE(c, self.tp, name="moe") if c.moe.enabled else MLP(c, self.tp, name="mlp")
+        out = h + post("mlp_post_norm")(ffn(norm(c, "mlp_norm")(h)))
         return out if cache is None else (out, cache)
 
 
@@ -307,10 +309,16 @@ def param_logical_axes(cfg: ModelConfig):
     return found["axes"]
 
 
-def layer_matrix_params(cfg: ModelConfig) -> int:
-    """Weights of one layer's matmuls: wqkv and wo, the gated MLP's three matrices."""
+def layer_matrix_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Weights of one layer's matmuls: wqkv and wo, the gated MLP's three matrices, or
+    the router and the experts' three each (`active`: the top_k a token uses; else all
+    of them)."""
     c = cfg
-    return c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff
+    attention = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    if not c.moe.enabled:
+        return attention + 3 * c.d_model * c.d_ff
+    experts = c.moe.top_k if active else c.moe.experts
+    return attention + c.d_model * c.moe.experts + experts * 3 * c.d_model * expert_hidden(c)
 
 
 def keys_per_query(cfg: ModelConfig, seq_len: int) -> list[int]:
@@ -321,11 +329,13 @@ def keys_per_query(cfg: ModelConfig, seq_len: int) -> list[int]:
             for i in range(cfg.n_layers)]
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Every parameter (`active`: a mixture of experts' top_k experts only, the
+    parameters one token uses)."""
     c = cfg
     attn = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
     attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
-    layer = layer_matrix_params(c) + attn + (4 if c.has_post_norms else 2) * c.d_model
+    layer = layer_matrix_params(c, active) + attn + (4 if c.has_post_norms else 2) * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     return c.vocab_size * c.d_model + c.n_layers * layer + head
 
@@ -350,4 +360,4 @@ def check_model(model: ModelConfig) -> list[str]:
     if model.head_dim % 2:
         errs.append(f"the head width {model.head_dim} (model.explicit_head_dim, else "
                     f"d_model/n_heads) must be even for rotary embeddings")
-    return errs + check_rope_scaling(model.rope_scaling)
+    return errs + check_rope_scaling(model.rope_scaling) + check_moe(model)

@@ -11,16 +11,22 @@ import optax
 from framework.config import ModelConfig
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.llama import Block, Embed, Head, cross_entropy_sum
+from framework.parallel.tensor import TensorParallel
 
 
-def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = None):
+def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = None,
+            groups: int = 1):
     """inputs: [batch, seq] int32 -> logits [batch, seq, vocab] float32 (`documents`:
-    attention within the documents of each row, framework/model/documents.py)."""
+    attention within the documents of each row, framework/model/documents.py). `groups`:
+    how many such groups a step's batch has (a mixture of experts' auxiliary losses are
+    averaged over them: `loss_fn`)."""
     x = Embed(cfg).apply({"params": params["embed"]}, inputs)
     docs = documents_of(inputs, documents)
+    tp = TensorParallel(groups=groups)  # no axis: every collective the identity
 
     def layer(x, layer_params, window=None):
-        return Block(cfg).apply({"params": layer_params}, x, docs=docs, window=window), None
+        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
+                                    window=window), None
 
     if cfg.sliding_window_pattern and cfg.sliding_window:  # layer by layer, in Python
         for i in range(cfg.n_layers):
@@ -39,15 +45,25 @@ def window_of(cfg: ModelConfig, i: int):
 
 
 def loss_fn(params, tokens, cfg: ModelConfig, z_loss: float = 0.0,
-            documents: DocumentMask | None = None):
-    """Mean next-token cross-entropy (+ the z-loss term). tokens: [batch, seq + 1]."""
-    logits = forward(params, tokens[:, :-1], cfg, documents)
-    return cross_entropy_sum(logits, tokens[:, 1:], z_loss=z_loss) / tokens[:, 1:].size
+            documents: DocumentMask | None = None, groups: int = 1):
+    """Mean next-token cross-entropy (+ the z-loss term). tokens: [batch, seq + 1].
+    `groups`: the rows as this many consecutive groups, each run on its own: a mixture of
+    experts' auxiliary losses are statistics of a group (a layout's data replicas x
+    microbatches; framework/config/model.py's MoeConfig), whose gradients reach the
+    weights (not this value: the cross-entropy, the same for any grouping)."""
+    def group_loss(rows):  # [batch / groups, seq + 1]
+        logits = forward(params, rows[:, :-1], cfg, documents, groups)
+        return cross_entropy_sum(logits, rows[:, 1:], z_loss=z_loss)
+
+    if groups == 1:
+        return group_loss(tokens) / tokens[:, 1:].size
+    per_group = jax.lax.map(group_loss, tokens.reshape((groups, -1) + tokens.shape[1:]))
+    return jnp.sum(per_group) / tokens[:, 1:].size
 
 
 def loss_and_grads(params, tokens, cfg: ModelConfig, z_loss: float = 0.0,
-                   documents: DocumentMask | None = None):
-    return jax.value_and_grad(loss_fn)(params, tokens, cfg, z_loss, documents)
+                   documents: DocumentMask | None = None, groups: int = 1):
+    return jax.value_and_grad(loss_fn)(params, tokens, cfg, z_loss, documents, groups)
 
 
 def reference_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):

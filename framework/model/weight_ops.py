@@ -23,7 +23,8 @@ TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_
 
 
 def weight_op(module: nn.Module, name: str, eq: str, x, w):
-    """y = einsum(eq, x, w): every use of a layer weight goes through here. Normally just
+    """y = einsum(eq, x, w) (or eq(x, w) where eq is a function, x then any pytree):
+    every use of a layer weight goes through here. Normally just
     that; for the zero-bubble split backward (framework/engine/split.py) it records x
     (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
     weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
@@ -32,7 +33,9 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     if module.is_mutable_collection(SAVED):
         module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
     cfg = getattr(module, "cfg", None)
-    if getattr(cfg, "fp8", "none") != "none" and fp8.is_matmul(eq, w):  # model.fp8
+    if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
+        y = eq(x, w)
+    elif getattr(cfg, "fp8", "none") != "none" and fp8.is_matmul(eq, w):  # model.fp8
         y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max)
     else:
         y = jnp.einsum(eq, x, w)

@@ -80,6 +80,9 @@ class TensorParallel:
     # The mesh axes one microbatch's tensors are split over (a whole-tensor statistic,
     # e.g. FP8's absolute maximum, reduces over them: `whole_max`).
     stat_axes: tuple = ()
+    # The groups a step's batch is cut into for such statistics: data replicas x
+    # microbatches (a per-group loss, MoE's load balance, is averaged over them).
+    groups: int = 1
 
     def __post_init__(self):
         split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}
@@ -102,6 +105,13 @@ class TensorParallel:
         varying = jax.typeof(v).manual_axis_type.varying
         axes = tuple(a for a in self.stat_axes if a in varying)
         return jax.lax.pmax(v, axes) if axes else v
+
+    def whole_sum(self, v):
+        """A per-device sum as the whole microbatch's: summed over the `stat_axes` the
+        value varies over (where it is replicated, each device already has the whole)."""
+        varying = jax.typeof(v).manual_axis_type.varying
+        axes = tuple(a for a in self.stat_axes if a in varying)
+        return jax.lax.psum(v, axes) if axes else v
 
     def splits(self, logical: str) -> bool:
         """Whether this logical axis is split over the mesh axis this object runs on."""

@@ -8,7 +8,8 @@ transformers; see its docstring) hold tiny GQA models and transformers' own floa
 logits for fixed ids: Llamas tied + plain RoPE, untied + plain RoPE (legacy
 `rope_theta` key), untied + Llama 3 RoPE scaling in bfloat16 across three safetensors
 files; Qwen2 (q/k/v biases, tied), Qwen3 (q/k norm, head_dim 16 = 2 x hidden/heads),
-Mistral (untied).
+Mistral (untied), Gemma 2, and the mixtures of experts Qwen3-MoE (top 2 of 4 experts,
+not renormalised) and Mixtral (top 2 of 4, renormalised).
 """
 
 import dataclasses
@@ -29,12 +30,15 @@ from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 
 HF = FIXTURES / "hf"
 FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied", "mistral_window",
-            "gemma2_window_softcap")
+            "gemma2_window_softcap", "qwen3_moe", "mixtral")
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
 def single_device(cfg: ModelConfig):
-    mesh = jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])
+    # Auto, as the framework's meshes (framework/parallel/mesh.py): on an Explicit mesh
+    # jax 0.10.2 cannot infer ragged_dot's output sharding (the experts' matmuls)
+    mesh = jax.make_mesh((1,), ("one",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), hf.canonical_shapes(cfg))
 
 

@@ -39,6 +39,7 @@ from framework.config import FAMILIES as ALL_FAMILIES, FAMILY_PRESETS, PRESET_DE
 from framework.config import ModelConfig, RopeScaling
 from framework.config.model import HfFamily
 from framework.errors import ConfigError
+from framework.io.hf import moe
 from framework.model.rope import check_rope_scaling
 
 CONFIG_FILE = "config.json"
@@ -219,7 +220,8 @@ def model_config(hf: dict, where: str = CONFIG_FILE, dtype: str = "float32") -> 
         norm_eps=_positive(hf, "rms_norm_eps", where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, family=kind,
         explicit_head_dim=None if head_dim * heads == d else head_dim,
-        sliding_window=window, sliding_window_pattern=pattern, **scores)
+        sliding_window=window, sliding_window_pattern=pattern, **scores,
+        **({"moe": moe.settings(hf, kind, where)} if moe.is_moe(kind) else {}))
 
 
 def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig:
@@ -251,8 +253,9 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
     if clashes:
         raise ConfigError("; ".join(clashes) + ": drop these settings (train.init_from "
                           "reads the model from config.json) or use another folder")
-    return dataclasses.replace(folder_cfg, **{k: given[k] for k in ("dtype", "loss_chunk")
-                                              if k in given})
+    merged = moe.merged(given, folder_cfg)
+    return dataclasses.replace(merged, **{k: given[k] for k in ("dtype", "loss_chunk")
+                                          if k in given})
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -311,6 +314,8 @@ def export_config(cfg: ModelConfig, dtype: str, extras: dict | None = None,
         out.update({"query_pre_attn_scalar": int(scalar) if scalar and scalar == int(scalar)
                     else scalar, "attn_logit_softcapping": cfg.attn_softcap,
                     "final_logit_softcapping": cfg.final_softcap})
+    if moe.is_moe(cfg.family):
+        out.update(moe.export_fields(cfg))
     out.setdefault("max_position_embeddings", max_positions)
     out.setdefault("bos_token_id", None)
     out.setdefault("eos_token_id", None)

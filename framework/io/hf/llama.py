@@ -54,6 +54,7 @@ from framework.model.llama import init_params
 from framework.io.hf.family import (CONFIG_FILE, GENERATION_FILE,  # noqa: F401 (re-export)
                                     export_config, generation_config, is_hf_folder,
                                     merge_model, model_config, read_config)
+from framework.io.hf import moe
 from framework.io.hf.safetensors import Tensors, write_folder
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -90,9 +91,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
-                    **{name: (d,) for name in norms[1:]},
-                    p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                    p + "mlp.down_proj.weight": (d, f)})
+                    **{name: (d,) for name in norms[1:]}})
+        out.update(moe.expected(cfg, p) if cfg.moe.enabled else {
+            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f)})
         if cfg.has_qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
                         p + "self_attn.k_proj.bias": (cfg.n_kv_heads * hd,),
@@ -175,11 +177,12 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         ("embed", "table"): lambda index: read("model.embed_tokens.weight", index),
         ("layers", "attn", "wqkv"): per_layer(wqkv),
         ("layers", "attn", "wo"): per_layer(wo),
-        ("layers", "mlp", "w_gate_up"): per_layer(w_gate_up),
-        ("layers", "mlp", "w_down"): per_layer(
-            lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T),
         ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
     }
+    readers.update(moe.readers(cfg, read, per_layer, _bounds) if cfg.moe.enabled else {
+        ("layers", "mlp", "w_gate_up"): per_layer(w_gate_up),  # (experts: io/hf/moe.py)
+        ("layers", "mlp", "w_down"): per_layer(
+            lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T)})
     for mine, theirs in layer_norms(cfg).items():
         readers[("layers", mine, "scale")] = per_layer(norm(f"{theirs}.weight"))
     if cfg.has_qkv_bias:
@@ -263,7 +266,8 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
             p + "self_attn.k_proj.weight": lambda n=n: qkv(n, slice(r, r + 1)),
             p + "self_attn.v_proj.weight": lambda n=n: qkv(n, slice(r + 1, r + 2)),
             p + "self_attn.o_proj.weight":
-                lambda n=n: get(layers["attn"]["wo"], n).reshape(-1, cfg.d_model).T,
+                lambda n=n: get(layers["attn"]["wo"], n).reshape(-1, cfg.d_model).T})
+        makers.update(moe.makers(cfg, layers["moe"], get, n, p) if cfg.moe.enabled else {
             p + "mlp.gate_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 0].T,
             p + "mlp.up_proj.weight": lambda n=n: get(layers["mlp"]["w_gate_up"], n)[:, 1].T,
             p + "mlp.down_proj.weight": lambda n=n: get(layers["mlp"]["w_down"], n).T})

@@ -1,0 +1,202 @@
+"""A mixture-of-experts feed-forward (`model.moe`, framework/config/model.py's MoeConfig):
+a softmax router sends each token to its top-k of E SwiGLU experts, and their outputs,
+weighted by the router's probabilities, are summed. Dropless: every token reaches all of
+its top-k experts, as transformers' Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock
+compute.
+
+The experts' matmuls are grouped: the token copies (a token once per chosen expert) are
+sorted by expert, and `jax.lax.ragged_dot` multiplies each expert's run of rows by its
+weights (megablox-style; `MoE`). `dense_moe` beside it is the naive reference: every
+expert on every token, weighted by a routing matrix that is zero off the top-k.
+
+Tensor parallelism inside the experts as in the dense MLP: each expert's hidden width
+is the logical axis `mlp` (split over `tensor` by the rules), gate/up column-parallel,
+down row-parallel, one `exit` after the weighted sum. The router runs on this device's
+tokens (its slice of the sequence under sequence parallelism, like a norm) and its
+logits are gathered with the tokens by `enter`.
+
+The auxiliary losses enter the gradient where they arise (`router_losses`: an identity
+whose backward adds the losses' gradient w.r.t. the router logits, as Megatron-LM's
+MoEAuxLossAutoScaler does): nothing has to travel through the pipeline's stages beside
+the activations. Both are statistics of one group of tokens, a microbatch of a data
+replica (summed over the `tensor`/`context` devices it is split over: `whole_sum`),
+averaged over the `tp.groups` groups of a step and the model's MoE layers.
+
+Switch Transformer: Fedus et al. 2021. ST-MoE (router z-loss): Zoph et al. 2022.
+Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from framework.config import ModelConfig
+from framework.model.layers import ACTIVATIONS, NO_TP, param
+from framework.model.weight_ops import weight_op
+from framework.parallel.tensor import TensorParallel
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    return cfg.moe.expert_hidden or cfg.d_ff
+
+
+def route(cfg: ModelConfig, logits):
+    """logits [T, E] float32 -> (top-k weights [T, k] float32, expert ids [T, k] int32):
+    softmax, the k largest (ties: the lower id), renormalised to sum 1 where set."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, cfg.moe.top_k)
+    if cfg.moe.renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def _ragged(x_and_sizes, w):
+    """x [N, d] (rows sorted by expert), group sizes [E] -> x @ w[e] per run: [N, f]."""
+    x, sizes = x_and_sizes
+    return jax.lax.ragged_dot(x, w.reshape(w.shape[0], w.shape[1], -1), sizes)
+
+
+def grouped_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down):
+    """The experts on their tokens, grouped: x [T, d], weights/ids [T, k], w_in [E, d, 2,
+    f@tensor], w_down [E, f@tensor, d] -> [T, d] (partial sums over `tensor`)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [T k]: token i's j-th expert at i k + j
+    order = jnp.argsort(flat, stable=True)  # copies sorted by expert
+    sizes = jnp.zeros((w_in.shape[0],), jnp.int32).at[flat].add(1)  # [E]
+    rows = x[order // k]  # [T k, d]
+    gate_up = weight_op(module, "w_gate_up", _ragged, (rows, sizes), w_in)  # [T k, 2 f]
+    f = w_in.shape[-1]
+    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :f]) * gate_up[:, f:]
+    out = weight_op(module, "w_down", _ragged, (hidden, sizes), w_down)  # [T k, d]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, d]
+    return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype))
+
+
+def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down):
+    """The naive reference of `grouped_experts` (same arguments): every expert on every
+    token, [E, T, ...], weighted by a routing matrix [T, E] zero off each token's top-k."""
+    gate_up = jnp.einsum("td,edcf->etcf", x, w_in)
+    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
+    out = jnp.einsum("etf,efd->etd", hidden, w_down)
+    routing = jnp.sum(jax.nn.one_hot(ids, w_in.shape[0]) * weights[..., None], axis=1)
+    return jnp.einsum("etd,te->td", out, routing.astype(out.dtype))
+
+
+@jax.custom_vjp
+def _with_loss_grad(logits, aux_weight, z_weight):
+    return logits
+
+
+def _with_loss_fwd(logits, aux_weight, z_weight):
+    return logits, (logits, aux_weight, z_weight)
+
+
+def _with_loss_bwd(saved, g):
+    """g + d/dlogits of sum_t [sum_e p_te a_e + z lse_t^2]: a [E] and z [] constants."""
+    logits, a, z = saved
+    extra = lambda l: (jnp.sum(jax.nn.softmax(l, axis=-1) * a)
+                       + z * jnp.sum(jax.nn.logsumexp(l, axis=-1) ** 2))
+    return g + jax.grad(extra)(logits), None, None  # a, z: constants (no cotangent)
+
+
+_with_loss_grad.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+def _hits(cfg: ModelConfig, logits, tp: TensorParallel):
+    """A group's top-k hits per expert [E] and its tokens T (this device's logits [T', E]
+    float32; summed over the devices the group is split over)."""
+    _, ids = route(cfg, logits)
+    count = tp.whole_sum(jnp.sum(jax.nn.one_hot(ids, logits.shape[-1]), axis=(0, 1)))
+    return count, jnp.sum(count) / cfg.moe.top_k  # each token hits top_k (typed like logits)
+
+
+def router_loss_values(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
+    """The losses of one group's router logits [T, E] float32 (this device's tokens of
+    it): (load-balancing loss E sum_e f_e P_e, f_e the fraction of tokens whose top-k
+    holds e (no gradient, as transformers' one-hot), P_e the mean probability of e;
+    z-loss mean_t lse_t^2)."""
+    count, tokens = _hits(cfg, logits, tp)
+    f = jax.lax.stop_gradient(count / tokens)  # [E]: sums to top_k
+    p = tp.whole_sum(jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)) / tokens  # [E]
+    z = tp.whole_sum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
+    return logits.shape[-1] * jnp.sum(f * p), z
+
+
+def router_losses(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
+    """logits [T, E] float32, unchanged; their gradient gains the auxiliary losses' (each
+    coefficient over the groups and the MoE layers of a step: MoeConfig): per token,
+    d/dp_te of the load-balancing loss is E f_e / T, of the z-loss's 2 lse_t / T."""
+    m = cfg.moe
+    if not (m.aux_loss_coef or m.z_loss_coef):
+        return logits
+    count, tokens = _hits(cfg, jax.lax.stop_gradient(logits), tp)
+    scale = 1.0 / (tp.groups * moe_layers(cfg) * tokens)
+    aux_weight = m.aux_loss_coef * scale * logits.shape[-1] * count / tokens  # [E]
+    return _with_loss_grad(logits, aux_weight, m.z_loss_coef * scale)
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    return cfg.n_layers if cfg.moe.enabled else 0
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward: router [embed, experts] (replicated), experts'
+    fused gate/up [experts, embed, 2, mlp] and down [experts, mlp, embed] (`mlp` split
+    over `tensor` like the dense MLP's). `dense` runs the naive reference."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+    dense: bool = False
+
+    @nn.compact
+    def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, f = c.moe.experts, expert_hidden(c)
+        w_router = param(self, "router", (c.d_model, e), ("embed", "experts"))
+        w_in = param(self, "w_gate_up", (e, c.d_model, 2, f),
+                     ("experts", "embed", "gate_up", "mlp"))
+        w_down = param(self, "w_down", (e, f, c.d_model), ("experts", "mlp", "embed"))
+        logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
+        b, s_local = logits.shape[:2]
+        logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp)
+        logits = self.tp.enter(logits.reshape(b, s_local, e), "mlp")  # [b, s, E]
+        xs = self.tp.enter(x.astype(dt), "mlp")  # [b, s, embed]
+        weights, ids = route(c, logits.reshape(-1, e))  # [b s, k]
+        run = dense_moe if self.dense else partial(grouped_experts, self)
+        y = run(c, xs.reshape(-1, c.d_model), weights, ids, w_in.astype(dt), w_down.astype(dt))
+        return self.tp.exit(y.reshape(xs.shape), "mlp")  # [b, s (/tensor with SP), embed]
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def check_moe(model: ModelConfig) -> list[str]:
+    """Problems of the mixture-of-experts settings, one line each."""
+    m, errs = model.moe, []
+    if m.experts < 0 or (model.family in MOE_FAMILIES and m.experts < 1):
+        errs.append(f"model.moe.experts={m.experts} must be >= 1"
+                    + (f" (model.family={model.family} is a mixture of experts)"
+                       if model.family in MOE_FAMILIES else " (0: a dense feed-forward)"))
+    if not m.enabled:
+        return errs
+    if not 1 <= m.top_k <= m.experts:
+        errs.append(f"model.moe.top_k={m.top_k} must be in [1, model.moe.experts={m.experts}]")
+    if m.expert_hidden is not None and m.expert_hidden < 1:
+        errs.append(f"model.moe.expert_hidden={m.expert_hidden} must be >= 1 (null: model.d_ff)")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(m, name) < 0:
+            errs.append(f"model.moe.{name}={getattr(m, name)} must be >= 0")
+    if m.every != 1 or m.first_dense != 0:
+        errs.append(f"model.moe.every={m.every}, first_dense={m.first_dense}: only every "
+                    f"layer MoE is supported yet (every=1, first_dense=0)")
+    if m.shared_experts:
+        errs.append(f"model.moe.shared_experts={m.shared_experts}: shared experts are not "
+                    f"supported yet (0)")
+    if model.fp8 != "none":
+        errs.append(f"model.fp8={model.fp8} does not run with model.moe (the router and "
+                    f"the grouped expert matmuls stay in model.dtype): use model.fp8=none")
+    return errs

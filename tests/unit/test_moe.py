@@ -1,0 +1,164 @@
+"""The mixture-of-experts feed-forward (framework/model/moe.py): the grouped expert
+matmuls (ragged_dot) against the naive every-expert reference, the auxiliary losses'
+gradient injection against the losses written out, and bad settings refused in one
+line each."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from framework.config import ModelConfig, MoeConfig
+from framework.model import moe
+from framework.model.llama import check_model
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
+                  moe=MoeConfig(experts=5, top_k=2, expert_hidden=24))
+
+
+def setup(cfg=CFG):
+    x = jax.random.normal(jax.random.key(0), (3, 8, cfg.d_model))
+    params = nn.meta.unbox(moe.MoE(cfg).init(jax.random.key(1), x)["params"])
+    # weights of unit scale: the routing and the experts' outputs differ clearly
+    variables = {"params": jax.tree.map(lambda w: w * 20, params)}
+    return x, variables
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_experts_equal_the_dense_reference_forward_and_backward(renormalize):
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, renormalize=renormalize))
+    x, variables = setup(cfg)
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(v, x, dense):
+        return jnp.sum(moe.MoE(cfg, dense=dense).apply(v, x) * r)
+
+    grouped = jax.value_and_grad(loss, (0, 1))(variables, x, False)
+    dense = jax.value_and_grad(loss, (0, 1))(variables, x, True)
+    np.testing.assert_allclose(grouped[0], dense[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grouped[1]), jax.tree.leaves(dense[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+    assert float(jnp.abs(grouped[1][0]["params"]["router"]).max()) > 0
+    assert not np.allclose(grouped[0], loss(variables, x[:, ::-1], False))
+
+
+def test_the_injected_gradient_is_the_aux_and_z_losses_gradient():
+    """The identity on the router logits adds the gradient of coef x (E sum f P) and
+    z_coef x mean lse^2, written out here (f: no gradient, as transformers' one-hot)."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, aux_loss_coef=0.3,
+                                                           z_loss_coef=0.05))
+    plain = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=0.0,
+                                                             z_loss_coef=0.0))
+    x, variables = setup(cfg)
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def injected(v):
+        return jnp.sum(moe.MoE(cfg).apply(v, x) * r)
+
+    def written_out(v):
+        logits = (x @ v["params"]["router"]).reshape(-1, cfg.moe.experts)
+        aux, z = moe.router_loss_values(cfg, logits)
+        return jnp.sum(moe.MoE(plain).apply(v, x) * r) + 0.3 * aux + 0.05 * z
+
+    got, want = jax.grad(injected)(variables), jax.grad(written_out)(variables)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+    no_loss = jax.grad(lambda v: jnp.sum(moe.MoE(plain).apply(v, x) * r))(variables)
+    assert not np.allclose(no_loss["params"]["router"], want["params"]["router"])
+
+
+def test_load_balancing_loss_as_transformers_computes_it():
+    """E sum_e f_e P_e with f from the top-k hits (transformers' load_balancing_loss_func,
+    one layer, no mask): a uniform router gives top_k; all tokens on one expert more."""
+    e, k = 4, 2
+    cfg = dataclasses.replace(CFG, moe=MoeConfig(experts=e, top_k=k))
+    logits = jax.random.normal(jax.random.key(0), (50, e))
+    probs = jax.nn.softmax(logits, -1)
+    hits = jax.nn.one_hot(jax.lax.top_k(probs, k)[1], e)  # [T, k, E]
+    want = e * jnp.sum(jnp.mean(hits, 0) * jnp.mean(probs, 0)[None])
+    aux, z = moe.router_loss_values(cfg, logits)
+    np.testing.assert_allclose(aux, want, rtol=1e-6)
+    np.testing.assert_allclose(z, jnp.mean(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(top_k=6), "model.moe.top_k=6 must be in [1, model.moe.experts=5]"),
+    (dict(top_k=0), "model.moe.top_k=0 must be in [1"),
+    (dict(experts=-1), "model.moe.experts=-1 must be >= 1"),
+    (dict(aux_loss_coef=-1.0), "model.moe.aux_loss_coef=-1.0 must be >= 0"),
+    (dict(every=2), "only every layer MoE is supported yet"),
+    (dict(shared_experts=1), "shared experts are not supported yet"),
+])
+def test_bad_moe_settings_are_one_line_each(change, message):
+    errs = check_model(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, **change)))
+    assert len(errs) == 1 and message in errs[0] and "\n" not in errs[0], errs
+
+
+def test_a_moe_family_needs_experts():
+    errs = check_model(dataclasses.replace(CFG, family="mixtral", moe=MoeConfig()))
+    assert errs == ["model.moe.experts=0 must be >= 1 (model.family=mixtral is a mixture "
+                    "of experts)"]
+    assert check_model(dataclasses.replace(CFG, family="qwen3_moe")) == []
+
+
+def test_moe_settings_through_hydra_and_the_layout_check():
+    """`model.moe.*` from the command line; the layout check (framework/engine/validate.py)
+    refuses a bad one in one line before anything is compiled."""
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+    from tests.helpers import compose_recipe
+
+    cfg = compose_recipe("llama_tiny_debug", "model.family=mixtral", "model.moe.experts=4",
+                         "model.moe.top_k=5")
+    assert cfg.model.moe == MoeConfig(experts=4, top_k=5)
+    errs = check(cfg.model, ParallelConfig(), TrainConfig(seq_len=8, global_batch_size=8), 1)
+    assert errs == ["model.moe.top_k=5 must be in [1, model.moe.experts=4]"]
+
+
+def test_parameter_count_and_flops_count_the_experts():
+    """count_params: every leaf (all experts and the router); the FLOPs' 6N: the
+    parameters one token uses (its top_k experts and the router)."""
+    from framework.model import flops
+    from framework.model.llama import count_params, init_params
+
+    cfg = dataclasses.replace(CFG, n_layers=2)
+    leaves = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    assert count_params(cfg) == sum(x.size for x in jax.tree.leaves(leaves))
+    idle = (cfg.moe.experts - cfg.moe.top_k) * 3 * cfg.d_model * 24 * cfg.n_layers
+    assert count_params(cfg, active=True) == count_params(cfg) - idle
+    embedding = cfg.vocab_size * cfg.d_model
+    assert flops.matmul_params(cfg) == count_params(cfg) - idle - embedding
+
+
+def test_moe_config_json_reads_and_refuses_in_one_line():
+    """Qwen3-MoE and Mixtral config.json (the committed fixtures) -> model.moe; a feature
+    this model does not run is named in one line (framework/io/hf/moe.py)."""
+    from framework.errors import ConfigError
+    from framework.io.hf import family
+    from tests.helpers import FIXTURES
+
+    qwen = family.read_config(FIXTURES / "hf" / "qwen3_moe")
+    mixtral = family.read_config(FIXTURES / "hf" / "mixtral")
+    assert family.model_config(qwen).moe == MoeConfig(experts=4, top_k=2, expert_hidden=24,
+                                                      renormalize=False)
+    assert family.model_config(mixtral).moe == MoeConfig(experts=4, top_k=2, expert_hidden=48)
+    published = {k: v for k, v in qwen.items() if k != "num_local_experts"}
+    assert family.model_config({**published, "num_experts": 128}).moe.experts == 128
+    with_logits = {**mixtral, "output_router_logits": True}
+    assert family.model_config(with_logits).moe.aux_loss_coef == 0.02
+    refused = {"decoder_sparse_step=2 is not supported": {**qwen, "decoder_sparse_step": 2},
+               "mlp_only_layers=[0] is not supported": {**qwen, "mlp_only_layers": [0]},
+               "router_jitter_noise=0.1 is not supported": {**mixtral,
+                                                            "router_jitter_noise": 0.1},
+               "num_experts_per_tok=0 is not a whole number": {**mixtral,
+                                                               "num_experts_per_tok": 0},
+               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"}}
+    for message, config in refused.items():
+        with pytest.raises(ConfigError) as err:
+            family.model_config(config, "x/config.json")
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    exported = family.export_config(family.model_config(qwen), "float32")
+    assert family.model_config(exported) == family.model_config(qwen)
