@@ -32,6 +32,7 @@ from framework import hardware
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
+from framework.model import fp8
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
@@ -225,8 +226,10 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
                          out_specs=(P(), param_specs))
 
 
-def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule):
-    """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics)."""
+def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule,
+               weight_metrics=None):
+    """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics).
+    `weight_metrics`: params -> more metrics of the weights this step used (FP8's)."""
 
     def step(state, tokens):
         loss, grads = loss_and_grads(state["params"], tokens)
@@ -235,6 +238,17 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
         widened = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bfloat16 params
         metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(widened),
                    "train/lr": lr(state["step"])}
+        if weight_metrics is not None:
+            metrics.update(weight_metrics(state["params"]))
         return train_state(params, opt_state, state["step"] + 1), metrics
 
     return step
+
+
+def fp8_metrics(layout: Layout):
+    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8.py), or None
+    without FP8."""
+    model = layout.model
+    if model.fp8 == "none":
+        return None
+    return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))

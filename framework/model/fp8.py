@@ -21,6 +21,7 @@ own scale. Norms, the embedding, the head and the loss stay in the compute dtype
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -52,7 +53,10 @@ def quantize(x, dtype, whole_max):
     # around this custom VJP's primal: pmax has no derivative rule)
     amax = whole_max(jax.lax.stop_gradient(jnp.max(jnp.abs(x.astype(jnp.float32)))))
     s = _scale(amax) / _largest(dtype)
-    return (x.astype(jnp.float32) / s).astype(dtype), s
+    # saturated at the largest finite value (a cast beyond it gives NaN in E4M3, inf in
+    # E5M2): only reached where `whole_max` reports less than the tensor holds; NaN stays
+    scaled = jnp.clip(x.astype(jnp.float32) / s, -_largest(dtype), _largest(dtype))
+    return scaled.astype(dtype), s
 
 
 def _transposed(eq: str) -> tuple[str, str]:
@@ -111,6 +115,60 @@ def _bwd(eq, whole_max, residuals, dy):
 
 
 _scaled.defvjp(_fwd, _bwd)
+
+
+# The layers' matrices whose every use is an FP8 matmul (framework/model/llama.py,
+# layers.py: q/k/v, the attention output, gate/up, down).
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+STAT_PREFIX = "fp8/"
+# Non-finite where an FP8 operand is: the run loop refuses the step (framework/run/loop.py).
+WATCHED = (STAT_PREFIX + "weight_amax_max",)
+
+
+def _matrix_stats(w, dtype):
+    """One layer's matrix w [...] as its matmuls quantize it (cast to the compute dtype
+    `dtype`, then `quantize` to E4M3): (amax, elements at the largest finite E4M3
+    magnitude, nonzero elements that quantize to zero)."""
+    w = w.astype(dtype)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+    # NaN where any element is not finite (a reduction's max may skip a NaN: XLA:CPU's)
+    amax = jnp.where(jnp.all(jnp.isfinite(w)), amax, jnp.nan)
+    w8 = quantize(w, E4M3, lambda v: v)[0].astype(jnp.float32)
+    saturated = jnp.sum(jnp.abs(w8) == _largest(E4M3))
+    underflow = jnp.sum((w != 0) & (w8 == 0))
+    return amax, saturated, underflow
+
+
+def weight_stats(stages: dict, dtype) -> dict:
+    """The `fp8/` metrics of a step's layer weights (`stages`: the train layout's layer
+    parameters, leaves [stage, chunk, layer, ...]), each matrix of each layer as one
+    tensor, as its matmuls quantize it: the largest and smallest absolute maximum and
+    scale (amax / 448) over the matrices, and the fractions of their elements at the
+    E4M3 range's largest magnitude (saturated) and of nonzero elements flushed to zero
+    (underflow). Uneven stages' zero padding layers are left out."""
+    amaxes, saturated, underflow, elements = [], 0, 0, 0
+    for path, w in jax.tree_util.tree_leaves_with_path(stages):
+        if str(getattr(path[-1], "key", "")) not in MATRICES:
+            continue
+        per_layer = lambda m: _matrix_stats(m, dtype)  # vmapped, not reshaped: the
+        for _ in range(3):  # sharded leading axes stay as they are
+            per_layer = jax.vmap(per_layer)
+        amax, sat, under = (a.reshape(-1) for a in per_layer(w))  # [stage * chunk * layer]
+        real = amax != 0  # padding layers are zeros (a NaN counts as real)
+        amaxes.append(amax)
+        # summed in float32: an 8B model's elements overflow int32
+        count = lambda c: jnp.sum(jnp.where(real, c, 0), dtype=jnp.float32)
+        saturated, underflow = saturated + count(sat), underflow + count(under)
+        elements = elements + count(1) * math.prod(w.shape[3:])
+    amax = jnp.concatenate(amaxes)
+    high = jnp.where(jnp.all(jnp.isfinite(amax)), jnp.max(amax), jnp.nan)
+    low = jnp.min(jnp.where(amax != 0, amax, jnp.inf))
+    largest, n = _largest(E4M3), jnp.maximum(elements, 1.0)
+    return {STAT_PREFIX + "weight_amax_max": high, STAT_PREFIX + "weight_amax_min": low,
+            STAT_PREFIX + "weight_scale_max": high / largest,
+            STAT_PREFIX + "weight_scale_min": low / largest,
+            STAT_PREFIX + "weight_saturated_fraction": saturated / n,
+            STAT_PREFIX + "weight_underflow_fraction": underflow / n}
 
 
 def is_matmul(eq: str, w) -> bool:
