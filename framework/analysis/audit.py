@@ -37,7 +37,10 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
                "f8e4m3fn": 1, "f8e5m2": 1}
 
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+# element types: f32, bf16, pred, and the FP8 ones with their exponent/mantissa suffix
+# (f8e4m3fn, f8e5m2), which `[a-z]+[0-9]*` alone never matched (FP8 collectives were
+# not counted before 2026-11-28)
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
 
 
 @dataclass

@@ -132,6 +132,9 @@ class ModelConfig:
     # FP8 matmuls in the layers (framework/model/fp8.py): none, or tensorwise (E4M3
     # forward, E5M2 gradients, each tensor scaled by its absolute maximum in the step)
     fp8: str = "none"
+    # With FP8 and FSDP gathering per use: the layers' matrices gathered as E4M3 with
+    # their scales (half bfloat16's bytes), else in the compute dtype
+    fp8_gather: bool = True
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

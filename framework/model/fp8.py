@@ -71,16 +71,18 @@ def _dot(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def fp8_einsum(eq: str, x, w, whole_max):
+def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
     """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
     accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
-    docstring). Inside a shard_map both operands are first typed as varying over the
-    same mesh axes: the cotangent of one that was replicated over an axis (x before a
-    column-parallel matmul) is then summed over it by autodiff, as for a plain einsum."""
+    docstring). `w_scale`: w arrived quantized (FSDP's FP8 gather, `gather_quantized`):
+    its values are E4M3's and this is its scale. Inside a shard_map both operands are
+    first typed as varying over the same mesh axes: the cotangent of one that was
+    replicated over an axis (x before a column-parallel matmul) is then summed over it
+    by autodiff, as for a plain einsum."""
     axes = _varying(x) | _varying(w)
     cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
         if axes - _varying(a) else a
-    return _scaled(eq, cast(x), cast(w), whole_max)
+    return _scaled(eq, cast(x), cast(w), whole_max, w_scale)
 
 
 def _varying(a) -> frozenset:
@@ -88,30 +90,35 @@ def _varying(a) -> frozenset:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _scaled(eq: str, x, w, whole_max):
-    return _forward(eq, x, w, whole_max)[0]
+def _scaled(eq: str, x, w, whole_max, w_scale):
+    return _forward(eq, x, w, whole_max, w_scale)[0]
 
 
-def _forward(eq, x, w, whole_max):
+def _forward(eq, x, w, whole_max, w_scale):
     x8, sx = quantize(x, E4M3, whole_max)
-    w8, sw = quantize(w, E4M3, whole_max)
+    if w_scale is None:
+        w8, sw = quantize(w, E4M3, whole_max)
+    else:  # E4M3's values already (exact in any wider dtype)
+        w8, sw = w.astype(E4M3), w_scale
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
-    return y, (x8, sx, w8, sw)
+    return y, (x8, sx, w8, sw, w_scale)
 
 
-def _fwd(eq, x, w, whole_max):
-    return _forward(eq, x, w, whole_max)
+def _fwd(eq, x, w, whole_max, w_scale):
+    return _forward(eq, x, w, whole_max, w_scale)
 
 
 def _bwd(eq, whole_max, residuals, dy):
     """The gradients in dy's dtype: the layers cast both operands to the compute dtype
-    before their matmuls (framework/model/llama.py), so x, w and y share it."""
-    x8, sx, w8, sw = residuals
+    before their matmuls (framework/model/llama.py), so x, w and y share it. dw is the
+    gradient of the weight itself (w8 x its scale), also where w arrived quantized; a
+    given scale is a statistic (zero gradient)."""
+    x8, sx, w8, sw, w_scale = residuals
     dy8, sdy = quantize(dy, E5M2, whole_max)
     for_x, for_w = _transposed(eq)
     dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
     dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
-    return dx, dw
+    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
 
 
 _scaled.defvjp(_fwd, _bwd)
@@ -169,6 +176,49 @@ def weight_stats(stages: dict, dtype) -> dict:
             STAT_PREFIX + "weight_scale_min": low / largest,
             STAT_PREFIX + "weight_saturated_fraction": saturated / n,
             STAT_PREFIX + "weight_underflow_fraction": underflow / n}
+
+
+# FSDP's FP8 gathers (model.fp8_gather): the Flax collection holding each gathered
+# matrix's scale beside its E4M3 values in `params` (read by `weight_op`).
+SCALES = "fp8_scales"
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
+    """FSDP's gather of one matrix as FP8: this device's shard w quantized to E4M3 with
+    the whole matrix's scale (its absolute maximum: the shards' maxima's max over
+    `axis_name`, then `whole_max`'s over the tensor devices), gathered over `axis_name`
+    along `axis` in one byte per element, returned as (the whole matrix's E4M3 values in
+    `dtype`, the scale). Exactly `quantize` of the gathered matrix: max and the
+    elementwise scaling commute with the gather. The transpose reduce-scatters the
+    gradient in w's dtype, as FSDP's plain gather (framework/parallel/data.py)."""
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max)
+
+
+def _gather_quantized(w, axis_name, axis, dtype, whole_max):
+    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
+    amax = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(jnp.abs(shard))), axis_name)
+    s = _scale(whole_max(amax)) / _largest(E4M3)
+    w8 = jnp.clip(shard / s, -_largest(E4M3), _largest(E4M3)).astype(E4M3)
+    return jax.lax.all_gather(w8, axis_name, axis=axis, tiled=True).astype(dtype), s
+
+
+def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max), jnp.zeros((), w.dtype)
+
+
+def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
+    return (jax.lax.psum_scatter(grads[0].astype(home.dtype), axis_name,
+                                 scatter_dimension=axis, tiled=True),)
+
+
+gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+
+
+def variables(params) -> dict:
+    """A layer's Flax variables from what its gather gave: {'params', SCALES} already
+    (FSDP's FP8 gathers), or the parameters alone."""
+    return params if "params" in params else {"params": params}
 
 
 def is_matmul(eq: str, w) -> bool:

@@ -195,3 +195,37 @@ def test_quantize_at_the_edges_of_the_range(dtype):
     np.testing.assert_array_equal(got64 * float(scale), want * s)  # dequantized
     nan, _ = fp8.quantize(jnp.asarray([1.0, np.nan]), dtype, lambda v: v)
     assert np.isnan(np.asarray(nan, np.float32)[1])
+
+
+@pytest.mark.slow  # ~50 s: two engines compiled and audited
+def test_fsdp_gathers_the_matrices_as_fp8_with_their_scales():
+    """FSDP per use with FP8 (`model.fp8_gather`, on by default): the layers' matrices
+    travel as E4M3 (the lowered program's all-gathers), and the loss and gradients are
+    the plain gathers' exactly (those equal one device: `LAYOUTS`). XLA:CPU widens an
+    FP8 all-gather to float16 (its compiled program), so the bytes measured here fall
+    to a half of float32's, not the quarter the GPU compiler sends
+    (tests/compiled/test_fp8_gpu.py)."""
+    import re
+
+    from framework.analysis import audit, comm_model
+
+    train = dataclasses.replace(TRAIN, global_batch_size=32)
+    got = {}
+    for gather in (True, False):
+        model = dataclasses.replace(FP8, fp8_gather=gather)
+        eng = engine(1, 2, 2, 2, model=model, train=train, fsdp=True)
+        inputs = eng.abstract_inputs(train.global_batch_size, train.seq_len)
+        text = eng.step_fn.lower(*inputs).as_text()
+        measured = audit.step_stats(eng, *inputs)["comm/bytes_per_step/data"]
+        expected = comm_model.expected_bytes(model, eng.parallel, train)["data"]
+        got[gather] = (re.findall(r'"stablehlo.all_gather"\(.*-> tensor<[0-9x]*x(\w+)>', text),
+                       measured, expected, engine_grads(eng))
+    gathered, measured, expected, (loss, grads) = got[True]
+    # 4 matrices, gathered for the forward and again for the backward; the norms in f32
+    assert gathered.count("f8E4M3FN") == 8 and "f32" in gathered, gathered
+    assert "f8E4M3FN" not in got[False][0]
+    # the layers' gathers: 2 x 4 bytes + the gradients' 4 -> 2 x 1 + 4 (model), 2 x 2 + 4 (CPU)
+    assert expected / got[False][2] < 0.6 and measured / got[False][1] < 0.75
+    assert loss == got[False][3][0]
+    assert worst(max_rel_err(grads, got[False][3][1])) == 0.0
+
