@@ -229,3 +229,34 @@ def test_fsdp_gathers_the_matrices_as_fp8_with_their_scales():
     assert loss == got[False][3][0]
     assert worst(max_rel_err(grads, got[False][3][1])) == 0.0
 
+
+
+@pytest.mark.slow  # ~30 s: two engines, two checkpoints
+def test_a_run_resumes_as_fp8_and_back(tmp_path):
+    """FP8 keeps no state (current scaling: every scale from the same step), so the two
+    settings' train states and checkpoints are the same tree: a non-FP8 checkpoint
+    restored into an FP8 engine continues exactly as the FP8 engine does from the
+    state in memory, and back; the resume's line says what changed."""
+    from framework.io.checkpoint.manager import Checkpointer
+    from framework.run.start import check_same_model, what_changed
+
+    engines = {m.fp8: engine(1, 2, 2, 1, model=m) for m in (MODEL, FP8)}
+    shapes = {k: jax.tree.map(lambda a: (a.shape, a.dtype), e.layout.abstract_state())
+              for k, e in engines.items()}
+    assert shapes["none"] == shapes["tensorwise"]
+    state = engines["none"].init_state(params(MODEL))
+    for step, (before, after) in enumerate([("none", "tensorwise"), ("tensorwise", "none")]):
+        state, _ = engines[before].step(state, engines[before].shard_batch(tokens(step)))
+        folder = str(tmp_path / before)
+        ckpt = Checkpointer(folder, keep=1, async_save=False)
+        ckpt.save(step + 1, engines[before].layout, state,
+                  {"model": dataclasses.asdict(engines[before].model)})
+        restored = ckpt.restore(engines[after].layout)
+        change = what_changed(check_same_model(engines[after].model, ckpt, (folder, step + 1)),
+                              engines[after], TRAIN)
+        ckpt.close()
+        assert f"model.fp8 was {before}, now {after}" in change
+        batch = engines[after].shard_batch(tokens(step + 1))
+        resumed = engines[after].step(restored, batch)[1]["train/loss"]
+        state, metrics = engines[after].step(state, batch)  # from memory
+        assert float(resumed) == float(metrics["train/loss"])
