@@ -28,6 +28,9 @@ LAYOUTS = [
     dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="interleaved_1f1b",
          virtual_stages=2, zero1=True),
     dict(pipeline=1, data=2, tensor=2, microbatches=2, fsdp=True),
+    # FSDP's FP8 gathers inside the tick executor (measured 3.8e-7)
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
+                      fsdp=True), marks=pytest.mark.slow),
 ]
 _ONE = {}
 
