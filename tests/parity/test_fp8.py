@@ -123,6 +123,7 @@ def _weight_stats_reference(layers, dtype):
             "fp8/weight_underflow_fraction": under / n}
 
 
+@pytest.mark.slow  # ~13 s
 def test_the_fp8_metrics_of_a_step_on_a_layout():
     """The step's `fp8/` metrics on pp2 x tp2 x dp2 (sharded weights, 2 layers a
     stage) are those of each layer's whole matrices, recomputed in float64."""
