@@ -56,7 +56,9 @@ class Diverged(RuntimeError):
     def from_values(cls, step: int, values: dict) -> "Diverged":
         bad = [k for k, v in values.items() if not math.isfinite(v)]
         shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        return cls(step, f"non-finite {' and '.join(bad)} at step {step} ({shown})")
+        why = "; a layer weight the FP8 matmuls quantize is not finite (and so its " \
+              "scale)" if any(k.startswith("fp8/") for k in bad) else ""
+        return cls(step, f"non-finite {' and '.join(bad)} at step {step} ({shown}){why}")
 
 
 class NonFiniteStateError(ValueError):

@@ -35,11 +35,15 @@ class Accelerator:
         return dict(self.peaks).get(dtype)
 
 
+# FP8 (E4M3/E5M2) matmuls: the peak of Hopper's FP8 tensor cores. NVIDIA's H100 and
+# H200 data sheets give 3,958 TFLOP/s FP8 for the SXM parts and 3,026 for the H100 PCIe
+# "with sparsity", half of it dense; A100 and TPU v4-v6e have no FP8 matrix units.
+FP8 = "float8"
 _BF16, _F32 = "bfloat16", "float32"
 CATALOGUE: tuple[Accelerator, ...] = (
-    Accelerator("h200", ((_BF16, 989.4e12), (_F32, 494.7e12))),
-    Accelerator("h100 pcie", ((_BF16, 756.0e12), (_F32, 378.0e12))),
-    Accelerator("h100", ((_BF16, 989.4e12), (_F32, 494.7e12))),  # SXM5
+    Accelerator("h200", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12))),
+    Accelerator("h100 pcie", ((_BF16, 756.0e12), (_F32, 378.0e12), (FP8, 1513.0e12))),
+    Accelerator("h100", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12))),  # SXM5
     Accelerator("a100", ((_BF16, 312.0e12), (_F32, 156.0e12)), link_bytes=300 * GB),
     Accelerator("tpu v5 lite", ((_BF16, 197.0e12),), 16 * GIB),  # v5e
     Accelerator("tpu v5e", ((_BF16, 197.0e12),), 16 * GIB),

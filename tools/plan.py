@@ -112,6 +112,8 @@ def hardware(settings: dict, dtype: str, target=None):
                    for axis in ("tensor", "pipe", "data") if f"{axis}_gbps" in settings)
     return planner.Hardware(
         memory_bytes=settings["device_memory_gb"] * GIB, peak_flops=peak,
+        fp8_peak_flops=None if "peak_tflops" in settings
+        else catalogue.peak_flops(device, catalogue.FP8),
         intra_node=known.link_bytes,
         inter_node=settings["network_gbps"] * GB if "network_gbps" in settings
         else known.network_bytes,

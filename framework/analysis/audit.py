@@ -33,11 +33,7 @@ from framework.analysis import hlo as hlo_lib
 from framework.analysis.overlap import overlapped_names
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-               "f8e4m3fn": 1, "f8e5m2": 1}
-
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+DTYPE_BYTES, _SHAPE = hlo_lib.DTYPE_BYTES, hlo_lib.SHAPE
 
 
 @dataclass

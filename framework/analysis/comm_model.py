@@ -153,14 +153,18 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
     for the first stage's forward (its lookup's backward needs no weights), the head
     (and a tied table) gathered forward and backward on the last stage: each on one of
     p ranks; the table always in float32. `stored`: bytes of a stored parameter
-    (optim.param_dtype; bfloat16 ones travel as stored)."""
+    (optim.param_dtype; bfloat16 ones travel as stored). With FP8 gathers the layers'
+    matrices travel in one byte."""
     share = (parallel.data - 1) / parallel.data
     # two gathers (cast where the compute dtype is narrower), one reduce-scatter
     cast = 2 * min(dtype_bytes(model.dtype), stored) + stored
     ends = 2 * stored * counts["embed"] + cast * counts["head"]
     if model.tie_embeddings:
         ends += 3 * stored * counts["embed"]
-    return parallel.microbatches * share * (cast * counts["layers"] + ends / parallel.pipeline)
+    # FP8 gathers (model.fp8_gather): the layers' two gathers one byte an element (the
+    # norm scales' few bytes counted so too; the scales' all-reduced maxima are scalars)
+    layer = 2 + stored if model.fp8 != "none" and model.fp8_gather else cast
+    return parallel.microbatches * share * (layer * counts["layers"] + ends / parallel.pipeline)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,

@@ -25,6 +25,13 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MODULE = re.compile(r"^HloModule ([\w.\-]+)")
+# An array type, e.g. f32[8,128], pred[], f8e4m3fn[4096,1024]: (element type, dims). The
+# FP8 types carry an exponent/mantissa suffix that `[a-z]+[0-9]+` alone never matched
+# (the audit and the traffic counts missed every FP8 array before 2026-11-28).
+SHAPE = re.compile(r"\b(pred|[a-z]+[0-9]+(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+               "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 @dataclass(frozen=True)

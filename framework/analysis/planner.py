@@ -43,7 +43,8 @@ from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
-from framework.model.flops import hardware_flops_per_token, model_flops_per_token
+from framework.model.flops import (fp8_matmul_share, hardware_flops_per_token,
+                                   model_flops_per_token)
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
 
@@ -58,6 +59,7 @@ class Hardware:
 
     memory_bytes: float
     peak_flops: float  # per device, for the model's compute dtype
+    fp8_peak_flops: float | None = None  # per device, FP8 matmuls (None: not known)
     intra_node: float = _ASSUMED.link_bytes  # NVLink 4 (H100 SXM): 900 GB/s both ways
     inter_node: float = _ASSUMED.network_bytes  # one 400 Gb/s InfiniBand NDR link per GPU
     devices_per_node: int = _ASSUMED.per_node
@@ -120,6 +122,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
                                             lay.remat.recompute_attention, sched.split_backward)
     # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
+    layers *= fp8_slowdown(model, train.seq_len, hw)
     cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     share = measured_rate(lay, train.seq_len, hw) or 1.0
@@ -148,9 +151,27 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # the cells of the head's rank, one step, without waits (what tools/mock_gpu.py times)
     head_rank = lay.program.stages.rank[-1]
     out["stage"] = (sum(cost[g] for g in lay.program.stages.of[head_rank]) + head) * per_flop
-    ideal = model_flops_per_token(model, train.seq_len) * tokens / n / hw.peak_flops
+    ideal = model_flops_per_token(model, train.seq_len) * tokens / n / format_peak(model, hw)
     out["mfu"] = ideal / out["total"]
     return out
+
+
+def format_peak(model: ModelConfig, hw: Hardware) -> float:
+    """The peak the MFU is measured against: the layers' matmuls' number format's
+    (framework/analysis/flops.py `matmul_format`), FP8's where known."""
+    return hw.fp8_peak_flops if model.fp8 != "none" and hw.fp8_peak_flops else hw.peak_flops
+
+
+def fp8_slowdown(model: ModelConfig, seq_len: int, hw: Hardware) -> float:
+    """The layers' compute time with `model.fp8` over the same FLOPs at the compute
+    dtype's peak: the FP8 matmuls' share (`fp8_matmul_share`) at the FP8 peak, the rest
+    (attention's dots) at the compute dtype's. Assumed: what remat recomputes has the
+    same share, and the FP8 GEMMs reach the same fraction of their peak as BF16's
+    (the quantization's elementwise passes are not counted). 1 without FP8."""
+    share = fp8_matmul_share(model, seq_len)
+    if not share or not hw.fp8_peak_flops:
+        return 1.0
+    return share * hw.peak_flops / hw.fp8_peak_flops + (1 - share)
 
 
 def executor_kind(lay) -> str:

@@ -87,9 +87,7 @@ def carried_copies(text: str, share: float = 0.01) -> tuple[int, int]:
     large buffers the loop carries (`share` of its carry or more), bytes of the carry):
     what the tick executor should never copy (tests/compiled/test_executor.py,
     tools/dispatch_probe.py)."""
-    from framework.analysis.audit import DTYPE_BYTES
-
-    shape = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+    shape, DTYPE_BYTES = hlo_lib.SHAPE, hlo_lib.DTYPE_BYTES
     nbytes = lambda types: sum(DTYPE_BYTES.get(dt, 4) * int(np.prod(
         [int(d) for d in dims.split(",") if d])) for dt, dims in shape.findall(types))
     program = hlo_lib.parse(text)

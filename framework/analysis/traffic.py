@@ -15,13 +15,9 @@ executor's cells on the ticks they do not run). `framework.compile` reports thes
 
 from __future__ import annotations
 
-import re
-
 from framework.analysis import hlo
 
-_SHAPE = re.compile(r"\b(pred|[a-z]+[0-9]+)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4,
-          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_SHAPE, _BYTES = hlo.SHAPE, hlo.DTYPE_BYTES
 KINDS = {"copy": "copied", "dynamic-slice": "sliced", "dynamic-update-slice": "updated"}
 
 

@@ -61,7 +61,7 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     """The memory model's bytes (`optim`: the stored dtypes) and the planner's seconds,
     with model FLOPs per device."""
     from framework import hardware
-    from framework.analysis import memory_model, planner
+    from framework.analysis import flops, memory_model, planner
     from framework.model.flops import model_flops_per_token
 
     memory = memory_model.predict_memory(model, parallel, train, platform, optim)["total"]
@@ -71,9 +71,12 @@ def predictions(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     peak = hardware.peak_flops(kind, model.dtype)
     if peak:
         hw = planner.Hardware(memory_bytes=1.0, peak_flops=peak, platform=platform,
-                              device=kind)  # at the rates measured of such stages
+                              device=kind,  # at the rates measured of such stages
+                              fp8_peak_flops=hardware.peak_flops(kind, hardware.FP8))
         time = planner.predict_time(model, parallel, train, hw, optim)
         out["time/predicted_step_s"] = time["total"]
+        out["time/predicted_mfu"] = time["mfu"]
+        out["time/mfu_format"] = flops.matmul_format(model.fp8, model.dtype)
     return out
 
 

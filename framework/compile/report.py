@@ -51,7 +51,8 @@ def lines(report: dict) -> list[str]:
     flops = report["flops/model_per_device_per_step"]
     step = report.get("time/predicted_step_s")
     out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"
-               + (f"; planner's step time {step:.3f} s" if step else ""))
+               + (f"; planner's step time {step:.3f} s (MFU {report['time/predicted_mfu']:.0%}"
+                  f" of the {report['time/mfu_format']} peak)" if step else ""))
     if "pipeline/bubble_fraction_table" in report:
         parts = report.get("pipeline/backward_parts", 1)
         out.append(f"schedule table: bubble {report['pipeline/bubble_fraction_table']:.1%}"

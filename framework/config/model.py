@@ -178,6 +178,9 @@ class ModelConfig:
     fp8: str = "none"
     # A mixture of experts in place of the gated MLP (MoeConfig; experts 0: none)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    # With FP8 and FSDP gathering per use: the layers' matrices gathered as E4M3 with
+    # their scales (half bfloat16's bytes), else in the compute dtype
+    fp8_gather: bool = True
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

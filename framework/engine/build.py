@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
-from framework.engine.step import build_loss_and_grads, train_step
+from framework.engine.step import build_loss_and_grads, fp8_metrics, train_step
 from framework.model import attention
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import DATA
@@ -47,7 +47,8 @@ class Engine:
 
     def __post_init__(self):
         self.step_fn = jax.jit(
-            train_step(self._loss_and_grads(), self.optimizer, self.lr),
+            train_step(self._loss_and_grads(), self.optimizer, self.lr,
+                       fp8_metrics(self.layout.resolved)),
             in_shardings=(self.state_shardings, self.batch_sharding()),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
 

@@ -32,6 +32,7 @@ from framework import hardware
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
+from framework.model import fp8
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
@@ -68,6 +69,8 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     weights arrive whole."""
     model, z_loss, spec = layout.model, options.z_loss, spec_of(layout.model)
     gather = _per_use_gathers(per_use, model.dtype)
+    # the layers' stack (not the split backward's passes) gathers matrices as FP8
+    stack_gather = _fp8_layer_gather(per_use, model, tp) or gather["layer"]
 
     def head_loss(head, embed, y, targets):
         return spec.head_loss(model, tp, head, embed["table"], y, targets, z_loss) \
@@ -83,7 +86,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     return StageFns(
         embed=lambda e, ids: spec.embed(model, tp).apply({"params": gather["embed"](e)}, ids),
         layers=partial(spec.apply_layers, model, stack=spec.stack(
-            layout.layer_remat, tp, skip_unless, gather["layer"])),
+            layout.layer_remat, tp, skip_unless, stack_gather)),
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=gather["layer"]) if split else None,
@@ -103,6 +106,38 @@ def _per_use_gathers(dims, dtype) -> dict:
         data_parallel.gather_leaves, dims=dims[group], offset=offset, dtype=cast)
     return {"embed": one("embed", 0), "head": one("head", 0, dtype),
             "layer": one("stages", 3, dtype)}
+
+
+def _fp8_layer_gather(dims, model, tp: TensorParallel):
+    """FSDP's gather of one layer with its FP8 matrices (`fp8.MATRICES`) travelling as
+    E4M3 and their scales (`fp8.gather_quantized`; model.fp8_gather), the rest as
+    `_per_use_gathers` gathers them: {'params', fp8.SCALES}, the layer's variables. None
+    without FP8, FSDP per use or with model.fp8_gather=false."""
+    if dims is None or model.fp8 == "none" or not model.fp8_gather:
+        return None
+    is_matrix = lambda path: str(getattr(path[-1], "key", "")) in fp8.MATRICES
+    rest = jax.tree_util.tree_map_with_path(lambda path, d: None if is_matrix(path) else d,
+                                            dims["stages"], is_leaf=lambda d: d is None)
+    dtype = jnp.dtype(model.dtype)
+
+    def gather(params):
+        params = data_parallel.gather_leaves(params, rest, offset=3, dtype=dtype)
+        scales = {}
+
+        def one(path, w, d):
+            if not is_matrix(path) or d is None:
+                return w
+            values, scale = fp8.gather_quantized(w, DATA, d - 3, dtype, tp.whole_max)
+            node = scales
+            for key in path[:-1]:
+                node = node.setdefault(key.key, {})
+            node[path[-1].key] = scale
+            return values
+
+        params = jax.tree_util.tree_map_with_path(one, params, dims["stages"])
+        return {"params": params, fp8.SCALES: scales}
+
+    return gather
 
 
 def device_params(params, zero1_dims, vary_over, per_use: bool = False):
@@ -226,8 +261,10 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
                          out_specs=(P(), param_specs))
 
 
-def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule):
-    """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics)."""
+def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule,
+               weight_metrics=None):
+    """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics).
+    `weight_metrics`: params -> more metrics of the weights this step used (FP8's)."""
 
     def step(state, tokens):
         loss, grads = loss_and_grads(state["params"], tokens)
@@ -236,6 +273,17 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
         widened = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bfloat16 params
         metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(widened),
                    "train/lr": lr(state["step"])}
+        if weight_metrics is not None:
+            metrics.update(weight_metrics(state["params"]))
         return train_state(params, opt_state, state["step"] + 1), metrics
 
     return step
+
+
+def fp8_metrics(layout: Layout):
+    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8.py), or None
+    without FP8."""
+    model = layout.model
+    if model.fp8 == "none":
+        return None
+    return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))

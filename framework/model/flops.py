@@ -86,3 +86,14 @@ def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward
     twice = recomputed + base / 3 if split_backward and (recompute_forward or
                                                          recompute_attention) else 0.0
     return base + recomputed + twice, head
+
+
+def fp8_matmul_share(model: ModelConfig, seq_len: int) -> float:
+    """The share of the layers' model FLOPs that `model.fp8` runs as FP8 matmuls: the
+    weights' matmuls (6 x the layers' matrix weights per token), not the attention's
+    score and value dots, which stay in the compute dtype (0 without FP8)."""
+    if model.fp8 == "none":
+        return 0.0
+    matmuls = 6.0 * model.n_layers * spec_of(model).layer_matrix_params(model)
+    return matmuls / (model_flops_per_token(model, seq_len) - head_flops(model))
+

@@ -21,6 +21,7 @@ own scale. Norms, the embedding, the head and the loss stay in the compute dtype
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -52,7 +53,10 @@ def quantize(x, dtype, whole_max):
     # around this custom VJP's primal: pmax has no derivative rule)
     amax = whole_max(jax.lax.stop_gradient(jnp.max(jnp.abs(x.astype(jnp.float32)))))
     s = _scale(amax) / _largest(dtype)
-    return (x.astype(jnp.float32) / s).astype(dtype), s
+    # saturated at the largest finite value (a cast beyond it gives NaN in E4M3, inf in
+    # E5M2): only reached where `whole_max` reports less than the tensor holds; NaN stays
+    scaled = jnp.clip(x.astype(jnp.float32) / s, -_largest(dtype), _largest(dtype))
+    return scaled.astype(dtype), s
 
 
 def _transposed(eq: str) -> tuple[str, str]:
@@ -67,16 +71,18 @@ def _dot(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def fp8_einsum(eq: str, x, w, whole_max):
+def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
     """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
     accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
-    docstring). Inside a shard_map both operands are first typed as varying over the
-    same mesh axes: the cotangent of one that was replicated over an axis (x before a
-    column-parallel matmul) is then summed over it by autodiff, as for a plain einsum."""
+    docstring). `w_scale`: w arrived quantized (FSDP's FP8 gather, `gather_quantized`):
+    its values are E4M3's and this is its scale. Inside a shard_map both operands are
+    first typed as varying over the same mesh axes: the cotangent of one that was
+    replicated over an axis (x before a column-parallel matmul) is then summed over it
+    by autodiff, as for a plain einsum."""
     axes = _varying(x) | _varying(w)
     cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
         if axes - _varying(a) else a
-    return _scaled(eq, cast(x), cast(w), whole_max)
+    return _scaled(eq, cast(x), cast(w), whole_max, w_scale)
 
 
 def _varying(a) -> frozenset:
@@ -84,33 +90,135 @@ def _varying(a) -> frozenset:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _scaled(eq: str, x, w, whole_max):
-    return _forward(eq, x, w, whole_max)[0]
+def _scaled(eq: str, x, w, whole_max, w_scale):
+    return _forward(eq, x, w, whole_max, w_scale)[0]
 
 
-def _forward(eq, x, w, whole_max):
+def _forward(eq, x, w, whole_max, w_scale):
     x8, sx = quantize(x, E4M3, whole_max)
-    w8, sw = quantize(w, E4M3, whole_max)
+    if w_scale is None:
+        w8, sw = quantize(w, E4M3, whole_max)
+    else:  # E4M3's values already (exact in any wider dtype)
+        w8, sw = w.astype(E4M3), w_scale
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
-    return y, (x8, sx, w8, sw)
+    return y, (x8, sx, w8, sw, w_scale)
 
 
-def _fwd(eq, x, w, whole_max):
-    return _forward(eq, x, w, whole_max)
+def _fwd(eq, x, w, whole_max, w_scale):
+    return _forward(eq, x, w, whole_max, w_scale)
 
 
 def _bwd(eq, whole_max, residuals, dy):
     """The gradients in dy's dtype: the layers cast both operands to the compute dtype
-    before their matmuls (framework/model/llama.py), so x, w and y share it."""
-    x8, sx, w8, sw = residuals
+    before their matmuls (framework/model/llama.py), so x, w and y share it. dw is the
+    gradient of the weight itself (w8 x its scale), also where w arrived quantized; a
+    given scale is a statistic (zero gradient)."""
+    x8, sx, w8, sw, w_scale = residuals
     dy8, sdy = quantize(dy, E5M2, whole_max)
     for_x, for_w = _transposed(eq)
     dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
     dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
-    return dx, dw
+    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
 
 
 _scaled.defvjp(_fwd, _bwd)
+
+
+# The layers' matrices whose every use is an FP8 matmul (framework/model/llama.py,
+# layers.py: q/k/v, the attention output, gate/up, down).
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+STAT_PREFIX = "fp8/"
+# Non-finite where an FP8 operand is: the run loop refuses the step (framework/run/loop.py).
+WATCHED = (STAT_PREFIX + "weight_amax_max",)
+
+
+def _matrix_stats(w, dtype):
+    """One layer's matrix w [...] as its matmuls quantize it (cast to the compute dtype
+    `dtype`, then `quantize` to E4M3): (amax, elements at the largest finite E4M3
+    magnitude, nonzero elements that quantize to zero)."""
+    w = w.astype(dtype)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+    # NaN where any element is not finite (a reduction's max may skip a NaN: XLA:CPU's)
+    amax = jnp.where(jnp.all(jnp.isfinite(w)), amax, jnp.nan)
+    w8 = quantize(w, E4M3, lambda v: v)[0].astype(jnp.float32)
+    saturated = jnp.sum(jnp.abs(w8) == _largest(E4M3))
+    underflow = jnp.sum((w != 0) & (w8 == 0))
+    return amax, saturated, underflow
+
+
+def weight_stats(stages: dict, dtype) -> dict:
+    """The `fp8/` metrics of a step's layer weights (`stages`: the train layout's layer
+    parameters, leaves [stage, chunk, layer, ...]), each matrix of each layer as one
+    tensor, as its matmuls quantize it: the largest and smallest absolute maximum and
+    scale (amax / 448) over the matrices, and the fractions of their elements at the
+    E4M3 range's largest magnitude (saturated) and of nonzero elements flushed to zero
+    (underflow). Uneven stages' zero padding layers are left out."""
+    amaxes, saturated, underflow, elements = [], 0, 0, 0
+    for path, w in jax.tree_util.tree_leaves_with_path(stages):
+        if str(getattr(path[-1], "key", "")) not in MATRICES:
+            continue
+        per_layer = lambda m: _matrix_stats(m, dtype)  # vmapped, not reshaped: the
+        for _ in range(3):  # sharded leading axes stay as they are
+            per_layer = jax.vmap(per_layer)
+        amax, sat, under = (a.reshape(-1) for a in per_layer(w))  # [stage * chunk * layer]
+        real = amax != 0  # padding layers are zeros (a NaN counts as real)
+        amaxes.append(amax)
+        # summed in float32: an 8B model's elements overflow int32
+        count = lambda c: jnp.sum(jnp.where(real, c, 0), dtype=jnp.float32)
+        saturated, underflow = saturated + count(sat), underflow + count(under)
+        elements = elements + count(1) * math.prod(w.shape[3:])
+    amax = jnp.concatenate(amaxes)
+    high = jnp.where(jnp.all(jnp.isfinite(amax)), jnp.max(amax), jnp.nan)
+    low = jnp.min(jnp.where(amax != 0, amax, jnp.inf))
+    largest, n = _largest(E4M3), jnp.maximum(elements, 1.0)
+    return {STAT_PREFIX + "weight_amax_max": high, STAT_PREFIX + "weight_amax_min": low,
+            STAT_PREFIX + "weight_scale_max": high / largest,
+            STAT_PREFIX + "weight_scale_min": low / largest,
+            STAT_PREFIX + "weight_saturated_fraction": saturated / n,
+            STAT_PREFIX + "weight_underflow_fraction": underflow / n}
+
+
+# FSDP's FP8 gathers (model.fp8_gather): the Flax collection holding each gathered
+# matrix's scale beside its E4M3 values in `params` (read by `weight_op`).
+SCALES = "fp8_scales"
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
+    """FSDP's gather of one matrix as FP8: this device's shard w quantized to E4M3 with
+    the whole matrix's scale (its absolute maximum: the shards' maxima's max over
+    `axis_name`, then `whole_max`'s over the tensor devices), gathered over `axis_name`
+    along `axis` in one byte per element, returned as (the whole matrix's E4M3 values in
+    `dtype`, the scale). Exactly `quantize` of the gathered matrix: max and the
+    elementwise scaling commute with the gather. The transpose reduce-scatters the
+    gradient in w's dtype, as FSDP's plain gather (framework/parallel/data.py)."""
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max)
+
+
+def _gather_quantized(w, axis_name, axis, dtype, whole_max):
+    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
+    amax = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(jnp.abs(shard))), axis_name)
+    s = _scale(whole_max(amax)) / _largest(E4M3)
+    w8 = jnp.clip(shard / s, -_largest(E4M3), _largest(E4M3)).astype(E4M3)
+    return jax.lax.all_gather(w8, axis_name, axis=axis, tiled=True).astype(dtype), s
+
+
+def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max), jnp.zeros((), w.dtype)
+
+
+def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
+    return (jax.lax.psum_scatter(grads[0].astype(home.dtype), axis_name,
+                                 scatter_dimension=axis, tiled=True),)
+
+
+gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+
+
+def variables(params) -> dict:
+    """A layer's Flax variables from what its gather gave: {'params', SCALES} already
+    (FSDP's FP8 gathers), or the parameters alone."""
+    return params if "params" in params else {"params": params}
 
 
 def is_matmul(eq: str, w) -> bool:

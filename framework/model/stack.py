@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import ModelConfig
+from framework.model import fp8
 from framework.model.documents import Documents
 from framework.model.layers import NO_TP, layer_windows, split_windows
 from framework.model.llama import Block, KVCache
@@ -88,7 +89,7 @@ def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=Non
                                                  first), x)
 
     def layer(x, layer_params, docs, window):
-        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
+        return Block(cfg, tp).apply(fp8.variables(layer_params), x, docs=docs,
                                     window=fixed if window is None else window)
 
     return scan_layers(checkpointed(layer, stack.remat, stack.gather), x, layers, n_real,

@@ -36,7 +36,9 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
     elif getattr(cfg, "fp8", "none") != "none" and fp8.is_matmul(eq, w):  # model.fp8
-        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max)
+        scale = module.get_variable(fp8.SCALES, name) if module.has_variable(
+            fp8.SCALES, name) else None  # FSDP's FP8 gather quantized w already
+        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max, scale)
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):

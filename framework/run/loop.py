@@ -33,6 +33,7 @@ import numpy as np
 
 from framework.runtime.faults import WATCHED, StopCheck, first_non_finite
 from framework.errors import Diverged
+from framework.model import fp8
 
 Batches = Callable[[int], Any]  # step index -> tokens [global_batch, seq_len + 1]
 
@@ -153,9 +154,11 @@ def to_host(value) -> np.ndarray:
 
 def check_finite(unchecked: list) -> None:
     """Raises Diverged at the first of these steps with a non-finite loss or gradient
-    norm; empties the list (of (step, device metrics))."""
-    values = jax.device_get([[m[k] for k in WATCHED] for _, m in unchecked])
-    found = first_non_finite([(step, {k: float(v) for k, v in zip(WATCHED, row)})
+    norm, or (model.fp8) a non-finite FP8 matmul input; empties the list (of (step,
+    device metrics))."""
+    keys = [k for k in WATCHED + fp8.WATCHED if unchecked and k in unchecked[0][1]]
+    values = jax.device_get([[m[k] for k in keys] for _, m in unchecked])
+    found = first_non_finite([(step, {k: float(v) for k, v in zip(keys, row)})
                               for (step, _), row in zip(unchecked, values)])
     unchecked.clear()
     if found is not None:

@@ -73,7 +73,8 @@ MATHS_KEYS = {"dtype": "model.dtype", "mlp_activation": "model.activation", "has
               "norm_eps": "model.norm_eps", "sliding_window": "model.sliding_window",
               "sliding_window_pattern": "model.sliding_window_pattern",
               "query_pre_attn_scalar": "model.query_pre_attn_scalar",
-              "attn_softcap": "model.attn_softcap", "final_softcap": "model.final_softcap"}
+              "attn_softcap": "model.attn_softcap", "final_softcap": "model.final_softcap",
+              "fp8": "model.fp8"}  # FP8 holds no state: a run resumes with or without it
 
 
 # --- train.init_from: the model settings --------------------------------------------

@@ -311,7 +311,9 @@ def _train(parts: _Parts, state, meta: dict, codec=None) -> tuple[str, dict]:
     per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
     tracker.summary["model/flops_per_token"] = per_token
     perf = flops.per_step_time(devset.kind, cfg.model.dtype, len(devset),
-                               cfg.train.global_batch_size * cfg.train.seq_len, per_token)
+                               cfg.train.global_batch_size * cfg.train.seq_len, per_token,
+                               cfg.model.fp8)
+    tracker.summary["perf/mfu_format"] = flops.matmul_format(cfg.model.fp8, cfg.model.dtype)
     settings = _loop_settings(cfg, first, stats, parts.dataset, perf)
     result = train_loop(engine, state, batches, settings, tracker,
                         _hooks(cfg, engine, parts, codec, save),
