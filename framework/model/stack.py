@@ -38,27 +38,29 @@ def checkpointed(layer, remat: str, gather):
 
 
 def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
-                extra: tuple = (), windows=None):
+                extra: tuple = (), windows=None, scan=None):
     """scan of `layer(x, params, *extra, window) -> y` (or (y, aux)) over params stacked
     on axis 0 (`extra`: the same for every layer, e.g. document masks; `windows`: each
     layer's sliding window [n], scanned with them, else window None). With `n_real`
     (traced) the layers from index n_real on are padding (uneven stages): `skip(real,
     fn, params, x, *extra, window, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`,
     a custom VJP: traced values as arguments, never closed over) runs a layer only
-    where it is real."""
-    if n_real is None:
-        one = lambda h, pw: layer(h, pw[0], *extra, pw[1])
-        return jax.lax.scan(one if has_aux else lambda h, pw: (one(h, pw), None), x,
-                            (layers, windows))
-
-    def step(h, scanned):
-        params, window, i = scanned
-        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra, window,
-                   has_aux=has_aux)
-        return out if has_aux else (out, None)
-
+    where it is real. `scan(one, x, layers, scanned) -> y` runs the loop instead of
+    `lax.scan` (without aux only): `one(h, params, scanned_l) -> h'` is one layer,
+    `scanned` what else is scanned with the params (the pipeline's stash writes each
+    layer's residuals in place: `pipeline/stash.py`'s `scan_into`)."""
     n = jax.tree.leaves(layers)[0].shape[0]
-    return jax.lax.scan(step, x, (layers, windows, jnp.arange(n)))
+    if n_real is None:
+        scanned = (windows,)
+        one = lambda h, params, s: layer(h, params, *extra, s[0])
+    else:
+        scanned = (windows, jnp.arange(n))
+        one = lambda h, params, s: skip(s[1] < n_real, lambda p, h, *e: layer(h, p, *e),
+                                        params, h, *extra, s[0], has_aux=has_aux)
+    if scan is not None and not has_aux:
+        return scan(one, x, layers, scanned), None
+    body = lambda h, ps: one(h, ps[0], ps[1]) if has_aux else (one(h, ps[0], ps[1]), None)
+    return jax.lax.scan(body, x, (layers, scanned))
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,14 @@ class Stack:
 
 
 def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=None,
-                 docs: Documents | None = None, first=None):
+                 docs: Documents | None = None, first=None, scan=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
     all. `docs`: document masks, or None. `first`: the global index of the first layer
     (a pipeline stage's, maybe traced; None: 0), which says which layers slide
-    (layers.layer_windows)."""
+    (layers.layer_windows). `scan`: what runs the loop over the layers (`scan_layers`),
+    None: `lax.scan`."""
     tp = stack.tp
     fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
                                                  first), x)
@@ -92,7 +95,7 @@ def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=Non
                                     window=fixed if window is None else window)
 
     return scan_layers(checkpointed(layer, stack.remat, stack.gather), x, layers, n_real,
-                       stack.skip, extra=(docs,), windows=windows)[0]
+                       stack.skip, extra=(docs,), windows=windows, scan=scan)[0]
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
