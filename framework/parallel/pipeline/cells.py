@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from framework.parallel.pipeline.comm import only_on, slots, zeros_typed_like
+from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_typed_like
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import ON_FIRST
@@ -126,7 +126,7 @@ class Cells:
             return state._replace(fresh=None, stash={
                 k: jax.lax.dynamic_update_slice(buf, fresh["slot"][k], (cell.slot, 0, 0))
                 for k, buf in state.stash.items()})
-        saved = [buf.at[cell.slot].set(e) for buf, e in zip(state.saved, fresh["kept"])]
+        saved = [write_slot(buf, e, cell.slot) for buf, e in zip(state.saved, fresh["kept"])]
         return state._replace(stash=t.packing.store(state.stash, fresh["residuals"],
                                                     cell.slot, t.residuals),
                               saved=saved or state.saved, fresh=None)
@@ -144,7 +144,7 @@ class Cells:
         would overwrite, no data path orders the two, and XLA copied the whole stash
         each step; so every write of a step comes before its reads."""
         if self.recompute:
-            return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
+            return state._replace(saved=[write_slot(state.saved[0], values[0], slot)])
         t = self.types
         return state._replace(stash=t.packing.store(state.stash, values, slot, t.douts))
 
