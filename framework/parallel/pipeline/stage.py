@@ -52,7 +52,7 @@ class StageFns:
     # the global index of the chunk's first layer (Program.first); docs: the
     # microbatch's document masks (`of_microbatch`), which every stage reads; scan=: what
     # runs the loop over the layers (`stash.scan_into`: each layer's residuals into
-    # the stash), see `framework.model.stack.scan_layers`
+    # the stash), see `framework.model.stack.apply_layers`
     layers: Callable
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share
     split: Optional[SplitBackward] = None  # needed by tables with B and W cells
