@@ -2,13 +2,15 @@
 per kind (`Cells.work`), on one chunk of one microbatch (framework/parallel/pipeline/
 ticks.py runs them; how they are lowered for each compiler is lowering.py's).
 
-  F(i, c)   x = the embedded microbatch (first stage) or its receive slot;
-            y, vjp = jax.vjp(chunk c's layers); the VJP's residuals (the activations
-            the backward needs; parameters are recognised by identity and never
-            copied) are what it keeps (`fresh`, for the microbatch's stash slot). The
-            last stage then runs head + loss and keeps dL/dy for its own backward.
-  BW(i, c)  rebuild the VJP from the stash slot, pull the incoming gradient through it:
-            the weight gradients (`g_w`, to add) and dx to send on.
+  F(i, c)   x = the embedded microbatch (first stage) or its receive slot; chunk c's
+            layers, each under its own jax.vjp, whose residuals (the activations the
+            backward needs; parameters are recognised by identity and never copied)
+            go straight into that layer's rows of the microbatch's stash slot
+            (`stash.scan_into`; a split backward keeping the weight ops' inputs: the
+            chunk's VJP's, `fresh`). The last stage then runs head + loss and keeps
+            dL/dy for its own backward.
+  BW(i, c)  the layers in reverse, each layer's VJP rebuilt from its rows of the slot
+            (`stash.scan_from`): the weight gradients (`g_w`, to add) and dx to send on.
   B(i, c)   (split backward) the VJP w.r.t. the input and the weight matmuls' outputs
             only: dx is sent on, the matmul output gradients (`douts`) overwrite the
             (now dead) residuals in the stash slot, next to the matmul inputs F saved.

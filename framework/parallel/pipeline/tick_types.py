@@ -148,7 +148,7 @@ class Types(NamedTuple):
     shapes only (dead code the compiler drops)."""
 
     x: jax.Array  # [mb, seq, d]
-    residuals: list  # leaves of a chunk's VJP, the weights left out
+    residuals: list  # leaves of a chunk's VJP, weights left out ([]: per layer, `pieces`)
     vjp_def: object  # the VJP's treedef, and which of its leaves are weights
     param_slot: list
     saved: list  # split backward: the weight ops' inputs, and their tree
