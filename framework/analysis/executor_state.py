@@ -68,7 +68,9 @@ def trace_per_device(lay: Layout, measure, pass_through: bool = True) -> None:
 def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
-    field, and of one stash slot's entry (`slot`). Measured, not recounted:
+    field, and of what a cell hands out of its conditional to be written after it
+    (`slot`: F's fresh stash slot, where it is not written in place, and the saved
+    buffers' entry). Measured, not recounted:
     `jax.eval_shape` of the executor's `initial_carry` (`trace_per_device`).
     `pass_through`: as the target's compiler (`engine.step.passes_through`: on GPUs the
     stash has a spare slot)."""
@@ -78,7 +80,10 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
         cells = ticks.make_cells(lay.program, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE))
         found.update({k: nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
-        slot = nbytes(cells.types.packing.zeros(1))
+        # F's residuals leave its conditional as one fresh slot only where the compiler
+        # copies what a conditional passes through, or beside the weight ops' inputs
+        # (a split backward without remat); else each layer's are written in place
+        slot = nbytes(cells.types.packing.zeros(1)) if cells.apart or cells.keeps_inputs else 0
         saved = nbytes([cells.zeros(a, 0) for a in cells.types.saved])
         found["slot"] = slot + saved
         return jnp.zeros(())

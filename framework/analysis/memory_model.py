@@ -42,10 +42,13 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  recounted: the executor's own state before its first tick
                  (`executor_state`: `jax.eval_shape` of its `initial_carry`: the
                  receive slots, the stash slots of the program's buffer plan, the
-                 gradient accumulators, the pending sends), plus one stash slot's entry
-                 (what a backward cell's branch returns for the write after it: with
-                 synchronous sends or a split backward's B) and, with overlapped
-                 sends, the message arriving beside the cell.
+                 gradient accumulators, the pending sends), plus what a cell's
+                 branch returns for a write after it (`executor_state`'s `slot`: F's
+                 residuals as one fresh stash slot only where they are not written in
+                 place layer by layer, i.e. on the GPU compiler before jaxlib 0.11.2
+                 or beside a split backward's weight-op inputs; B's entry of the saved
+                 buffers) and, with overlapped sends, the message arriving beside the
+                 cell.
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch; with `model.loss_chunk` those of one chunk, beside

@@ -53,7 +53,7 @@ class ModelSpec:
     embed: Callable  # (model, tp) -> the embedding module
     head: Callable  # (model, tp) -> final norm + LM head
     block: Callable  # (model, tp) -> one layer
-    apply_layers: Callable  # (model, layers, x, stack, n_real, docs, first)
+    apply_layers: Callable  # (model, layers, x, stack, n_real, docs, first, scan)
     apply_layers_cached: Callable  # decoding with a KV cache
     kv_cache: Callable  # the cache's type
     head_loss: Callable  # (model, tp, head, table, y, targets, z_loss) -> sum

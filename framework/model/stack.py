@@ -38,6 +38,17 @@ def checkpointed(layer, remat: str, gather):
     return layer if remat == "none" else jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
 
+def one_layer(layer, n: int, n_real=None, skip=None, has_aux: bool = False, extra: tuple = (),
+              windows=None):
+    """One step of `scan_layers`'s loop over n layers: (one(h, params, scanned_l) -> h'
+    (or (h', aux)), scanned: what is scanned beside the params, [n, ...] leaves)."""
+    if n_real is None:
+        return (lambda h, params, s: layer(h, params, *extra, s[0])), (windows,)
+    one = lambda h, params, s: skip(s[1] < n_real, lambda p, h, *e: layer(h, p, *e), params,
+                                    h, *extra, s[0], has_aux=has_aux)
+    return one, (windows, jnp.arange(n))
+
+
 def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
                 extra: tuple = (), windows=None):
     """scan of `layer(x, params, *extra, window) -> y` (or (y, aux)) over params stacked
@@ -47,19 +58,10 @@ def scan_layers(layer, x, layers, n_real=None, skip=None, has_aux: bool = False,
     fn, params, x, *extra, window, has_aux=...)` (`pipeline/stage.py`'s `skip_unless`,
     a custom VJP: traced values as arguments, never closed over) runs a layer only
     where it is real."""
-    if n_real is None:
-        one = lambda h, pw: layer(h, pw[0], *extra, pw[1])
-        return jax.lax.scan(one if has_aux else lambda h, pw: (one(h, pw), None), x,
-                            (layers, windows))
-
-    def step(h, scanned):
-        params, window, i = scanned
-        out = skip(i < n_real, lambda p, h, *e: layer(h, p, *e), params, h, *extra, window,
-                   has_aux=has_aux)
-        return out if has_aux else (out, None)
-
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return jax.lax.scan(step, x, (layers, windows, jnp.arange(n)))
+    one, scanned = one_layer(layer, jax.tree.leaves(layers)[0].shape[0], n_real, skip,
+                             has_aux, extra, windows)
+    body = lambda h, ps: one(h, ps[0], ps[1]) if has_aux else (one(h, ps[0], ps[1]), None)
+    return jax.lax.scan(body, x, (layers, scanned))
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,16 @@ class Stack:
 
 
 def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=None,
-                 docs: Documents | None = None, first=None):
+                 docs: Documents | None = None, first=None, scan=None):
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
     all. `docs`: document masks, or None. `first`: the global index of the first layer
     (a pipeline stage's, maybe traced; None: 0), which says which layers slide
-    (layers.layer_windows)."""
+    (layers.layer_windows). `scan(one, x, layers, scanned) -> y`: what runs the loop
+    over the layers instead of `scan_layers`'s `lax.scan` (`one(h, params, scanned_l)
+    -> h'` is one layer, `one_layer`; the pipeline's stash writes each layer's residuals
+    in place with it: `pipeline/stash.py`'s `scan_into`)."""
     tp = stack.tp
     fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
                                                  first), x)
@@ -92,8 +97,13 @@ def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=Non
         return Block(cfg, tp).apply(fp8.variables(layer_params), x, docs=docs,
                                     window=fixed if window is None else window)
 
-    return scan_layers(checkpointed(layer, stack.remat, stack.gather), x, layers, n_real,
-                       stack.skip, extra=(docs,), windows=windows)[0]
+    run = checkpointed(layer, stack.remat, stack.gather)
+    if scan is None:
+        return scan_layers(run, x, layers, n_real, stack.skip, extra=(docs,),
+                           windows=windows)[0]
+    one, scanned = one_layer(run, jax.tree.leaves(layers)[0].shape[0], n_real, stack.skip,
+                             extra=(docs,), windows=windows)
+    return scan(one, x, layers, scanned)
 
 
 def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,

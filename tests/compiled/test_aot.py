@@ -205,11 +205,13 @@ def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
 def test_a_tpu_program_fits_by_the_compilers_peak_not_its_summed_temporaries():
     """The TPU compiler's temporaries count the tiles' padding twice; its peak is what
     it checks against HBM (framework/analysis/memory_check.py, `compiled_bytes`). Eight
-    Llama-3-8B layers, ZB-H1, 768 sequences on tpu:v5p-32: arguments + outputs +
-    temporaries - aliased is 99.6 GiB, over the chip's 95.74, yet the compiler accepts
-    the program, at a peak of 73.3 GiB (2026-11-26); the report says it fits."""
+    Llama-3-8B layers, ZB-H1, 832 sequences on tpu:v5p-32: arguments + outputs +
+    temporaries - aliased over the chip's 95.74 GiB, yet the compiler accepts the
+    program at a lower peak; the report says it fits. (768 sequences: 99.6 GiB summed,
+    peak 73.3 GiB on 2026-11-26; 90.8 summed once the stash was written in place layer
+    by layer, 2026-11-28, so the case grew to stay over the chip.)"""
     got = report("tpu:v5p-32", "parallel.schedule=zb_h1", "model.n_layers=8",
-                 "train.global_batch_size=768", recipe="llama3_8b_v5p")
+                 "train.global_batch_size=832", recipe="llama3_8b_v5p")
     summed = sum(got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp"))
     assert summed - got["memory/alias_bytes_per_device"] > got["memory/device_bytes"]
     assert got["fits"] and got["memory/compiled_bytes_per_device"] < 0.85 * got[

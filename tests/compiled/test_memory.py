@@ -85,7 +85,10 @@ def test_tick_schedules_memory_does_not_grow_with_microbatches():
     assert got["zb_h1", 16] <= 1.25 * got["zb_h1", 8]  # bounded like 1F1B's
     for s in ("1f1b", "interleaved_1f1b", "zb_h1"):
         assert got[s, 16] < got["gpipe", 16], s  # GPipe keeps all 16 microbatches
-    assert got["zb_h1", 16] <= 1.1 * got["1f1b", 16]  # ZB-H1: 1F1B's activation memory
+    # ZB-H1: about 1F1B's activation memory. 1F1B writes its residuals in place layer
+    # by layer (no whole slot beside the stash: 9.74 -> 9.39 MB here); ZB-H1 keeps the
+    # weight ops' inputs and hands them on whole (10.45 MB): 1.07x -> 1.11x.
+    assert got["zb_h1", 16] <= 1.2 * got["1f1b", 16]
 
 
 @pytest.mark.slow

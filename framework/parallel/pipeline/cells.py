@@ -2,13 +2,15 @@
 per kind (`Cells.work`), on one chunk of one microbatch (framework/parallel/pipeline/
 ticks.py runs them; how they are lowered for each compiler is lowering.py's).
 
-  F(i, c)   x = the embedded microbatch (first stage) or its receive slot;
-            y, vjp = jax.vjp(chunk c's layers); the VJP's residuals (the activations
-            the backward needs; parameters are recognised by identity and never
-            copied) are what it keeps (`fresh`, for the microbatch's stash slot). The
-            last stage then runs head + loss and keeps dL/dy for its own backward.
-  BW(i, c)  rebuild the VJP from the stash slot, pull the incoming gradient through it:
-            the weight gradients (`g_w`, to add) and dx to send on.
+  F(i, c)   x = the embedded microbatch (first stage) or its receive slot; chunk c's
+            layers, each under its own jax.vjp, whose residuals (the activations the
+            backward needs; parameters are recognised by identity and never copied)
+            go straight into that layer's rows of the microbatch's stash slot
+            (`stash.scan_into`; a split backward keeping the weight ops' inputs: the
+            chunk's VJP's, `fresh`). The last stage then runs head + loss and keeps
+            dL/dy for its own backward.
+  BW(i, c)  the layers in reverse, each layer's VJP rebuilt from its rows of the slot
+            (`stash.scan_from`): the weight gradients (`g_w`, to add) and dx to send on.
   B(i, c)   (split backward) the VJP w.r.t. the input and the weight matmuls' outputs
             only: dx is sent on, the matmul output gradients (`douts`) overwrite the
             (now dead) residuals in the stash slot, next to the matmul inputs F saved.
@@ -33,18 +35,18 @@ parallelism), d = d_model; n = slots of a buffer (+1: the spare row, `comm.slots
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from framework.parallel.pipeline.comm import only_on, slots, zeros_typed_like
+from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_typed_like
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import ON_FIRST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
-from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types,
-                                                    forward_in_parts, layer_slice)
+from framework.parallel.pipeline.stash import scan_from, scan_into
+from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types, layer_slice,
+                                                    layers_of)
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,25 @@ class Cells:
 
     # --- Where what a cell makes goes ---------------------------------------------------
 
+    def fresh_zeros(self) -> dict:
+        """What F hands on (`fresh`) where it does not run: its residuals in place, one
+        stash slot {key: [1, rows, LANE]}; keeping the weight ops' inputs, its VJP's
+        residuals and those inputs."""
+        t = self.types
+        if not self.keeps_inputs:
+            return {"slot": t.packing.zeros(1, self.manual)}
+        return {"residuals": [self.zeros(a) for a in t.residuals],
+                "kept": [self.zeros(a) for a in t.saved]}
+
     def write_kept(self, state: TickState, cell: CellIn) -> TickState:
         """F's residuals (`fresh`) into stash slot `cell.slot`, its kept inputs into the
         saved buffers'."""
         fresh, t = state.fresh, self.types
-        saved = [buf.at[cell.slot].set(e) for buf, e in zip(state.saved, fresh["kept"])]
+        if "slot" in fresh:  # one slot, its layers' residuals in place: [1, rows, LANE]
+            return state._replace(fresh=None, stash={
+                k: jax.lax.dynamic_update_slice(buf, fresh["slot"][k], (cell.slot, 0, 0))
+                for k, buf in state.stash.items()})
+        saved = [write_slot(buf, e, cell.slot) for buf, e in zip(state.saved, fresh["kept"])]
         return state._replace(stash=t.packing.store(state.stash, fresh["residuals"],
                                                     cell.slot, t.residuals),
                               saved=saved or state.saved, fresh=None)
@@ -130,7 +146,7 @@ class Cells:
         would overwrite, no data path orders the two, and XLA copied the whole stash
         each step; so every write of a step comes before its reads."""
         if self.recompute:
-            return state._replace(saved=[state.saved[0].at[slot].set(values[0])])
+            return state._replace(saved=[write_slot(state.saved[0], values[0], slot)])
         t = self.types
         return state._replace(stash=t.packing.store(state.stash, values, slot, t.douts))
 
@@ -140,27 +156,40 @@ class Cells:
     # --- The work of each kind ----------------------------------------------------------
 
     def forward(self, state: TickState, cell: CellIn) -> TickState:
-        """F: the chunk's forward; its VJP's residuals (and, split, the weight ops'
-        inputs) for the microbatch's stash slot, its output to `act`."""
+        """F: the chunk's forward, its output to `act`; its VJP's residuals go into the
+        microbatch's stash slot layer by layer as the layers run (`stash.scan_into`),
+        or (a split backward that keeps the weight ops' inputs) are handed on whole
+        with those inputs (`fresh`)."""
         fns, p = self.fns, self.params
         x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
                     lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
-        kept = []
-        if self.types.pieces:  # a BW cut into parts: one VJP per part
-            y, residuals, _ = forward_in_parts(fns, w, x, self.prog.real(cell.stage),
-                                               len(self.types.pieces), docs, first)
-        elif self.keeps_inputs:
-            y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
-                                                docs=docs, first=first)
-            residuals, kept = split_vjp(vjp_fn, w)[0], jax.tree.leaves(kept)
-        else:  # (recompute: B writes the saved buffer)
-            chunk = partial(fns.layers, n_real=self.prog.real(cell.stage), docs=docs,
-                            first=first)
-            y, vjp_fn = jax.vjp(chunk, w, x)
-            residuals = split_vjp(vjp_fn, w)[0]
+        if not self.keeps_inputs:  # (recompute: B writes the saved buffer)
+            x, stash = self.forward_in_place(state, cell, w, x, docs, first)
+            if self.fns.pass_through:
+                return state._replace(stash=stash, act=x)
+            return state._replace(fresh={"slot": stash}, act=x)  # (`lowering.Cells.apart`)
+        y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
+                                            docs=docs, first=first)
+        residuals, kept = split_vjp(vjp_fn, w)[0], jax.tree.leaves(kept)
         return state._replace(fresh={"residuals": residuals, "kept": kept}, act=y)
+
+    def forward_in_place(self, state: TickState, cell: CellIn, w, x, docs, first):
+        """The chunk's layers on x [mb, seq, d], each layer's residuals written into its
+        rows of the microbatch's stash slot as it runs (`stash.scan_into`): (y, the
+        stash). Where the compiler copies what a conditional passes through
+        (`StageFns.pass_through`), into a fresh slot {key: [1, rows, LANE]} instead,
+        which `write_kept` puts in place after the conditional."""
+        t, n_real = self.types, self.prog.real(cell.stage)
+        stash, slot = ((state.stash, cell.slot) if self.fns.pass_through
+                       else (t.packing.zeros(1, self.manual), 0))
+        for piece in t.pieces:
+            scan, out = scan_into(t.packing, stash, slot, piece)
+            run = layers_of(self.fns, n_real, len(t.pieces), docs, first, piece.lo, piece.hi)
+            x = run(layer_slice(w, piece.lo, piece.hi), x, scan=scan)
+            stash = out["carry"]
+        return x, stash
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
         """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""
@@ -170,31 +199,32 @@ class Cells:
         grads = dict(grads, head=_add(grads["head"], g_head), embed=_add(grads["embed"], g_embed))
         return state._replace(grads=grads, loss=state.loss + value, grad=dy)
 
+    def in_place(self, state: TickState, cell: CellIn, j: int, dy):
+        """The backward of piece j of the chunk's layers from its rows of the stash slot
+        (`stash.scan_from`): (weight gradients [its layers, ...], dx)."""
+        piece, w = self.types.pieces[j], self.weights(cell.chunk)
+        return scan_from(self.types.packing, state.stash, cell.slot, piece,
+                         layer_slice(w, piece.lo, piece.hi), dy)
+
     def backward(self, state: TickState, cell: CellIn) -> TickState:
         """BW, or B when the backward is split (its weight half comes later, in W)."""
-        t, w = self.types, self.weights(cell.chunk)
+        if self.recompute:  # B: dx only (XLA drops the weight half); dy kept for W
+            return state._replace(douts=[cell.dy], grad=self.in_place(state, cell, 0, cell.dy)[1])
+        if not self.split:  # BW: the gradients of the input and of the weights
+            g_w, dx = self.in_place(state, cell, 0, cell.dy)
+            return state._replace(grad=dx, g_w=g_w)
+        t, w = self.types, self.weights(cell.chunk)  # B: the input's and the matmul outputs'
         vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
                           t.param_slot, w)
-        if self.recompute:  # B: dx only (XLA drops the weight half); dy kept for W
-            return state._replace(douts=[cell.dy], grad=vjp_fn(cell.dy)[1])
-        if self.split:  # B: the gradients of the input and of the matmul outputs
-            dx, douts = vjp_fn(cell.dy)
-            return state._replace(douts=jax.tree.leaves(douts), grad=dx)
-        g_w, dx = vjp_fn(cell.dy)  # BW: the gradients of the input and of the weights
-        return state._replace(grad=dx, g_w=g_w)
+        dx, douts = vjp_fn(cell.dy)
+        return state._replace(douts=jax.tree.leaves(douts), grad=dx)
 
     def backward_part(self, j: int):
         """The BWj cell: the fused backward of part j of the chunk's layers (bottom
-        first), from that part's residuals in the stash slot; BW0 sends dx on, the
-        others pass the gradient down to the part below (a message to itself)."""
-        piece = self.types.pieces[j]
-
+        first), from that part's rows of the stash slot; BW0 sends dx on, the others
+        pass the gradient down to the part below (a message to itself)."""
         def run(state: TickState, cell: CellIn) -> TickState:
-            w = layer_slice(self.weights(cell.chunk), piece.lo, piece.hi)
-            acts = self.types.packing.read(state.stash, cell.slot, self.types.residuals)
-            vjp_fn = join_vjp(acts[piece.start:piece.start + piece.n], piece.vjp_def,
-                              piece.param_slot, w)
-            g_w, dx = vjp_fn(cell.dy)
+            g_w, dx = self.in_place(state, cell, j, cell.dy)
             return state._replace(grad=dx, g_w=g_w)
 
         return run
@@ -202,10 +232,8 @@ class Cells:
     def weight(self, state: TickState, cell: CellIn) -> TickState:
         """W: the weight gradients, from the microbatch's stash slot and saved buffers."""
         t, w = self.types, self.weights(cell.chunk)
-        if self.recompute:  # the full VJP again, for the weights only (dx is dropped)
-            vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
-                              t.param_slot, w)
-            g_w = vjp_fn(state.saved[0][cell.slot])[0]
+        if self.recompute:  # the full backward again, for the weights only (dx is dropped)
+            g_w = self.in_place(state, cell, 0, state.saved[0][cell.slot])[0]
         else:
             kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in state.saved])
             douts = jax.tree.unflatten(t.dout_def,

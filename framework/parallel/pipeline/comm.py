@@ -83,7 +83,14 @@ def slots(like_shape, n: int) -> tuple:
     return (n + 1,) + tuple(like_shape)
 
 
+def write_slot(buf, value, slot):
+    """buf [n, ...] with buf[slot] = value [...]: a dynamic-update-slice, written in place
+    (`.at[slot].set` lowers to a scatter)."""
+    return jax.lax.dynamic_update_slice(buf, value[None].astype(buf.dtype),
+                                        (slot,) + (0,) * value.ndim)
+
+
 def store(buf, value, slot, keep):
     """buf[slot] = value where `keep`, else value goes to the spare last slot (`slots`):
     an unconditional in-place write, no read of the old slot."""
-    return buf.at[jnp.where(keep, slot, buf.shape[0] - 1)].set(value)
+    return write_slot(buf, value, jnp.where(keep, slot, buf.shape[0] - 1))

@@ -106,6 +106,8 @@ class Cells(cells.Cells):
 
     def fields(self, out: Out) -> tuple:
         """The fields of the tick state a branch that makes `out` writes."""
+        if out is Out.KEPT and not self.keeps_inputs and not self.apart:  # in place
+            return (Field.STASH,)
         if out is Out.KEPT:
             return (Field.FRESH,) if self.apart else (
                 (Field.STASH, Field.SAVED) if self.split else (Field.STASH,))
@@ -124,7 +126,7 @@ class Cells(cells.Cells):
                 piece = self.types.pieces[kind.part]
                 layers = slice(piece.lo, piece.hi)
             if not self.apart and Out.KEPT in kind.writes:
-                then = self.write_kept
+                then = self.write_kept if self.keeps_inputs else None
             elif not self.apart and Out.WEIGHT_GRADS in kind.writes:
                 then = partial(self.accumulate, layers=layers)
             writes = tuple(f for out in kind.writes for f in self.fields(out))
@@ -154,10 +156,7 @@ class Cells(cells.Cells):
             return self.put(state, state.douts, self.slot_or_spare(run.pred(kind, cell),
                                                                     cell.slot, state))
         if Field.FRESH in run.writes:
-            t = self.types
-            zeros = {"residuals": [self.zeros(a) for a in t.residuals],
-                     "kept": [self.zeros(a) for a in t.saved] if self.keeps_inputs else []}
-            state = run(kind, state._replace(fresh=zeros), cell)
+            state = run(kind, state._replace(fresh=self.fresh_zeros()), cell)
             slot = self.slot_or_spare(run.pred(kind, cell), cell.slot, state)
             return self.write_kept(state, cell._replace(slot=slot))
         if Field.G_W not in run.writes:

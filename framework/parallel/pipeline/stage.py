@@ -50,7 +50,9 @@ class StageFns:
     embed: Callable  # (embed params, ids [mb, seq]) -> x [mb, seq (/tensor with SP), d]
     # (chunk params [Lc, ...], x, n_real=None, docs=None, first=None) -> y, like x; first:
     # the global index of the chunk's first layer (Program.first); docs: the
-    # microbatch's document masks (`of_microbatch`), which every stage reads
+    # microbatch's document masks (`of_microbatch`), which every stage reads; scan=: what
+    # runs the loop over the layers (`stash.scan_into`: each layer's residuals into
+    # the stash), see `framework.model.stack.apply_layers`
     layers: Callable
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share
     split: Optional[SplitBackward] = None  # needed by tables with B and W cells

@@ -5,24 +5,47 @@ chunk's VJP residuals, then with a split backward the weight ops' output gradien
 that B writes over the dead residuals), so it is one buffer per dtype and varying type
 rather than one per array (`Packing`): a microbatch in flight then holds no more than
 the larger of the lists.
+
+Residuals kept in place (`scan_into`, `scan_from`): F's layer loop takes one layer's
+VJP at a time and writes its residuals straight into that layer's rows of the slot
+(`Piece.at`); the backward's reverse loop reads each layer's rows back and rebuilds
+that layer's VJP. Nothing is stacked per chunk and then copied into the slot, or sliced
+out of it whole and then sliced again per layer: each residual byte is written once
+and read once.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from framework.parallel.pipeline.comm import zeros_typed_like
+from framework.parallel.pipeline.stage import join_vjp, split_vjp
 
 LANE = 128  # a stash row is [elements / LANE, LANE]: see `Packing`
 
 
+class Like(NamedTuple):
+    """An array's type, kept out of the trace that made it: shape, dtype, and the mesh
+    axes it varies over (a stash buffer's key, `_key`)."""
+
+    shape: tuple
+    dtype: object
+    vary: tuple
+
+    @staticmethod
+    def of(a) -> "Like":
+        return Like(tuple(a.shape), a.dtype, tuple(sorted(jax.typeof(a).manual_axis_type.varying)))
+
+
 def _key(a) -> str:
     """Arrays of one key share a buffer: same dtype and same varying mesh axes."""
-    return f"{a.dtype}|{','.join(sorted(jax.typeof(a).manual_axis_type.varying))}"
+    vary = a.vary if isinstance(a, Like) else sorted(jax.typeof(a).manual_axis_type.varying)
+    return f"{jnp.dtype(a.dtype)}|{','.join(vary)}"
 
 
 def _lanes(a) -> int:
@@ -60,11 +83,12 @@ class Packing:
                                     axes.split(",") if axes else ())
         return {key: one(key, rows) for key, rows in self.rows.items()}
 
-    def store(self, stash: dict, leaves, slot, like) -> dict:
+    def store(self, stash: dict, leaves, slot, like, at: dict | None = None) -> dict:
         """Writes `leaves` into slot `slot` of the stash, each at its row: no copy into
         one array first. `like`: their types as traced, which name their buffers (a
-        leaf may vary over more axes after a conditional)."""
-        at = dict.fromkeys(self.rows, 0)
+        leaf may vary over more axes after a conditional). `at`: the first row per key
+        (traced, maybe), else 0."""
+        at = dict(at) if at is not None else dict.fromkeys(self.rows, 0)
         stash = dict(stash)
         for a, t in zip(leaves, like, strict=True):
             key, n = _key(t), _lanes(a)
@@ -76,10 +100,10 @@ class Packing:
             at[key] += n
         return stash
 
-    def read(self, stash: dict, slot, like) -> list:
+    def read(self, stash: dict, slot, like, at: dict | None = None) -> list:
         """Arrays shaped like `like`, read from slot `slot` of the stash at their rows
-        (only what is asked for is copied out of the slot)."""
-        at = dict.fromkeys(self.rows, 0)
+        from `at` (as `store`'s; only what is asked for is copied out of the slot)."""
+        at = dict(at) if at is not None else dict.fromkeys(self.rows, 0)
         out = []
         for a in like:
             key, n = _key(a), _lanes(a)
@@ -89,3 +113,89 @@ class Packing:
         return out
 
 
+
+
+# --- Residuals kept in place, one layer at a time --------------------------------------
+
+class Piece(NamedTuple):
+    """A run of a chunk's layers [lo, hi) (a BW part, or the whole chunk) whose residuals
+    sit in a stash slot one layer after another: layer lo + l's at rows `at(l)`, one
+    layer's leaves typed `like`, its VJP rebuilt by `join_vjp(..., vjp_def, param_slot,
+    that layer's weights)`."""
+
+    lo: int
+    hi: int
+    like: tuple  # Like, ...: one layer's residual leaves
+    vjp_def: object
+    param_slot: list
+    start: dict  # key -> the slot's row where layer lo's residuals start
+
+    def per_layer(self) -> dict:
+        """key -> rows of LANE elements one layer's residuals take."""
+        rows: dict = {}
+        for a in self.like:
+            rows[_key(a)] = rows.get(_key(a), 0) + _lanes(a)
+        return rows
+
+    def at(self, l) -> dict:
+        """key -> the first row of the piece's layer l (traced)."""
+        return {k: self.start.get(k, 0) + l * n for k, n in self.per_layer().items()}
+
+
+def layer_vjps(on_layer, carry):
+    """A `scan` for `framework.model.stack.scan_layers` that runs each layer under its
+    own `jax.vjp`: `on_layer(carry, residuals, vjp_def, param_slot, l) -> carry` gets
+    layer l's residuals (its weights left out, `split_vjp`). Returns (scan, result),
+    result["carry"] the carry after the last layer once the scan has run."""
+    result = {}
+
+    def scan(one, h, layers, scanned):  # one(h, params, scanned_l) -> h'; h [mb, seq, d]
+        def body(hc, xs):
+            h, c = hc
+            params, s, l = xs
+            h, vjp_fn = jax.vjp(lambda p, h: one(h, p, s), params, h)
+            return (h, on_layer(c, *split_vjp(vjp_fn, params), l)), None
+
+        n = jax.tree.leaves(layers)[0].shape[0]
+        (h, result["carry"]), _ = jax.lax.scan(body, (h, carry), (layers, scanned,
+                                                                  jnp.arange(n)))
+        return h
+
+    return scan, result
+
+
+def probe(layers_fn, w, x):
+    """One layer's residual types and VJP structure of `layers_fn(w, x, scan=...)` (for
+    the types only: the trace is dead code): (y, like, vjp_def, param_slot)."""
+    found = []
+
+    def record(c, acts, vjp_def, param_slot, l):
+        found[:] = [tuple(Like.of(a) for a in acts), vjp_def, param_slot]
+        return c
+
+    scan, _ = layer_vjps(record, ())
+    y = layers_fn(w, x, scan=scan)
+    return (y, *found)
+
+
+def scan_into(packing: Packing, stash: dict, slot, piece: Piece):
+    """A `scan` that writes each layer's residuals into its rows of slot `slot` of the
+    stash as it goes (F). Returns (scan, result): result["carry"] the stash after it."""
+    def write(stash, acts, vjp_def, param_slot, l):
+        return packing.store(stash, acts, slot, piece.like, piece.at(l))
+
+    return layer_vjps(write, stash)
+
+
+def scan_from(packing: Packing, stash: dict, slot, piece: Piece, w, dy):
+    """The backward of the piece's layers (w: their weights [hi - lo, ...]) from their
+    rows of slot `slot`, top layer first: (weight gradients like w, dx)."""
+    def back(dh, xs):  # dh [mb, seq, d]
+        params, l = xs
+        acts = packing.read(stash, slot, piece.like, piece.at(l))
+        g_p, dh = join_vjp(acts, piece.vjp_def, piece.param_slot, params)(dh)
+        return dh, g_p
+
+    n = jax.tree.leaves(w)[0].shape[0]
+    dx, g_w = jax.lax.scan(back, dy, (w, jnp.arange(n)), reverse=True)
+    return g_w, dx

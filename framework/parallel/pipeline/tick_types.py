@@ -19,7 +19,7 @@ import numpy as np
 
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.stage import StageFns, of_microbatch, split_vjp
-from framework.parallel.pipeline.stash import Packing
+from framework.parallel.pipeline.stash import Like, Packing, Piece, probe
 
 
 # --- What flows through a tick --------------------------------------------------------
@@ -106,19 +106,6 @@ def with_fields(state: TickState, fields: tuple, values: tuple) -> TickState:
 
 # --- A BW cut into parts, and the types of what a cell keeps -------------------------
 
-class Piece(NamedTuple):
-    """One part of a chunk's layers whose backward is its own cell (BWj, `kinds.py`):
-    layers [lo, hi) of the chunk, its VJP's residuals at [start, start + n) of the
-    stash slot's list, and how to rebuild the VJP from them (`stage.join_vjp`)."""
-
-    lo: int
-    hi: int
-    start: int
-    n: int
-    vjp_def: object
-    param_slot: list
-
-
 def part_bounds(n_layers: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) of each part of a chunk's `n_layers` layers, bottom first, as even as
     whole layers allow."""
@@ -130,23 +117,30 @@ def layer_slice(tree, lo: int, hi: int):
     return jax.tree.map(lambda a: a[lo:hi], tree)
 
 
-def _part_real(n_real, lo: int, hi: int):
-    """Uneven stages: how many of the part's layers are real (None: all)."""
-    return None if n_real is None else jnp.clip(n_real - lo, 0, hi - lo)
+def part_real(n_real, lo: int, hi: int, parts: int):
+    """Uneven stages: how many of a part's layers are real (None: all; one part: n_real)."""
+    return n_real if n_real is None or parts == 1 else jnp.clip(n_real - lo, 0, hi - lo)
 
 
-def forward_in_parts(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None):
-    """The chunk's forward as its parts, bottom first: (y, residuals of every part in
-    one list, the `Piece`s). `first`: the global index of the chunk's first layer."""
-    residuals, pieces = [], []
+def layers_of(fns: StageFns, n_real, parts: int, docs, first, lo: int, hi: int):
+    """`fns.layers` of the chunk's layers [lo, hi): (weights [hi - lo, ...], x, scan)."""
+    return partial(fns.layers, n_real=part_real(n_real, lo, hi, parts), docs=docs,
+                   first=None if first is None else first + lo)
+
+
+def trace_pieces(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None) -> tuple:
+    """The `Piece`s of a chunk's layers cut into `parts` (bottom first), each layer's
+    residuals after the last's in the stash slot (traced for their types only)."""
+    rows: dict = {}
+    pieces = []
     for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
-        part = layer_slice(w, lo, hi)
-        x, vjp_fn = jax.vjp(partial(fns.layers, n_real=_part_real(n_real, lo, hi), docs=docs,
-                                    first=None if first is None else first + lo), part, x)
-        acts, vjp_def, param_slot = split_vjp(vjp_fn, part)
-        pieces.append(Piece(lo, hi, len(residuals), len(acts), vjp_def, param_slot))
-        residuals += acts
-    return x, residuals, pieces
+        run = layers_of(fns, n_real, parts, docs, first, lo, hi)
+        x, like, vjp_def, param_slot = probe(run, layer_slice(w, lo, hi), x)
+        piece = Piece(lo, hi, like, vjp_def, param_slot, dict(rows))
+        for key, n in piece.per_layer().items():
+            rows[key] = rows.get(key, 0) + (hi - lo) * n
+        pieces.append(piece)
+    return tuple(pieces)
 
 
 class Types(NamedTuple):
@@ -154,7 +148,7 @@ class Types(NamedTuple):
     shapes only (dead code the compiler drops)."""
 
     x: jax.Array  # [mb, seq, d]
-    residuals: list  # leaves of a chunk's VJP, the weights left out
+    residuals: list  # leaves of a chunk's VJP, weights left out ([]: per layer, `pieces`)
     vjp_def: object  # the VJP's treedef, and which of its leaves are weights
     param_slot: list
     saved: list  # split backward: the weight ops' inputs, and their tree
@@ -162,7 +156,9 @@ class Types(NamedTuple):
     douts: list  # split backward: the weight ops' output gradients, and their tree
     dout_def: object
     packing: Packing  # the stash row holding either residuals or douts
-    pieces: tuple = ()  # a BW cut into parts: each part's `Piece`, bottom first
+    pieces: tuple = ()  # residuals kept in place: the chunk's `Piece`s (one per part of a
+    #                     BW cut into parts), bottom first; () for a split backward that
+    #                     keeps the weight ops' inputs (its stash is the chunk's VJP's)
 
 
 def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage,
@@ -172,22 +168,18 @@ def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, s
     docs = of_microbatch(docs, 0)
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     first = prog.first(stage, jax.tree.leaves(w0)[0].shape[0])
-    chunk = partial(fns.layers, n_real=prog.real(stage), docs=docs, first=first)
     x = fns.embed(params["embed"], inputs[0])
-    if prog.schedule.parts > 1:  # the stash holds every part's residuals, one list
-        _, residuals, pieces = forward_in_parts(fns, w0, x, prog.real(stage),
-                                                prog.schedule.parts, docs, first)
-        none = jax.tree.structure([])
-        return Types(x, residuals, None, None, [], none, [], none, Packing.of(residuals),
-                     tuple(pieces))
-    if recompute:  # the stash as 1F1B's; `saved` holds the incoming gradient, B to W
-        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [x], []
-    elif split:
-        _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs,
-                                             first=first)
-        douts_tree = vjp_fn(x)[1]
-    else:
-        vjp_fn, saved, douts_tree = jax.vjp(chunk, w0, x)[1], [], []
+    none = jax.tree.structure([])
+    if not split or recompute:  # residuals kept in place, layer by layer
+        pieces = trace_pieces(fns, w0, x, prog.real(stage), prog.schedule.parts, docs, first)
+        rows = [Like(sh, dt, vy) for p in pieces for _ in range(p.hi - p.lo)
+                for sh, dt, vy in p.like]
+        saved = [x] if recompute else []  # recompute: the incoming gradient, B to W
+        return Types(x, [], None, None, saved, jax.tree.structure(saved), [], none,
+                     Packing.of(rows), pieces)
+    _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs,
+                                         first=first)
+    douts_tree = vjp_fn(x)[1]
     residuals, vjp_def, param_slot = split_vjp(vjp_fn, w0)
     douts = jax.tree.leaves(douts_tree)
     return Types(x, residuals, vjp_def, param_slot, jax.tree.leaves(saved),
