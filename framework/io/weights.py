@@ -40,7 +40,7 @@ from framework.io.checkpoint.integrity import short_reason
 from framework.io.checkpoint.manager import Checkpointer
 from framework.io.checkpoint.paths import holds_checkpoints, locate
 from framework.errors import ConfigError, DamagedCheckpoint
-from framework.config import ModelConfig, RopeScaling
+from framework.config import ModelConfig, MoeConfig, RopeScaling
 from framework.io.tokenizer import BYTES, fingerprint
 
 BYTE_LEVEL_DATA = ("text", "markov", "synthetic")
@@ -179,6 +179,9 @@ def model_config_from_dict(values: dict) -> ModelConfig:
     scaling = kept.pop("rope_scaling", None)
     if isinstance(scaling, dict):
         kept["rope_scaling"] = RopeScaling(**scaling)
+    if isinstance(kept.get("moe"), dict):  # model.moe (older checkpoints have none)
+        known = {f.name for f in dataclasses.fields(MoeConfig)}
+        kept["moe"] = MoeConfig(**{k: v for k, v in kept["moe"].items() if k in known})
     return ModelConfig(**kept)
 
 

@@ -162,3 +162,15 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     exported = family.export_config(family.model_config(qwen), "float32")
     assert family.model_config(exported) == family.model_config(qwen)
+
+
+def test_a_checkpoints_model_settings_read_back_with_their_experts():
+    """Checkpoint metadata holds `dataclasses.asdict(model)`: its `moe` comes back as a
+    MoeConfig (it came back a dict, and exporting a MoE run's folder failed)."""
+    import dataclasses
+
+    from framework.config import ModelConfig, MoeConfig
+    from framework.io.weights import model_config_from_dict
+    cfg = ModelConfig(moe=MoeConfig(experts=4, top_k=2))
+    assert model_config_from_dict(dataclasses.asdict(cfg)) == cfg
+    assert model_config_from_dict(dataclasses.asdict(ModelConfig())) == ModelConfig()
