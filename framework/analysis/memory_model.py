@@ -52,8 +52,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
   transient  the larger of two moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch; with `model.loss_chunk` those of one chunk, beside
-             the head's float32 weight-gradient sum, `head_bytes`) and one layer's backward (its full residuals once
-             more, the attention kernel's score tensors, and the tick's slice of the
+             the head's float32 weight-gradient sum: `transients.head_bytes`) and one
+             layer's backward (its full residuals once more, the attention kernel's score tensors, and the tick's slice of the
              residual stack).
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment, per compiler where the compilers differ: each is a row of
@@ -80,12 +80,12 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from framework.analysis.executor_state import executor_state
 from framework.analysis.fitted import fitted
+from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
-from framework.model.loss import chunk_count
 from framework.model.registry import spec_of
 from framework.parallel.mesh import TENSOR
 from framework.parallel.pipeline.stage import split_vjp
@@ -202,37 +202,6 @@ def _param_bytes(lay: Layout) -> Weights:
     stored = param_specs(lay)[0]
     return Weights(sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
                    max(sizes(plain, "stages")))
-
-
-def head_bytes(lay: Layout, kind: str, platform: str | None) -> float:
-    """The head + loss's peak, one microbatch on one device (`kind`: `logit_copies`'s):
-    the microbatch's logits tensors, or with `model.loss_chunk` one chunk's beside the
-    head's float32 weight-gradient sum and cast weights (framework/model/loss.py)."""
-    tokens, chunk = lay.rows_per_microbatch * lay.seq_per_device, lay.model.loss_chunk
-    vocab = lay.model.vocab_size // lay.parallel.tensor
-    if not chunk or chunk >= tokens:
-        return logit_copies(kind, platform) * tokens * vocab * FP32
-    chunk_tokens = tokens // chunk_count(tokens, chunk)
-    return (fitted("logit_copies/chunk") * chunk_tokens
-            + fitted("head_weight_copies/chunk") * lay.model.d_model) * vocab * FP32
-
-
-def logit_copies(kind: str, platform: str | None) -> float:
-    """Float32 logits tensors of one microbatch alive at the head's peak (`kind`:
-    whole_batch, per_microbatch or 1f1b) on `platform` (default: JAX's default
-    backend): the GPU and TPU compilers fuse the head whatever the executor."""
-    platform = platform or jax.default_backend()
-    return fitted(f"logit_copies/{platform if platform in ('gpu', 'tpu') else kind}")
-
-
-def attention_scores_bytes(model: ModelConfig, rows: int, seq: int, tp: int) -> float:
-    """The attention kernel's transient in one layer's backward (`model.attention`
-    resolved, see `attention_traced`), bytes per device."""
-    bq, bk = seq, seq
-    if model.attention == "blockwise":
-        bq, bk = min(model.attention_block_q, seq), min(model.attention_block_kv, seq)
-    heads = model.n_heads // tp
-    return fitted(f"score_copies/{model.attention}") * rows * heads * bq * bk * FP32
 
 
 def _widths(optim: OptimConfig) -> tuple[float, float]:

@@ -66,7 +66,7 @@ class Hardware:
     axis_bandwidth: tuple = ()  # ((axis, bytes/s), ...) overrides
     memory_fraction: float = hardware.USABLE_FRACTION  # of memory_bytes XLA may fill
     platform: str | None = None  # whose compiler the memory model predicts for (None:
-    #                              this process's backend; memory_model.logit_copies)
+    #                              this process's backend; transients.logit_copies)
     device: str | None = None  # the device kind whose measured rates the compute time
     #                            takes (framework/analysis/calibration.py); None: peak
 

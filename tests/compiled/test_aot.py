@@ -116,6 +116,7 @@ def test_gpu_stage_to_stage_sends_overlap_the_cells(schedule):
     assert sync["comm/overlapped_fraction/pipe_sends"] == 0
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 11 s)
 def test_a_gpu_run_checks_the_compiled_program_before_allocating():
     """The run's memory check on GPUs and TPUs (framework/analysis/memory_check.py,
     `check_compiled`): the step compiled from abstract inputs, its memory analysis

@@ -181,6 +181,7 @@ def test_verify_table_reads_a_layout_without_pipeline():
     assert " - " in plan_verify.table([row], "gpu:h100x1").splitlines()[3]
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 3 s)
 def test_long_sequences_bring_context_layouts_whose_activations_shrink():
     """Context degrees enter the enumeration where each device keeps at least
     MIN_CONTEXT_TOKENS of a sequence; a layout's predicted activations fall with the

@@ -195,7 +195,7 @@ def dense_reference():
     (1, 1, 1, 1, {}),
     pytest.param(2, 2, 2, 4, dict(schedule="circular", virtual_stages=2), marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, dict(schedule="1f1b"), marks=pytest.mark.slow),
-    (2, 2, 2, 4, dict(schedule="zb_h1")),
+    pytest.param(2, 2, 2, 4, dict(schedule="zb_h1"), marks=pytest.mark.slow),
     pytest.param(1, 1, 4, 1, {}, marks=pytest.mark.slow),
     pytest.param(1, 2, 4, 2, dict(sequence_parallel=True), marks=pytest.mark.slow),
 ], ids=["single", "circular", "1f1b", "zb_h1", "tp4", "sp"])

@@ -18,7 +18,7 @@ def ref():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=1, data=2, tensor=4, microbatches=1),
+    pytest.param(dict(pipeline=1, data=2, tensor=4, microbatches=1), marks=pytest.mark.slow),
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", remat="full"),
     pytest.param(dict(pipeline=2, data=1, tensor=4, microbatches=4,
                       schedule="interleaved_1f1b", virtual_stages=2, zero1=True),

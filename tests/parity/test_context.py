@@ -54,8 +54,9 @@ def _ring_and_dense(c: int, permute: bool, attention: str, block: int, window=No
 
 
 @pytest.mark.parametrize("c,permute,attention,block", [
-    (2, True, "dense", 512), (4, True, "blockwise", 2), (4, False, "blockwise", 3),
-    (2, False, "dense", 512)])
+    (2, True, "dense", 512),
+    pytest.param(4, True, "blockwise", 2, marks=pytest.mark.slow),
+    pytest.param(4, False, "blockwise", 3, marks=pytest.mark.slow), (2, False, "dense", 512)])
 def test_ring_attention_is_dense_attention_on_the_whole_sequence(c, permute, attention, block):
     (loss, grads), (ref_loss, ref_grads) = _ring_and_dense(c, permute, attention, block)
     assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) + 1e-4
@@ -153,8 +154,8 @@ def test_activations_per_device_shrink_with_the_context_degree():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b",
-         sequence_parallel=True),
+    pytest.param(dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b",
+                      sequence_parallel=True), marks=SLOW),
     pytest.param(dict(pipeline=1, data=2, context=4, microbatches=2, remat="full"),
                  marks=SLOW)], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_context_communication_is_the_comm_models(kw):

@@ -50,7 +50,8 @@ def _one_by_one_loss(p, row_tokens, model):
 
 
 @pytest.mark.parametrize("kernel,reset", [
-    ("dense", True), pytest.param("blockwise", True, marks=pytest.mark.slow),
+    pytest.param("dense", True, marks=pytest.mark.slow),
+    pytest.param("blockwise", True, marks=pytest.mark.slow),
     pytest.param("blockwise", False, marks=pytest.mark.slow)])
 def test_a_masked_packed_batch_is_its_documents_one_by_one(kernel, reset):
     model = dataclasses.replace(MODEL, attention=kernel, attention_block_q=4,

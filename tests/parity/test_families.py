@@ -54,6 +54,7 @@ def check(eng, ref):
     assert np.abs(attn["qkv_bias"]).max() > 0 and np.abs(attn["q_norm"]["scale"]).max() > 0
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 8 s)
 def test_biases_and_qk_norm_train_exactly_on_pp2_dp2_tp2_1f1b(ref):
     check(engine(2, 2, 2, 4, model=FAMILY, schedule="1f1b"), ref)
 
@@ -186,6 +187,7 @@ def gemma_check(eng, ref):
     assert worst(errs) <= 1e-4, errs
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 11 s)
 def test_gemma_settings_matter_and_train_exactly_on_pp2_dp2_tp2_1f1b_sp(gemma_ref):
     """1F1B with tensor and sequence parallelism against the reference; the window, the
     pattern and each soft-cap change the loss (each setting reaches the model)."""

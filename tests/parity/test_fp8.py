@@ -22,12 +22,16 @@ from tests.helpers import (MODEL, TRAIN, engine, engine_grads, max_rel_err, para
 
 FP8 = dataclasses.replace(MODEL, fp8="tensorwise")
 LAYOUTS = [
-    dict(pipeline=2, data=2, tensor=2, microbatches=2),  # GPipe: autodiff linearizes the forward
-    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),
-    dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1", sequence_parallel=True),
-    dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="interleaved_1f1b",
-         virtual_stages=2, zero1=True),
-    dict(pipeline=1, data=2, tensor=2, microbatches=2, fsdp=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2),  # GPipe: autodiff
+                 marks=pytest.mark.slow),                             # linearizes the forward
+    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),  # the fast tier's
+    pytest.param(dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1",
+                      sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param(dict(pipeline=2, data=2, tensor=1, microbatches=2,
+                      schedule="interleaved_1f1b", virtual_stages=2, zero1=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(pipeline=1, data=2, tensor=2, microbatches=2, fsdp=True),
+                 marks=pytest.mark.slow),
     # FSDP's FP8 gathers inside the tick executor (measured 3.8e-7)
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
                       fsdp=True), marks=pytest.mark.slow),

@@ -46,7 +46,8 @@ def test_fsdp_parity(kw, ref):
     assert worst(max_rel_err(grads, ref[1])) <= 1e-4
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("zb_v", marks=SLOW)])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=SLOW),
+                                      pytest.param("zb_v", marks=SLOW)])
 def test_fsdp_communication_is_the_comm_models(schedule):
     """Per microbatch: each layer gathered forward and backward, its gradient
     reduce-scattered (framework/analysis/comm_model.py, `fsdp_bytes`): the compiled
@@ -58,6 +59,7 @@ def test_fsdp_communication_is_the_comm_models(schedule):
         assert 0.97 <= ratio <= 1.03, (axis, ratio)
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 8 s)
 def test_fsdp_holds_a_data_share_of_the_weights_through_the_step():
     """A model whose weights outweigh its activations: with ZeRO-1 the step holds the
     gathered parameters and full gradients; FSDP gathering per use holds one layer's

@@ -197,8 +197,7 @@ def fixture_batch(name: str):
     return np.tile(ids, (4, 1)), float(nll)
 
 
-@pytest.mark.parametrize("name", [n if n == "qwen3_head_dim" else  # the most apart from
-                                  pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_families_on_pp2_dp2_tp2_1f1b_then_train_and_export_unchanged(name, tmp_path):
     """On (2, 2, 2) with 1F1B: the loss of the fixture's ids is the cross-entropy of
     transformers' logits (1e-5) and every gradient the single-device one of the same

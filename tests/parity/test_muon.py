@@ -17,7 +17,8 @@ MUON = dataclasses.replace(OPTIM, name="muon")
 
 
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", zero1=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
+                      zero1=True), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_h1",
                       fsdp=True, sequence_parallel=True), marks=pytest.mark.slow),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))

@@ -86,6 +86,7 @@ def test_state_dtypes_and_restore_across_them(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 4 s)
 def test_bfloat16_checkpoint_damage_is_still_found(tmp_path, monkeypatch):
     """Restored into a float32 layout, a bfloat16 checkpoint's fingerprints are checked
     on the arrays as saved, before the cast: intact, it restores; with one saved

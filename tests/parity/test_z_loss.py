@@ -15,8 +15,8 @@ Z = 1e-2
 
 
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
-         sequence_parallel=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
+                      sequence_parallel=True), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_v",
                       fsdp=True), marks=pytest.mark.slow),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))

@@ -22,7 +22,8 @@ def ref():
                       schedule="1f1b"), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=1, data=1, tensor=4, microbatches=1, sequence_parallel=True),
                  marks=pytest.mark.slow),
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, sequence_parallel=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, sequence_parallel=True),
+                 marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=1, tensor=4, microbatches=2, sequence_parallel=True,
                       schedule="1f1b", zero1=True), marks=pytest.mark.slow),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))

@@ -27,7 +27,7 @@ def setup(cfg=CFG):
     return x, variables
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("renormalize", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_grouped_experts_equal_the_dense_reference_forward_and_backward(renormalize):
     cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, renormalize=renormalize))
     x, variables = setup(cfg)
