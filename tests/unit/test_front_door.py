@@ -19,7 +19,7 @@ def test_python_version_is_the_one_jax_needs_everywhere():
 
 def test_the_readme_says_how_long_and_what_the_fast_tier_and_aot_are():
     readme = (REPO / "README.md").read_text()
-    assert "about 30 minutes" in readme and "about 400 MB" in readme
+    assert "about 40 minutes" in readme and "about 400 MB" in readme
     assert 'python -m pytest -q -m "not e2e and not slow"' in readme
 
 
