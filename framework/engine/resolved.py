@@ -123,6 +123,13 @@ class Layout:
         return tuple(a for a in (CONTEXT, TENSOR) if self.degrees[a] > 1)
 
     @property
+    def microbatch_groups(self) -> int:
+        """Microbatches of one data replica in a step, over all replicas: the groups a
+        per-microbatch statistic (MoE's auxiliary losses) is averaged over, and the
+        microbatch count one device needs to compute what this layout computes."""
+        return self.parallel.data * self.parallel.microbatches
+
+    @property
     def gathers_per_use(self) -> bool:
         """FSDP gathering each use's weights (framework/parallel/data.py)."""
         return gathers_per_use(self.parallel)

@@ -209,7 +209,7 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
                         collective_matmul=parallel.collective_matmul,
                         permute=not options.cpu, context=cp,
                         stat_axes=layout.microbatch_axes,
-                        groups=parallel.data * parallel.microbatches)
+                        groups=layout.microbatch_groups)
     if split:
         check_weight_ops(layout.model)
 
