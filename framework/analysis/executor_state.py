@@ -14,7 +14,7 @@ from framework.config import ModelConfig, ParallelConfig
 from framework.engine.resolved import Layout, resolved
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import StepOptions, device_fn, passes_through
-from framework.parallel.mesh import DATA, PIPE
+from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import ticks
 from framework.units import tree_bytes as nbytes
 
@@ -61,7 +61,7 @@ def trace_per_device(lay: Layout, measure, pass_through: bool = True) -> None:
     tokens = jax.ShapeDtypeStruct((lay.global_batch, lay.seq_len + 1), jnp.int32)
     body = device_fn(lay, zero1_dims, measure, lay.program.schedule.split_backward,
                      StepOptions(pass_through=pass_through))
-    jax.eval_shape(jax.shard_map(body, mesh=lay.abstract_mesh, in_specs=(specs, P(DATA)),
+    jax.eval_shape(jax.shard_map(body, mesh=lay.abstract_mesh, in_specs=(specs, P(lay.batch_axes)),
                                  out_specs=P()), shapes, tokens)
 
 

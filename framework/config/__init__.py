@@ -138,6 +138,11 @@ class ParallelConfig:
     # chunks each, attention as a ring (framework/parallel/context.py). Last, so that
     # ParallelConfig(pipeline, data, tensor, microbatches) keeps its meaning.
     context: int = 1
+    # Expert parallelism: each MoE layer's experts sharded over `expert` devices carved
+    # out of the `data` devices (parallel.data stays the number of data replicas of the
+    # batch, of which `expert` consecutive ones form an expert group;
+    # framework/parallel/expert.py). Must divide parallel.data; needs model.moe.
+    expert: int = 1
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list

@@ -25,7 +25,7 @@ from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, fp8_metrics, train_step
 from framework.model import attention
 from framework.model.documents import DocumentMask
-from framework.parallel.mesh import DATA
+from framework.parallel.mesh import batch_axes
 from framework.parallel.pipeline import layout
 from framework.engine.resolved import resolved
 from framework.parallel.pipeline.program import Program
@@ -110,7 +110,7 @@ class Engine:
         return attention.kernel_for(self.model, seq_len, "host")
 
     def batch_sharding(self):
-        return NamedSharding(self.mesh, P(DATA))
+        return NamedSharding(self.mesh, P(batch_axes(self.parallel)))
 
     def shard_batch(self, tokens):
         return jax.device_put(tokens, self.batch_sharding())

@@ -31,7 +31,8 @@ from jax.sharding import AbstractMesh
 from framework.config import ModelConfig, ParallelConfig
 from framework.model.flops import stage_flops_per_token
 from framework.parallel.data import gathers_per_use
-from framework.parallel.mesh import AXES, CONTEXT, DATA, PIPE, TENSOR, degrees
+from framework.parallel.mesh import (CONTEXT, DATA, EXPERT, PIPE, TENSOR, batch_axes, degrees,
+                                     expert_degree, mesh_axes)
 from framework.parallel.pipeline.layout import balance
 from framework.parallel.pipeline.program import Program, program
 from framework.parallel.pipeline.schedule import chunks_per_rank, overlaps_by_default
@@ -95,7 +96,17 @@ class Layout:
     @property
     def abstract_mesh(self) -> AbstractMesh:
         """The mesh's axes and degrees without devices (for tracing per-device shapes)."""
-        return AbstractMesh(tuple(self.degrees.values()), AXES)
+        return AbstractMesh(tuple(self.degrees.values()), mesh_axes(self.parallel))
+
+    @property
+    def expert(self) -> int:
+        """The expert-parallel degree (`parallel.expert`; 1 without)."""
+        return expert_degree(self.parallel)
+
+    @property
+    def batch_axes(self):
+        """The mesh axes the batch's rows are split over: `data` (and `expert`)."""
+        return batch_axes(self.parallel)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -107,11 +118,13 @@ class Layout:
     def manual(self) -> tuple[str, ...]:
         """The mesh axes replicated parameters are made per-device over, and the loss
         summed over: `context` only where it splits the sequence."""
-        return (PIPE, DATA) + ((CONTEXT,) if self.parallel.context > 1 else ())
+        return (PIPE, DATA) + ((EXPERT,) if self.expert > 1 else ()) + \
+            ((CONTEXT,) if self.parallel.context > 1 else ())
 
     @property
     def vary_over(self) -> tuple[str, ...]:
-        """The axes the weights are typed as varying over inside the step."""
+        """The axes the weights are typed as varying over inside the step (expert
+        leaves, sharded over `expert`, vary over it already)."""
         return self.manual + ((TENSOR,) if self.sequence_parallel else ())
 
     @property

@@ -68,14 +68,15 @@ def param_specs(lay: Layout):
     None without ZeRO-1)."""
     model, parallel, n_chunks = lay.model, lay.parallel, lay.chunks_per_rank
     axes = layout.train_axes(spec_of(model).logical_axes(model))
-    specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split))
+    specs = rules.param_specs(axes, rules.param_rules(parallel.tensor_split, lay.expert))
     if not ((parallel.zero1 or parallel.fsdp) and parallel.data > 1):
         return specs, None
     shapes = abstract_train_params(model, parallel.pipeline, n_chunks, parallel.stage_layers)
     if parallel.fsdp:  # a dimension of one use: stages are [stage, chunk, layer, ...]
-        dims = data_parallel.fsdp_dims(shapes, specs, parallel.data, {"stages": 3})
+        dims = data_parallel.fsdp_dims(shapes, specs, parallel.data, {"stages": 3},
+                                       lay.expert)
     else:
-        dims = data_parallel.zero1_dims(shapes, specs, parallel.data)
+        dims = data_parallel.zero1_dims(shapes, specs, parallel.data, lay.expert)
     return data_parallel.add_data_axis(specs, dims), dims
 
 

@@ -37,12 +37,13 @@ from framework.model.documents import DocumentMask, documents_of
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
-from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
+from framework.parallel.expert import ExpertParallel
+from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import manual_axes, varying
 from framework.parallel.pipeline.program import forward_program
 from framework.parallel.pipeline.stage import StageFns, skip_unless
-from framework.parallel.rules import param_rules
+from framework.parallel.rules import is_expert_leaf, param_rules
 from framework.parallel.tensor import TensorParallel
 
 
@@ -153,12 +154,13 @@ def device_params(params, zero1_dims, vary_over, per_use: bool = False):
 
 
 def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_dims,
-                     per_use: bool = False, context: int = 1):
+                     per_use: bool = False, context: int = 1, expert_leaves=None):
     """Each gradient reduced once: per-device chunks back to the stage layout; with
     sequence parallelism the norm scales' partial sums over `tensor`; the parameters
     several pipeline ranks use (embedding on the first, head on the last) over `pipe`;
     everything over `data` (or ZeRO-1's reduce-scatter; FSDP per use: done by the
-    gathers' transposes)."""
+    gathers' transposes); with expert parallelism (`expert_leaves`, a bool per leaf)
+    the dense leaves over `expert` too."""
     grads = {"embed": grads["embed"], "head": grads["head"],
              "stages": jax.tree.map(lambda a: a[None], grads["chunks"])}
     if sequence_parallel:
@@ -166,7 +168,8 @@ def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_di
                              grads, tensor_replicated)
     grads = {k: v if k == "stages" else jax.lax.psum(v, PIPE) for k, v in grads.items()}
     return data_parallel.reduce_gradients(grads, zero1_dims, reduced=per_use,
-                                          also=(CONTEXT,) if context > 1 else ())
+                                          also=(CONTEXT,) if context > 1 else (),
+                                          expert_leaves=expert_leaves)
 
 
 def split_batch(tokens, microbatches: int, data: int, cp: ContextParallel = ContextParallel(),
@@ -204,10 +207,11 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
     cp = ContextParallel(CONTEXT, parallel.context, permute=not options.cpu)
+    ep = ExpertParallel(EXPERT, layout.expert) if layout.expert > 1 else ExpertParallel()
     tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
-                        param_rules(parallel.tensor_split),
+                        param_rules(parallel.tensor_split, layout.expert),
                         collective_matmul=parallel.collective_matmul,
-                        permute=not options.cpu, context=cp,
+                        permute=not options.cpu, context=cp, expert=ep,
                         stat_axes=layout.microbatch_axes,
                         groups=layout.microbatch_groups)
     if split:
@@ -237,6 +241,10 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
     tensor_replicated = jax.tree.map(lambda s: TENSOR not in s, param_specs,
                                      is_leaf=lambda s: isinstance(s, P))
+    # Expert parallelism: the leaves sharded over `expert`, summed over `data` only.
+    expert_leaves = jax.tree.map(is_expert_leaf, param_specs,
+                                 is_leaf=lambda s: isinstance(s, P)) \
+        if layout.expert > 1 else None
 
     def evaluate(fns, params, inputs, targets, docs):
         # Forward only: a forward table over the same stages (nothing to interleave).
@@ -247,17 +255,19 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
         executor = autodiff if prog.autodiff else ticks
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
         grads = reduce_gradients(grads, tensor_replicated, layout.sequence_parallel,
-                                 zero1_dims, layout.gathers_per_use, layout.parallel.context)
+                                 zero1_dims, layout.gathers_per_use, layout.parallel.context,
+                                 expert_leaves)
         return jax.lax.psum(loss, layout.manual), grads
 
     platform = mesh.devices.flat[0].platform
     cpu = platform == "cpu"
     if forward_only:
         body = device_fn(layout, zero1_dims, evaluate, False, StepOptions(0.0, documents, cpu))
-        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)), out_specs=P())
+        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(layout.batch_axes)),
+                             out_specs=P())
     options = StepOptions(z_loss, documents, cpu, passes_through(platform))
     body = device_fn(layout, zero1_dims, train, prog.schedule.split_backward, options)
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(DATA)),
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(layout.batch_axes)),
                          out_specs=(P(), param_specs))
 
 

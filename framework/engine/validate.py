@@ -64,6 +64,33 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     "(its rings replace sequence parallelism's all-gather and "
                     "reduce-scatter)")
     errs += _check_sequence_split(p, train)
+    errs += _check_expert(model, p)
+    return errs
+
+
+def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
+    """Expert parallelism (framework/parallel/expert.py): a degree that divides the
+    data replicas and the experts, with a MoE model."""
+    e = getattr(p, "expert", 1)
+    if e < 1:
+        return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]
+    if e == 1:
+        return []
+    if not model.moe.enabled:
+        return [f"parallel.expert={e} needs a mixture-of-experts model (model.moe.experts "
+                f">= 1, e.g. model.family=qwen3_moe): use parallel.expert=1"]
+    errs = []
+    if model.moe.experts % e:
+        errs.append(f"model.moe.experts={model.moe.experts} is not divisible by "
+                    f"parallel.expert={e}: use expert in "
+                    f"{{{', '.join(map(str, _divisors(model.moe.experts)))}}}")
+    if p.data != -1 and p.data % e:
+        errs.append(f"parallel.expert={e} does not divide parallel.data={p.data} (the "
+                    f"expert devices are carved out of the data replicas): use expert in "
+                    f"{{{', '.join(map(str, _divisors(p.data)))}}}")
+    if p.context > 1:
+        errs.append(f"parallel.expert={e} with parallel.context={p.context} is not "
+                    f"supported yet: use parallel.context=1 or parallel.expert=1")
     return errs
 
 

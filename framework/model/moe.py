@@ -65,15 +65,35 @@ def grouped_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down):
     f@tensor], w_down [E, f@tensor, d] -> [T, d] (partial sums over `tensor`)."""
     t, k = ids.shape
     flat = ids.reshape(-1)  # [T k]: token i's j-th expert at i k + j
+    if module.tp.expert.runs:
+        out = _dispatched(module, cfg, x, flat, w_in, w_down).reshape(t, k, -1)
+        return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
     order = jnp.argsort(flat, stable=True)  # copies sorted by expert
     sizes = jnp.zeros((w_in.shape[0],), jnp.int32).at[flat].add(1)  # [E]
-    rows = x[order // k]  # [T k, d]
-    gate_up = weight_op(module, "w_gate_up", _ragged, (rows, sizes), w_in)  # [T k, 2 f]
-    f = w_in.shape[-1]
-    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :f]) * gate_up[:, f:]
-    out = weight_op(module, "w_down", _ragged, (hidden, sizes), w_down)  # [T k, d]
+    out = _expert_mlp(module, cfg, x[order // k], sizes, w_in, w_down)  # [T k, d]
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, d]
     return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype))
+
+
+def _expert_mlp(module, cfg: ModelConfig, rows, sizes, w_in, w_down):
+    """rows [N, d] sorted by expert, sizes [E] the experts' runs (rows past them:
+    output zero) -> each row through its expert's SwiGLU [N, d], one ragged_dot each."""
+    gate_up = weight_op(module, "w_gate_up", _ragged, (rows, sizes), w_in)  # [N, 2 f]
+    f = w_in.shape[-1]
+    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :f]) * gate_up[:, f:]
+    return weight_op(module, "w_down", _ragged, (hidden, sizes), w_down)  # [N, d]
+
+
+def _dispatched(module, cfg: ModelConfig, x, flat, w_in, w_down):
+    """Expert parallelism (framework/parallel/expert.py): x [T, d], flat [T k] global
+    expert ids; w_in/w_down this device's experts -> the copies' outputs [T k, d],
+    each computed on the device holding its expert."""
+    ep, local, k = module.tp.expert, w_in.shape[0], flat.shape[0] // x.shape[0]
+    rows, ids, state = ep.dispatch(jnp.repeat(x, k, axis=0), flat, local)
+    order = jnp.argsort(ids, stable=True)  # received copies by local expert, padding last
+    sizes = jnp.zeros((local,), jnp.int32).at[ids].add(1, mode="drop")
+    out = _expert_mlp(module, cfg, rows[order], sizes, w_in, w_down)
+    return ep.combine(jnp.zeros_like(out).at[order].set(out), state)
 
 
 def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down):
@@ -144,9 +164,10 @@ def moe_layers(cfg: ModelConfig) -> int:
 
 
 class MoE(nn.Module):
-    """The mixture-of-experts feed-forward: router [embed, experts] (replicated), experts'
-    fused gate/up [experts, embed, 2, mlp] and down [experts, mlp, embed] (`mlp` split
-    over `tensor` like the dense MLP's). `dense` runs the naive reference."""
+    """The mixture-of-experts feed-forward: router [embed, router_experts] (replicated),
+    experts' fused gate/up [experts, embed, 2, mlp] and down [experts, mlp, embed] (`mlp`
+    split over `tensor` like the dense MLP's, `experts` over `expert` with expert
+    parallelism). `dense` runs the naive reference."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -156,7 +177,8 @@ class MoE(nn.Module):
     def __call__(self, x):  # x: [batch, seq (/tensor with SP), embed]
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, f = c.moe.experts, expert_hidden(c)
-        w_router = param(self, "router", (c.d_model, e), ("embed", "experts"))
+        # the router's expert axis is not `experts`: every device scores every expert
+        w_router = param(self, "router", (c.d_model, e), ("embed", "router_experts"))
         w_in = param(self, "w_gate_up", (e, c.d_model, 2, f),
                      ("experts", "embed", "gate_up", "mlp"))
         w_down = param(self, "w_down", (e, f, c.d_model), ("experts", "mlp", "embed"))

@@ -1,6 +1,13 @@
 """The one topology object: a device mesh with axes (pipe, data, context, tensor), and
 the names of its axes, which every other module imports from here.
 
+Expert parallelism (`parallel.expert=E` > 1) carves an `expert` axis out of the data
+devices: the mesh becomes (pipe, data/E, expert=E, context, tensor). `parallel.data`
+keeps its meaning, the number of data replicas of the batch: the batch is split over
+`data` and `expert` together (`batch_axes`), so `expert` is a batch axis for the dense
+layers and the axis the MoE layers' experts are sharded over. With E = 1 there is no
+`expert` axis at all, and every program is the one without expert parallelism.
+
 `tensor` is innermost so tensor-parallel groups are neighbouring devices (the fastest
 links: NVLink within a node), `context` next (its ring passes keys and values every
 layer), `pipe` outermost (point-to-point traffic only, the slowest links are fine).
@@ -21,13 +28,34 @@ from framework.errors import ConfigError
 from framework.parallel.pipeline.schedule import uses_virtual_stages
 
 PIPE, DATA, CONTEXT, TENSOR = "pipe", "data", "context", "tensor"
-AXES = (PIPE, DATA, CONTEXT, TENSOR)  # mesh order: outermost first
+EXPERT = "expert"  # only in meshes with parallel.expert > 1 (`mesh_axes`)
+AXES = (PIPE, DATA, CONTEXT, TENSOR)  # mesh order: outermost first (without `expert`)
+
+
+def expert_degree(parallel: ParallelConfig) -> int:
+    return getattr(parallel, "expert", 1)
+
+
+def mesh_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The mesh's axes, outermost first: AXES, with `expert` after `data` when E > 1."""
+    return (PIPE, DATA, EXPERT, CONTEXT, TENSOR) if expert_degree(parallel) > 1 else AXES
 
 
 def degrees(parallel: ParallelConfig) -> dict[str, int]:
-    """Each mesh axis's degree, in mesh order: the one place the settings become axes."""
+    """Each mesh axis's degree, in mesh order: the one place the settings become axes.
+    With expert parallelism `data` is the data replicas per expert group, data/E."""
+    e = expert_degree(parallel)
+    if e > 1:
+        return {PIPE: parallel.pipeline, DATA: parallel.data // e, EXPERT: e,
+                CONTEXT: parallel.context, TENSOR: parallel.tensor}
     return {PIPE: parallel.pipeline, DATA: parallel.data, CONTEXT: parallel.context,
             TENSOR: parallel.tensor}
+
+
+def batch_axes(parallel: ParallelConfig):
+    """The mesh axes the batch's rows are split over (and the dense parameters'
+    gradients summed over): `data`, or (`data`, `expert`) with expert parallelism."""
+    return (DATA, EXPERT) if expert_degree(parallel) > 1 else DATA
 
 
 def resolve_data_degree(parallel: ParallelConfig, n_devices: int) -> ParallelConfig:
@@ -49,6 +77,8 @@ def mesh_name(parallel: ParallelConfig) -> str:
     p = parallel
     cp = f"-cp{p.context}" if p.context > 1 else ""
     name = f"pp{p.pipeline}-dp{p.data}{cp}-tp{p.tensor}-mb{p.microbatches}"
+    if expert_degree(p) > 1:
+        name += f"-ep{p.expert}"
     if p.schedule != "gpipe":
         name += f"-{p.schedule}"
         if uses_virtual_stages(p.schedule):
@@ -62,19 +92,20 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> jax.sharding.Mesh:
     devices = list(jax.devices() if devices is None else devices)[:n]
     if len(devices) < n:
         raise ValueError(f"the mesh needs {n} devices but only {len(devices)} are available")
-    shape = tuple(degrees(parallel).values())
-    types = (AxisType.Auto,) * len(AXES)
+    shape, axes = tuple(degrees(parallel).values()), mesh_axes(parallel)
+    types = (AxisType.Auto,) * len(axes)
     try:
-        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+        return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
     except NotImplementedError:  # a TPU torus none of whose axes products give a degree
         from jax.experimental import mesh_utils  # (e.g. 8 on 4x4x4): split its axes
 
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-        return jax.sharding.Mesh(grid, AXES, axis_types=types)
+        return jax.sharding.Mesh(grid, axes, axis_types=types)
 
 
 def describe(mesh: jax.sharding.Mesh, simulated: bool = False) -> str:
     kind = mesh.devices.flat[0].platform
-    shape = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != CONTEXT or mesh.shape[a] > 1)
+    shape = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names
+                     if a != CONTEXT or mesh.shape[a] > 1)
     sim = " (simulated)" if simulated else ""
     return f"mesh {shape} on {mesh.devices.size} {kind} devices{sim}"

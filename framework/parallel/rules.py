@@ -4,7 +4,10 @@ mesh.
     stage -> pipe                              (pipeline.layout stacks stages on axis 0)
     heads, kv_heads, mlp, vocab -> tensor      (Megatron column/row-parallel weights;
                                                 `parallel.tensor_split` picks which)
-    everything else (embed, head_dim, norm, layers, chunk, qkv, gate_up) -> replicated
+    experts -> expert                          (expert parallelism only, parallel.expert>1:
+                                                framework/parallel/expert.py)
+    everything else (embed, head_dim, norm, layers, chunk, qkv, gate_up,
+        router_experts) -> replicated
         (so Qwen2's q/k/v biases [kv_heads, qkv, head_dim] split with their heads, and
         Qwen3's q/k norm scales [norm] are replicated: framework/model/llama.py)
 
@@ -25,15 +28,23 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from framework.config import TENSOR_SPLITTABLE
-from framework.parallel.mesh import PIPE, TENSOR
+from framework.parallel.mesh import EXPERT, PIPE, TENSOR
 from framework.parallel.pipeline.layout import STAGE
 
 Rules = tuple[tuple[str, str], ...]  # (logical axis, mesh axis); unlisted: replicated
 
 
-def param_rules(tensor_split: tuple[str, ...] = TENSOR_SPLITTABLE) -> Rules:
-    """The table for these logical axes split over `tensor` (`parallel.tensor_split`)."""
-    return ((STAGE, PIPE),) + tuple((name, TENSOR) for name in tensor_split)
+def param_rules(tensor_split: tuple[str, ...] = TENSOR_SPLITTABLE, expert: int = 1) -> Rules:
+    """The table for these logical axes split over `tensor` (`parallel.tensor_split`),
+    and with expert parallelism (`expert` > 1) the MoE experts over `expert`."""
+    rules = ((STAGE, PIPE),) + tuple((name, TENSOR) for name in tensor_split)
+    return rules + (("experts", EXPERT),) if expert > 1 else rules
+
+
+def is_expert_leaf(spec: P) -> bool:
+    """A parameter sharded along its `experts` dimension over `expert` (a MoE layer's
+    experts under expert parallelism): its gradient is summed over `data` only."""
+    return any(part == EXPERT for part in spec)
 
 
 def spec(axes: tuple[str, ...], rules: Rules) -> P:

@@ -46,7 +46,8 @@ offset into the vocabulary. `TensorParallel()` (no axis) is the single-device
 reference: every operator is the identity. The model receives this object, never a
 mesh; the engine builds it for the `tensor` mesh axis. It also carries the sequence's
 other split, over `context` (`context`, framework/parallel/context.py): the positions
-RoPE reads and the ring attention runs on.
+RoPE reads and the ring attention runs on; and the MoE experts' split over `expert`
+(`expert`, framework/parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import jax.numpy as jnp
 from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
 from framework.parallel.context import ContextParallel, ring_shift
+from framework.parallel.expert import ExpertParallel
 from framework.parallel.mesh import TENSOR
 from framework.parallel.rules import param_rules
 
@@ -77,6 +79,7 @@ class TensorParallel:
     collective_matmul: bool = False  # rings instead of f and g (sequence parallel only)
     permute: bool = True  # the rings' shift by collective-permute (False: CPU, above)
     context: ContextParallel = ContextParallel()  # the sequence's split over `context`
+    expert: ExpertParallel = ExpertParallel()  # the MoE experts' split over `expert`
     # The mesh axes one microbatch's tensors are split over (a whole-tensor statistic,
     # e.g. FP8's absolute maximum, reduces over them: `whole_max`).
     stat_axes: tuple = ()
@@ -121,7 +124,9 @@ class TensorParallel:
         """The device's shard of a weight of global `shape` with these logical axes."""
         out = []
         for n, name in zip(shape, logical_axes):
-            if self.splits(name):
+            if self.expert.runs and dict(self.rules).get(name) == self.expert.axis:
+                n = self.expert.local_experts(n)
+            elif self.splits(name):
                 if n % self.size:
                     raise PlanError(f"{name} of size {n} cannot be split {self.size} ways")
                 n //= self.size

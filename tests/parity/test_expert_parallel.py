@@ -1,0 +1,39 @@
+"""Expert parallelism (`parallel.expert`, framework/parallel/expert.py) trains exactly:
+the loss and every gradient on (pipe 2, data 2, tensor 2) with the experts split over 2
+of the data devices equal one device's with data x microbatches microbatches, under
+every tick schedule, with ZeRO-1 and with FSDP, for Qwen3-MoE (8 experts, 4 a device)
+and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on (the
+models and the comparison: tests/parity/test_moe.py)."""
+
+import pytest
+
+from tests.parity.test_moe import MODELS, check
+
+BASE = dict(pipeline=2, data=2, tensor=2, microbatches=2, expert=2)
+LAYOUTS = {
+    "1f1b": dict(BASE, schedule="1f1b"),
+    "interleaved_1f1b": dict(BASE, schedule="interleaved_1f1b", virtual_stages=2),
+    "zb_h1": dict(BASE, schedule="zb_h1"),
+    "zb_v": dict(BASE, schedule="zb_v"),
+    "1f1b_zero1": dict(BASE, schedule="1f1b", zero1=True),
+    "1f1b_fsdp": dict(BASE, schedule="1f1b", fsdp=True),
+    "zb_h1_sp_remat": dict(BASE, schedule="zb_h1", sequence_parallel=True, remat="full"),
+    # data 4 = 2 replicas x expert 2: ZeRO-1/FSDP shard the expert leaves over `data`
+    "dp4_zero1": dict(pipeline=2, data=4, tensor=1, microbatches=2, schedule="1f1b",
+                      expert=2, zero1=True),
+    "dp4_fsdp_interleaved": dict(pipeline=2, data=4, tensor=1, microbatches=2,
+                                 schedule="interleaved_1f1b", virtual_stages=2, expert=2,
+                                 fsdp=True),
+}
+
+
+def test_experts_split_over_data_equal_one_device():
+    """The fast case (about 15 s on 2 shared cores): data 2 as expert 2, no pipeline."""
+    check(MODELS["mixtral"], dict(pipeline=1, data=2, tensor=1, microbatches=1, expert=2))
+
+
+@pytest.mark.slow  # 20-40 s each on 2 shared cores
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_on_every_path_equals_one_device(name, family):
+    check(MODELS[family], LAYOUTS[name])
