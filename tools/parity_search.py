@@ -97,6 +97,9 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              fsdp=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
                              collective_matmul=sp and bool(rng.integers(2)),
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
+        if model.moe.enabled and c == 1:  # expert parallelism: a degree dividing both
+            par = dataclasses.replace(par, expert=pick(
+                [e for e in (1, 2, 4) if d % e == 0 and model.moe.experts % e == 0]))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         masked = rng.integers(3) == 0
@@ -218,6 +221,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
     extra += " gpu-dispatch" if apart else ""
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     cp = f" cp{par.context}" if par.context > 1 else ""
+    cp += f" ep{par.expert}" if par.expert > 1 else ""
     return (f"{par.schedule} pp{par.pipeline} dp{par.data}{cp} tp{par.tensor} "
             f"mb{par.microbatches}{v} remat={par.remat}{extra}")
 

@@ -40,6 +40,14 @@ hidden states of one data replica's batch (in the compute dtype):
           all-reduce of the gradients over `context`, stored dtype (joined with `data`'s;
           ZeRO-1 and FSDP: of the data shard, after its reduce-scatter).
           On CPU devices each shift is an all-gather (c-1 times the bytes).
+  expert  Expert parallelism (framework/parallel/expert.py), per MoE layer and
+          microbatch: the dispatch's all-to-alls of worst-case buffers, [E, N, d] with N
+          = the device's tokens x top_k, (E-1)/E of each sent: the copies and their
+          expert ids forward, the outputs back, and their two transposes backward
+          (`expert_bytes`; a recomputing layer's backward runs the forward's three
+          again). Plus the dense parameters' gradients, summed over `data` and `expert`:
+          2(E-1)/E of them (`data` then counts the data/E replicas of the mesh's axis).
+          A ragged all-to-all (GPU, TPU) would send 1/E of the buffers.
 With context parallelism A is one device's tokens: s/c of each sequence.
 """
 
@@ -53,7 +61,7 @@ import jax
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
 from framework.model.registry import spec_of
-from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
+from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
 from framework.units import FP32, dtype_bytes
 
 
@@ -94,6 +102,31 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
             total += size
         counts[group] = total
     return counts
+
+
+def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
+    """The parameters of the MoE layers' experts one device holds (`local_param_counts`'s
+    layers, the experts split over `expert`)."""
+    tensor_dims = set(parallel.tensor_split)
+    shapes, axes = _param_shapes(model)
+    total = 0
+    for shape, names in zip(jax.tree.leaves(shapes["layers"]),
+                            jax.tree.leaves(axes["layers"], is_leaf=lambda a: isinstance(a, tuple))):
+        if "experts" in names:
+            size = math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
+            total += size // model.n_layers * rank_layers // parallel.expert
+    return total
+
+
+def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
+    """Bytes per device per step of the expert dispatch's all-to-alls (`expert`, above)
+    on the busiest rank."""
+    e, lay = parallel.expert, _layout(model, parallel, train)
+    n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies
+    rows = (e - 1) * n * model.d_model * dtype_bytes(model.dtype)  # (E-1)/E of [E, N, d]
+    forward = 2 * rows + (e - 1) * n * 4  # copies and ids out, outputs back
+    per_layer = forward + 2 * rows + (forward if lay.recomputes else 0)
+    return per_layer * _busiest_layers(lay) * parallel.microbatches
 
 
 def stage_sends(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
@@ -194,11 +227,18 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     # FSDP per use: their gradients arrive sharded over `data` already
     pipe += _ring_all_reduce(p) * shared * grad / (dp if lay.gathers_per_use else 1)
 
-    data = _ring_all_reduce(dp) * sum(counts.values()) * grad
+    e = parallel.expert
+    data = _ring_all_reduce(dp // e) * sum(counts.values()) * grad
+    if e > 1:  # the experts split over `expert`; the dense gradients summed over it too
+        experts = expert_param_count(model, parallel, lay.chunk_layers * lay.chunks_per_rank)
+        data -= _ring_all_reduce(dp // e) * experts * (e - 1) * grad
+        expert = expert_bytes(model, parallel, train) + _ring_all_reduce(e) * (
+            sum(counts.values()) - experts * e) * grad
     if lay.gathers_per_use:
         data = fsdp_bytes(model, parallel, counts, grad)
     context = context_bytes(model, parallel, train, permute)
     sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard
     context += _ring_all_reduce(c) * sum(counts.values()) * grad / (dp if sharded else 1)
-    return {PIPE: pipe if p > 1 else 0.0, DATA: data if dp > 1 else 0.0,
-            CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}
+    out = {PIPE: pipe if p > 1 else 0.0, DATA: data if dp // e > 1 else 0.0,
+           CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}
+    return {**out, EXPERT: expert} if e > 1 else out

@@ -189,13 +189,15 @@ def _param_bytes(lay: Layout) -> Weights:
     shapes = abstract_train_params(lay.model, lay.parallel.pipeline, lay.chunks_per_rank,
                                    lay.stage_layers)
     degrees = {**lay.degrees, None: 1}
+    # a dimension split over several axes (ZeRO-1/FSDP over data and expert)
+    ways = lambda a: math.prod(degrees[x] for x in a) if isinstance(a, tuple) else degrees[a]
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
     def sizes(tree_specs, group=None):
         for k in shapes if group is None else (group,):
             for shape, spec in zip(jax.tree.leaves(shapes[k]),
                                    jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
-                yield math.prod(shape.shape) // math.prod(degrees[a] for a in spec) * FP32
+                yield math.prod(shape.shape) // math.prod(map(ways, spec)) * FP32
 
     unsharded = dataclasses.replace(lay.parallel, zero1=False, fsdp=False)
     plain = param_specs(resolved(lay.model, unsharded))[0]
