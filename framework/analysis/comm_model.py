@@ -45,7 +45,8 @@ hidden states of one data replica's batch (in the compute dtype):
           = the device's tokens x top_k, (E-1)/E of each sent: the copies and their
           expert ids forward, the outputs back, and their two transposes backward
           (`expert_bytes`; a recomputing layer's backward runs the forward's three
-          again). Plus the dense parameters' gradients, summed over `data` and `expert`:
+          again; the zero-bubble split backward with remat: B and W each run the
+          forward's three and both transposes). Plus the dense parameters' gradients, summed over `data` and `expert`:
           2(E-1)/E of them (`data` then counts the data/E replicas of the mesh's axis).
           A ragged all-to-all (GPU, TPU) would send 1/E of the buffers.
 With context parallelism A is one device's tokens: s/c of each sequence.
@@ -126,6 +127,10 @@ def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     rows = (e - 1) * n * model.d_model * dtype_bytes(model.dtype)  # (E-1)/E of [E, N, d]
     forward = 2 * rows + (e - 1) * n * 4  # copies and ids out, outputs back
     per_layer = forward + 2 * rows + (forward if lay.recomputes else 0)
+    if lay.program.schedule.split_backward and lay.remat.keeps_inputs_only:
+        # B and W each recompute the forward from the layer's input and each runs both
+        # transposes (W needs the combine's only; the other is not pruned)
+        per_layer = 3 * forward + 4 * rows
     return per_layer * _busiest_layers(lay) * parallel.microbatches
 
 

@@ -37,3 +37,27 @@ def test_experts_split_over_data_equal_one_device():
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_on_every_path_equals_one_device(name, family):
     check(MODELS[family], LAYOUTS[name])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(pipeline=1, data=2, microbatches=1, expert=2),
+    pytest.param(dict(pipeline=2, data=4, microbatches=2, schedule="1f1b", expert=2),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
+                      remat="full", expert=2), marks=pytest.mark.slow),
+], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_expert_axis_bytes_are_the_comm_models(kw):
+    """`comm/bytes_per_step/expert` of the compiled program (the dispatch's all-to-alls
+    of worst-case buffers, the dense gradients' all-reduce over `expert`) and `data`'s
+    within 0.1% of framework/analysis/comm_model.py's."""
+    from framework.analysis import audit, comm_model
+    from tests.helpers import TRAIN, engine
+
+    eng = engine(model=MODELS["mixtral"], **kw)
+    stats = audit.step_stats(eng, *eng.abstract_inputs(TRAIN.global_batch_size,
+                                                        TRAIN.seq_len))
+    expected = comm_model.expected_bytes(eng.model, eng.parallel, TRAIN, permute=False)
+    assert expected["expert"] > 0
+    for axis in ("expert", "data", "pipe"):
+        got, want = stats.get(f"comm/bytes_per_step/{axis}", 0.0), expected[axis]
+        assert (got == 0 == want) or 0.999 <= got / want <= 1.001, (axis, got, want)
