@@ -104,13 +104,14 @@ def measure(cfg, parallel, devset, steps: int, stage: int | None = None,
     from framework.analysis import audit
     from framework.model.flops import model_flops_per_token
     from framework.engine.build import build_engine
-    from framework.parallel.mesh import AXES, make_mesh, mesh_name
+    from framework.parallel.mesh import make_mesh, mesh_axes, mesh_name
 
     if stage is None:
         mesh = make_mesh(parallel, devset.devices)
     else:
         grid = stage_grid(parallel, list(devset.devices), jax.local_devices()[0], stage)
-        mesh = jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        axes = mesh_axes(parallel)  # with `expert` under expert parallelism
+        mesh = jax.sharding.Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps, mesh)
     state, tokens = _inputs(engine, cfg)
     stats = audit.step_stats(engine, state, tokens)

@@ -29,6 +29,7 @@ those are hidden behind the compute, up to its length.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -242,7 +243,8 @@ def sharding_name(par: ParallelConfig) -> str:
 def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       base: ParallelConfig, schedules=None,
                       virtual_stages=None) -> list[ParallelConfig]:
-    """Every valid (pipeline, data, context, tensor, microbatches, schedule, zero1 or fsdp)
+    """Every valid (pipeline, data, context, tensor, microbatches, schedule, zero1 or fsdp,
+    and for a mixture of experts the expert degree: `_experts`)
     on n_devices (`framework.engine.validate.check` decides validity); remat and sequence
     parallelism come from `base`; context degrees that leave each device at least
     MIN_CONTEXT_TOKENS of a sequence (`_contexts`); schedules: every registered one by
@@ -262,14 +264,24 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                       if uses_virtual_stages(s) else (1,))]
         for schedule, m, v in options:
             stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
-            for zero1, fsdp in (_SHARDINGS if dp > 1 else _SHARDINGS[:1]):
+            for (zero1, fsdp), e in itertools.product(
+                    _SHARDINGS if dp > 1 else _SHARDINGS[:1], _experts(model, dp, cp)):
                 par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp, context=cp,
                                           microbatches=m, schedule=schedule,
                                           virtual_stages=v, zero1=zero1, fsdp=fsdp,
-                                          stage_layers=stage_layers)
+                                          stage_layers=stage_layers, expert=e)
                 if not check(model, par, train, n_devices):
                     out.append(par)
     return out
+
+
+def _experts(model: ModelConfig, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees to try (`parallel.expert`): for a mixture of experts, the
+    powers of two dividing both the data replicas and the experts (not with context
+    parallelism, which expert parallelism does not run with yet); 1 otherwise."""
+    if not model.moe.enabled or cp > 1:
+        return [1]
+    return [e for e in _powers_of_two(1, dp) if dp % e == 0 and model.moe.experts % e == 0]
 
 
 # Context parallelism only where each device keeps at least this many tokens of a

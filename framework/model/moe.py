@@ -89,6 +89,7 @@ def _dispatched(module, cfg: ModelConfig, x, flat, w_in, w_down):
     expert ids; w_in/w_down this device's experts -> the copies' outputs [T k, d],
     each computed on the device holding its expert."""
     ep, local, k = module.tp.expert, w_in.shape[0], flat.shape[0] // x.shape[0]
+    x = module.tp.varies(x, "mlp")  # f's all-reduce on x [T, d], not on the E T k copies
     rows, ids, state = ep.dispatch(jnp.repeat(x, k, axis=0), flat, local)
     order = jnp.argsort(ids, stable=True)  # received copies by local expert, padding last
     sizes = jnp.zeros((local,), jnp.int32).at[ids].add(1, mode="drop")

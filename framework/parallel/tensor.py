@@ -157,6 +157,15 @@ class TensorParallel:
             return jax.lax.dynamic_slice_in_dim(y, start, n, axis=SEQ)
         return y
 
+    def varies(self, x, split: str):
+        """x, replicated over `tensor`, typed as varying over it before a block that
+        splits `split`: the backward's all-reduce of its gradient (f's) then runs on x
+        itself rather than where autodiff would place it, on the first larger tensor
+        derived from x that meets the split weights (MoE: the dispatched copies)."""
+        if not self.splits(split) or self.axis in jax.typeof(x).manual_axis_type.varying:
+            return x
+        return jax.lax.pcast(x, (self.axis,), to="varying")
+
     def fuses(self, split: str) -> bool:
         """Whether f/g around a block that splits `split` run as collective matmuls."""
         return self.collective_matmul and self._gather_sequence() and self.splits(split)

@@ -88,3 +88,15 @@ def test_dispatch_and_combine_send_each_copy_to_its_experts_device_and_back():
         expected = np.sort(np.asarray(ids)[np.asarray(ids) // local == device] % local)
         np.testing.assert_array_equal(np.sort(mine[mine < local]), expected)
     assert DATA not in mesh.axis_names
+
+
+def test_the_planner_enumerates_expert_degrees_for_a_mixture_of_experts_only():
+    from framework.analysis import planner
+
+    layouts = planner.enumerate_layouts(MOE, TRAIN, 8, ParallelConfig(), schedules=["1f1b"])
+    degrees_of = {(p.pipeline, p.data, p.tensor, p.expert) for p in layouts}
+    assert {(1, 8, 1, 2), (1, 8, 1, 4), (2, 4, 1, 4), (1, 4, 2, 2)} <= degrees_of
+    assert all(p.data % p.expert == 0 and MOE.moe.experts % p.expert == 0 for p in layouts)
+    dense = dataclasses.replace(MOE, family="llama", moe=MoeConfig())
+    assert {p.expert for p in planner.enumerate_layouts(dense, TRAIN, 8, ParallelConfig(),
+                                                       schedules=["1f1b"])} == {1}
