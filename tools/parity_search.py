@@ -96,10 +96,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              zero1=bool(rng.integers(2)) and d > 1,
                              fsdp=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
                              collective_matmul=sp and bool(rng.integers(2)),
-                             stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)))
-        if model.moe.enabled and c == 1:  # expert parallelism: a degree dividing both
-            par = dataclasses.replace(par, expert=pick(
-                [e for e in (1, 2, 4) if d % e == 0 and model.moe.experts % e == 0]))
+                             stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)),
+                             expert=_expert(pick, model, d, c))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         masked = rng.integers(3) == 0
@@ -108,6 +106,14 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         param_dtype = "bfloat16" if rng.integers(4) == 0 else "float32"
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
             return model, par, train, data, param_dtype
+
+
+def _expert(pick, model, d: int, c: int) -> int:
+    """`parallel.expert` for a mixture of experts (drawn only then, not with context
+    parallelism): a degree dividing the data replicas and the experts."""
+    if not model.moe.enabled or c > 1:
+        return 1
+    return pick([e for e in (1, 2, 4) if d % e == 0 and model.moe.experts % e == 0])
 
 
 def overrides(model, par, train, data=None, param_dtype="float32") -> str:
