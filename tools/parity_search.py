@@ -97,7 +97,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              fsdp=bool(rng.integers(2)) and d > 1, sequence_parallel=sp,
                              collective_matmul=sp and bool(rng.integers(2)),
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)),
-                             expert=_expert(pick, model, d, c))
+                             expert=_expert(pick, model, d))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         masked = rng.integers(3) == 0
@@ -108,10 +108,10 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             return model, par, train, data, param_dtype
 
 
-def _expert(pick, model, d: int, c: int) -> int:
-    """`parallel.expert` for a mixture of experts (drawn only then, not with context
-    parallelism): a degree dividing the data replicas and the experts."""
-    if not model.moe.enabled or c > 1:
+def _expert(pick, model, d: int) -> int:
+    """`parallel.expert` for a mixture of experts (drawn only then): a degree dividing
+    the data replicas and the experts."""
+    if not model.moe.enabled:
         return 1
     return pick([e for e in (1, 2, 4) if d % e == 0 and model.moe.experts % e == 0])
 

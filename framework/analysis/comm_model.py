@@ -232,18 +232,18 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     # FSDP per use: their gradients arrive sharded over `data` already
     pipe += _ring_all_reduce(p) * shared * grad / (dp if lay.gathers_per_use else 1)
 
-    e = parallel.expert
-    data = _ring_all_reduce(dp // e) * sum(counts.values()) * grad
+    e, held = parallel.expert, sum(counts.values())  # held: the gradients a device holds
     if e > 1:  # the experts split over `expert`; the dense gradients summed over it too
         experts = expert_param_count(model, parallel, lay.chunk_layers * lay.chunks_per_rank)
-        data -= _ring_all_reduce(dp // e) * experts * (e - 1) * grad
+        held -= experts * (e - 1)
         expert = expert_bytes(model, parallel, train) + _ring_all_reduce(e) * (
-            sum(counts.values()) - experts * e) * grad
+            held - experts) * grad
+    data = _ring_all_reduce(dp // e) * held * grad
     if lay.gathers_per_use:
         data = fsdp_bytes(model, parallel, counts, grad)
     context = context_bytes(model, parallel, train, permute)
     sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard
-    context += _ring_all_reduce(c) * sum(counts.values()) * grad / (dp if sharded else 1)
+    context += _ring_all_reduce(c) * held * grad / (dp if sharded else 1)
     out = {PIPE: pipe if p > 1 else 0.0, DATA: data if dp // e > 1 else 0.0,
            CONTEXT: context if c > 1 else 0.0, TENSOR: tensor if tp > 1 else 0.0}
     return {**out, EXPERT: expert} if e > 1 else out

@@ -265,7 +265,7 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
         for schedule, m, v in options:
             stage_layers = _stage_layers(model, base, p * chunks_per_rank(schedule, v))
             for (zero1, fsdp), e in itertools.product(
-                    _SHARDINGS if dp > 1 else _SHARDINGS[:1], _experts(model, dp, cp)):
+                    _SHARDINGS if dp > 1 else _SHARDINGS[:1], _experts(model, dp)):
                 par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp, context=cp,
                                           microbatches=m, schedule=schedule,
                                           virtual_stages=v, zero1=zero1, fsdp=fsdp,
@@ -275,11 +275,10 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
     return out
 
 
-def _experts(model: ModelConfig, dp: int, cp: int) -> list[int]:
+def _experts(model: ModelConfig, dp: int) -> list[int]:
     """Expert-parallel degrees to try (`parallel.expert`): for a mixture of experts, the
-    powers of two dividing both the data replicas and the experts (not with context
-    parallelism, which expert parallelism does not run with yet); 1 otherwise."""
-    if not model.moe.enabled or cp > 1:
+    powers of two dividing both the data replicas and the experts; 1 otherwise."""
+    if not model.moe.enabled:
         return [1]
     return [e for e in _powers_of_two(1, dp) if dp % e == 0 and model.moe.experts % e == 0]
 

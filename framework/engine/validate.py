@@ -88,9 +88,6 @@ def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
         errs.append(f"parallel.expert={e} does not divide parallel.data={p.data} (the "
                     f"expert devices are carved out of the data replicas): use expert in "
                     f"{{{', '.join(map(str, _divisors(p.data)))}}}")
-    if p.context > 1:
-        errs.append(f"parallel.expert={e} with parallel.context={p.context} is not "
-                    f"supported yet: use parallel.context=1 or parallel.expert=1")
     return errs
 
 

@@ -1,7 +1,7 @@
 """Expert parallelism (`parallel.expert`, framework/parallel/expert.py) trains exactly:
 the loss and every gradient on (pipe 2, data 2, tensor 2) with the experts split over 2
 of the data devices equal one device's with data x microbatches microbatches, under
-every tick schedule, with ZeRO-1 and with FSDP, for Qwen3-MoE (8 experts, 4 a device)
+every tick schedule, with ZeRO-1 and with FSDP, beside context parallelism, for Qwen3-MoE (8 experts, 4 a device)
 and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on (the
 models and the comparison: tests/parity/test_moe.py)."""
 
@@ -24,6 +24,9 @@ LAYOUTS = {
     "dp4_fsdp_interleaved": dict(pipeline=2, data=4, tensor=1, microbatches=2,
                                  schedule="interleaved_1f1b", virtual_stages=2, expert=2,
                                  fsdp=True),
+    # context 2 beside: each context device dispatches its chunks' tokens in its group
+    "context_zb_h1_zero1": dict(pipeline=2, data=2, tensor=1, context=2, microbatches=2,
+                                schedule="zb_h1", expert=2, zero1=True),
 }
 
 

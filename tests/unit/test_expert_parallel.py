@@ -36,9 +36,6 @@ def errors(model=MOE, **parallel):
      "parallel.expert=2 needs a mixture-of-experts model (model.moe.experts >= 1, e.g. "
      "model.family=qwen3_moe): use parallel.expert=1"),
     (MOE, dict(data=2, expert=0), "parallel.expert=0 must be >= 1 (1: no expert parallelism)"),
-    (MOE, dict(data=2, context=2, expert=2),
-     "parallel.expert=2 with parallel.context=2 is not supported yet: use "
-     "parallel.context=1 or parallel.expert=1"),
 ])
 def test_bad_expert_settings_are_one_line_each(model, parallel, message):
     assert errors(model, **parallel) == [message]
@@ -48,6 +45,7 @@ def test_bad_expert_settings_are_one_line_each(model, parallel, message):
 
 def test_good_expert_settings_pass_and_data_minus_one_is_checked_once_resolved():
     assert errors(data=4, expert=4) == errors(data=2, expert=2, tensor=2) == []
+    assert errors(data=2, context=2, expert=2) == []
     with pytest.raises(ConfigError, match="does not divide parallel.data=3"):
         validate(dataclasses.replace(MOE, moe=MoeConfig(experts=6, top_k=2)),
                  ParallelConfig(data=-1, expert=2), TRAIN, 3)
