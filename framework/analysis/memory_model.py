@@ -87,7 +87,9 @@ from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
 from framework.model.registry import spec_of
-from framework.parallel.mesh import TENSOR
+from framework.parallel.expert import ExpertParallel
+from framework.parallel.mesh import EXPERT, TENSOR
+from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.stage import split_vjp
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
@@ -97,7 +99,7 @@ from framework.units import FP32, dtype_bytes, tree_bytes as nbytes
 
 @lru_cache(maxsize=None)
 def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows: int,
-                    part: str = "full") -> int:
+                    part: str = "full", expert: int = 1) -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
     tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
@@ -106,14 +108,18 @@ def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows
     backward (`framework/engine/split.py`) "input" (the input-gradient VJP's residuals),
     "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients).
     `layer`: (seq, tp, sp, remat), the sequence, tensor degree, sequence parallelism
-    and remat policy the layers run with."""
+    and remat policy the layers run with. `expert`: the expert-parallel degree (the MoE
+    layers' dispatch buffers, over an abstract `expert` axis beside `tensor`)."""
     seq, tp, sp, remat = layer
-    tp_plan = TensorParallel(TENSOR, tp, sp, rules)
+    ep = ExpertParallel(EXPERT, expert) if expert > 1 else ExpertParallel()
+    tp_plan = TensorParallel(TENSOR, tp, sp, rules, expert=ep)
+    axes = (EXPERT, TENSOR) if expert > 1 else (TENSOR,)
     dt, spec = jnp.dtype(model.dtype), spec_of(model)
     found = {}
 
     def chunk_residuals():  # runs per device, at trace time only
-        vary = (lambda a: jax.lax.pcast(a, TENSOR, to="varying")) if sp else (lambda a: a)
+        over = ((TENSOR,) if sp else ()) + ((EXPERT,) if expert > 1 else ())
+        vary = lambda a: varying(a, over)
         x = vary(jnp.zeros((rows, seq // tp if sp else seq, model.d_model), dt))
         keys = jax.random.split(jax.random.key(0), n_layers)
         init = lambda k: nn.meta.unbox(spec.block(model, tp_plan).init(k, x[:1])["params"])
@@ -131,7 +137,7 @@ def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows
         found["bytes"] = nbytes(split_vjp(vjp_fn, weights)[0])
         return jnp.zeros(())
 
-    mesh = AbstractMesh((tp,), (TENSOR,))
+    mesh = AbstractMesh((expert, tp) if expert > 1 else (tp,), axes)
     jax.eval_shape(jax.shard_map(chunk_residuals, mesh=mesh, in_specs=(), out_specs=P()))
     return found["bytes"]
 
@@ -160,13 +166,13 @@ def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) 
 
 
 def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
-              part: str = "full", rules=None) -> Residuals:
+              part: str = "full", rules=None, expert: int = 1) -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
     layer scan hoists and XLA folds into their users) are not memory: dropped.
     `model.attention` must be resolved (`attention_traced`)."""
     rules = param_rules() if rules is None else rules
-    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part)
+    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part, expert)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -231,11 +237,11 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
 
 
 def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_rows: int,
-                    tpu: bool) -> float:
+                    tpu: bool, expert: int = 1) -> float:
     """One layer's backward in flight: its residuals once more (recomputed under
     remat) and the attention kernel's score blocks; the TPU's fused backward holds
     layer_backward/tpu of that."""
-    held = residuals(model, seq, tp, sp, "none", rules=rules).chunk(1, mb_rows)
+    held = residuals(model, seq, tp, sp, "none", rules=rules, expert=expert).chunk(1, mb_rows)
     held += attention_scores_bytes(model, mb_rows, seq, tp)
     return held * fitted("layer_backward/tpu") if tpu else held
 
@@ -326,7 +332,8 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         return _tick_kept(state), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
     res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
-                    lay.layer_remat, rules=param_rules(lay.parallel.tensor_split))
+                    lay.layer_remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
+                    expert=lay.expert)
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
@@ -352,8 +359,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     cast = dtype_bytes(lay.model.dtype) / FP32 if tpu else None
     layer_backward = _layer_backward(lay.model, lay.seq_per_device, lay.parallel.tensor,
                                      lay.sequence_parallel,
-                                     param_rules(lay.parallel.tensor_split),
-                                     lay.rows_per_microbatch, tpu)
+                                     param_rules(lay.parallel.tensor_split, lay.expert),
+                                     lay.rows_per_microbatch, tpu, lay.expert)
     gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one
