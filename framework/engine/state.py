@@ -120,8 +120,9 @@ def _layers_spec(spec: P, shape: tuple[int, ...], mesh_shape: dict) -> P:
             continue
         if not contiguous:
             break
-        axes.append(axis)
-        contiguous = size == mesh_shape[axis]
+        axes.extend(axis if isinstance(axis, tuple) else (axis,))
+        contiguous = size == (math.prod(mesh_shape[a] for a in axis)  # (data, expert)
+                              if isinstance(axis, tuple) else mesh_shape[axis])
     lead = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
     return P(lead, *parts[3:])
 
