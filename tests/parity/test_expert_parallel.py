@@ -24,6 +24,8 @@ LAYOUTS = {
     "dp4_fsdp_interleaved": dict(pipeline=2, data=4, tensor=1, microbatches=2,
                                  schedule="interleaved_1f1b", virtual_stages=2, expert=2,
                                  fsdp=True),
+    # the autodiff executor's schedules: circular (and gpipe in the fast case)
+    "circular_fsdp": dict(BASE, schedule="circular", virtual_stages=2, fsdp=True),
     # context 2 beside: each context device dispatches its chunks' tokens in its group
     "context_zb_h1_zero1": dict(pipeline=2, data=2, tensor=1, context=2, microbatches=2,
                                 schedule="zb_h1", expert=2, zero1=True),
