@@ -5,5 +5,6 @@
   tensor.py     Megatron tensor (and sequence) parallelism: the plan the model is handed
   data.py       data parallelism: the one gradient reduction per step, ZeRO-1, FSDP
   context.py    context parallelism: the sequence split over devices, for ring attention
+  expert.py     expert parallelism: MoE experts split over `expert`, the tokens' all-to-all
   pipeline/     pipeline parallelism: schedule tables, buffers, sends, executors
 """
