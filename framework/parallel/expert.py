@@ -56,10 +56,10 @@ class ExpertParallel:
 
     def dispatch(self, rows, ids, local: int):
         """rows [N, d] (token copies), ids [N] their global expert ids, `local` experts
-        per device -> (received rows
-        [E N, d], their local expert ids [E N] (padding: the local expert count), and
-        the state `combine` needs). Rows are sent in expert order, so the received rows
-        of each sender are sorted by local expert already."""
+        per device -> (received rows [E N, d], sender-major, their local expert ids [E N]
+        (padding: `local`, no expert), and the state `combine` needs). Each sender's
+        block arrives sorted by local expert, padding last. A ragged exchange (GPU/TPU)
+        would send counts[j] rows to device j instead of the whole [N, d] block."""
         n, e = ids.shape[0], self.size
         order = jnp.argsort(ids, stable=True)
         sorted_ids = ids[order]
