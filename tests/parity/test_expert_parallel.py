@@ -44,6 +44,7 @@ def test_expert_parallel_on_every_path_equals_one_device(name, family):
     check(MODELS[family], LAYOUTS[name])
 
 
+@pytest.mark.slow  # 10-20 s each (the fast tier's one case: the first test above)
 @pytest.mark.parametrize("kw", [
     dict(pipeline=1, data=2, microbatches=1, expert=2),
     pytest.param(dict(pipeline=2, data=4, microbatches=2, schedule="1f1b", expert=2),
