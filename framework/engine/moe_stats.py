@@ -29,6 +29,9 @@ group, and the dropped copies. From these the metrics (`metrics`):
         their coefficients weigh them (MoeConfig); not part of train/loss.
 The load is the step's over all its groups: max over summed counts, not the mean of
 each group's max (a max does not sum).
+Cost: per layer and microbatch the router's top-k counted again (XLA may share it with
+the routing's), a sum over `data` of [v, Lc, experts + 3] float32 per device and its
+gather over `pipe` for the metrics; a dense model's step is built without any of it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The train step's `moe/` metrics (framework/engine/moe_stats.py) equal the router
 statistics recounted here from a one-device forward of the same parameters and batch,
 on one device and on pipelined layouts (the zero-bubble split backward included); the
-probe that carries them changes no gradient, and a dense step is built without it."""
+probe that carries them changes no gradient and no update, and a dense step is built
+without it."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from framework.config import MoeConfig
+from framework.engine.step import train_step
 from framework.model import moe
 from framework.model.llama import Block, Embed
 from tests.helpers import MODEL, engine, params, tokens
@@ -124,3 +126,20 @@ def test_a_dense_step_is_built_without_the_probe():
     lowered = lambda stats: jax.jit(eng._loss_and_grads(stats=stats)).lower(
         state["params"], batch).as_text()
     assert lowered(True) == lowered(False)
+
+
+@pytest.mark.slow  # 20-30 s on 2 shared cores
+def test_the_probe_changes_no_update_on_a_split_backward():
+    """A step with the statistics (zb_h1, sequence parallel) updates the parameters and
+    the optimizer state bit for bit as the step built without them."""
+    eng = engine(model=DEEP, pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
+                 sequence_parallel=True)
+    batch = eng.shard_batch(tokens(0))
+    with_stats, metrics = eng.step(eng.init_state(params(DEEP)), batch)
+    plain = jax.jit(train_step(eng._loss_and_grads(), eng.optimizer, eng.lr))
+    without, plain_metrics = plain(eng.init_state(params(DEEP)), batch)
+    assert "moe/aux_loss" in metrics and "moe/aux_loss" not in plain_metrics
+    assert float(metrics["train/grad_norm"]) == float(plain_metrics["train/grad_norm"])
+    assert jax.tree.structure(with_stats) == jax.tree.structure(without)
+    for a, b in zip(jax.tree.leaves(with_stats), jax.tree.leaves(without)):
+        np.testing.assert_array_equal(a, b)
