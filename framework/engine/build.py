@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
-from framework.engine.step import build_loss_and_grads, fp8_metrics, train_step
+from framework.engine.step import build_loss_and_grads, fp8_metrics, moe_metrics, train_step
 from framework.model import attention
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import batch_axes
@@ -47,8 +47,8 @@ class Engine:
 
     def __post_init__(self):
         self.step_fn = jax.jit(
-            train_step(self._loss_and_grads(), self.optimizer, self.lr,
-                       fp8_metrics(self.layout.resolved)),
+            train_step(self._loss_and_grads(stats=True), self.optimizer, self.lr,
+                       fp8_metrics(self.layout.resolved), moe_metrics(self.layout.resolved)),
             in_shardings=(self.state_shardings, self.batch_sharding()),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
 
@@ -67,10 +67,11 @@ class Engine:
         """The program's table."""
         return self.program.schedule
 
-    def _loss_and_grads(self, forward_only: bool = False):
+    def _loss_and_grads(self, forward_only: bool = False, stats: bool = False):
         return build_loss_and_grads(self.layout.resolved, self.mesh, self.param_specs,
                                     self.zero1_dims, forward_only,
-                                    0.0 if forward_only else self.z_loss, self.documents)
+                                    0.0 if forward_only else self.z_loss, self.documents,
+                                    stats)
 
     def shard_params(self, canonical):
         """Canonical params (host or device) -> train layout, placed on the mesh."""

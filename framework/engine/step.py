@@ -29,6 +29,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
+from framework.engine import moe_stats
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
@@ -70,6 +71,8 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     weights arrive whole."""
     model, z_loss, spec = layout.model, options.z_loss, spec_of(layout.model)
     gather = _per_use_gathers(per_use, model.dtype)
+    if model.moe.enabled:  # the layers' statistics probe passes FSDP's gathers by
+        gather = dict(gather, layer=moe_stats.without_probe(gather["layer"]))
     # the layers' stack (not the split backward's passes) gathers matrices as FP8
     stack_gather = _fp8_layer_gather(per_use, model, tp) or gather["layer"]
 
@@ -231,11 +234,15 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
 
 
 def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_only=False,
-                         z_loss: float = 0.0, documents: DocumentMask | None = None):
+                         z_loss: float = 0.0, documents: DocumentMask | None = None,
+                         stats: bool = False):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
     (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term).
-    `documents`: attention within each row's documents (data.document_mask)."""
+    `documents`: attention within each row's documents (data.document_mask). `stats`
+    (a mixture of experts): a third output, the step's router statistics in the stage
+    layout [stages, v, Lc, n] (framework/engine/moe_stats.py, which the probe rides)."""
     prog = layout.program
+    probe = stats and moe_stats.enabled(layout) and not forward_only
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -253,11 +260,16 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
 
     def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
+        if probe:
+            params = moe_stats.with_probe(params, layout)
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
+        if probe:
+            grads, found = moe_stats.take_probe(grads)
         grads = reduce_gradients(grads, tensor_replicated, layout.sequence_parallel,
                                  zero1_dims, layout.gathers_per_use, layout.parallel.context,
                                  expert_leaves)
-        return jax.lax.psum(loss, layout.manual), grads
+        loss = jax.lax.psum(loss, layout.manual)
+        return (loss, grads, moe_stats.reduce(found, layout)) if probe else (loss, grads)
 
     platform = mesh.devices.flat[0].platform
     cpu = platform == "cpu"
@@ -268,16 +280,17 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     options = StepOptions(z_loss, documents, cpu, passes_through(platform))
     body = device_fn(layout, zero1_dims, train, prog.schedule.split_backward, options)
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(layout.batch_axes)),
-                         out_specs=(P(), param_specs))
+                         out_specs=(P(), param_specs) + ((P(PIPE),) if probe else ()))
 
 
 def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule,
-               weight_metrics=None):
+               weight_metrics=None, stats_metrics=None):
     """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics).
-    `weight_metrics`: params -> more metrics of the weights this step used (FP8's)."""
+    `weight_metrics`: params -> more metrics of the weights this step used (FP8's).
+    `stats_metrics`: loss_and_grads's third output -> more metrics (MoE's router's)."""
 
     def step(state, tokens):
-        loss, grads = loss_and_grads(state["params"], tokens)
+        loss, grads, *stats = loss_and_grads(state["params"], tokens)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         widened = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bfloat16 params
@@ -285,6 +298,8 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
                    "train/lr": lr(state["step"])}
         if weight_metrics is not None:
             metrics.update(weight_metrics(state["params"]))
+        if stats_metrics is not None:
+            metrics.update(stats_metrics(*stats))
         return train_state(params, opt_state, state["step"] + 1), metrics
 
     return step
@@ -297,3 +312,11 @@ def fp8_metrics(layout: Layout):
     if model.fp8 == "none":
         return None
     return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))
+
+
+def moe_metrics(layout: Layout):
+    """The `moe/` metrics of the step's router statistics (framework/engine/
+    moe_stats.py), or None without a mixture of experts."""
+    if not moe_stats.enabled(layout):
+        return None
+    return partial(moe_stats.metrics, layout=layout)

@@ -22,6 +22,12 @@ the activations. Both are statistics of one group of tokens, a microbatch of a d
 replica (summed over the `tensor`/`context` devices it is split over: `whole_sum`),
 averaged over the `tp.groups` groups of a step and the model's MoE layers.
 
+The train step's `moe/` metrics (framework/engine/moe_stats.py) ride the gradient the
+same way: where the layer's params hold a zero probe `STATS` (the step adds it; init,
+decoding and the forward-only loss never see one), an identity's backward hands this
+group's `router_stats` over as the probe's cotangent (`_report`). It is a weight op, so
+the zero-bubble W pass, which replays the weight ops alone, produces it exactly once.
+
 Switch Transformer: Fedus et al. 2021. ST-MoE (router z-loss): Zoph et al. 2022.
 Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025.
 """
@@ -160,6 +166,49 @@ def router_losses(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
     return _with_loss_grad(logits, aux_weight, m.z_loss_coef * scale)
 
 
+STATS = "stats"  # the train step's probe of the router statistics (engine/moe_stats.py)
+
+
+def n_stats(cfg: ModelConfig) -> int:
+    """The statistics of one layer and group: hits per expert [E], aux, z, dropped."""
+    return cfg.moe.experts + 3
+
+
+def router_stats(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
+    """One group's router statistics [E + 3] float32 from this device's logits [T, E]:
+    the top-k hits of each expert (token copies routed to it), the load-balancing and
+    z losses (`router_loss_values`), and the copies dropped (0: routing is dropless)."""
+    logits = jax.lax.stop_gradient(logits)
+    count, _ = _hits(cfg, logits, tp)
+    aux, z = router_loss_values(cfg, logits, tp)
+    return jnp.concatenate([count, jnp.stack([aux, z, jnp.zeros_like(aux)])])
+
+
+def _typed(x, like):
+    """x (not varying more than `like`) typed as varying over the mesh axes `like` does."""
+    want = jax.typeof(like).manual_axis_type.varying
+    missing = tuple(sorted(set(want) - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@jax.custom_vjp
+def _report(stats_and_zero, probe):
+    """(stats, a zero scalar), the probe -> that zero; the probe's cotangent is `stats`
+    whatever the zero's (which the caller adds to the logits, so that the backward runs)."""
+    return stats_and_zero[1]
+
+
+def _report_fwd(stats_and_zero, probe):
+    return stats_and_zero[1], _typed(stats_and_zero[0], probe)
+
+
+def _report_bwd(stats, g):
+    return (None, g), stats  # the statistics themselves: constants
+
+
+_report.defvjp(_report_fwd, _report_bwd)
+
+
 def moe_layers(cfg: ModelConfig) -> int:
     return cfg.n_layers if cfg.moe.enabled else 0
 
@@ -186,6 +235,10 @@ class MoE(nn.Module):
         logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
         b, s_local = logits.shape[:2]
         logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp)
+        if self.has_variable("params", STATS):  # the train step's probe (moe_stats.py)
+            zero = _typed(jnp.zeros((), jnp.float32), logits)
+            logits = logits + weight_op(self, STATS, _report, (router_stats(
+                c, logits, self.tp), zero), self.get_variable("params", STATS))
         logits = self.tp.enter(logits.reshape(b, s_local, e), "mlp")  # [b, s, E]
         xs = self.tp.enter(x.astype(dt), "mlp")  # [b, s, embed]
         weights, ids = route(c, logits.reshape(-1, e))  # [b s, k]
