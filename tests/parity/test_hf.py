@@ -197,7 +197,13 @@ def fixture_batch(name: str):
     return np.tile(ids, (4, 1)), float(nll)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+# Three families whose settings differ most (a mixture of experts; Gemma 2's window,
+# softcaps and norms; Qwen2's biases and tied embeddings): every family's own settings
+# are exact on every path in tests/parity/test_families.py and drawn by the search.
+TRAINED = ("qwen3_moe", "gemma2_window_softcap", "qwen2_tied")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in TRAINED])
 def test_families_on_pp2_dp2_tp2_1f1b_then_train_and_export_unchanged(name, tmp_path):
     """On (2, 2, 2) with 1F1B: the loss of the fixture's ids is the cross-entropy of
     transformers' logits (1e-5) and every gradient the single-device one of the same

@@ -125,7 +125,9 @@ def test_a_dense_step_is_built_without_the_probe():
 @pytest.mark.slow  # 20-30 s on 2 shared cores
 def test_the_probe_changes_no_update_on_a_split_backward():
     """A step with the statistics (zb_h1, sequence parallel) updates the parameters and
-    the optimizer state bit for bit as the step built without them."""
+    the optimizer state as the step built without them: its gradient norm to the bit,
+    the updated state to rounding (the two programs fuse the optimizer differently:
+    1.4e-9 apart at most with XLA:CPU's LLVM IR fusion emitters, tests/conftest.py)."""
     eng = engine(model=DEEP, pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
                  sequence_parallel=True)
     batch = eng.shard_batch(tokens(0))
@@ -136,4 +138,4 @@ def test_the_probe_changes_no_update_on_a_split_backward():
     assert float(metrics["train/grad_norm"]) == float(plain_metrics["train/grad_norm"])
     assert jax.tree.structure(with_stats) == jax.tree.structure(without)
     for a, b in zip(jax.tree.leaves(with_stats), jax.tree.leaves(without)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
