@@ -71,7 +71,7 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
 def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
     """Expert parallelism (framework/parallel/expert.py): a degree that divides the
     data replicas and the experts, with a MoE model."""
-    e = getattr(p, "expert", 1)
+    e = p.expert
     if e < 1:
         return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]
     if e == 1:

@@ -33,7 +33,7 @@ AXES = (PIPE, DATA, CONTEXT, TENSOR)  # mesh order: outermost first (without `ex
 
 
 def expert_degree(parallel: ParallelConfig) -> int:
-    return getattr(parallel, "expert", 1)
+    return parallel.expert
 
 
 def mesh_axes(parallel: ParallelConfig) -> tuple[str, ...]:
