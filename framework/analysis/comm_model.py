@@ -48,7 +48,9 @@ hidden states of one data replica's batch (in the compute dtype):
           again; the zero-bubble split backward with remat: B and W each run the
           forward's three and both transposes). Plus the dense parameters' gradients, summed over `data` and `expert`:
           2(E-1)/E of them (`data` then counts the data/E replicas of the mesh's axis).
-          A ragged all-to-all (GPU, TPU) would send 1/E of the buffers.
+          A ragged all-to-all (GPU, TPU) would send 1/E of the buffers. With a
+          capacity factor the buffers are the slots [E_total, rows x C, d] and no ids
+          travel (`model.moe.capacity_factor`: c x the copies' bytes).
 With context parallelism A is one device's tokens: s/c of each sequence.
 """
 
@@ -62,6 +64,7 @@ import jax
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
 from framework.model.registry import spec_of
+from framework.model.moe import capacity
 from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
 from framework.units import FP32, dtype_bytes
 
@@ -123,9 +126,14 @@ def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     """Bytes per device per step of the expert dispatch's all-to-alls (`expert`, above)
     on the busiest rank."""
     e, lay = parallel.expert, _layout(model, parallel, train)
-    n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies
-    rows = (e - 1) * n * model.d_model * dtype_bytes(model.dtype)  # (E-1)/E of [E, N, d]
-    forward = 2 * rows + (e - 1) * n * 4  # copies and ids out, outputs back
+    width = model.d_model * dtype_bytes(model.dtype)
+    if model.moe.capacity_factor is None:  # dropless: worst-case buffers and their ids
+        n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies
+        rows, ids = (e - 1) * n * width, (e - 1) * n * 4  # (E-1)/E of [E, N, d]
+    else:  # the slots (framework/model/moe.py), no ids: (E-1)/E of [E_total, rows C, d]
+        slots = model.moe.experts * lay.rows_per_microbatch * capacity(model, train.seq_len)
+        rows, ids = (e - 1) * slots * width / e, 0
+    forward = 2 * rows + ids  # copies (and ids) out, outputs back
     per_layer = forward + 2 * rows + (forward if lay.recomputes else 0)
     if lay.program.schedule.split_backward and lay.remat.keeps_inputs_only:
         # B and W each recompute the forward from the layer's input and each runs both

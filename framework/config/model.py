@@ -53,6 +53,12 @@ class MoeConfig:
     every: int = 1
     first_dense: int = 0
     shared_experts: int = 0  # experts every token goes through (not supported yet: 0)
+    # null: dropless (every copy reaches its expert, grouped matmuls). c > 0: each expert
+    # takes at most ceil(c x s x top_k / experts) copies of each sequence of s tokens,
+    # first come first served; the rest are dropped (the token keeps its residual),
+    # counted in moe/dropped_fraction. Static buffers: dense batched matmuls on every
+    # compiler and an all-to-all of c x the copies' bytes (framework/model/moe.py).
+    capacity_factor: Optional[float] = None
     aux_loss_coef: float = 0.0  # Mixtral's router_aux_loss_coef (0.02 in its config)
     z_loss_coef: float = 0.0
 

@@ -70,7 +70,12 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
 
 def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
     """Expert parallelism (framework/parallel/expert.py): a degree that divides the
-    data replicas and the experts, with a MoE model."""
+    data replicas and the experts, with a MoE model. A capacity factor's slots count
+    each sequence's copies in token order, which a context split would cut."""
+    if model.moe.capacity_factor is not None and p.context > 1:
+        return [f"model.moe.capacity_factor={model.moe.capacity_factor} does not run with "
+                f"parallel.context={p.context} (slots are counted over whole sequences): "
+                f"use model.moe.capacity_factor=null (dropless) or parallel.context=1"]
     e = p.expert
     if e < 1:
         return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]

@@ -9,6 +9,17 @@ sorted by expert, and `jax.lax.ragged_dot` multiplies each expert's run of rows 
 weights (megablox-style; `MoE`). `dense_moe` beside it is the naive reference: every
 expert on every token, weighted by a routing matrix that is zero off the top-k.
 
+With a capacity factor c (`model.moe.capacity_factor`; GShard, Lepikhin et al. 2020;
+Switch Transformer) each expert has C = ceil(c s k / E) slots per sequence of s tokens;
+a sequence's copies take their expert's slots in token order and those past C are
+dropped (weight zero: the token keeps only its residual). The layer is then static:
+a buffer [E, rows x C, d] per microbatch, the experts as batched einsums
+(`capacity_experts`), and under expert parallelism one all-to-all of that buffer.
+That is what a GPU wants: XLA's GPU compiler (jaxlib 0.10.2) lowers `ragged_dot` to a
+dense dot over every local expert's masked copy of the rows (E/P times the FLOPs and a
+[rows, E/P x d] temporary), where the batched einsum is c times the routed FLOPs.
+Slots per sequence, not per device, so every layout drops the same copies as one device.
+
 Tensor parallelism inside the experts as in the dense MLP: each expert's hidden width
 is the logical axis `mlp` (split over `tensor` by the rules), gate/up column-parallel,
 down row-parallel, one `exit` after the weighted sum. The router runs on this device's
@@ -34,6 +45,7 @@ Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import flax.linen as nn
@@ -103,9 +115,59 @@ def _dispatched(module, cfg: ModelConfig, x, flat, w_in, w_down):
     return ep.combine(jnp.zeros_like(out).at[order].set(out), state)
 
 
-def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down):
-    """The naive reference of `grouped_experts` (same arguments): every expert on every
-    token, [E, T, ...], weighted by a routing matrix [T, E] zero off each token's top-k."""
+def capacity(cfg: ModelConfig, seq: int) -> int:
+    """Slots per expert per sequence of `seq` tokens: ceil(c seq top_k / experts)."""
+    m = cfg.moe
+    return max(1, math.ceil(m.capacity_factor * seq * m.top_k / m.experts))
+
+
+def slots(cfg: ModelConfig, ids, rows: int):
+    """ids [rows s, k] (global expert ids, token-major) -> (each copy's slot [rows s, k]
+    in its expert's buffer of rows x C, `rows` x C where it is dropped; C). A copy's
+    place in its sequence: how many of the sequence's earlier copies went to its expert."""
+    t, k = ids.shape
+    c = capacity(cfg, t // rows)
+    hot = jax.nn.one_hot(ids.reshape(rows, -1), cfg.moe.experts, dtype=jnp.int32)  # [b, s k, E]
+    rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1)  # [b, s k]
+    slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * c + rank
+    return jnp.where(rank < c, slot, rows * c).reshape(t, k), c
+
+
+def capacity_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int):
+    """The experts with C slots each per sequence (module docstring): x [T, d] (`rows`
+    sequences), weights/ids [T, k], w_in [E/P, d, 2, f@tensor], w_down [E/P, f@tensor, d]
+    -> [T, d] (partial sums over `tensor`), dropped copies contributing zero."""
+    t, k = ids.shape
+    slot, c = slots(cfg, ids, rows)
+    x = module.tp.varies(x, "mlp")  # f's all-reduce on x [T, d], not on the buffer
+    token = jnp.arange(t * k) // k  # copy i k + j is token i's j-th
+    buf = jnp.zeros((cfg.moe.experts, rows * c, x.shape[-1]), x.dtype)
+    buf = buf.at[ids.reshape(-1), slot.reshape(-1)].set(x[token], mode="drop")  # [E, b C, d]
+    ep = module.tp.expert
+    local = ep.exchange(buf) if ep.runs else buf  # [E/P, P b C, d]: this device's experts
+    gate_up = weight_op(module, "w_gate_up", "ecd,edgf->ecgf", local, w_in)
+    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
+    out = weight_op(module, "w_down", "ecf,efd->ecd", hidden, w_down)  # [E/P, P b C, d]
+    out = ep.exchange_back(out) if ep.runs else out  # [E, b C, d]
+    got = out.at[ids.reshape(-1), slot.reshape(-1)].get(mode="fill", fill_value=0)
+    return jnp.einsum("tkd,tk->td", got.reshape(t, k, -1), weights.astype(got.dtype))
+
+
+def dropped_copies(cfg: ModelConfig, ids, rows: int):
+    """The copies a capacity factor drops (float32 scalar; 0 when dropless)."""
+    if cfg.moe.capacity_factor is None:
+        return jnp.zeros((), jnp.float32)
+    slot, c = slots(cfg, ids, rows)
+    return jnp.sum(slot == rows * c).astype(jnp.float32)
+
+
+def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int = 1):
+    """The naive reference of `grouped_experts` and `capacity_experts` (same arguments):
+    every expert on every token, [E, T, ...], weighted by a routing matrix [T, E] zero
+    off each token's top-k and where a capacity factor drops the copy."""
+    if cfg.moe.capacity_factor is not None:
+        slot, c = slots(cfg, ids, rows)
+        weights = jnp.where(slot < rows * c, weights, 0.0)
     gate_up = jnp.einsum("td,edcf->etcf", x, w_in)
     hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
     out = jnp.einsum("etf,efd->etd", hidden, w_down)
@@ -235,15 +297,23 @@ class MoE(nn.Module):
         logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
         b, s_local = logits.shape[:2]
         logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp)
-        if self.has_variable("params", STATS):  # the train step's probe (moe_stats.py)
-            zero = _typed(jnp.zeros((), jnp.float32), logits)
-            logits = logits + weight_op(self, STATS, _report, (router_stats(
-                c, logits, self.tp), zero), self.get_variable("params", STATS))
+        probe = self.has_variable("params", STATS)  # the train step's (moe_stats.py)
+        stats = router_stats(c, logits, self.tp) if probe else None
         logits = self.tp.enter(logits.reshape(b, s_local, e), "mlp")  # [b, s, E]
         xs = self.tp.enter(x.astype(dt), "mlp")  # [b, s, embed]
         weights, ids = route(c, logits.reshape(-1, e))  # [b s, k]
-        run = dense_moe if self.dense else partial(grouped_experts, self)
-        y = run(c, xs.reshape(-1, c.d_model), weights, ids, w_in.astype(dt), w_down.astype(dt))
+        if probe:  # the statistics ride the probe's gradient (`_report`)
+            stats = stats.at[e + 2].set(dropped_copies(c, ids, b))
+            zero = _typed(jnp.zeros((), jnp.float32), weights)
+            weights = weights + weight_op(self, STATS, _report, (stats, zero),
+                                          self.get_variable("params", STATS))
+        args = (xs.reshape(-1, c.d_model), weights, ids, w_in.astype(dt), w_down.astype(dt))
+        if self.dense:
+            y = dense_moe(c, *args, rows=b)
+        elif c.moe.capacity_factor is not None:
+            y = capacity_experts(self, c, *args, rows=b)
+        else:
+            y = grouped_experts(self, c, *args)
         return self.tp.exit(y.reshape(xs.shape), "mlp")  # [b, s (/tensor with SP), embed]
 
 
@@ -266,6 +336,9 @@ def check_moe(model: ModelConfig) -> list[str]:
     for name in ("aux_loss_coef", "z_loss_coef"):
         if getattr(m, name) < 0:
             errs.append(f"model.moe.{name}={getattr(m, name)} must be >= 0")
+    if m.capacity_factor is not None and not m.capacity_factor > 0:
+        errs.append(f"model.moe.capacity_factor={m.capacity_factor} must be > 0 (null: "
+                    f"dropless)")
     if m.every != 1 or m.first_dense != 0:
         errs.append(f"model.moe.every={m.every}, first_dense={m.first_dense}: only every "
                     f"layer MoE is supported yet (every=1, first_dense=0)")

@@ -29,6 +29,12 @@ or TPU the same steps would use `jax.lax.ragged_all_to_all` with the per-destina
 counts exchanged first (sizes only, one small all-to-all), sending exactly the copies;
 the sort, the grouped matmuls and the unsort stay as they are.
 
+With a capacity factor (framework/model/moe.py's `capacity_experts`) the buffers are
+static and exact: every device's [E_total, rows x C, d] slots go out as one all-to-all
+(`exchange`: device j gets every sender's slots of its experts, [E_total / E, E x rows
+x C, d]) and come back the same way (`exchange_back`); no ids travel (a slot's place
+says its expert and sender).
+
 `ExpertParallel()` (no axis) is one device holding every expert: `runs` is False and the
 MoE layer groups its copies locally (framework/model/moe.py). The model receives this
 object inside its TensorParallel (`tp.expert`), never a mesh.
@@ -82,3 +88,18 @@ class ExpertParallel:
                                   tiled=True)
         mine = back[dest, slot]  # [N, f] in sorted order
         return jnp.zeros_like(mine).at[order].set(mine)
+
+    def exchange(self, buf):
+        """Capacity slots buf [E_total, n, d] -> this device's experts' slots from every
+        group member [E_total / E, E n, d] (sender-major within each expert)."""
+        e, local = self.size, buf.shape[0] // self.size
+        got = jax.lax.all_to_all(buf.reshape((e, local) + buf.shape[1:]), self.axis, 0, 0,
+                                 tiled=True)  # [E senders, local, n, d]
+        return jnp.swapaxes(got, 0, 1).reshape((local, -1) + buf.shape[2:])
+
+    def exchange_back(self, out):
+        """`exchange`'s inverse: [E_total / E, E n, f] -> [E_total, n, f] on the senders."""
+        e, local = self.size, out.shape[0]
+        mine = jnp.swapaxes(out.reshape((local, e, -1) + out.shape[2:]), 0, 1)
+        back = jax.lax.all_to_all(mine, self.axis, 0, 0, tiled=True)  # [E, local, n, f]
+        return back.reshape((e * local,) + back.shape[2:])

@@ -5,6 +5,8 @@ every tick schedule, with ZeRO-1 and with FSDP, beside context parallelism, for 
 and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on (the
 models and the comparison: tests/parity/test_moe.py)."""
 
+import dataclasses
+
 import pytest
 
 from tests.parity.test_moe import MODELS, check
@@ -27,7 +29,22 @@ LAYOUTS = {
     "context_zb_h1_zero1": ("mixtral", dict(pipeline=2, data=2, tensor=1, context=2,
                                             microbatches=2, schedule="zb_h1", expert=2,
                                             zero1=True)),
+    # a capacity factor (static slots, framework/model/moe.py): the same copies dropped
+    "capacity_zb_h1_sp": ("qwen3_moe@0.75", dict(BASE, schedule="zb_h1",
+                                                 sequence_parallel=True, zero1=True)),
+    "capacity_interleaved_fsdp": ("mixtral@0.75", dict(
+        BASE, schedule="interleaved_1f1b", virtual_stages=2, fsdp=True)),
 }
+
+
+def model_of(name: str):
+    """"family" or "family@c": the family's test model, with capacity factor c."""
+    family, _, factor = name.partition("@")
+    model = MODELS[family]
+    if not factor:
+        return model
+    return dataclasses.replace(model, moe=dataclasses.replace(
+        model.moe, capacity_factor=float(factor)))
 
 
 @pytest.mark.slow  # about 15 s (the fast tier's case: tests/unit/test_expert_parallel.py)
@@ -40,7 +57,7 @@ def test_experts_split_over_data_equal_one_device():
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_on_every_path_equals_one_device(name):
     family, layout = LAYOUTS[name]
-    check(MODELS[family], layout)
+    check(model_of(family), layout)
 
 
 @pytest.mark.slow  # 10-20 s each
@@ -48,6 +65,7 @@ def test_expert_parallel_on_every_path_equals_one_device(name):
     dict(pipeline=1, data=2, microbatches=1, expert=2),
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
          sequence_parallel=True, remat="full", expert=2),
+    dict(pipeline=1, data=4, microbatches=2, expert=4, capacity=0.75),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_expert_axis_bytes_are_the_comm_models(kw):
     """`comm/bytes_per_step/expert` of the compiled program (the dispatch's all-to-alls
@@ -56,7 +74,9 @@ def test_expert_axis_bytes_are_the_comm_models(kw):
     from framework.analysis import audit, comm_model
     from tests.helpers import TRAIN, engine
 
-    eng = engine(model=MODELS["mixtral"], **kw)
+    kw = dict(kw)
+    factor = kw.pop("capacity", None)
+    eng = engine(model=model_of(f"mixtral@{factor}" if factor else "mixtral"), **kw)
     stats = audit.step_stats(eng, *eng.abstract_inputs(TRAIN.global_batch_size,
                                                         TRAIN.seq_len))
     expected = comm_model.expected_bytes(eng.model, eng.parallel, TRAIN, permute=False)

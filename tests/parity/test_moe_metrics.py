@@ -33,7 +33,7 @@ def recount(model, p, batch, groups: int) -> dict:
     out (f: the fraction of a group's tokens routed to e, P: e's mean probability)."""
     e = model.moe.experts
     x = Embed(model).apply({"params": p["embed"]}, batch[:, :-1])
-    counts, aux, z = [], 0.0, 0.0
+    counts, aux, z, dropped = [], 0.0, 0.0, 0
 
     @jax.jit
     def block(layer, x):  # -> (its output, the router logits [T, E])
@@ -55,11 +55,15 @@ def recount(model, p, batch, groups: int) -> dict:
         lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         z += np.sum(np.mean(lse ** 2, axis=1))
         counts.append(hits.sum(0))
+        if model.moe.capacity_factor is not None:  # each sequence's copies in token order
+            c = moe.capacity(model, batch.shape[1] - 1)
+            for row in ids.reshape(batch.shape[0], -1):
+                dropped += sum(max(0, n - c) for n in np.bincount(row, minlength=e))
         x = y
     counts = np.stack(counts)  # [L, E] over the step
     ratio = counts.max(1) / (counts.sum(1) / e)
     out = {f"moe/load_max_over_mean/layer_{i}": r for i, r in enumerate(ratio)}
-    out.update({"moe/load_max_over_mean": ratio.max(), "moe/dropped_fraction": 0.0,
+    out.update({"moe/load_max_over_mean": ratio.max(), "moe/dropped_fraction": dropped / counts.sum(),
                 "moe/aux_loss": aux / (groups * model.n_layers),
                 "moe/z_loss": z / (groups * model.n_layers)})
     return out
@@ -89,6 +93,16 @@ def check(model, **layout):
 ], ids=["1f1b_expert", "zb_h1_sp", "interleaved_fsdp", "gpipe_context_uneven"])
 def test_metrics_on_pipelined_layouts_equal_a_recount(layout):
     check(DEEP, **layout)
+
+
+@pytest.mark.slow  # 20-25 s
+def test_the_dropped_fraction_of_a_capacity_factor_equals_a_recount():
+    """Slots per sequence (model.moe.capacity_factor): the copies past them, counted by
+    sequence here, under expert parallelism and sequence parallelism on a split backward."""
+    model = dataclasses.replace(DEEP, moe=dataclasses.replace(DEEP.moe, capacity_factor=0.75))
+    got = check(model, pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
+                sequence_parallel=True, expert=2)
+    assert 0.0 < got["moe/dropped_fraction"] < 1.0
 
 
 def test_the_probe_gets_the_statistics_and_changes_no_other_gradient():

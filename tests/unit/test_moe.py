@@ -84,6 +84,62 @@ def test_load_balancing_loss_as_transformers_computes_it():
     np.testing.assert_allclose(z, jnp.mean(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-6)
 
 
+def _kept_by_hand(ids, rows, c):
+    """ids [rows s, k] -> whether each copy fits its expert's c slots of its sequence:
+    a loop over the copies in token order with a counter per (sequence, expert)."""
+    ids = np.asarray(ids).reshape(rows, -1, ids.shape[-1])
+    kept = np.zeros(ids.shape, bool)
+    for r in range(rows):
+        used = {}
+        for t in range(ids.shape[1]):
+            for j in range(ids.shape[2]):
+                e = int(ids[r, t, j])
+                kept[r, t, j] = used.get(e, 0) < c
+                used[e] = used.get(e, 0) + 1
+    return kept.reshape(-1, ids.shape[-1])
+
+
+def test_capacity_slots_drop_the_copies_past_c_in_token_order():
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=0.7))
+    ids = jax.random.randint(jax.random.key(3), (3 * 8, 2), 0, 5)
+    ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % 4) % 5)  # two distinct experts
+    c = moe.capacity(cfg, 8)
+    assert c == 3  # ceil(0.7 x 8 x 2 / 5)
+    slot, got_c = moe.slots(cfg, ids, 3)
+    kept = _kept_by_hand(ids, 3, c)
+    assert got_c == c and 0 < (~kept).sum() < kept.size
+    np.testing.assert_array_equal(np.asarray(slot) < 3 * c, kept)
+    assert len({(int(e), int(s)) for e, s in zip(ids[kept], slot[kept])}) == kept.sum()
+    assert float(moe.dropped_copies(cfg, ids, 3)) == (~kept).sum()
+
+
+@pytest.mark.parametrize("factor", [0.6, 2.5])  # 2.5 = E / k: every slot there, none dropped
+def test_capacity_experts_equal_the_dense_reference_forward_and_backward(factor):
+    """The static slots (batched einsums) against every expert on every token with the
+    dropped copies' weights zero, kept copies found by hand; with room for every copy
+    equal to the dropless grouped path."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=factor))
+    x, variables = setup(cfg)
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(v, x, dense, c=cfg):
+        return jnp.sum(moe.MoE(c, dense=dense).apply(v, x) * r)
+
+    slotted = jax.value_and_grad(loss, (0, 1))(variables, x, False)
+    dense = jax.value_and_grad(loss, (0, 1))(variables, x, True)
+    np.testing.assert_allclose(slotted[0], dense[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(slotted[1]), jax.tree.leaves(dense[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+    logits = (x @ variables["params"]["router"]).reshape(-1, cfg.moe.experts)
+    weights, ids = moe.route(cfg, logits)
+    kept = _kept_by_hand(ids, x.shape[0], moe.capacity(cfg, x.shape[1]))
+    by_hand = moe.dense_moe(CFG, x.reshape(-1, cfg.d_model), jnp.where(kept, weights, 0.0),
+                            ids, variables["params"]["w_gate_up"], variables["params"]["w_down"])
+    np.testing.assert_allclose(jnp.sum(by_hand.reshape(x.shape) * r), slotted[0], rtol=1e-5)
+    dropless = loss(variables, x, False, CFG)
+    assert np.isclose(dropless, slotted[0], rtol=1e-5) == kept.all()
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(top_k=6), "model.moe.top_k=6 must be in [1, model.moe.experts=5]"),
     (dict(top_k=0), "model.moe.top_k=0 must be in [1"),
@@ -91,6 +147,7 @@ def test_load_balancing_loss_as_transformers_computes_it():
     (dict(aux_loss_coef=-1.0), "model.moe.aux_loss_coef=-1.0 must be >= 0"),
     (dict(every=2), "only every layer MoE is supported yet"),
     (dict(shared_experts=1), "shared experts are not supported yet"),
+    (dict(capacity_factor=0.0), "model.moe.capacity_factor=0.0 must be > 0 (null: dropless)"),
 ])
 def test_bad_moe_settings_are_one_line_each(change, message):
     errs = check_model(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, **change)))
@@ -174,3 +231,14 @@ def test_a_checkpoints_model_settings_read_back_with_their_experts():
     cfg = ModelConfig(moe=MoeConfig(experts=4, top_k=2))
     assert model_config_from_dict(dataclasses.asdict(cfg)) == cfg
     assert model_config_from_dict(dataclasses.asdict(ModelConfig())) == ModelConfig()
+
+
+def test_a_capacity_factor_with_context_parallelism_is_refused_in_one_line():
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=1.25))
+    errs = check(cfg, ParallelConfig(context=2), TrainConfig(seq_len=8, global_batch_size=8), 2)
+    assert errs == ["model.moe.capacity_factor=1.25 does not run with parallel.context=2 "
+                    "(slots are counted over whole sequences): use "
+                    "model.moe.capacity_factor=null (dropless) or parallel.context=1"]
