@@ -13,6 +13,10 @@ CUDA plugin, or the local backend. From the compiled program:
               by mesh axis, `framework/analysis/audit.py`), and on GPUs the share of those
               bytes that overlaps computation (`framework/analysis/overlap.py`'s rule)
 
+    flops     the dots the optimized program executes per step (`gemms.matmul_flops`:
+              remat's recomputation, a MoE's padded or masked expert rows, attention
+              where it is not a library kernel) over the model's FLOPs
+
 and beside them what this project predicts without compiling: the memory model's bytes
 per device and the planner's step time (`framework/analysis/planner.py`), with the
 model FLOPs per device per step (PaLM appendix B, no rematerialisation).
@@ -23,7 +27,7 @@ from __future__ import annotations
 import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
-from framework.analysis.gemms import fp8_share
+from framework.analysis.gemms import fp8_share, matmul_flops
 from framework.analysis.traffic import moved_bytes
 from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -157,6 +161,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
                    for kind, nbytes in moved_bytes(text).items()})
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
+    executed = sum(matmul_flops(text).values())  # every dot the program runs, per step
+    report["flops/matmul_executed_per_device_per_step"] = executed
+    report["flops/matmul_executed_over_model"] = (
+        executed / report["flops/model_per_device_per_step"])
     total = report["memory/compiled_bytes_per_device"]
     report["fits"] = target.device_bytes is None or total <= target.device_bytes
     if not report["fits"]:

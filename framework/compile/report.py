@@ -50,7 +50,9 @@ def lines(report: dict) -> list[str]:
                    f"{report['flops/fp8_share_of_layer_matmuls']:.0%}")
     flops = report["flops/model_per_device_per_step"]
     step = report.get("time/predicted_step_s")
+    executed = report.get("flops/matmul_executed_over_model")
     out.append(f"model FLOPs per device per step: {flops / 1e12:,.1f} TFLOP"
+               + (f" (the program's matmuls {executed:.2f}x that)" if executed else "")
                + (f"; planner's step time {step:.3f} s (MFU {report['time/predicted_mfu']:.0%}"
                   f" of the {report['time/mfu_format']} peak)" if step else ""))
     if "pipeline/bubble_fraction_table" in report:
