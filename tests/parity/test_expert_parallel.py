@@ -2,12 +2,13 @@
 the loss and every gradient on (pipe 2, data 2, tensor 2) with the experts split over 2
 of the data devices equal one device's with data x microbatches microbatches, under
 every tick schedule, with ZeRO-1 and with FSDP, beside context parallelism, for Qwen3-MoE (8 experts, 4 a device)
-and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on (the
-models and the comparison: tests/parity/test_moe.py)."""
+and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on, and
+Qwen3-MoE's with a gated shared expert and DeepSeek-V3's sigmoid router (the models and
+the comparison: tests/parity/test_moe.py)."""
 
 import pytest
 
-from tests.parity.test_moe import MODELS, check
+from tests.parity.test_moe import MODELS, SHARED_SIGMOID, check
 
 BASE = dict(pipeline=2, data=2, tensor=2, microbatches=2, expert=2)
 # Each path once, the two families alternating (the families' differences are
@@ -27,7 +28,13 @@ LAYOUTS = {
     "context_zb_h1_zero1": ("mixtral", dict(pipeline=2, data=2, tensor=1, context=2,
                                             microbatches=2, schedule="zb_h1", expert=2,
                                             zero1=True)),
+    # shared experts (dense leaves: gradients summed over data and expert) and the
+    # sigmoid router, beside sequence parallelism and under the split backward
+    "shared_sigmoid_1f1b_sp": ("shared_sigmoid", dict(BASE, schedule="1f1b",
+                                                      sequence_parallel=True)),
+    "shared_sigmoid_zb_h1": ("shared_sigmoid", dict(BASE, schedule="zb_h1")),
 }
+MODELS = {**MODELS, "shared_sigmoid": SHARED_SIGMOID}
 
 
 @pytest.mark.slow  # about 15 s (the fast tier's case: tests/unit/test_expert_parallel.py)
