@@ -240,13 +240,29 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
                                                             "router_jitter_noise": 0.1},
                "num_experts_per_tok=0 is not a whole number": {**mixtral,
                                                                "num_experts_per_tok": 0},
-               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"}}
+               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"},
+               "shared_expert_intermediate_size=64 is not supported": {
+                   **qwen, "shared_expert_intermediate_size": 64},
+               "n_shared_experts=1 is not supported": {**mixtral, "n_shared_experts": 1},
+               "scoring_func='sigmoid' is not supported": {**qwen, "scoring_func": "sigmoid"}}
     for message, config in refused.items():
         with pytest.raises(ConfigError) as err:
             family.model_config(config, "x/config.json")
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     exported = family.export_config(family.model_config(qwen), "float32")
     assert family.model_config(exported) == family.model_config(qwen)
+    # shared experts and the sigmoid router: no export, and no start from such a folder
+    theirs = family.model_config(qwen)
+    mine = dataclasses.replace(theirs.moe, shared_experts=1, router="sigmoid")
+    for attempt in (lambda: family.export_config(dataclasses.replace(theirs, moe=mine),
+                                                 "float32"),
+                    lambda: family.merge_model({"moe": mine}, theirs, "x/config.json")):
+        with pytest.raises(ConfigError) as err:
+            attempt()
+        assert "model.moe.shared_experts=1, model.moe.router=sigmoid: " in str(err.value)
+        assert "\n" not in str(err.value)
+    assert family.merge_model({"moe": MoeConfig(aux_loss_coef=0.5)}, theirs,
+                              "x/config.json").moe.aux_loss_coef == 0.5
 
 
 def test_a_checkpoints_model_settings_read_back_with_their_experts():
