@@ -99,6 +99,20 @@ def test_shared_experts_and_sigmoid_router_equal_the_naive_layer(cfg):
     assert float(jnp.abs(want[1][0]["params"]["shared_down"]).max()) > 0
 
 
+def test_shared_expert_weights_go_through_weight_op_and_split_over_tensor():
+    """Every shared leaf is read by a weight_op (the zero-bubble W pass replays them), and
+    the layout check refuses an expert or shared width that `tensor` does not divide."""
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+    from framework.model.llama import weights_outside_weight_op
+
+    assert weights_outside_weight_op(SHARED) == []
+    odd = dataclasses.replace(SHARED, moe=dataclasses.replace(SHARED.moe, shared_hidden=15))
+    errs = check(odd, ParallelConfig(tensor=2), TrainConfig(seq_len=8, global_batch_size=8), 2)
+    assert errs == ["model.moe.shared_hidden (width 15) is not divisible by "
+                    "parallel.tensor=2: use tensor in {1, 3, 5, 15}"]
+
+
 def test_sigmoid_load_balancing_loss_uses_the_normalised_scores():
     """Of a sigmoid router, P_e is the mean of s_e / sum_j s_j (DeepSeek-V3's sequence-wise
     balance loss's normalised scores); f_e from the top-k of the scores."""
