@@ -207,6 +207,11 @@ def test_moe_settings_through_hydra_and_the_layout_check():
     assert cfg.model.moe == MoeConfig(experts=4, top_k=5)
     errs = check(cfg.model, ParallelConfig(), TrainConfig(seq_len=8, global_batch_size=8), 1)
     assert errs == ["model.moe.top_k=5 must be in [1, model.moe.experts=4]"]
+    cfg = compose_recipe("llama_tiny_debug", "model.moe.experts=4", "model.moe.router=sigmoid",
+                         "model.moe.routed_scale=2.5", "model.moe.shared_experts=1",
+                         "model.moe.shared_hidden=32", "model.moe.shared_gate=true")
+    assert cfg.model.moe == MoeConfig(experts=4, router="sigmoid", routed_scale=2.5,
+                                      shared_experts=1, shared_hidden=32, shared_gate=True)
 
 
 def test_parameter_count_and_flops_count_the_experts():
