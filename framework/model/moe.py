@@ -89,7 +89,7 @@ def scores(router: str, logits):
 def balance_scores(router: str, logits):
     """The per-token distribution [T, E] whose mean over tokens is the load-balancing
     loss's P: the softmax; of sigmoid scores s, s / sum_e s (DeepSeek-V3's
-    sequence-wise balance loss, eq. 19)."""
+    sequence-wise balance loss, section 2.1.2 of its report)."""
     s = scores(router, logits)
     return s / jnp.sum(s, axis=-1, keepdims=True) if router == "sigmoid" else s
 
