@@ -9,7 +9,8 @@ synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, re
 tied embeddings, the dense or blockwise attention kernel and its block sizes, document
 masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
 the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mixtures
-of experts with their experts, top-k, widths and auxiliary losses drawn), sliding
+of experts with their experts, top-k, widths, auxiliary losses, router (softmax or
+sigmoid, scaled or not) and shared experts (in half of them, gated or not) drawn), sliding
 windows (a third; on every layer or every other), attention and logit soft-caps, the
 stored parameter dtype (bfloat16 in a quarter), small model shapes; for the tick
 executor's schedules, half of them with the dispatch of GPU compilers that copy what a
@@ -90,6 +91,11 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                 expert_hidden=pick([None, 16]), renormalize=bool(rng.integers(2)),
                 aux_loss_coef=pick([0.0, 0.1]), z_loss_coef=pick([0.0, 0.01]),
                 capacity_factor=pick([None, 0.75, 1.5]) if c == 1 else None))
+            shared = pick([0, 0, 1, 2])  # shared experts in one case of two, gated or not
+            model = dataclasses.replace(model, moe=dataclasses.replace(
+                model.moe, router=pick(["softmax", "sigmoid"]), routed_scale=pick([1.0, 2.5]),
+                shared_experts=shared, shared_hidden=pick([None, 16]) if shared else None,
+                shared_gate=bool(shared and rng.integers(2))))
         sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, context=c, microbatches=m,
                              schedule=name,
@@ -231,6 +237,8 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         m = model.moe
         extra += f" moe{m.experts}x{m.top_k}" if m.enabled else ""
         extra += f" capacity{m.capacity_factor}" if m.capacity_factor is not None else ""
+        extra += f" {m.router}" if m.enabled and m.router != "softmax" else ""
+        extra += f" shared{m.shared_experts}" if m.enabled and m.shared_experts else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"

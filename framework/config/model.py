@@ -42,7 +42,22 @@ class MoeConfig:
     are statistics of one microbatch of one data replica (its tokens over `context`
     and `tensor` pooled), averaged over the step's data x microbatches of them and over
     the MoE layers (transformers pools all layers' tokens into one statistic: not
-    computable stage by stage, so the per-layer mean here differs from it)."""
+    computable stage by stage, so the per-layer mean here differs from it).
+
+    `router` sigmoid (DeepSeek-V3, DeepSeek-AI 2024): scores sigmoid(x W_router) in
+    float32, the top_k by score, their weights the selected scores (renormalised to sum
+    1 with `renormalize`, DeepSeek-V3's norm_topk_prob); its load-balancing loss's P_e
+    is the mean over tokens of s_e / sum_j s_j, DeepSeek-V3's sequence-wise balance
+    loss's per-token normalised scores (computed here over the same group as above,
+    not per sequence, and with this f_e: DeepSeek-V3's f_e carries E / top_k more). Its
+    bias-based auxiliary-loss-free balancing (e_score_correction_bias, updated outside
+    the gradient) is not implemented. Either router's weights are then multiplied by
+    `routed_scale` (DeepSeek's routed_scaling_factor). The z-loss is on the logits.
+    `shared_experts` (DeepSeek-V2/V3's n_shared_experts; Qwen2-MoE has one): every token
+    also goes through one dense gated MLP of width shared_experts x expert_hidden
+    (`shared_hidden` overrides it: Qwen2-MoE's shared_expert_intermediate_size), added
+    to the experts' weighted sum; with `shared_gate` its output is multiplied by
+    sigmoid(x w_gate), w_gate [d_model, 1] (Qwen2-MoE's shared_expert_gate)."""
 
     experts: int = 0  # 0: dense feed-forward everywhere
     top_k: int = 2
@@ -52,7 +67,11 @@ class MoeConfig:
     # (only every 1, first_dense 0 today: the layers are stacked, one structure each)
     every: int = 1
     first_dense: int = 0
-    shared_experts: int = 0  # experts every token goes through (not supported yet: 0)
+    shared_experts: int = 0  # experts every token goes through, as one MLP (0: none)
+    shared_hidden: Optional[int] = None  # their MLP's width; null: shared_experts x expert_hidden
+    shared_gate: bool = False  # their output times sigmoid(x w_gate) (Qwen2-MoE)
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    routed_scale: float = 1.0  # the top_k weights' factor (DeepSeek's routed_scaling_factor)
     # null: dropless (every copy reaches its expert, grouped matmuls). c > 0: each expert
     # takes at most ceil(c x s x top_k / experts) copies of each sequence of s tokens,
     # first come first served; the rest are dropped (the token keeps its residual),

@@ -17,7 +17,7 @@ import warnings
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
                               not_one_of, shown)
 from framework.errors import ConfigError
-from framework.model import attention, fp8
+from framework.model import attention, fp8, moe
 from framework.engine.resolved import Layout, global_stages, resolved, with_stage_layers
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
@@ -153,6 +153,13 @@ def _check_divisibility(model: ModelConfig, p: ParallelConfig, train: TrainConfi
         if value % p.tensor:
             errs.append(f"model.{name}={value} is not divisible by parallel.tensor={p.tensor}: "
                         f"use tensor in {{{', '.join(map(str, _divisors(value)))}}}")
+    if "mlp" in p.tensor_split and model.moe.enabled:  # the experts' and shared widths
+        for name, value in (("expert_hidden", moe.expert_hidden(model)),
+                            ("shared_hidden", moe.shared_hidden(model))):
+            if value % p.tensor:
+                errs.append(f"model.moe.{name} (width {value}) is not divisible by "
+                            f"parallel.tensor={p.tensor}: use tensor in "
+                            f"{{{', '.join(map(str, _divisors(value)))}}}")
     return errs
 
 

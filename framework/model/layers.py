@@ -29,6 +29,13 @@ ACTIVATIONS = {"silu": nn.silu,
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}  # gelu_pytorch_tanh
 
 
+def gated(cfg: ModelConfig, gate_up):
+    """The gated MLP's hidden activations: gate_up [..., 2, f] (gate, up) -> act(gate) *
+    up [..., f] (`model.activation`). The dense MLP, the experts and the shared expert
+    (framework/model/moe.py) read this one rule."""
+    return ACTIVATIONS[cfg.mlp_activation](gate_up[..., 0, :]) * gate_up[..., 1, :]
+
+
 def param(module: nn.Module, name: str, shape, axes, init=init_normal):
     """A float32 weight of global `shape` with logical `axes`; the module's tensor-parallel
     plan makes it this device's shard."""
@@ -74,9 +81,8 @@ class MLP(nn.Module):
         w_down = param(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"))
         gate_up = gathered_weight_op(self, "w_gate_up", "bsd,dcf->bscf", x.astype(dt),
                                      w_in.astype(dt), "mlp")  # [b, s, 2, mlp@tensor]
-        hidden = ACTIVATIONS[c.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return scattered_weight_op(self, "w_down", "bsf,fd->bsd", hidden, w_down.astype(dt),
-                                   "mlp")
+        return scattered_weight_op(self, "w_down", "bsf,fd->bsd", gated(c, gate_up),
+                                   w_down.astype(dt), "mlp")
 
 
 def layer_windows(cfg: ModelConfig, n: int, first=None):

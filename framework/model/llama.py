@@ -46,7 +46,7 @@ from framework.model.documents import Documents
 from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
                                   cross_entropy_sum)
-from framework.model.moe import MoE, check_moe, expert_hidden
+from framework.model.moe import MoE, check_moe, matrix_params as moe_matrix_params
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
@@ -311,14 +311,12 @@ def param_logical_axes(cfg: ModelConfig):
 
 def layer_matrix_params(cfg: ModelConfig, active: bool = True) -> int:
     """Weights of one layer's matmuls: wqkv and wo, the gated MLP's three matrices, or
-    the router and the experts' three each (`active`: the top_k a token uses; else all
-    of them)."""
+    the MoE layer's (framework/model/moe.py's `matrix_params`)."""
     c = cfg
     attention = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     if not c.moe.enabled:
         return attention + 3 * c.d_model * c.d_ff
-    experts = c.moe.top_k if active else c.moe.experts
-    return attention + c.d_model * c.moe.experts + experts * 3 * c.d_model * expert_hidden(c)
+    return attention + moe_matrix_params(c, active)
 
 
 def keys_per_query(cfg: ModelConfig, seq_len: int) -> list[int]:

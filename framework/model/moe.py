@@ -1,8 +1,10 @@
 """A mixture-of-experts feed-forward (`model.moe`, framework/config/model.py's MoeConfig):
-a softmax router sends each token to its top-k of E SwiGLU experts, and their outputs,
-weighted by the router's probabilities, are summed. Dropless: every token reaches all of
-its top-k experts, as transformers' Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock
-compute.
+a router (softmax, or DeepSeek-V3's sigmoid: `route`) sends each token to its top-k of E
+SwiGLU experts, and their outputs, weighted by the router's scores, are summed. Dropless:
+every token reaches all of its top-k experts, as transformers' Qwen3MoeSparseMoeBlock and
+MixtralSparseMoeBlock compute. With shared experts (DeepSeek-V2/V3, Qwen2-MoE) every
+token also goes through one dense gated MLP (`shared_expert`), optionally gated by
+sigmoid(x w_gate), added to that sum.
 
 The experts' matmuls are grouped: the token copies (a token once per chosen expert) are
 sorted by expert, and `jax.lax.ragged_dot` multiplies each expert's run of rows by its
@@ -22,9 +24,13 @@ Slots per sequence, not per device, so every layout drops the same copies as one
 
 Tensor parallelism inside the experts as in the dense MLP: each expert's hidden width
 is the logical axis `mlp` (split over `tensor` by the rules), gate/up column-parallel,
-down row-parallel, one `exit` after the weighted sum. The router runs on this device's
-tokens (its slice of the sequence under sequence parallelism, like a norm) and its
-logits are gathered with the tokens by `enter`.
+down row-parallel, one `exit` after the weighted sum. The shared expert's hidden width
+is `mlp` too, inside the same `enter`/`exit` (its partial sums join the experts' before
+the one all-reduce); its weights have no `experts` axis, so under expert parallelism
+each device runs it on its own tokens and its gradients are summed over `data` and
+`expert` like any dense parameter's (framework/parallel/data.py). The router runs on
+this device's tokens (its slice of the sequence under sequence parallelism, like a norm)
+and its logits are gathered with the tokens by `enter`.
 
 The auxiliary losses enter the gradient where they arise (`router_losses`: an identity
 whose backward adds the losses' gradient w.r.t. the router logits, as Megatron-LM's
@@ -40,7 +46,10 @@ group's `router_stats` over as the probe's cotangent (`_report`). It is a weight
 the zero-bubble W pass, which replays the weight ops alone, produces it exactly once.
 
 Switch Transformer: Fedus et al. 2021. ST-MoE (router z-loss): Zoph et al. 2022.
-Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025.
+Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025. DeepSeek-V2 (shared experts):
+DeepSeek-AI 2024a. DeepSeek-V3 (sigmoid router, routed_scaling_factor, the
+sequence-wise balance loss's normalised scores): DeepSeek-AI 2024b, section 2.1.2.
+Qwen2-MoE's gated shared expert: transformers' Qwen2MoeSparseMoeBlock.
 """
 
 from __future__ import annotations
@@ -53,23 +62,59 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import ModelConfig
-from framework.model.layers import ACTIVATIONS, NO_TP, param
+from framework.model.layers import NO_TP, gated, param
 from framework.model.weight_ops import weight_op
 from framework.parallel.tensor import TensorParallel
+
+
+ROUTERS = ("softmax", "sigmoid")
 
 
 def expert_hidden(cfg: ModelConfig) -> int:
     return cfg.moe.expert_hidden or cfg.d_ff
 
 
+def shared_hidden(cfg: ModelConfig) -> int:
+    """The shared expert's hidden width (0: none): shared_hidden, else shared_experts
+    experts' widths side by side (DeepSeek-V2/V3's n_shared_experts x
+    moe_intermediate_size)."""
+    m = cfg.moe
+    return (m.shared_hidden or m.shared_experts * expert_hidden(cfg)) if m.shared_experts else 0
+
+
+def matrix_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Weights of one MoE layer's matmuls: the router, each expert's three matrices
+    (`active`: the top_k a token uses; else all of them), the shared expert's three and
+    its gate's (every token uses them). The parameter and FLOP counts read this."""
+    m, d = cfg.moe, cfg.d_model
+    routed = (m.top_k if active else m.experts) * 3 * d * expert_hidden(cfg)
+    shared = 3 * d * shared_hidden(cfg) + (d if m.shared_experts and m.shared_gate else 0)
+    return d * m.experts + routed + shared
+
+
+def scores(router: str, logits):
+    """logits [T, E] float32 -> the router's scores [T, E]: softmax over the experts, or
+    each expert's sigmoid (DeepSeek-V3)."""
+    return jax.nn.sigmoid(logits) if router == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+
+
+def balance_scores(router: str, logits):
+    """The per-token distribution [T, E] whose mean over tokens is the load-balancing
+    loss's P: the softmax; of sigmoid scores s, s / sum_e s (DeepSeek-V3's
+    sequence-wise balance loss, section 2.1.2 of its report)."""
+    s = scores(router, logits)
+    return s / jnp.sum(s, axis=-1, keepdims=True) if router == "sigmoid" else s
+
+
 def route(cfg: ModelConfig, logits):
     """logits [T, E] float32 -> (top-k weights [T, k] float32, expert ids [T, k] int32):
-    softmax, the k largest (ties: the lower id), renormalised to sum 1 where set."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, cfg.moe.top_k)
-    if cfg.moe.renormalize:
+    the router's scores, the k largest (ties: the lower id), renormalised to sum 1 where
+    set, times routed_scale."""
+    m = cfg.moe
+    weights, ids = jax.lax.top_k(scores(m.router, logits), m.top_k)
+    if m.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
+    return (weights * m.routed_scale if m.routed_scale != 1.0 else weights), ids
 
 
 def _ragged(x_and_sizes, w):
@@ -97,8 +142,7 @@ def _expert_mlp(module, cfg: ModelConfig, rows, sizes, w_in, w_down):
     """rows [N, d] sorted by expert, sizes [E] the experts' runs (rows past them:
     output zero) -> each row through its expert's SwiGLU [N, d], one ragged_dot each."""
     gate_up = weight_op(module, "w_gate_up", _ragged, (rows, sizes), w_in)  # [N, 2 f]
-    f = w_in.shape[-1]
-    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :f]) * gate_up[:, f:]
+    hidden = gated(cfg, gate_up.reshape(gate_up.shape[0], 2, -1))  # [N, f]
     return weight_op(module, "w_down", _ragged, (hidden, sizes), w_down)  # [N, d]
 
 
@@ -107,12 +151,29 @@ def _dispatched(module, cfg: ModelConfig, x, flat, w_in, w_down):
     expert ids; w_in/w_down this device's experts -> the copies' outputs [T k, d],
     each computed on the device holding its expert."""
     ep, local, k = module.tp.expert, w_in.shape[0], flat.shape[0] // x.shape[0]
-    x = module.tp.varies(x, "mlp")  # f's all-reduce on x [T, d], not on the E T k copies
     rows, ids, state = ep.dispatch(jnp.repeat(x, k, axis=0), flat, local)
     order = jnp.argsort(ids, stable=True)  # received copies by local expert, padding last
     sizes = jnp.zeros((local,), jnp.int32).at[ids].add(1, mode="drop")
     out = _expert_mlp(module, cfg, rows[order], sizes, w_in, w_down)
     return ep.combine(jnp.zeros_like(out).at[order].set(out), state)
+
+
+def shared_expert(module, cfg: ModelConfig, x):
+    """The shared expert on every token: x [T, d] (entered: the whole sequence) -> [T, d]
+    (partial sums over `tensor`): a gated MLP of width `shared_hidden`, gate/up
+    [embed, 2, mlp] column-parallel, down [mlp, embed] row-parallel (the dense MLP's
+    layout, without its own enter/exit: framework/model/layers.py's MLP), times
+    sigmoid(x w_gate) with `shared_gate` (w_gate [embed, 1], replicated)."""
+    dt, f = x.dtype, shared_hidden(cfg)
+    w_in = param(module, "shared_gate_up", (cfg.d_model, 2, f), ("embed", "gate_up", "mlp"))
+    w_down = param(module, "shared_down", (f, cfg.d_model), ("mlp", "embed"))
+    gate_up = weight_op(module, "shared_gate_up", "td,dcf->tcf", x, w_in.astype(dt))
+    out = weight_op(module, "shared_down", "tf,fd->td", gated(cfg, gate_up), w_down.astype(dt))
+    if not cfg.moe.shared_gate:
+        return out
+    w_gate = param(module, "shared_gate", (cfg.d_model, 1), ("embed", "shared_gate"))
+    logit = weight_op(module, "shared_gate", "td,do->to", x, w_gate.astype(dt))  # [T, 1]
+    return out * jax.nn.sigmoid(logit.astype(jnp.float32)).astype(dt)
 
 
 def capacity(cfg: ModelConfig, seq: int) -> int:
@@ -139,14 +200,13 @@ def capacity_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down, ro
     -> [T, d] (partial sums over `tensor`), dropped copies contributing zero."""
     t, k = ids.shape
     slot, c = slots(cfg, ids, rows)
-    x = module.tp.varies(x, "mlp")  # f's all-reduce on x [T, d], not on the buffer
     token = jnp.arange(t * k) // k  # copy i k + j is token i's j-th
     buf = jnp.zeros((cfg.moe.experts, rows * c, x.shape[-1]), x.dtype)
     buf = buf.at[ids.reshape(-1), slot.reshape(-1)].set(x[token], mode="drop")  # [E, b C, d]
     ep = module.tp.expert
     local = ep.exchange(buf) if ep.runs else buf  # [E/P, P b C, d]: this device's experts
     gate_up = weight_op(module, "w_gate_up", "ecd,edgf->ecgf", local, w_in)
-    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
+    hidden = gated(cfg, gate_up)  # [E/P, P b C, f]
     out = weight_op(module, "w_down", "ecf,efd->ecd", hidden, w_down)  # [E/P, P b C, d]
     out = ep.exchange_back(out) if ep.runs else out  # [E, b C, d]
     got = out.at[ids.reshape(-1), slot.reshape(-1)].get(mode="fill", fill_value=0)
@@ -168,26 +228,26 @@ def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int = 1):
     if cfg.moe.capacity_factor is not None:
         slot, c = slots(cfg, ids, rows)
         weights = jnp.where(slot < rows * c, weights, 0.0)
-    gate_up = jnp.einsum("td,edcf->etcf", x, w_in)
-    hidden = ACTIVATIONS[cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
+    hidden = gated(cfg, jnp.einsum("td,edcf->etcf", x, w_in))  # [E, T, f]
     out = jnp.einsum("etf,efd->etd", hidden, w_down)
     routing = jnp.sum(jax.nn.one_hot(ids, w_in.shape[0]) * weights[..., None], axis=1)
     return jnp.einsum("etd,te->td", out, routing.astype(out.dtype))
 
 
-@jax.custom_vjp
-def _with_loss_grad(logits, aux_weight, z_weight):
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_loss_grad(router, logits, aux_weight, z_weight):
     return logits
 
 
-def _with_loss_fwd(logits, aux_weight, z_weight):
+def _with_loss_fwd(router, logits, aux_weight, z_weight):
     return logits, (logits, aux_weight, z_weight)
 
 
-def _with_loss_bwd(saved, g):
-    """g + d/dlogits of sum_t [sum_e p_te a_e + z lse_t^2]: a [E] and z [] constants."""
+def _with_loss_bwd(router, saved, g):
+    """g + d/dlogits of sum_t [sum_e p_te a_e + z lse_t^2] (p: `balance_scores`): a [E]
+    and z [] constants."""
     logits, a, z = saved
-    extra = lambda l: (jnp.sum(jax.nn.softmax(l, axis=-1) * a)
+    extra = lambda l: (jnp.sum(balance_scores(router, l) * a)
                        + z * jnp.sum(jax.nn.logsumexp(l, axis=-1) ** 2))
     return g + jax.grad(extra)(logits), None, None  # a, z: constants (no cotangent)
 
@@ -206,11 +266,12 @@ def _hits(cfg: ModelConfig, logits, tp: TensorParallel):
 def router_loss_values(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
     """The losses of one group's router logits [T, E] float32 (this device's tokens of
     it): (load-balancing loss E sum_e f_e P_e, f_e the fraction of tokens whose top-k
-    holds e (no gradient, as transformers' one-hot), P_e the mean probability of e;
-    z-loss mean_t lse_t^2)."""
+    holds e (no gradient, as transformers' one-hot), P_e the mean over tokens of
+    `balance_scores` (the probability of e; of sigmoid scores, e's share of the token's
+    sum); z-loss mean_t lse_t^2)."""
     count, tokens = _hits(cfg, logits, tp)
     f = jax.lax.stop_gradient(count / tokens)  # [E]: sums to top_k
-    p = tp.whole_sum(jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)) / tokens  # [E]
+    p = tp.whole_sum(jnp.sum(balance_scores(cfg.moe.router, logits), axis=0)) / tokens
     z = tp.whole_sum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
     return logits.shape[-1] * jnp.sum(f * p), z
 
@@ -225,7 +286,7 @@ def router_losses(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
     count, tokens = _hits(cfg, jax.lax.stop_gradient(logits), tp)
     scale = 1.0 / (tp.groups * moe_layers(cfg) * tokens)
     aux_weight = m.aux_loss_coef * scale * logits.shape[-1] * count / tokens  # [E]
-    return _with_loss_grad(logits, aux_weight, m.z_loss_coef * scale)
+    return _with_loss_grad(m.router, logits, aux_weight, m.z_loss_coef * scale)
 
 
 STATS = "stats"  # the train step's probe of the router statistics (engine/moe_stats.py)
@@ -279,7 +340,8 @@ class MoE(nn.Module):
     """The mixture-of-experts feed-forward: router [embed, router_experts] (replicated),
     experts' fused gate/up [experts, embed, 2, mlp] and down [experts, mlp, embed] (`mlp`
     split over `tensor` like the dense MLP's, `experts` over `expert` with expert
-    parallelism). `dense` runs the naive reference."""
+    parallelism), and with shared experts `shared_expert`'s. `dense` runs the naive
+    reference of the routed experts."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -300,20 +362,25 @@ class MoE(nn.Module):
         probe = self.has_variable("params", STATS)  # the train step's (moe_stats.py)
         stats = router_stats(c, logits, self.tp) if probe else None
         logits = self.tp.enter(logits.reshape(b, s_local, e), "mlp")  # [b, s, E]
-        xs = self.tp.enter(x.astype(dt), "mlp")  # [b, s, embed]
+        # [b, s, embed], typed as varying over `tensor` here: f's backward all-reduce
+        # runs once on it, not on the experts' copies of it and the shared expert's input
+        xs = self.tp.varies(self.tp.enter(x.astype(dt), "mlp"), "mlp")
         weights, ids = route(c, logits.reshape(-1, e))  # [b s, k]
         if probe:  # the statistics ride the probe's gradient (`_report`)
             stats = stats.at[e + 2].set(dropped_copies(c, ids, b))
             zero = _typed(jnp.zeros((), jnp.float32), weights)
             weights = weights + weight_op(self, STATS, _report, (stats, zero),
                                           self.get_variable("params", STATS))
-        args = (xs.reshape(-1, c.d_model), weights, ids, w_in.astype(dt), w_down.astype(dt))
+        tokens = xs.reshape(-1, c.d_model)
+        args = (tokens, weights, ids, w_in.astype(dt), w_down.astype(dt))
         if self.dense:
             y = dense_moe(c, *args, rows=b)
         elif c.moe.capacity_factor is not None:
             y = capacity_experts(self, c, *args, rows=b)
         else:
             y = grouped_experts(self, c, *args)
+        if c.moe.shared_experts:
+            y = y + shared_expert(self, c, tokens)
         return self.tp.exit(y.reshape(xs.shape), "mlp")  # [b, s (/tensor with SP), embed]
 
 
@@ -342,9 +409,18 @@ def check_moe(model: ModelConfig) -> list[str]:
     if m.every != 1 or m.first_dense != 0:
         errs.append(f"model.moe.every={m.every}, first_dense={m.first_dense}: only every "
                     f"layer MoE is supported yet (every=1, first_dense=0)")
-    if m.shared_experts:
-        errs.append(f"model.moe.shared_experts={m.shared_experts}: shared experts are not "
-                    f"supported yet (0)")
+    if m.shared_experts < 0:
+        errs.append(f"model.moe.shared_experts={m.shared_experts} must be >= 0 (0: none)")
+    if m.shared_hidden is not None and m.shared_hidden < 1:
+        errs.append(f"model.moe.shared_hidden={m.shared_hidden} must be >= 1 (null: "
+                    f"model.moe.shared_experts x the experts' width)")
+    elif m.shared_experts == 0 and (m.shared_hidden is not None or m.shared_gate):
+        errs.append(f"model.moe.shared_hidden={m.shared_hidden}, shared_gate={m.shared_gate} "
+                    f"need shared experts (model.moe.shared_experts >= 1)")
+    if m.router not in ROUTERS:
+        errs.append(f"model.moe.router={m.router!r} is not one of {', '.join(ROUTERS)}")
+    if m.routed_scale <= 0:
+        errs.append(f"model.moe.routed_scale={m.routed_scale} must be > 0")
     if model.fp8 != "none":
         errs.append(f"model.fp8={model.fp8} does not run with model.moe (the router and "
                     f"the grouped expert matmuls stay in model.dtype): use model.fp8=none")

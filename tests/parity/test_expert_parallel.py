@@ -2,14 +2,15 @@
 the loss and every gradient on (pipe 2, data 2, tensor 2) with the experts split over 2
 of the data devices equal one device's with data x microbatches microbatches, under
 every tick schedule, with ZeRO-1 and with FSDP, beside context parallelism, for Qwen3-MoE (8 experts, 4 a device)
-and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on (the
-models and the comparison: tests/parity/test_moe.py)."""
+and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on, and
+Qwen3-MoE's with a gated shared expert and DeepSeek-V3's sigmoid router (the models and
+the comparison: tests/parity/test_moe.py)."""
 
 import dataclasses
 
 import pytest
 
-from tests.parity.test_moe import MODELS, check
+from tests.parity.test_moe import MODELS, SHARED_SIGMOID, check
 
 BASE = dict(pipeline=2, data=2, tensor=2, microbatches=2, expert=2)
 # Each path once, the two families alternating (the families' differences are
@@ -34,7 +35,13 @@ LAYOUTS = {
                                                  sequence_parallel=True, zero1=True)),
     "capacity_interleaved_fsdp": ("mixtral@0.75", dict(
         BASE, schedule="interleaved_1f1b", virtual_stages=2, fsdp=True)),
+    # shared experts (dense leaves: gradients summed over data and expert) and the
+    # sigmoid router, beside sequence parallelism and under the split backward
+    "shared_sigmoid_1f1b_sp": ("shared_sigmoid", dict(BASE, schedule="1f1b",
+                                                      sequence_parallel=True)),
+    "shared_sigmoid_zb_h1": ("shared_sigmoid", dict(BASE, schedule="zb_h1")),
 }
+MODELS = {**MODELS, "shared_sigmoid": SHARED_SIGMOID}
 
 
 def model_of(name: str):

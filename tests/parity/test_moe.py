@@ -24,6 +24,11 @@ QWEN3_MOE = dataclasses.replace(MODEL, family="qwen3_moe", moe=MoeConfig(
 MIXTRAL = dataclasses.replace(MODEL, family="mixtral", moe=MoeConfig(
     experts=4, top_k=2, expert_hidden=48, aux_loss_coef=0.02, z_loss_coef=0.001))
 MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+# DeepSeek-V3's router (sigmoid, the top 2 renormalised and scaled 2.5) with a shared
+# expert (Qwen2-MoE's sigmoid gate on it) on Qwen3-MoE's layer: tests/parity/
+# test_expert_parallel.py runs it with the experts split
+SHARED_SIGMOID = dataclasses.replace(QWEN3_MOE, moe=dataclasses.replace(
+    QWEN3_MOE.moe, router="sigmoid", routed_scale=2.5, shared_experts=1, shared_gate=True))
 LAYOUTS = {
     "1f1b": dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),
     "interleaved_zero1": dict(pipeline=2, data=2, tensor=2, microbatches=2,

@@ -45,11 +45,98 @@ def test_grouped_experts_equal_the_dense_reference_forward_and_backward(renormal
     assert not np.allclose(grouped[0], loss(variables, x[:, ::-1], False))
 
 
-def test_the_injected_gradient_is_the_aux_and_z_losses_gradient():
+# DeepSeek-V3's settings (sigmoid router, routed_scale) with a Qwen2-MoE-style gated
+# shared expert two experts wide
+SHARED = dataclasses.replace(CFG, moe=dataclasses.replace(
+    CFG.moe, router="sigmoid", routed_scale=2.5, shared_experts=2, shared_gate=True))
+
+
+def naive_moe(cfg, params, x):
+    """The layer written out in float32 from the settings' definitions (MoeConfig): the
+    router's scores, each token's top_k by a sort, every expert and the shared expert on
+    every token, as separate matmuls."""
+    m, p = cfg.moe, params["params"]
+    t = x.reshape(-1, cfg.d_model)
+    logits = t @ p["router"]
+    s = jax.nn.sigmoid(logits) if m.router == "sigmoid" else jax.nn.softmax(logits, -1)
+    ids = jnp.argsort(-s, axis=-1, stable=True)[:, :m.top_k]
+    w = jnp.take_along_axis(s, ids, axis=-1)
+    w = (w / jnp.sum(w, -1, keepdims=True) if m.renormalize else w) * m.routed_scale
+
+    def mlp(w_in, w_down):
+        return (jax.nn.silu(t @ w_in[:, 0]) * (t @ w_in[:, 1])) @ w_down
+
+    y = sum(jnp.sum(jnp.where(ids == e, w, 0.0), -1, keepdims=True)
+            * mlp(p["w_gate_up"][e], p["w_down"][e]) for e in range(m.experts))
+    if m.shared_experts:
+        shared = mlp(p["shared_gate_up"], p["shared_down"])
+        y = y + (shared * jax.nn.sigmoid(t @ p["shared_gate"]) if m.shared_gate else shared)
+    return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("cfg", [SHARED, dataclasses.replace(SHARED, moe=dataclasses.replace(
+    SHARED.moe, router="softmax", shared_gate=False, shared_hidden=16, routed_scale=1.0))],
+    ids=["sigmoid_gated", "softmax_shared16"])
+def test_shared_experts_and_sigmoid_router_equal_the_naive_layer(cfg):
+    """Forward and every gradient of the grouped layer (and its dense-routing mode) with
+    shared experts equal `naive_moe`'s; the shared expert's leaves are [embed, 2,
+    shared width], [shared width, embed] and the gate [embed, 1]."""
+    x, variables = setup(cfg)
+    p = variables["params"]
+    width = cfg.moe.shared_hidden or 2 * 24
+    assert p["shared_gate_up"].shape == (cfg.d_model, 2, width)
+    assert p["shared_down"].shape == (width, cfg.d_model)
+    assert ("shared_gate" in p) == cfg.moe.shared_gate
+    r = jax.random.normal(jax.random.key(2), x.shape)
+    want = jax.value_and_grad(lambda v, x: jnp.sum(naive_moe(cfg, v, x) * r), (0, 1))(
+        variables, x)
+    for dense in (False, True):
+        got = jax.value_and_grad(lambda v, x: jnp.sum(moe.MoE(cfg, dense=dense).apply(v, x)
+                                                      * r), (0, 1))(variables, x)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+    assert float(jnp.abs(want[1][0]["params"]["shared_down"]).max()) > 0
+
+
+def test_shared_expert_weights_go_through_weight_op_and_split_over_tensor():
+    """Every shared leaf is read by a weight_op (the zero-bubble W pass replays them), and
+    the layout check refuses an expert or shared width that `tensor` does not divide."""
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+    from framework.model.llama import weights_outside_weight_op
+
+    assert weights_outside_weight_op(SHARED) == []
+    odd = dataclasses.replace(SHARED, moe=dataclasses.replace(SHARED.moe, shared_hidden=15))
+    errs = check(odd, ParallelConfig(tensor=2), TrainConfig(seq_len=8, global_batch_size=8), 2)
+    assert errs == ["model.moe.shared_hidden (width 15) is not divisible by "
+                    "parallel.tensor=2: use tensor in {1, 3, 5, 15}"]
+
+
+def test_sigmoid_load_balancing_loss_uses_the_normalised_scores():
+    """Of a sigmoid router, P_e is the mean of s_e / sum_j s_j (DeepSeek-V3's sequence-wise
+    balance loss's normalised scores); f_e from the top-k of the scores."""
+    e, k = 4, 2
+    cfg = dataclasses.replace(CFG, moe=MoeConfig(experts=e, top_k=k, router="sigmoid"))
+    logits = jax.random.normal(jax.random.key(0), (50, e))
+    s = jax.nn.sigmoid(logits)
+    hits = jax.nn.one_hot(jax.lax.top_k(s, k)[1], e)  # [T, k, E]
+    share = s / jnp.sum(s, -1, keepdims=True)
+    want = e * jnp.sum(jnp.mean(hits, 0) * jnp.mean(share, 0)[None])
+    aux, z = moe.router_loss_values(cfg, logits)
+    np.testing.assert_allclose(aux, want, rtol=1e-6)
+    np.testing.assert_allclose(z, jnp.mean(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-6)
+    weights, ids = moe.route(dataclasses.replace(cfg, moe=dataclasses.replace(
+        cfg.moe, routed_scale=2.5)), logits)
+    np.testing.assert_allclose(jnp.sum(weights, -1), 2.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_the_injected_gradient_is_the_aux_and_z_losses_gradient(router):
     """The identity on the router logits adds the gradient of coef x (E sum f P) and
     z_coef x mean lse^2, written out here (f: no gradient, as transformers' one-hot)."""
     cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, aux_loss_coef=0.3,
-                                                           z_loss_coef=0.05))
+                                                           z_loss_coef=0.05, router=router))
     plain = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=0.0,
                                                              z_loss_coef=0.0))
     x, variables = setup(cfg)
@@ -146,7 +233,11 @@ def test_capacity_experts_equal_the_dense_reference_forward_and_backward(factor)
     (dict(experts=-1), "model.moe.experts=-1 must be >= 1"),
     (dict(aux_loss_coef=-1.0), "model.moe.aux_loss_coef=-1.0 must be >= 0"),
     (dict(every=2), "only every layer MoE is supported yet"),
-    (dict(shared_experts=1), "shared experts are not supported yet"),
+    (dict(shared_experts=-1), "model.moe.shared_experts=-1 must be >= 0"),
+    (dict(shared_experts=1, shared_hidden=0), "model.moe.shared_hidden=0 must be >= 1"),
+    (dict(shared_gate=True), "need shared experts (model.moe.shared_experts >= 1)"),
+    (dict(router="topk"), "model.moe.router='topk' is not one of softmax, sigmoid"),
+    (dict(routed_scale=0.0), "model.moe.routed_scale=0.0 must be > 0"),
     (dict(capacity_factor=0.0), "model.moe.capacity_factor=0.0 must be > 0 (null: dropless)"),
 ])
 def test_bad_moe_settings_are_one_line_each(change, message):
@@ -173,6 +264,11 @@ def test_moe_settings_through_hydra_and_the_layout_check():
     assert cfg.model.moe == MoeConfig(experts=4, top_k=5)
     errs = check(cfg.model, ParallelConfig(), TrainConfig(seq_len=8, global_batch_size=8), 1)
     assert errs == ["model.moe.top_k=5 must be in [1, model.moe.experts=4]"]
+    cfg = compose_recipe("llama_tiny_debug", "model.moe.experts=4", "model.moe.router=sigmoid",
+                         "model.moe.routed_scale=2.5", "model.moe.shared_experts=1",
+                         "model.moe.shared_hidden=32", "model.moe.shared_gate=true")
+    assert cfg.model.moe == MoeConfig(experts=4, router="sigmoid", routed_scale=2.5,
+                                      shared_experts=1, shared_hidden=32, shared_gate=True)
 
 
 def test_parameter_count_and_flops_count_the_experts():
@@ -188,6 +284,14 @@ def test_parameter_count_and_flops_count_the_experts():
     assert count_params(cfg, active=True) == count_params(cfg) - idle
     embedding = cfg.vocab_size * cfg.d_model
     assert flops.matmul_params(cfg) == count_params(cfg) - idle - embedding
+    # the shared expert (two experts wide, 3 d 48) and its gate (d): every token's
+    shared = dataclasses.replace(SHARED, n_layers=2)
+    leaves = jax.eval_shape(lambda: init_params(shared, jax.random.key(0)))
+    assert count_params(shared) == sum(x.size for x in jax.tree.leaves(leaves))
+    assert count_params(shared, active=True) == count_params(cfg, active=True) + 2 * (
+        3 * cfg.d_model * 48 + cfg.d_model)
+    assert flops.matmul_params(shared) == flops.matmul_params(cfg) + 2 * (
+        3 * cfg.d_model * 48 + cfg.d_model)
 
 
 def test_moe_config_json_reads_and_refuses_in_one_line():
@@ -212,13 +316,29 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
                                                             "router_jitter_noise": 0.1},
                "num_experts_per_tok=0 is not a whole number": {**mixtral,
                                                                "num_experts_per_tok": 0},
-               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"}}
+               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"},
+               "shared_expert_intermediate_size=64 is not supported": {
+                   **qwen, "shared_expert_intermediate_size": 64},
+               "n_shared_experts=1 is not supported": {**mixtral, "n_shared_experts": 1},
+               "scoring_func='sigmoid' is not supported": {**qwen, "scoring_func": "sigmoid"}}
     for message, config in refused.items():
         with pytest.raises(ConfigError) as err:
             family.model_config(config, "x/config.json")
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     exported = family.export_config(family.model_config(qwen), "float32")
     assert family.model_config(exported) == family.model_config(qwen)
+    # shared experts and the sigmoid router: no export, and no start from such a folder
+    theirs = family.model_config(qwen)
+    mine = dataclasses.replace(theirs.moe, shared_experts=1, router="sigmoid")
+    for attempt in (lambda: family.export_config(dataclasses.replace(theirs, moe=mine),
+                                                 "float32"),
+                    lambda: family.merge_model({"moe": mine}, theirs, "x/config.json")):
+        with pytest.raises(ConfigError) as err:
+            attempt()
+        assert "model.moe.shared_experts=1, model.moe.router=sigmoid: " in str(err.value)
+        assert "\n" not in str(err.value)
+    assert family.merge_model({"moe": MoeConfig(aux_loss_coef=0.5)}, theirs,
+                              "x/config.json").moe.aux_loss_coef == 0.5
 
 
 def test_a_checkpoints_model_settings_read_back_with_their_experts():

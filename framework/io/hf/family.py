@@ -253,7 +253,7 @@ def merge_model(given: dict, folder_cfg: ModelConfig, where: str) -> ModelConfig
     if clashes:
         raise ConfigError("; ".join(clashes) + ": drop these settings (train.init_from "
                           "reads the model from config.json) or use another folder")
-    merged = moe.merged(given, folder_cfg)
+    merged = moe.merged(given, folder_cfg, where)
     return dataclasses.replace(merged, **{k: given[k] for k in ("dtype", "loss_chunk")
                                           if k in given})
 

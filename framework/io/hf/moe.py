@@ -20,7 +20,10 @@ mlp_only_layers []); mixtral's num_local_experts, num_experts_per_tok,
 intermediate_size (its experts' width), always renormalised, router_jitter_noise 0.
 router_aux_loss_coef is
 transformers' training loss weight only where output_router_logits is true: read as
-model.moe.aux_loss_coef then, else 0.
+model.moe.aux_loss_coef then, else 0. Neither family has shared experts or a sigmoid
+router (model.moe.shared_experts, router, routed_scale): a config.json that names them
+(Qwen2-MoE's and DeepSeek's keys) is refused, and so is exporting or starting from a
+folder with them set.
 """
 
 from __future__ import annotations
@@ -103,9 +106,22 @@ def _count(hf: dict, key: str, where: str) -> int:
     return value
 
 
+# config.json keys of shared experts and other routers (Qwen2-MoE, DeepSeek-V2/V3), with
+# the value that says none: these families' layouts have no place for them
+NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
+                      ("num_shared_experts", 0), ("scoring_func", "softmax"),
+                      ("routed_scaling_factor", 1.0))
+# model.moe's settings a folder of these families cannot hold (beside their defaults)
+NOT_IN_FOLDERS = ("shared_experts", "shared_hidden", "shared_gate", "router", "routed_scale")
+
+
 def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     """model.moe of a MoE family's config.json (module docstring); a feature this model
     does not run is a one-line ConfigError naming it."""
+    for key, none in NOT_THESE_FAMILIES:
+        if hf.get(key) not in (None, none):
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported for model_type "
+                              f"{kind} (no shared experts, a softmax router)")
     unsupported = {"qwen3_moe": (("decoder_sparse_step", 1), ("mlp_only_layers", [])),
                    "mixtral": (("router_jitter_noise", 0.0),)}[kind]
     for key, want in unsupported:
@@ -129,6 +145,7 @@ def export_fields(cfg: ModelConfig) -> dict:
     m = cfg.moe
     if not m.enabled:
         raise ConfigError(f"model.family={cfg.family} needs model.moe.experts >= 1 to export")
+    _check_default(m, f"a {cfg.family} folder")
     common = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
               "output_router_logits": m.aux_loss_coef > 0}
     if cfg.family == "mixtral":
@@ -141,12 +158,25 @@ def export_fields(cfg: ModelConfig) -> dict:
             "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def merged(given: dict, folder_cfg: ModelConfig) -> ModelConfig:
+def _check_default(m, where: str) -> None:
+    """A one-line ConfigError where `m` (a MoeConfig or its dict) sets what these
+    families' folders cannot hold (NOT_IN_FOLDERS)."""
+    get = (lambda k: m.get(k)) if isinstance(m, dict) else (lambda k: getattr(m, k))
+    default = MoeConfig()
+    named = [f"model.moe.{k}={get(k)}" for k in NOT_IN_FOLDERS
+            if get(k) is not None and get(k) != getattr(default, k)]
+    if named:
+        raise ConfigError(f"{', '.join(named)}: {where} has no shared experts and a softmax "
+                          f"router (qwen3_moe, mixtral); drop these settings")
+
+
+def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> ModelConfig:
     """The folder's experts with the loss coefficients the user gave (training settings,
-    not the checkpoint's)."""
+    not the checkpoint's); settings the folder cannot hold are refused."""
     mine = given.get("moe")
     if mine is None or not folder_cfg.moe.enabled:
         return folder_cfg
+    _check_default(mine, where)
     get = (lambda k: mine.get(k)) if isinstance(mine, dict) else (lambda k: getattr(mine, k))
     coefs = {k: get(k) for k in ("aux_loss_coef", "z_loss_coef") if get(k) is not None}
     return dataclasses.replace(folder_cfg, moe=dataclasses.replace(folder_cfg.moe, **coefs))
