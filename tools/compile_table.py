@@ -19,12 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from framework.parallel.mesh import AXES  # noqa: E402
+from framework.parallel.mesh import AXES, EXPERT  # noqa: E402
 from framework.units import GIB, MIB  # noqa: E402
 
 
 def _gib(value) -> str:
     return "-" if value is None else f"{value / GIB:.1f}"
+
+
+SENT = AXES + (EXPERT,)  # every mesh axis, `expert` last (absent from dense meshes: 0)
 
 
 def row(report: dict) -> str:
@@ -36,9 +39,9 @@ def row(report: dict) -> str:
     predicted = report.get("memory/predicted_bytes_per_device")
     ratio = f"{predicted / compiled:.2f}" if predicted and compiled else "-"
     sent = " / ".join(f"{report.get(f'comm/bytes_per_step/{a}', 0) / MIB:,.0f}"
-                      for a in AXES) if compiled else "-"
+                      for a in SENT) if compiled else "-"
     shares = [report.get(f"comm/overlapped_fraction/{a}")
-              for a in AXES + ("pipe_sends", "context_sends")]
+              for a in SENT + ("pipe_sends", "context_sends")]
     overlap = (" / ".join("-" if s is None else f"{s:.0%}" for s in shares)
                if any(f"comm/overlapped_fraction/{a}" in report for a in AXES) else "-")
     seconds = report.get("compile_time_s")
@@ -46,13 +49,19 @@ def row(report: dict) -> str:
     return (f"| {report.get('recipe') or '-'} | {report['target']} | {schedule} | "
             f"{compiled_text} | {_gib(report.get('memory/device_bytes'))} | "
             f"{'yes' if report.get('fits') else 'no'} | {_gib(predicted)} | {ratio} | "
-            f"{'-' if seconds is None else f'{seconds:.0f}'} | {sent} | {overlap} |")
+            f"{'-' if seconds is None else f'{seconds:.0f}'} | {sent} | {overlap} | "
+            f"{_predicted_time(report)} |")
+
+
+def _predicted_time(report: dict) -> str:
+    step, mfu = report.get("time/predicted_step_s"), report.get("time/predicted_mfu")
+    return "-" if step is None else f"{step * 1e3:,.0f} ms, MFU {mfu:.0%}"
 
 
 HEADER = ("| recipe | target | schedule | compiled GiB/device | device GiB | fits | "
           "predicted GiB | predicted / compiled | compile s | MiB sent/step pipe / data / "
-          "context / tensor | overlapped pipe / data / context / tensor / pipe sends / "
-          "context sends |\n|" + "---|" * 11)
+          "context / tensor / expert | overlapped pipe / data / context / tensor / expert / "
+          "pipe sends / context sends | planner's step (MFU) |\n|" + "---|" * 12)
 
 
 def main(argv=None) -> int:

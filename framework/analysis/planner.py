@@ -44,6 +44,7 @@ from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
+from framework.model.moe import executed_rows
 from framework.model.flops import (fp8_matmul_share, hardware_flops_per_token,
                                    model_flops_per_token)
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
@@ -119,8 +120,10 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     lay = resolved(model, parallel, train.seq_len, train.global_batch_size)
     sched = lay.program.schedule
     tokens = train.global_batch_size * train.seq_len
+    rows = executed_rows(model, train.seq_len, parallel.expert, hw.platform)
     layers, head = hardware_flops_per_token(model, train.seq_len, lay.remat.recompute_forward,
-                                            lay.remat.recompute_attention, sched.split_backward)
+                                            lay.remat.recompute_attention, sched.split_backward,
+                                            rows)
     # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     layers *= fp8_slowdown(model, train.seq_len, hw)
@@ -327,23 +330,27 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     per step."""
     shown = [pl for pl in plans if pl.fits][:top] + [pl for pl in plans if not pl.fits][:unfit]
     unit, name = memory_unit(max((pl.memory["total"] for pl in shown), default=0))
-    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'cp':>3} {'tp':>3} {'mb':>4} {'schedule':<19} "
+    head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'cp':>3} {'tp':>3} {'mb':>4} "
+            f"{'schedule':<19} "
             f"{'shard':<5} {'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} "
             f"{'fits':<4} {'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} "
-            f"{'data':>8} {'context':>8} {'bubble':>6} {'tokens/s':>11} {'MFU':>6}")
+            f"{'data':>8} {'context':>8} {'expert':>8} {'bubble':>6} {'tokens/s':>11} "
+            f"{'MFU':>6}")
     lines = [head, "-" * len(head)]
     for i, pl in enumerate(shown, 1):
         par, m, t = pl.parallel, pl.memory, pl.time
         gib = lambda *keys: sum(m[k] for k in keys) / unit
         sched = par.schedule + (f"/v{par.virtual_stages}" if uses_virtual_stages(par.schedule) else "")
         lines.append(
-            f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.context:>3} {par.tensor:>3} "
+            f"{i:>3} {par.pipeline:>3} {par.data:>3} {par.expert:>3} {par.context:>3} "
+            f"{par.tensor:>3} "
             f"{par.microbatches:>4} {sched:<19} {sharding_name(par):<5} {gib('total'):>8.2f} "
             f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
             f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
             f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "
             f"{t['comm_tensor'] * 1e3:>8.3g} {t['comm_pipe'] * 1e3:>8.3g} "
             f"{t['comm_data'] * 1e3:>8.3g} {t['comm_context'] * 1e3:>8.3g} "
+            f"{t.get('comm_expert', 0.0) * 1e3:>8.3g} "
             f"{t['bubble']:>6.1%} {pl.tokens_per_sec:>11,.0f} "
             f"{t['mfu']:>6.1%}")
     return "\n".join(lines)

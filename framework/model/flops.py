@@ -29,6 +29,7 @@ The other conventions, each named where it is read:
 from __future__ import annotations
 
 from framework.config import ModelConfig
+from framework.model.moe import expert_hidden, moe_layers
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -71,15 +72,20 @@ def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, floa
 
 
 def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward: bool,
-                             recompute_attention: bool,
-                             split_backward: bool = False) -> tuple[float, float]:
+                             recompute_attention: bool, split_backward: bool = False,
+                             expert_rows: float = 1.0) -> tuple[float, float]:
     """(the layers' training FLOPs per token with what remat recomputes, the head's):
     model FLOPs (FULL_SCORES) plus the recomputed forward (`recompute_forward`: a third
     of the layers'), or the attention's dots (`recompute_attention`: 4 L H Q T), and
     with a split backward under remat the recomputation and the input gradient (a
-    third) once more (12N instead of 8N under full remat)."""
+    third) once more (12N instead of 8N under full remat). `expert_rows`: the expert
+    rows the compiled MoE layers multiply per routed copy (framework/model/moe.py's
+    `executed_rows`: capacity slots, or a compiler's dense expansion)."""
     head = head_flops(model)
     base = model_flops_per_token(model, seq_len) - head
+    if model.moe.enabled:  # the routed experts' matmuls as the program runs them
+        routed = model.moe.top_k * 3 * model.d_model * expert_hidden(model)
+        base += (expert_rows - 1.0) * 6 * routed * moe_layers(model)
     recomputed = base / 3 if recompute_forward else 0.0
     if recompute_attention:
         recomputed = float(4 * model.n_layers * model.n_heads * model.head_dim * seq_len)

@@ -92,6 +92,24 @@ def matrix_params(cfg: ModelConfig, active: bool = True) -> int:
     return d * m.experts + routed + shared
 
 
+def executed_rows(cfg: ModelConfig, seq: int, expert: int, platform: str) -> float:
+    """Expert rows a compiled MoE layer multiplies per routed token copy: with a capacity
+    factor its slots, E C per sequence of s k copies (about c); dropless, where the
+    compiler has a grouped matmul (TPU: a native ragged-dot kernel) 1, on GPUs E: XLA's
+    GPU compiler (jaxlib 0.10.2) expands `ragged_dot` into a dense dot over every local
+    expert's masked copy of the rows it received, and under expert parallelism (E/P
+    experts a device) those are the worst-case receive buffer's P N rows: E/P x P. On
+    gpu:h100x4 (tests/compiled/test_moe_gpu.py) the programs' matmuls are the planner's
+    FLOPs with these rows; a 2-layer Qwen3-30B-A3B step on gpu:h100x8 at expert 8 ran
+    20.4x the model's matmul FLOPs dropless, 0.90x with c = 1.25 (2026-11-29)."""
+    m = cfg.moe
+    if not m.enabled:
+        return 1.0
+    if m.capacity_factor is not None:
+        return m.experts * capacity(cfg, seq) / (seq * m.top_k)
+    return float(m.experts) if platform == "gpu" else 1.0
+
+
 def scores(router: str, logits):
     """logits [T, E] float32 -> the router's scores [T, E]: softmax over the experts, or
     each expert's sigmoid (DeepSeek-V3)."""

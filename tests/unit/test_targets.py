@@ -50,7 +50,8 @@ def test_a_missing_compiler_names_the_pip_command():
 SCALE = {"llama3_8b": "gpu:h100x8", "llama3_8b_v5p": "tpu:v5p-32",
          "llama3_70b": "gpu:h100x64", "llama3_70b_v5p": "tpu:v5p-128",
          "llama3_405b": "gpu:h100x1024", "llama3_8b_128k": "gpu:h100x64",
-         "llama3_8b_128k_v5p": "tpu:v5p-128"}
+         "llama3_8b_128k_v5p": "tpu:v5p-128", "qwen3_30b_a3b": "gpu:h100x8",
+         "mixtral_8x7b": "gpu:h100x16"}
 
 
 @pytest.mark.parametrize("recipe", sorted(SCALE))
