@@ -54,12 +54,14 @@ object inside its TensorParallel (`tp.expert`), never a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from framework import hardware
+from framework.parallel.mesh import EXPERT
 
 
 EXCHANGES = ("auto", "dense", "ragged", "emulated")  # parallel.expert_exchange
@@ -75,11 +77,27 @@ def exchange_for(setting: str, platform: str) -> str:
     return "emulated" if setting == "ragged" and not native else setting
 
 
+def with_exchange(parallel, platform: str):
+    """`parallel` (a ParallelConfig) with its expert_exchange resolved for `platform`
+    (`exchange_for`): what the engine, the memory model and the executor's state trace."""
+    exchange = exchange_for(parallel.expert_exchange, platform)
+    return dataclasses.replace(parallel, expert_exchange=exchange)
+
+
+def expert_parallel(degree: int, exchange: str) -> "ExpertParallel":
+    """The plan of `parallel.expert=degree` with the resolved `exchange` (`exchange_for`):
+    the experts over the `expert` mesh axis, or none split at degree 1."""
+    return ExpertParallel(EXPERT, degree, exchange) if degree > 1 else ExpertParallel()
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
     axis: str | None = None  # the mesh axis, inside a shard_map manual over it
     size: int = 1  # devices along it
-    exchange: str = "dense"  # dense | ragged | emulated (`exchange_for`)
+    dropless: str = "dense"  # its exchange: dense | ragged | emulated (`exchange_for`)
+
+    def __post_init__(self):
+        assert self.dropless in EXCHANGES[1:], f"unresolved exchange {self.dropless!r}"
 
     @property
     def runs(self) -> bool:
@@ -94,14 +112,14 @@ class ExpertParallel:
         (padding: `local`, no expert), and the state `combine` needs). Each sender's
         block arrives sorted by local expert; the dense exchange pads each sender's
         block to N rows, the ragged one packs them and pads the buffer's end."""
-        if self.exchange == "dense":
+        if self.dropless == "dense":
             return self._dispatch_dense(rows, ids, local)
         return self._dispatch_ragged(rows, ids, local)
 
     def combine(self, out, state):
         """out [E N, f] (the experts' rows, as received) -> [N, f] in the caller's copy
         order (each copy's row, from the device that ran its expert)."""
-        if self.exchange == "dense":
+        if self.dropless == "dense":
             return self._combine_dense(out, state)
         return self._combine_ragged(out, state)
 
@@ -147,7 +165,7 @@ class ExpertParallel:
     def _ragged(self, operand, output, sends, bound: int):
         """One ragged exchange over the axis; `bound`: no slice has more rows (the
         emulation's static padding)."""
-        if self.exchange == "ragged":
+        if self.dropless == "ragged":
             return jax.lax.ragged_all_to_all(operand, output, *sends, axis_name=self.axis)
         return emulated_ragged_all_to_all(operand, output, *sends, axis_name=self.axis,
                                           slice_rows=bound)
