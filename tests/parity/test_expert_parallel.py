@@ -81,6 +81,7 @@ def test_expert_parallel_on_every_path_equals_one_device(name):
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
          sequence_parallel=True, remat="full", expert=2),
     dict(pipeline=1, data=4, microbatches=2, expert=4, capacity=0.75),
+    dict(pipeline=1, data=4, microbatches=2, expert=4, expert_exchange="ragged"),  # emulated
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_expert_axis_bytes_are_the_comm_models(kw):
     """`comm/bytes_per_step/expert` of the compiled program (the dispatch's all-to-alls
