@@ -8,8 +8,8 @@ device of an expert group holds different rows of the batch (the dense layers se
 
   1. sorts its token copies (a token once per chosen expert) by expert id, so that the
      copies for device j = id // (E_total / E) form one run, the j-th;
-  2. `dispatch`: all-to-all over `expert`, device j receiving every group member's run
-     for it;
+  2. `dispatch`: an all-to-all over `expert` (ragged or dense, below), device j
+     receiving every group member's run for it;
   3. runs its own experts on what it received, grouped (`jax.lax.ragged_dot` over the
      received rows sorted by local expert);
   4. `combine`: the all-to-all back, each output row to the device and place its token
