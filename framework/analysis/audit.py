@@ -129,7 +129,10 @@ def _async_results(kind: str, shapes: list) -> list:
 
 def _copies(result: list, operand_type: str) -> list:
     """A ragged-all-to-all's copies: the smaller of its result buffers and its operand
-    (`operand_type`, its HLO type text): the dispatch's operand, the combine's result."""
+    (`operand_type`, its HLO type text): the dispatch's operand, the combine's result.
+    An async start's offsets and sizes (integer vectors, GPU) are not copies."""
+    rows = [(dt, s) for dt, s in result if len(s) > 1 or dt not in ("s32", "s64", "u32")]
+    result = rows or result
     operand = [(dt, tuple(int(d) for d in dims.split(",") if d))
                for dt, dims in _SHAPE.findall(operand_type) if dt in DTYPE_BYTES][:1]
     size = lambda shapes: sum(DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) for dt, s in shapes)
