@@ -90,3 +90,10 @@ def passes_through(platform: str, jaxlib_version: str) -> bool:
         return True
     version = tuple(int(x) for x in jaxlib_version.split(".")[:3] if x.isdigit())
     return version >= GPU_PASS_THROUGH_SINCE
+
+
+def has_ragged_all_to_all(platform: str) -> bool:
+    """Whether the compiler for `platform` has `ragged_all_to_all` (the dropless expert
+    exchange, framework/parallel/expert.py): XLA's TPU and GPU compilers (jaxlib 0.10.2,
+    deviceless compiles of tpu:v5p-8 and gpu:h100x8 targets); its CPU compiler has not."""
+    return platform in ("tpu", "gpu", "cuda")

@@ -10,6 +10,11 @@ Bytes are *sent per device*, averaged over all devices of the mesh, for the usua
 algorithms on a group of n devices and a per-device buffer of S bytes:
     all-reduce 2(n-1)/n*S    all-gather (n-1)/n*S_out    reduce-scatter (n-1)*S_out
     all-to-all (n-1)/n*S     collective-permute S, by the devices that send.
+A ragged-all-to-all (the dropless expert exchange on TPUs and GPUs,
+framework/parallel/expert.py) sends a data-dependent share of its operand: counted as
+the balanced expectation, (n-1)/n of the copies, S the smaller of its operand and its
+result (the other is the receive buffer of the worst case, n times the copies), as
+framework/analysis/comm_model.py's `expert_bytes` counts it.
 A collective over several axes is split between them as a hierarchical ring would
 (one pass per axis), so the per-axis totals add up. On GPUs, the collectives that
 overlap a matmul are marked (framework/analysis/overlap.py's rule) and weighed per axis
@@ -32,7 +37,8 @@ import numpy as np
 from framework.analysis import hlo as hlo_lib
 from framework.analysis.overlap import overlapped_names
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+         "ragged-all-to-all")
 DTYPE_BYTES, _SHAPE = hlo_lib.DTYPE_BYTES, hlo_lib.SHAPE
 
 
@@ -40,7 +46,8 @@ DTYPE_BYTES, _SHAPE = hlo_lib.DTYPE_BYTES, hlo_lib.SHAPE
 class Collective:
     kind: str
     axes: tuple[str, ...]  # mesh axes the groups span, e.g. ("tensor",)
-    shapes: list[tuple[str, tuple[int, ...]]]  # per-device result buffers (dtype, shape)
+    # per-device result buffers (dtype, shape); a ragged-all-to-all's copies (`_copies`)
+    shapes: list[tuple[str, tuple[int, ...]]]
     executions: float  # per step, averaged over devices (loop trips x scope weights)
     group_size: int
     senders: float  # fraction of devices that send (1 except for permutes)
@@ -58,7 +65,7 @@ class Collective:
         n, s = self.group_size, self.buffer_bytes
         if self.kind == "all-reduce":
             return 2 * (n - 1) / n * s
-        if self.kind in ("all-gather", "all-to-all"):
+        if self.kind in ("all-gather", "all-to-all", "ragged-all-to-all"):
             return (n - 1) / n * s
         if self.kind == "reduce-scatter":
             return (n - 1) * s
@@ -120,6 +127,18 @@ def _async_results(kind: str, shapes: list) -> list:
     return buffers[len(buffers) // 2:]
 
 
+def _copies(result: list, operand_type: str) -> list:
+    """A ragged-all-to-all's copies: the smaller of its result buffers and its operand
+    (`operand_type`, its HLO type text): the dispatch's operand, the combine's result.
+    An async start's offsets and sizes (integer vectors, GPU) are not copies."""
+    rows = [(dt, s) for dt, s in result if len(s) > 1 or dt not in ("s32", "s64", "u32")]
+    result = rows or result
+    operand = [(dt, tuple(int(d) for d in dims.split(",") if d))
+               for dt, dims in _SHAPE.findall(operand_type) if dt in DTYPE_BYTES][:1]
+    size = lambda shapes: sum(DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) for dt, s in shapes)
+    return operand if operand and size(operand) < size(result) else result
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int],
                 scope_weights: dict[str, float] | None = None) -> list[Collective]:
     """All collectives of a compiled program. mesh_shape: {'pipe': 2, 'data': 2, ...} in
@@ -132,6 +151,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
     for comp, instrs in program.computations.items():
         if mult.get(comp, 0) == 0:
             continue
+        types = {i.name: i.result for i in instrs}
         for instr in instrs:
             op, line = instr.opcode, instr.line
             kind = op[:-6] if op.endswith("-start") else op
@@ -141,6 +161,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
                       for dt, dims in _SHAPE.findall(instr.result) if dt in DTYPE_BYTES]
             if op.endswith("-start"):
                 shapes = _async_results(kind, shapes)
+            if kind == "ragged-all-to-all":
+                shapes = _copies(shapes, types.get(hlo_lib.operands(instr)[0], ""))
             pairs = None
             if kind == "collective-permute":
                 pm = re.search(r"source_target_pairs=\{(.*?)\}\}", line)

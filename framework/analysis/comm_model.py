@@ -48,7 +48,12 @@ hidden states of one data replica's batch (in the compute dtype):
           again; the zero-bubble split backward with remat: B and W each run the
           forward's three and both transposes). Plus the dense parameters' gradients, summed over `data` and `expert`:
           2(E-1)/E of them (`data` then counts the data/E replicas of the mesh's axis).
-          A ragged all-to-all (GPU, TPU) would send 1/E of the buffers. With a
+          The ragged exchange (`parallel.expert_exchange`, resolved: TPU and GPU's)
+          sends the copies themselves, a data-dependent number: counted as the
+          balanced expectation, (E-1)/E of the N copies each way, no ids (the audit
+          counts a compiled ragged-all-to-all the same way); the counts it gathers
+          first ([E, E_total] int32, and the transposes' offsets) are left out.
+          Emulated (CPU): the dense buffers without the ids. With a
           capacity factor the buffers are the slots [E_total, rows x C, d] and no ids
           travel (`model.moe.capacity_factor`: c x the copies' bytes).
 With context parallelism A is one device's tokens: s/c of each sequence.
@@ -127,9 +132,12 @@ def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     on the busiest rank."""
     e, lay = parallel.expert, _layout(model, parallel, train)
     width = model.d_model * dtype_bytes(model.dtype)
-    if model.moe.capacity_factor is None:  # dropless: worst-case buffers and their ids
-        n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies
-        rows, ids = (e - 1) * n * width, (e - 1) * n * 4  # (E-1)/E of [E, N, d]
+    n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies N
+    if model.moe.capacity_factor is None and parallel.expert_exchange == "ragged":
+        rows, ids = (e - 1) * n * width / e, 0  # the balanced expectation: (E-1)/E of N
+    elif model.moe.capacity_factor is None:  # worst-case buffers (and the dense's ids)
+        rows = (e - 1) * n * width  # (E-1)/E of [E, N, d]
+        ids = (e - 1) * n * 4 if parallel.expert_exchange != "emulated" else 0
     else:  # the slots (framework/model/moe.py), no ids: (E-1)/E of [E_total, rows C, d]
         slots = model.moe.experts * lay.rows_per_microbatch * capacity(model, train.seq_len)
         rows, ids = (e - 1) * slots * width / e, 0

@@ -14,6 +14,7 @@ from framework.config import ModelConfig, ParallelConfig
 from framework.engine.resolved import Layout, resolved
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import StepOptions, device_fn, passes_through
+from framework.parallel.expert import with_exchange
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import ticks
 from framework.units import tree_bytes as nbytes
@@ -26,8 +27,9 @@ def executor_state(model: ModelConfig, parallel: ParallelConfig, batch: int, seq
     """`measure_executor_state`, once per distinct shape of the state (`state_key`): the
     planner asks for hundreds of layouts that share far fewer (one trace takes a third
     of a second here)."""
-    through = passes_through(platform or jax.default_backend())
-    lay = resolved(model, parallel, seq, batch)
+    platform = platform or jax.default_backend()
+    through = passes_through(platform)
+    lay = resolved(model, with_exchange(parallel, platform), seq, batch)
     key = state_key(lay) + (through,)
     if key not in _STATES:
         _STATES[key] = measure_executor_state(lay, through)

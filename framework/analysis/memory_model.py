@@ -87,7 +87,7 @@ from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
 from framework.model.registry import spec_of
-from framework.parallel.expert import ExpertParallel
+from framework.parallel.expert import ExpertParallel, expert_parallel, with_exchange
 from framework.parallel.mesh import EXPERT, TENSOR
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.stage import split_vjp
@@ -99,7 +99,7 @@ from framework.units import FP32, dtype_bytes, tree_bytes as nbytes
 
 @lru_cache(maxsize=None)
 def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows: int,
-                    part: str = "full", expert: int = 1) -> int:
+                    part: str = "full", ep: ExpertParallel = ExpertParallel()) -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
     tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
@@ -108,10 +108,10 @@ def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows
     backward (`framework/engine/split.py`) "input" (the input-gradient VJP's residuals),
     "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients).
     `layer`: (seq, tp, sp, remat), the sequence, tensor degree, sequence parallelism
-    and remat policy the layers run with. `expert`: the expert-parallel degree (the MoE
+    and remat policy the layers run with. `ep`: the expert-parallel plan (the MoE
     layers' dispatch buffers, over an abstract `expert` axis beside `tensor`)."""
     seq, tp, sp, remat = layer
-    ep = ExpertParallel(EXPERT, expert) if expert > 1 else ExpertParallel()
+    expert = ep.size
     tp_plan = TensorParallel(TENSOR, tp, sp, rules, expert=ep)
     axes = (EXPERT, TENSOR) if expert > 1 else (TENSOR,)
     dt, spec = jnp.dtype(model.dtype), spec_of(model)
@@ -166,13 +166,14 @@ def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) 
 
 
 def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
-              part: str = "full", rules=None, expert: int = 1) -> Residuals:
+              part: str = "full", rules=None,
+              ep: ExpertParallel = ExpertParallel()) -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
     layer scan hoists and XLA folds into their users) are not memory: dropped.
     `model.attention` must be resolved (`attention_traced`)."""
     rules = param_rules() if rules is None else rules
-    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part, expert)
+    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part, ep)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
@@ -237,11 +238,11 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
 
 
 def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_rows: int,
-                    tpu: bool, expert: int = 1) -> float:
+                    tpu: bool, ep: ExpertParallel = ExpertParallel()) -> float:
     """One layer's backward in flight: its residuals once more (recomputed under
     remat) and the attention kernel's score blocks; the TPU's fused backward holds
     layer_backward/tpu of that."""
-    held = residuals(model, seq, tp, sp, "none", rules=rules, expert=expert).chunk(1, mb_rows)
+    held = residuals(model, seq, tp, sp, "none", rules=rules, ep=ep).chunk(1, mb_rows)
     held += attention_scores_bytes(model, mb_rows, seq, tp)
     return held * fitted("layer_backward/tpu") if tpu else held
 
@@ -333,7 +334,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     # autodiff: every forward tick's residuals, until the backward
     res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
                     lay.layer_remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
-                    expert=lay.expert)
+                    ep=expert_parallel(lay.expert, lay.parallel.expert_exchange))
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
@@ -352,6 +353,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     docstring); 'total' sums them. `platform` decides what `model.attention=auto` runs
     (default: JAX's default backend); `optim` the stored dtypes (default float32)."""
     stored_width, moments_width = _widths(optim or OptimConfig())
+    parallel = with_exchange(parallel, platform or jax.default_backend())  # as built
     lay = resolved(attention_traced(model, train.seq_len, platform), parallel,
                    train.seq_len, train.global_batch_size)
     w = _param_bytes(lay)
@@ -360,7 +362,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     layer_backward = _layer_backward(lay.model, lay.seq_per_device, lay.parallel.tensor,
                                      lay.sequence_parallel,
                                      param_rules(lay.parallel.tensor_split, lay.expert),
-                                     lay.rows_per_microbatch, tpu, lay.expert)
+                                     lay.rows_per_microbatch, tpu,
+                                     expert_parallel(lay.expert, lay.parallel.expert_exchange))
     gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one

@@ -42,6 +42,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import resolved
 from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
+from framework.parallel.expert import with_exchange
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows
@@ -135,7 +136,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
            + head_beyond * per_flop}
     stored = optim.param_dtype if optim is not None else "float32"
-    for axis, nbytes in _comm_bytes(model, parallel, train, stored).items():
+    exchanged = with_exchange(parallel, hw.platform or "gpu")  # the expert exchange hw's runs
+    for axis, nbytes in _comm_bytes(model, exchanged, train, stored).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
     budget = out["compute"]  # what overlapped transfers can hide behind, at most
     if sched.overlap:  # the stage-to-stage sends run beside the cells, hidden up to them

@@ -143,6 +143,11 @@ class ParallelConfig:
     # batch, of which `expert` consecutive ones form an expert group;
     # framework/parallel/expert.py). Must divide parallel.data; needs model.moe.
     expert: int = 1
+    # The dropless exchange of token copies over `expert`: auto (ragged where the
+    # compiler has ragged_all_to_all: TPU, NVIDIA GPU; dense elsewhere), dense
+    # (worst-case buffers), ragged (exactly the copies; emulated where the compiler
+    # lacks the op), emulated (the ragged bookkeeping over a dense exchange: tests).
+    expert_exchange: str = "auto"
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list

@@ -25,6 +25,7 @@ from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, fp8_metrics, moe_metrics, train_step
 from framework.model import attention
 from framework.model.documents import DocumentMask
+from framework.parallel.expert import with_exchange
 from framework.parallel.mesh import batch_axes
 from framework.parallel.pipeline import layout
 from framework.engine.resolved import resolved
@@ -147,6 +148,8 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
     # machine: cuDNN's kernel, as the run will use)
     platform = mesh.devices.flat[0].platform
     model = attention.for_platform(model, platform, documents is not None)
+    # the expert exchange the platform's compiler runs (ragged on TPU and GPU)
+    parallel = with_exchange(parallel, platform)
     lay = resolved(model, parallel)
     specs, dims = param_specs(lay)
     state = StateLayout(lay, mesh, make_optimizer(optim, total_steps), specs, dims,

@@ -38,8 +38,8 @@ from framework.model.documents import DocumentMask, documents_of
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
-from framework.parallel.expert import ExpertParallel
-from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
+from framework.parallel.expert import expert_parallel
+from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import manual_axes, varying
 from framework.parallel.pipeline.program import forward_program
@@ -210,7 +210,7 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
     cp = ContextParallel(CONTEXT, parallel.context, permute=not options.cpu)
-    ep = ExpertParallel(EXPERT, layout.expert) if layout.expert > 1 else ExpertParallel()
+    ep = expert_parallel(layout.expert, parallel.expert_exchange)
     tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
                         param_rules(parallel.tensor_split, layout.expert),
                         collective_matmul=parallel.collective_matmul,

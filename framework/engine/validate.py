@@ -21,6 +21,7 @@ from framework.model import attention, fp8, moe
 from framework.engine.resolved import Layout, global_stages, resolved, with_stage_layers
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
+from framework.parallel.expert import EXCHANGES
 from framework.parallel.pipeline import schedule as schedules
 
 # Model dimensions of each logical axis the tensor-parallel plan can split.
@@ -76,6 +77,9 @@ def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"model.moe.capacity_factor={model.moe.capacity_factor} does not run with "
                 f"parallel.context={p.context} (slots are counted over whole sequences): "
                 f"use model.moe.capacity_factor=null (dropless) or parallel.context=1"]
+    if p.expert_exchange not in EXCHANGES:
+        return [f"parallel.expert_exchange={p.expert_exchange!r} is not one of "
+                f"{', '.join(EXCHANGES)}"]
     e = p.expert
     if e < 1:
         return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]

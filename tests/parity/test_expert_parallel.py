@@ -3,8 +3,8 @@ the loss and every gradient on (pipe 2, data 2, tensor 2) with the experts split
 of the data devices equal one device's with data x microbatches microbatches, under
 every tick schedule, with ZeRO-1 and with FSDP, beside context parallelism, for Qwen3-MoE (8 experts, 4 a device)
 and Mixtral (4 experts, 2 a device) settings with the auxiliary and z losses on, and
-Qwen3-MoE's with a gated shared expert and DeepSeek-V3's sigmoid router (the models and
-the comparison: tests/parity/test_moe.py)."""
+Qwen3-MoE's with a gated shared expert and DeepSeek-V3's sigmoid router, and through the
+ragged exchange (emulated here) (the models and the comparison: tests/parity/test_moe.py)."""
 
 import dataclasses
 
@@ -40,6 +40,14 @@ LAYOUTS = {
     "shared_sigmoid_1f1b_sp": ("shared_sigmoid", dict(BASE, schedule="1f1b",
                                                       sequence_parallel=True)),
     "shared_sigmoid_zb_h1": ("shared_sigmoid", dict(BASE, schedule="zb_h1")),
+    # the ragged exchange (TPU and GPU's; emulated on CPU, the same offsets and sizes:
+    # framework/parallel/expert.py), under both backwards and FSDP
+    "ragged_1f1b": ("qwen3_moe", dict(BASE, schedule="1f1b", expert_exchange="ragged")),
+    "ragged_zb_h1_sp_remat": ("mixtral", dict(BASE, schedule="zb_h1", sequence_parallel=True,
+                                              remat="full", expert_exchange="ragged")),
+    "ragged_dp4_fsdp": ("qwen3_moe", dict(pipeline=2, data=4, tensor=1, microbatches=2,
+                                          schedule="1f1b", expert=4, fsdp=True,
+                                          expert_exchange="ragged")),
 }
 MODELS = {**MODELS, "shared_sigmoid": SHARED_SIGMOID}
 
@@ -73,6 +81,7 @@ def test_expert_parallel_on_every_path_equals_one_device(name):
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
          sequence_parallel=True, remat="full", expert=2),
     dict(pipeline=1, data=4, microbatches=2, expert=4, capacity=0.75),
+    dict(pipeline=1, data=4, microbatches=2, expert=4, expert_exchange="ragged"),  # emulated
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_expert_axis_bytes_are_the_comm_models(kw):
     """`comm/bytes_per_step/expert` of the compiled program (the dispatch's all-to-alls
