@@ -46,7 +46,8 @@ def row(report: dict) -> str:
                if any(f"comm/overlapped_fraction/{a}" in report for a in AXES) else "-")
     seconds = report.get("compile_time_s")
     schedule = report["schedule"] + (f", {report['sends']}" if "sends" in report else "")
-    return (f"| {report.get('recipe') or '-'} | {report['target']} | {schedule} | "
+    return (f"| {report.get('recipe') or '-'} | {report['target']} | "
+            f"{report.get('mesh', '-')} | {schedule} | "
             f"{compiled_text} | {_gib(report.get('memory/device_bytes'))} | "
             f"{'yes' if report.get('fits') else 'no'} | {_gib(predicted)} | {ratio} | "
             f"{'-' if seconds is None else f'{seconds:.0f}'} | {sent} | {overlap} | "
@@ -58,10 +59,10 @@ def _predicted_time(report: dict) -> str:
     return "-" if step is None else f"{step * 1e3:,.0f} ms, MFU {mfu:.0%}"
 
 
-HEADER = ("| recipe | target | schedule | compiled GiB/device | device GiB | fits | "
+HEADER = ("| recipe | target | layout | schedule | compiled GiB/device | device GiB | fits | "
           "predicted GiB | predicted / compiled | compile s | MiB sent/step pipe / data / "
           "context / tensor / expert | overlapped pipe / data / context / tensor / expert / "
-          "pipe sends / context sends | planner's step (MFU) |\n|" + "---|" * 12)
+          "pipe sends / context sends | planner's step (MFU) |\n|" + "---|" * 13)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@
 # hydra, omegaconf, antlr4, copied from a machine where `pip install -e .` ran).
 # Writes logs under $OUT (default ./device_out). Each step has its own time limit, so
 # one failure does not cost the others.
-#   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s]   (SKIP_BENCH=1: no 1.)
+#   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
+#   (SKIP_BENCH=1: no 1.)
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.pylib${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -36,4 +37,8 @@ step mock_1b_dots "${4:-45}" $PY tools/mock_gpu.py recipe=llama_1b_8gpu parallel
 # 4. The 8B recipe's last stage as shipped (cuDNN attention since 2026-11-27), profiled.
 step mock_8b "${5:-130}" $PY tools/mock_gpu.py recipe=llama3_8b \
   --schedules 1f1b,zb_v --stage last --steps 2 --profile --json "$OUT/mock_8b.json"
+# 5. The MoE recipe's last stage (issue 44: Qwen3-30B-A3B's shape, 128 experts top 8,
+# capacity factor 1.25: the slots as batched matmuls), profiled.
+step mock_moe "${6:-100}" $PY tools/mock_gpu.py recipe=qwen3_30b_a3b \
+  --schedules interleaved_1f1b:6 --stage last --steps 2 --profile --json "$OUT/mock_moe.json"
 exit 0
