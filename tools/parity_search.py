@@ -50,8 +50,7 @@ BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradien
 def draw(rng: np.random.Generator, n_devices: int = 8):
     """(model, parallel, train, data, param_dtype) of one valid random configuration on
     at most n_devices (data: its document masks)."""
-    from framework.config import (CHOICES, DataConfig, ModelConfig, MoeConfig,
-                                  ParallelConfig, TrainConfig)
+    from framework.config import CHOICES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from framework.engine.validate import check
     from framework.model.moe import MOE_FAMILIES
     from framework.parallel.pipeline import schedule as schedules
@@ -85,17 +84,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
             sliding_window_pattern=pick([0, 2]) if windowed else 0,
             attn_softcap=pick([None, 20.0]), final_softcap=pick([None, 30.0]))
         if model.family in MOE_FAMILIES:  # (drawn only then: other cases keep their draw)
-            experts = pick([2, 4, 8])
-            model = dataclasses.replace(model, moe=MoeConfig(
-                experts=experts, top_k=pick([k for k in (1, 2) if k <= experts]),
-                expert_hidden=pick([None, 16]), renormalize=bool(rng.integers(2)),
-                aux_loss_coef=pick([0.0, 0.1]), z_loss_coef=pick([0.0, 0.01]),
-                capacity_factor=pick([None, 0.75, 1.5]) if c == 1 else None))
-            shared = pick([0, 0, 1, 2])  # shared experts in one case of two, gated or not
-            model = dataclasses.replace(model, moe=dataclasses.replace(
-                model.moe, router=pick(["softmax", "sigmoid"]), routed_scale=pick([1.0, 2.5]),
-                shared_experts=shared, shared_hidden=pick([None, 16]) if shared else None,
-                shared_gate=bool(shared and rng.integers(2))))
+            model = _moe(pick, rng, model, c)
         sp = bool(rng.integers(2)) and t > 1
         par = ParallelConfig(pipeline=p, data=d, tensor=t, context=c, microbatches=m,
                              schedule=name,
@@ -105,6 +94,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              collective_matmul=sp and bool(rng.integers(2)),
                              stage_layers=stage_layers, overlap_sends=bool(rng.integers(2)),
                              expert=_expert(pick, model, d))
+        if par.expert > 1 and model.moe.capacity_factor is not None:  # (drawn only then)
+            par = dataclasses.replace(par, expert_chunks=pick([1, 2]))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         masked = rng.integers(3) == 0
@@ -113,6 +104,24 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
         param_dtype = "bfloat16" if rng.integers(4) == 0 else "float32"
         if par.n_devices <= n_devices and not check(model, par, train, par.n_devices):
             return model, par, train, data, param_dtype
+
+
+def _moe(pick, rng, model, context: int):
+    """The mixture-of-experts settings of a MoE family's drawn model (a capacity factor
+    only without context parallelism, which refuses it)."""
+    from framework.config import MoeConfig
+
+    experts = pick([2, 4, 8])
+    model = dataclasses.replace(model, moe=MoeConfig(
+        experts=experts, top_k=pick([k for k in (1, 2) if k <= experts]),
+        expert_hidden=pick([None, 16]), renormalize=bool(rng.integers(2)),
+        aux_loss_coef=pick([0.0, 0.1]), z_loss_coef=pick([0.0, 0.01]),
+        capacity_factor=pick([None, 0.75, 1.5]) if context == 1 else None))
+    shared = pick([0, 0, 1, 2])  # shared experts in one case of two, gated or not
+    return dataclasses.replace(model, moe=dataclasses.replace(
+        model.moe, router=pick(["softmax", "sigmoid"]), routed_scale=pick([1.0, 2.5]),
+        shared_experts=shared, shared_hidden=pick([None, 16]) if shared else None,
+        shared_gate=bool(shared and rng.integers(2))))
 
 
 def _expert(pick, model, d: int) -> int:

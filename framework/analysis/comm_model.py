@@ -69,7 +69,7 @@ import jax
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
 from framework.model.registry import spec_of
-from framework.model.moe import capacity
+from framework.model.moe_slots import capacity
 from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
 from framework.units import FP32, dtype_bytes
 

@@ -14,7 +14,7 @@ from framework.config import ModelConfig, ParallelConfig
 from framework.engine.resolved import Layout, resolved
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import StepOptions, device_fn, passes_through
-from framework.parallel.expert import with_exchange
+from framework.engine.resolved import with_exchange
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import ticks
 from framework.units import tree_bytes as nbytes

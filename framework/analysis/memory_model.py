@@ -87,7 +87,8 @@ from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
 from framework.model.registry import spec_of
-from framework.parallel.expert import ExpertParallel, expert_parallel, with_exchange
+from framework.engine.resolved import with_exchange
+from framework.parallel.expert import ExpertParallel, expert_parallel
 from framework.parallel.mesh import EXPERT, TENSOR
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.stage import split_vjp
@@ -334,7 +335,8 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     # autodiff: every forward tick's residuals, until the backward
     res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
                     lay.layer_remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
-                    ep=expert_parallel(lay.expert, lay.parallel.expert_exchange))
+                    ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
+                                       lay.parallel.expert_chunks))
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
@@ -363,7 +365,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
                                      lay.sequence_parallel,
                                      param_rules(lay.parallel.tensor_split, lay.expert),
                                      lay.rows_per_microbatch, tpu,
-                                     expert_parallel(lay.expert, lay.parallel.expert_exchange))
+                                     expert_parallel(lay.expert, lay.parallel.expert_exchange,
+                                                     lay.parallel.expert_chunks))
     gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one

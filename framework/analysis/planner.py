@@ -42,7 +42,7 @@ from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import resolved
 from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
-from framework.parallel.expert import with_exchange
+from framework.engine.resolved import with_exchange
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows

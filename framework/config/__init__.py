@@ -148,6 +148,9 @@ class ParallelConfig:
     # (worst-case buffers), ragged (exactly the copies; emulated where the compiler
     # lacks the op), emulated (the ragged bookkeeping over a dense exchange: tests).
     expert_exchange: str = "auto"
+    # With a capacity factor: the slots exchanged and multiplied in this many parts, so
+    # that one part's all-to-all can run beside another's matmuls (framework/model/moe.py).
+    expert_chunks: int = 1
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list

@@ -28,6 +28,7 @@ from functools import cached_property, lru_cache
 
 from jax.sharding import AbstractMesh
 
+from framework import hardware
 from framework.config import ModelConfig, ParallelConfig
 from framework.model.flops import stage_flops_per_token
 from framework.parallel.data import gathers_per_use
@@ -251,3 +252,22 @@ def resolved(model: ModelConfig, parallel: ParallelConfig, seq_len: int | None =
     """The Layout of a configuration `validate` accepts (or would: the analyses' own
     layouts), its `auto` stage layers balanced. One per configuration."""
     return Layout(model, with_stage_layers(model, parallel, seq_len), seq_len, global_batch)
+
+
+def exchange_for(setting: str, platform: str) -> str:
+    """`parallel.expert_exchange` for a mesh of `platform` devices (module docstring):
+    auto is ragged where the compiler has `ragged_all_to_all` (framework/hardware.py),
+    else dense; ragged where it has not is emulated."""
+    native = hardware.has_ragged_all_to_all(platform)
+    if setting == "auto":
+        return "ragged" if native else "dense"
+    return "emulated" if setting == "ragged" and not native else setting
+
+
+def with_exchange(parallel, platform: str):
+    """`parallel` (a ParallelConfig) with its expert_exchange resolved for `platform`
+    (`exchange_for`): what the engine, the memory model and the executor's state trace.
+    Here, not in framework/parallel/expert.py: which compiler has the op is a hardware
+    fact (framework/hardware.py), which the parallel package does not read."""
+    exchange = exchange_for(parallel.expert_exchange, platform)
+    return dataclasses.replace(parallel, expert_exchange=exchange)

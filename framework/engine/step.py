@@ -210,7 +210,8 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
     cp = ContextParallel(CONTEXT, parallel.context, permute=not options.cpu)
-    ep = expert_parallel(layout.expert, parallel.expert_exchange)
+    ep = expert_parallel(layout.expert, parallel.expert_exchange,
+                         parallel.expert_chunks)
     tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
                         param_rules(parallel.tensor_split, layout.expert),
                         collective_matmul=parallel.collective_matmul,

@@ -77,6 +77,9 @@ def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"model.moe.capacity_factor={model.moe.capacity_factor} does not run with "
                 f"parallel.context={p.context} (slots are counted over whole sequences): "
                 f"use model.moe.capacity_factor=null (dropless) or parallel.context=1"]
+    if p.expert_chunks < 1:
+        return [f"parallel.expert_chunks={p.expert_chunks} must be >= 1 (1: the slots "
+                f"exchanged at once)"]
     if p.expert_exchange not in EXCHANGES:
         return [f"parallel.expert_exchange={p.expert_exchange!r} is not one of "
                 f"{', '.join(EXCHANGES)}"]

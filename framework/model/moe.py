@@ -11,16 +11,12 @@ sorted by expert, and `jax.lax.ragged_dot` multiplies each expert's run of rows 
 weights (megablox-style; `MoE`). `dense_moe` beside it is the naive reference: every
 expert on every token, weighted by a routing matrix that is zero off the top-k.
 
-With a capacity factor c (`model.moe.capacity_factor`; GShard, Lepikhin et al. 2020;
-Switch Transformer) each expert has C = ceil(c s k / E) slots per sequence of s tokens;
-a sequence's copies take their expert's slots in token order and those past C are
-dropped (weight zero: the token keeps only its residual). The layer is then static:
-a buffer [E, rows x C, d] per microbatch, the experts as batched einsums
-(`capacity_experts`), and under expert parallelism one all-to-all of that buffer.
-That is what a GPU wants: XLA's GPU compiler (jaxlib 0.10.2) lowers `ragged_dot` to a
-dense dot over every local expert's masked copy of the rows (E/P times the FLOPs and a
-[rows, E/P x d] temporary), where the batched einsum is c times the routed FLOPs.
-Slots per sequence, not per device, so every layout drops the same copies as one device.
+With a capacity factor c (`model.moe.capacity_factor`) each expert has C slots per
+sequence and the layer is static (framework/model/moe_slots.py): a buffer [E, rows x C,
+d], batched einsums, one all-to-all of it under expert parallelism. That is what a GPU
+wants: XLA's GPU compiler (jaxlib 0.10.2) lowers `ragged_dot` to a dense dot over every
+local expert's masked copy of the rows (`executed_rows`), the slots run c times the
+routed FLOPs.
 
 Tensor parallelism inside the experts as in the dense MLP: each expert's hidden width
 is the logical axis `mlp` (split over `tensor` by the rules), gate/up column-parallel,
@@ -54,7 +50,6 @@ Qwen2-MoE's gated shared expert: transformers' Qwen2MoeSparseMoeBlock.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import flax.linen as nn
@@ -63,6 +58,7 @@ import jax.numpy as jnp
 
 from framework.config import ModelConfig
 from framework.model.layers import NO_TP, gated, param
+from framework.model.moe_slots import capacity, capacity_experts, dropped_copies, slots
 from framework.model.weight_ops import weight_op
 from framework.parallel.tensor import TensorParallel
 
@@ -192,51 +188,6 @@ def shared_expert(module, cfg: ModelConfig, x):
     w_gate = param(module, "shared_gate", (cfg.d_model, 1), ("embed", "shared_gate"))
     logit = weight_op(module, "shared_gate", "td,do->to", x, w_gate.astype(dt))  # [T, 1]
     return out * jax.nn.sigmoid(logit.astype(jnp.float32)).astype(dt)
-
-
-def capacity(cfg: ModelConfig, seq: int) -> int:
-    """Slots per expert per sequence of `seq` tokens: ceil(c seq top_k / experts)."""
-    m = cfg.moe
-    return max(1, math.ceil(m.capacity_factor * seq * m.top_k / m.experts))
-
-
-def slots(cfg: ModelConfig, ids, rows: int):
-    """ids [rows s, k] (global expert ids, token-major) -> (each copy's slot [rows s, k]
-    in its expert's buffer of rows x C, `rows` x C where it is dropped; C). A copy's
-    place in its sequence: how many of the sequence's earlier copies went to its expert."""
-    t, k = ids.shape
-    c = capacity(cfg, t // rows)
-    hot = jax.nn.one_hot(ids.reshape(rows, -1), cfg.moe.experts, dtype=jnp.int32)  # [b, s k, E]
-    rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1)  # [b, s k]
-    slot = jnp.arange(rows, dtype=jnp.int32)[:, None] * c + rank
-    return jnp.where(rank < c, slot, rows * c).reshape(t, k), c
-
-
-def capacity_experts(module, cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int):
-    """The experts with C slots each per sequence (module docstring): x [T, d] (`rows`
-    sequences), weights/ids [T, k], w_in [E/P, d, 2, f@tensor], w_down [E/P, f@tensor, d]
-    -> [T, d] (partial sums over `tensor`), dropped copies contributing zero."""
-    t, k = ids.shape
-    slot, c = slots(cfg, ids, rows)
-    token = jnp.arange(t * k) // k  # copy i k + j is token i's j-th
-    buf = jnp.zeros((cfg.moe.experts, rows * c, x.shape[-1]), x.dtype)
-    buf = buf.at[ids.reshape(-1), slot.reshape(-1)].set(x[token], mode="drop")  # [E, b C, d]
-    ep = module.tp.expert
-    local = ep.exchange(buf) if ep.runs else buf  # [E/P, P b C, d]: this device's experts
-    gate_up = weight_op(module, "w_gate_up", "ecd,edgf->ecgf", local, w_in)
-    hidden = gated(cfg, gate_up)  # [E/P, P b C, f]
-    out = weight_op(module, "w_down", "ecf,efd->ecd", hidden, w_down)  # [E/P, P b C, d]
-    out = ep.exchange_back(out) if ep.runs else out  # [E, b C, d]
-    got = out.at[ids.reshape(-1), slot.reshape(-1)].get(mode="fill", fill_value=0)
-    return jnp.einsum("tkd,tk->td", got.reshape(t, k, -1), weights.astype(got.dtype))
-
-
-def dropped_copies(cfg: ModelConfig, ids, rows: int):
-    """The copies a capacity factor drops (float32 scalar; 0 when dropless)."""
-    if cfg.moe.capacity_factor is None:
-        return jnp.zeros((), jnp.float32)
-    slot, c = slots(cfg, ids, rows)
-    return jnp.sum(slot == rows * c).astype(jnp.float32)
 
 
 def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int = 1):

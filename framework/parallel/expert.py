@@ -54,40 +54,22 @@ object inside its TensorParallel (`tp.expert`), never a mesh.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from framework import hardware
 from framework.parallel.mesh import EXPERT
 
 
 EXCHANGES = ("auto", "dense", "ragged", "emulated")  # parallel.expert_exchange
 
 
-def exchange_for(setting: str, platform: str) -> str:
-    """`parallel.expert_exchange` for a mesh of `platform` devices (module docstring):
-    auto is ragged where the compiler has `ragged_all_to_all` (framework/hardware.py),
-    else dense; ragged where it has not is emulated."""
-    native = hardware.has_ragged_all_to_all(platform)
-    if setting == "auto":
-        return "ragged" if native else "dense"
-    return "emulated" if setting == "ragged" and not native else setting
-
-
-def with_exchange(parallel, platform: str):
-    """`parallel` (a ParallelConfig) with its expert_exchange resolved for `platform`
-    (`exchange_for`): what the engine, the memory model and the executor's state trace."""
-    exchange = exchange_for(parallel.expert_exchange, platform)
-    return dataclasses.replace(parallel, expert_exchange=exchange)
-
-
-def expert_parallel(degree: int, exchange: str) -> "ExpertParallel":
-    """The plan of `parallel.expert=degree` with the resolved `exchange` (`exchange_for`):
-    the experts over the `expert` mesh axis, or none split at degree 1."""
-    return ExpertParallel(EXPERT, degree, exchange) if degree > 1 else ExpertParallel()
+def expert_parallel(degree: int, exchange: str, chunks: int = 1) -> "ExpertParallel":
+    """The plan of `parallel.expert=degree` with the resolved `exchange` (`exchange_for`)
+    and `parallel.expert_chunks`: the experts over the `expert` mesh axis, or none split
+    at degree 1."""
+    return ExpertParallel(EXPERT, degree, exchange, chunks) if degree > 1 else ExpertParallel()
 
 
 @dataclass(frozen=True)
@@ -95,6 +77,9 @@ class ExpertParallel:
     axis: str | None = None  # the mesh axis, inside a shard_map manual over it
     size: int = 1  # devices along it
     dropless: str = "dense"  # its exchange: dense | ragged | emulated (`exchange_for`)
+    # parts a capacity layer's slots are exchanged and multiplied in, so that one part's
+    # all-to-all runs beside another's matmuls (framework/model/moe.py `_slot_experts`)
+    chunks: int = 1  # parallel.expert_chunks
 
     def __post_init__(self):
         assert self.dropless in EXCHANGES[1:], f"unresolved exchange {self.dropless!r}"

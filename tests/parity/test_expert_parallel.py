@@ -31,7 +31,8 @@ LAYOUTS = {
                                             microbatches=2, schedule="zb_h1", expert=2,
                                             zero1=True)),
     # a capacity factor (static slots, framework/model/moe.py): the same copies dropped
-    "capacity_zb_h1_sp": ("qwen3_moe@0.75", dict(BASE, schedule="zb_h1",
+    # (the split backward with the slots in 2 parts: each part's matmuls weight ops)
+    "capacity_zb_h1_sp": ("qwen3_moe@0.75", dict(BASE, schedule="zb_h1", expert_chunks=2,
                                                  sequence_parallel=True, zero1=True)),
     "capacity_interleaved_fsdp": ("mixtral@0.75", dict(
         BASE, schedule="interleaved_1f1b", virtual_stages=2, fsdp=True)),

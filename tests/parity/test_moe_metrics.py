@@ -14,7 +14,7 @@ import pytest
 
 from framework.config import MoeConfig
 from framework.engine.step import train_step
-from framework.model import moe
+from framework.model import moe, moe_slots
 from framework.model.llama import Block, Embed
 from tests.helpers import MODEL, engine, params, tokens
 
@@ -56,7 +56,7 @@ def recount(model, p, batch, groups: int) -> dict:
         z += np.sum(np.mean(lse ** 2, axis=1))
         counts.append(hits.sum(0))
         if model.moe.capacity_factor is not None:  # each sequence's copies in token order
-            c = moe.capacity(model, batch.shape[1] - 1)
+            c = moe_slots.capacity(model, batch.shape[1] - 1)
             for row in ids.reshape(batch.shape[0], -1):
                 dropped += sum(max(0, n - c) for n in np.bincount(row, minlength=e))
         x = y

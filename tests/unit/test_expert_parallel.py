@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 from framework.config import ModelConfig, MoeConfig, ParallelConfig, TrainConfig
 from framework.engine.validate import check, validate
 from framework.errors import ConfigError
-from framework.parallel.expert import (ExpertParallel, emulated_ragged_all_to_all,
-                                       exchange_for, ragged_sends)
+from framework.engine.resolved import exchange_for
+from framework.parallel.expert import ExpertParallel, emulated_ragged_all_to_all, ragged_sends
 from framework.parallel.mesh import DATA, EXPERT, degrees, make_mesh, mesh_axes, mesh_name
 
 MOE = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from framework.config import ModelConfig, MoeConfig
-from framework.model import moe
+from framework.model import moe, moe_slots
 from framework.model.llama import check_model
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -190,14 +190,14 @@ def test_capacity_slots_drop_the_copies_past_c_in_token_order():
     cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=0.7))
     ids = jax.random.randint(jax.random.key(3), (3 * 8, 2), 0, 5)
     ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % 4) % 5)  # two distinct experts
-    c = moe.capacity(cfg, 8)
+    c = moe_slots.capacity(cfg, 8)
     assert c == 3  # ceil(0.7 x 8 x 2 / 5)
-    slot, got_c = moe.slots(cfg, ids, 3)
+    slot, got_c = moe_slots.slots(cfg, ids, 3)
     kept = _kept_by_hand(ids, 3, c)
     assert got_c == c and 0 < (~kept).sum() < kept.size
     np.testing.assert_array_equal(np.asarray(slot) < 3 * c, kept)
     assert len({(int(e), int(s)) for e, s in zip(ids[kept], slot[kept])}) == kept.sum()
-    assert float(moe.dropped_copies(cfg, ids, 3)) == (~kept).sum()
+    assert float(moe_slots.dropped_copies(cfg, ids, 3)) == (~kept).sum()
 
 
 @pytest.mark.parametrize("factor", [0.6, 2.5])  # 2.5 = E / k: every slot there, none dropped
@@ -219,7 +219,7 @@ def test_capacity_experts_equal_the_dense_reference_forward_and_backward(factor)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
     logits = (x @ variables["params"]["router"]).reshape(-1, cfg.moe.experts)
     weights, ids = moe.route(cfg, logits)
-    kept = _kept_by_hand(ids, x.shape[0], moe.capacity(cfg, x.shape[1]))
+    kept = _kept_by_hand(ids, x.shape[0], moe_slots.capacity(cfg, x.shape[1]))
     by_hand = moe.dense_moe(CFG, x.reshape(-1, cfg.d_model), jnp.where(kept, weights, 0.0),
                             ids, variables["params"]["w_gate_up"], variables["params"]["w_down"])
     np.testing.assert_allclose(jnp.sum(by_hand.reshape(x.shape) * r), slotted[0], rtol=1e-5)
