@@ -10,7 +10,8 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              each leaf's local shard by the engine's own layout and rules: layers split
              over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
              ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
-  gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape; with ZeRO-1 also the
+  gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape (with FSDP
+             its stored shard: under the tick executor the accumulators alone); with ZeRO-1 also the
              all-gathered parameters (on TPUs the layers' in the compute dtype: its
              compiler casts them before the gather); autodiff's tick scan (GPipe, circular) also a
              gradient accumulator of the stage's weights. The tick executor instead:
@@ -49,12 +50,13 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  or beside a split backward's weight-op inputs; B's entry of the saved
                  buffers) and, with overlapped sends, the message arriving beside the
                  cell.
-  transient  the larger of two moments that do not overlap: the LM head + loss (a few
+  transient  the largest of the moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch; with `model.loss_chunk` those of one chunk, beside
              the head's float32 weight-gradient sum: `transients.head_bytes`) and one
              layer's backward (its full residuals once more, the attention kernel's score tensors, and the tick's slice of the
-             residual stack).
+             residual stack), and with FSDP a third after the layers' loop: the
+             embedding's whole gradient scatter-added before its reduce-scatter.
 The constants that are not traced (copies of logits and batch-sized tensors) were read
 from XLA's buffer assignment, per compiler where the compilers differ: each is a row of
 `framework/analysis/fitted.py` with the program, target, jaxlib and date it was read
@@ -299,8 +301,10 @@ def _tick_gradients(lay: Layout, state: dict, grads: float, backward: float, w: 
     (5 chunks a rank, gpu:h100x64); float32 bytes (`width`: a stored parameter's share
     of float32's), `grads` what the caller counted so far, `gathered` ZeRO-1's gathered
     parameters (0 without)."""
-    if lay.gathers_per_use:  # FSDP: the sharded gradients and the loop's accumulators
-        return grads + state["grads"], backward
+    if lay.gathers_per_use:  # FSDP: the loop's accumulators, sharded, are the gradients
+        # (no second copy: mixtral_8x7b's buffer assignment, gpu:h100x16, holds its
+        # experts' and the dense leaves' gradients only there, 2026-11-30)
+        return state["grads"], backward
     # the accumulators (which the reductions after the loop reuse) and the cell's fresh
     # gradients of its chunk, carried through the layer scan
     v = lay.chunks_per_rank
@@ -316,6 +320,17 @@ def _tick_gradients(lay: Layout, state: dict, grads: float, backward: float, w: 
         # gathered parameters beside the shards transposed for the gather
         backward = max(backward, (w.stored - chunk) * width)
     return grads, backward
+
+
+def _fsdp_embedding_gradient(lay: Layout) -> float:
+    """FSDP, after the layers' loop: the embedding's gradient scatter-added whole (a
+    float32 vocab/tensor x d_model zero buffer and the scatter's result) before its
+    reduce-scatter over `data` (llama3_8b at pp2-dp8 FSDP, interleaved 1F1B v8,
+    gpu:h100x16: the step's peak, two 1.96 GiB buffers beside the sharded gradients,
+    2026-11-30); 0 without FSDP, where the embedding's gradient is whole anyway."""
+    if not lay.gathers_per_use:
+        return 0
+    return 2 * lay.model.vocab_size // lay.parallel.tensor * lay.model.d_model * FP32
 
 
 def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
@@ -381,7 +396,8 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         "tokens": lay.rows_per_replica * (train.seq_len + 1) * 4,
         "gradients": grads * stored_width,
         "activations": kept,
-        "transient": max(head, backward),  # the head's peak and the layers' do not overlap
+        # the head's peak, the layers' and (FSDP) the embedding's after the loop do not overlap
+        "transient": max(head, backward, _fsdp_embedding_gradient(lay)),
     }
     out["total"] = sum(out.values())
     return out
