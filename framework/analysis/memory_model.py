@@ -11,13 +11,12 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
              over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
              ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
   gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape (with FSDP
-             its stored shard: under the tick executor the accumulators alone); with ZeRO-1 also the
-             all-gathered parameters (on TPUs the layers' in the compute dtype: its
-             compiler casts them before the gather); autodiff's tick scan (GPipe, circular) also a
-             gradient accumulator of the stage's weights. The tick executor instead:
-             its accumulators (the
-             reductions after the loop reuse them) and one cell's fresh gradients of
-             its chunk; as transients, with one chunk a rank the cell's add (old and
+             its stored shard: under the tick executor the accumulators alone); with
+             ZeRO-1 also the all-gathered parameters (on TPUs the layers' in the compute
+             dtype: its compiler casts them before the gather); autodiff's tick scan
+             (GPipe, circular) also a gradient accumulator of the stage's weights. The
+             tick executor instead: its accumulators (the reductions after the loop
+             reuse them) and one cell's fresh gradients of its chunk; as transients, with one chunk a rank the cell's add (old and
              new accumulators side by side with the leaf being added), with several
              the chunk's weights sliced out (a copy; the add is in place), and with
              ZeRO-1 the shards transposed for the all-gather before the loop; with
@@ -61,10 +60,9 @@ The constants that are not traced (copies of logits and batch-sized tensors) wer
 from XLA's buffer assignment, per compiler where the compilers differ: each is a row of
 `framework/analysis/fitted.py` with the program, target, jaxlib and date it was read
 from; `tests/compiled/test_memory.py` checks the total against the compiled memory
-analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models
-(and bfloat16 parameters) need more there than predicted (the prediction is for
-accelerators, which keep bf16: llama_1b_8gpu with bfloat16 parameters on the GPU
-compiler, 1.07x; tests/compiled/test_aot.py).
+analysis. On CPU, XLA computes bfloat16 in float32, so bfloat16 models (and bfloat16
+parameters) need more there than predicted (the prediction is for accelerators, which
+keep bf16: llama_1b_8gpu, bfloat16 parameters, GPU compiler: 1.07x; test_aot.py).
 """
 
 from __future__ import annotations
@@ -84,12 +82,11 @@ from framework.analysis.executor_state import executor_state
 from framework.analysis.fitted import fitted
 from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from framework.engine.resolved import Layout, resolved
+from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.split import split_layers
 from framework.engine.state import abstract_train_params, param_specs
 from framework.model import attention
 from framework.model.registry import spec_of
-from framework.engine.resolved import with_exchange
 from framework.parallel.expert import ExpertParallel, expert_parallel
 from framework.parallel.mesh import EXPERT, TENSOR
 from framework.parallel.pipeline.comm import varying
