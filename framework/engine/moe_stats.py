@@ -22,8 +22,8 @@ group, and the dropped copies. From these the metrics (`metrics`):
   moe/load_max_over_mean/layer_<i>  the step's tokens routed to layer i's busiest
         expert over the mean per expert (tokens x top_k / experts): 1 is balanced
   moe/load_max_over_mean            the largest of them
-  moe/dropped_fraction              token copies dropped / routed, all layers (0 while
-        routing is dropless)
+  moe/dropped_fraction              token copies dropped / routed, all layers (0 when
+        dropless; past their experts' slots with a capacity factor, moe_slots.py)
   moe/aux_loss, moe/z_loss          the load-balancing loss (E sum_e f_e P_e) and the
         router z-loss (mean lse^2), each averaged over the groups and MoE layers, as
         their coefficients weigh them (MoeConfig); not part of train/loss.
