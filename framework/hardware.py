@@ -92,6 +92,15 @@ def passes_through(platform: str, jaxlib_version: str) -> bool:
     return version >= GPU_PASS_THROUGH_SINCE
 
 
+def expands_ragged_dot(platform: str) -> bool:
+    """Whether the compiler for `platform` runs `jax.lax.ragged_dot` as one dense dot of
+    every row against every group's weights, masked (XLA's GPU compiler, jaxlib 0.10.2:
+    a deviceless gpu:h100x8 compile, 2026-11-29), rather than as a grouped matmul (the
+    TPU compiler's native ragged-dot kernel): a dropless MoE layer's cost there
+    (framework/model/moe.py's `executed_rows`)."""
+    return platform in ("gpu", "cuda")
+
+
 def has_ragged_all_to_all(platform: str) -> bool:
     """Whether the compiler for `platform` has `ragged_all_to_all` (the dropless expert
     exchange, framework/parallel/expert.py): XLA's TPU and GPU compilers (jaxlib 0.10.2,

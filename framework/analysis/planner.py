@@ -39,10 +39,9 @@ from framework import hardware
 from framework.units import memory_unit
 from framework.analysis import calibration, comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.resolved import resolved
+from framework.engine.resolved import resolved, with_exchange
 from framework.engine.validate import check
 from framework.analysis.memory_model import predict_memory
-from framework.engine.resolved import with_exchange
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows
@@ -121,7 +120,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     lay = resolved(model, parallel, train.seq_len, train.global_batch_size)
     sched = lay.program.schedule
     tokens = train.global_batch_size * train.seq_len
-    rows = executed_rows(model, train.seq_len, parallel.expert, hw.platform)
+    rows = executed_rows(model, train.seq_len, hardware.expands_ragged_dot(hw.platform))
     layers, head = hardware_flops_per_token(model, train.seq_len, lay.remat.recompute_forward,
                                             lay.remat.recompute_attention, sched.split_backward,
                                             rows)

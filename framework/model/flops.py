@@ -29,7 +29,7 @@ The other conventions, each named where it is read:
 from __future__ import annotations
 
 from framework.config import ModelConfig
-from framework.model.moe import expert_hidden, moe_layers
+from framework.model.moe import moe_layers, routed_params
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -84,8 +84,7 @@ def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward
     head = head_flops(model)
     base = model_flops_per_token(model, seq_len) - head
     if model.moe.enabled:  # the routed experts' matmuls as the program runs them
-        routed = model.moe.top_k * 3 * model.d_model * expert_hidden(model)
-        base += (expert_rows - 1.0) * 6 * routed * moe_layers(model)
+        base += (expert_rows - 1.0) * 6 * routed_params(model) * moe_layers(model)
     recomputed = base / 3 if recompute_forward else 0.0
     if recompute_attention:
         recomputed = float(4 * model.n_layers * model.n_heads * model.head_dim * seq_len)

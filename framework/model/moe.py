@@ -83,27 +83,31 @@ def matrix_params(cfg: ModelConfig, active: bool = True) -> int:
     (`active`: the top_k a token uses; else all of them), the shared expert's three and
     its gate's (every token uses them). The parameter and FLOP counts read this."""
     m, d = cfg.moe, cfg.d_model
-    routed = (m.top_k if active else m.experts) * 3 * d * expert_hidden(cfg)
+    routed = routed_params(cfg) if active else m.experts * 3 * d * expert_hidden(cfg)
     shared = 3 * d * shared_hidden(cfg) + (d if m.shared_experts and m.shared_gate else 0)
     return d * m.experts + routed + shared
 
 
-def executed_rows(cfg: ModelConfig, seq: int, expert: int, platform: str) -> float:
+def routed_params(cfg: ModelConfig) -> int:
+    """Weights of one MoE layer's routed experts a token uses: its top_k experts' three
+    matrices each."""
+    return cfg.moe.top_k * 3 * cfg.d_model * expert_hidden(cfg)
+
+
+def executed_rows(cfg: ModelConfig, seq: int, dense_ragged_dot: bool) -> float:
     """Expert rows a compiled MoE layer multiplies per routed token copy: with a capacity
-    factor its slots, E C per sequence of s k copies (about c); dropless, where the
-    compiler has a grouped matmul (TPU: a native ragged-dot kernel) 1, on GPUs E: XLA's
-    GPU compiler (jaxlib 0.10.2) expands `ragged_dot` into a dense dot over every local
-    expert's masked copy of the rows it received, and under expert parallelism (E/P
-    experts a device) those are the worst-case receive buffer's P N rows: E/P x P. On
-    gpu:h100x4 (tests/compiled/test_moe_gpu.py) the programs' matmuls are the planner's
-    FLOPs with these rows; a 2-layer Qwen3-30B-A3B step on gpu:h100x8 at expert 8 ran
-    20.4x the model's matmul FLOPs dropless, 0.90x with c = 1.25 (2026-11-29)."""
+    factor its slots, E C per sequence of s k copies (about c); dropless, 1 where the
+    compiler runs `ragged_dot` as a grouped matmul, and E where it expands it into a
+    dense dot of every received row against every local expert (`dense_ragged_dot`:
+    framework/hardware.py's `expands_ragged_dot`: E/P local experts times the worst-case
+    receive buffer's P N rows). Checked against compiled GPU programs in
+    tests/compiled/test_moe_gpu.py (docs/configuration.md has the figures)."""
     m = cfg.moe
     if not m.enabled:
         return 1.0
     if m.capacity_factor is not None:
         return m.experts * capacity(cfg, seq) / (seq * m.top_k)
-    return float(m.experts) if platform == "gpu" else 1.0
+    return float(m.experts) if dense_ragged_dot else 1.0
 
 
 def scores(router: str, logits):

@@ -26,12 +26,13 @@ SMALL = ("model=qwen3_30b_a3b", "model.n_layers=2", "model.vocab_size=4096",
 
 
 def _executed_over_predicted(*overrides) -> float:
+    from framework import hardware
     from framework.model import moe
     from framework.model.flops import hardware_flops_per_token
 
     cfg = compose_recipe("llama_tiny_debug", *SMALL, *overrides, config="compile")
     report = program.compile_report(cfg, targets.parse(cfg.target))
-    rows = moe.executed_rows(cfg.model, cfg.train.seq_len, cfg.parallel.expert, "gpu")
+    rows = moe.executed_rows(cfg.model, cfg.train.seq_len, hardware.expands_ragged_dot("gpu"))
     layers, head = hardware_flops_per_token(cfg.model, cfg.train.seq_len, False, False,
                                             expert_rows=rows)
     per_device = (layers + head) * cfg.train.seq_len * cfg.train.global_batch_size / 4
