@@ -11,10 +11,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from framework.config import ModelConfig, ParallelConfig
-from framework.engine.resolved import Layout, resolved
+from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import StepOptions, device_fn, passes_through
-from framework.engine.resolved import with_exchange
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline import ticks
 from framework.units import tree_bytes as nbytes

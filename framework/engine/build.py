@@ -25,10 +25,9 @@ from framework.engine.state import StateLayout, param_specs
 from framework.engine.step import build_loss_and_grads, fp8_metrics, moe_metrics, train_step
 from framework.model import attention
 from framework.model.documents import DocumentMask
-from framework.engine.resolved import with_exchange
 from framework.parallel.mesh import batch_axes
 from framework.parallel.pipeline import layout
-from framework.engine.resolved import resolved
+from framework.engine.resolved import resolved, with_exchange
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.table import Schedule
 

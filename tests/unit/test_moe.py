@@ -362,3 +362,23 @@ def test_a_capacity_factor_with_context_parallelism_is_refused_in_one_line():
     assert errs == ["model.moe.capacity_factor=1.25 does not run with parallel.context=2 "
                     "(slots are counted over whole sequences): use "
                     "model.moe.capacity_factor=null (dropless) or parallel.context=1"]
+
+
+def test_starting_from_a_folder_keeps_the_capacity_factor_given():
+    """train.init_from: the folder's experts, the training settings given (the loss
+    coefficients and the capacity factor; it was silently dropped before 2026-11-29)."""
+    from framework.io.hf import moe as hf_moe
+
+    folder = dataclasses.replace(CFG, family="mixtral", moe=MoeConfig(experts=4, top_k=2))
+    got = hf_moe.merged({"moe": {"capacity_factor": 1.25, "aux_loss_coef": 0.1}}, folder)
+    assert got.moe == MoeConfig(experts=4, top_k=2, capacity_factor=1.25, aux_loss_coef=0.1)
+    assert hf_moe.merged({"moe": {"experts": 9}}, folder).moe == folder.moe
+
+
+def test_expert_chunks_below_one_is_refused_in_one_line():
+    from framework.config import ParallelConfig, TrainConfig
+    from framework.engine.validate import check
+
+    errs = check(CFG, ParallelConfig(expert_chunks=0), TrainConfig(seq_len=8,
+                                                                   global_batch_size=8), 1)
+    assert errs == ["parallel.expert_chunks=0 must be >= 1 (1: the slots exchanged at once)"]

@@ -161,22 +161,27 @@ def export_fields(cfg: ModelConfig) -> dict:
 def _check_default(m, where: str) -> None:
     """A one-line ConfigError where `m` (a MoeConfig or its dict) sets what these
     families' folders cannot hold (NOT_IN_FOLDERS)."""
-    get = (lambda k: m.get(k)) if isinstance(m, dict) else (lambda k: getattr(m, k))
     default = MoeConfig()
-    named = [f"model.moe.{k}={get(k)}" for k in NOT_IN_FOLDERS
-            if get(k) is not None and get(k) != getattr(default, k)]
+    named = [f"model.moe.{k}={_get(m, k)}" for k in NOT_IN_FOLDERS
+             if _get(m, k) is not None and _get(m, k) != getattr(default, k)]
     if named:
         raise ConfigError(f"{', '.join(named)}: {where} has no shared experts and a softmax "
                           f"router (qwen3_moe, mixtral); drop these settings")
 
 
+def _get(m, key: str):
+    """model.moe's `key` from a MoeConfig or its dict (None where the dict lacks it)."""
+    return m.get(key) if isinstance(m, dict) else getattr(m, key)
+
+
 def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> ModelConfig:
-    """The folder's experts with the loss coefficients the user gave (training settings,
-    not the checkpoint's); settings the folder cannot hold are refused."""
+    """The folder's experts with the training settings the user gave (the loss
+    coefficients and the capacity factor: not the checkpoint's); settings the folder
+    cannot hold are refused."""
     mine = given.get("moe")
     if mine is None or not folder_cfg.moe.enabled:
         return folder_cfg
     _check_default(mine, where)
-    get = (lambda k: mine.get(k)) if isinstance(mine, dict) else (lambda k: getattr(mine, k))
-    coefs = {k: get(k) for k in ("aux_loss_coef", "z_loss_coef") if get(k) is not None}
+    coefs = {k: _get(mine, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+             if _get(mine, k) is not None}
     return dataclasses.replace(folder_cfg, moe=dataclasses.replace(folder_cfg.moe, **coefs))
