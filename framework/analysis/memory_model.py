@@ -247,6 +247,15 @@ def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_r
     return held * fitted("layer_backward/tpu") if tpu else held
 
 
+def _layer_forward(lay: Layout) -> float:
+    """One layer's forward in flight (a combined cell's F beside its BW's layer): its
+    activations, as its backward would keep them without remat."""
+    return residuals(lay.model, lay.seq_per_device, lay.parallel.tensor, lay.sequence_parallel,
+                     "none", rules=param_rules(lay.parallel.tensor_split, lay.expert),
+                     ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
+                                        lay.parallel.expert_chunks)).chunk(1, lay.rows_per_microbatch)
+
+
 def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
                     v: int) -> float:
     """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes; the TPU compiler
@@ -385,6 +394,11 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         # layer's float32 weights gathered at a time, their cast and gradient beside them
         grads = w.stored
         layer_backward += 3 * w.stage / (lay.chunks_per_rank * lay.chunk_layers)
+    if lay.program.combined:  # a combined cell: a layer's forward beside its backward,
+        # with its activations (as kept without remat; Mixtral's recipe on the GPU
+        # compiler, FSDP: +2.5 GiB compiled, +2.7 this term; its gathered weights fit in
+        # what the compiler frees)
+        layer_backward += _layer_forward(lay)
     kept, head, backward, grads = _executor_terms(lay, platform, w, stored_width, grads,
                                                   layer_backward, cast, gathered)
     out = {

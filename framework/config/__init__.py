@@ -151,6 +151,12 @@ class ParallelConfig:
     # With a capacity factor: the slots exchanged and multiplied in this many parts, so
     # that one part's all-to-all can run beside another's matmuls (framework/model/moe.py).
     expert_chunks: int = 1
+    # Tick schedules with a whole backward and overlapped sends (1f1b, interleaved_1f1b):
+    # each BW and the F after it on the same rank run as one cell, the two layer loops
+    # as one, so that one microbatch's collectives (the expert all-to-alls, tensor
+    # parallelism's) run beside the other's matmuls (Megatron-LM's combined 1F1B;
+    # docs/parallelism.md, "Combined 1F1B").
+    combined_1f1b: bool = False
 
     def __post_init__(self):
         self.tensor_split = tuple(self.tensor_split)  # Hydra hands over a list

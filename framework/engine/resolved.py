@@ -209,7 +209,7 @@ class Layout:
     def program(self) -> Program:
         p = self.parallel
         return program(p.schedule, p.pipeline, p.microbatches, p.virtual_stages,
-                       self.overlap, self.stage_layers, self.backward_parts)
+                       self.overlap, self.stage_layers, self.backward_parts, p.combined_1f1b)
 
     # --- The step's tokens on one device ------------------------------------------------
     @property

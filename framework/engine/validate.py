@@ -18,11 +18,13 @@ from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, Tr
                               not_one_of, shown)
 from framework.errors import ConfigError
 from framework.model import attention, fp8, moe
-from framework.engine.resolved import Layout, global_stages, resolved, with_stage_layers
+from framework.engine.resolved import (Layout, global_stages, overlapped, resolved,
+                                      with_stage_layers)
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
 from framework.parallel.expert import EXCHANGES
 from framework.parallel.pipeline import schedule as schedules
+from framework.parallel.pipeline.program import program
 
 # Model dimensions of each logical axis the tensor-parallel plan can split.
 SPLIT_DIMENSION = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "d_ff",
@@ -66,7 +68,20 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     "reduce-scatter)")
     errs += _check_sequence_split(p, train)
     errs += _check_expert(model, p)
-    return errs
+    return errs + _check_combined(p)
+
+
+def _check_combined(p: ParallelConfig) -> list[str]:
+    """parallel.combined_1f1b: the Program says which tables can run combined."""
+    if not p.combined_1f1b or schedules.check(p.schedule, p.pipeline, p.microbatches,
+                                             p.virtual_stages):
+        return []
+    try:
+        program(p.schedule, p.pipeline, p.microbatches, p.virtual_stages, overlapped(p),
+                combined=True)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:

@@ -111,7 +111,7 @@ def _colour(intervals: list[tuple[int, int, tuple]]) -> tuple[dict, int]:
 
 
 @lru_cache(maxsize=None)
-def _plan(s: Schedule) -> Buffers:
+def _plan(s: Schedule, combined: bool = False) -> Buffers:
     p, T = s.n_stages, s.n_ticks
     rows = s.forward_rows()
     T = rows.n_ticks
@@ -134,12 +134,15 @@ def _plan(s: Schedule) -> Buffers:
     # A microbatch's stash slot lives from its F to the last cell that reads it (W, BW
     # or BW0; `stash_users`): with a split backward
     # B reuses it for the matmul output gradients W needs (the residuals are dead then).
+    # Combined (`Program.fused`): a BW's slot stays live through the next tick, whose F
+    # runs beside it writing its own slot as the BW reads its.
     stash = np.full((T, p), -1, np.int32)
+    held = 2 if combined else 0
     n_slots["stash"] = 0
     if s.executor != AUTODIFF:
         for r in range(p):
             users = stash_users(rows, at, r)  # (i, g) -> ticks of the cells that use it
-            slots, n = _colour([(min(ts), max(ts), key) for key, ts in users.items()])
+            slots, n = _colour([(min(ts), max(ts) + held, key) for key, ts in users.items()])
             n_slots["stash"] = max(n_slots["stash"], n)
             for (i, g), k in slots.items():
                 for kind in {F, *backward_units(rows.parts)}:
@@ -190,10 +193,12 @@ def _channel(buf: str, shift: int, mine: list, slot_of: dict, T: int, p: int,
     return Channel(buf, shift, arrive, pattern, tuple(patterns))
 
 
-def sends_per_step(s: Schedule) -> int:
+def sends_per_step(s: Schedule, combined: bool = False) -> int:
     """Messages put on the wire between ranks per step, all ranks together: the
     table's, and with overlapped sends every pair of every tick of a channel's phases
-    (the zeros of senders without a message included). Without building the plan."""
+    (the zeros of senders without a message included; `combined`, whose loop runs the
+    first and last ticks apart: but in the first, when nothing was made yet, and the
+    last, whose messages nobody reads). Without building the plan."""
     between = [m for m in messages(s) if m.src != m.dst]
     if not s.overlap:
         return len(between)
@@ -204,22 +209,26 @@ def sends_per_step(s: Schedule) -> int:
         srcs.add(m.src)
         phases.add(m.stored % s.ticks_per_step)
     k = s.ticks_per_step
-    return sum(len(srcs) * sum((s.n_ticks + k - 1 - ph) // k for ph in phases)
+    ends = (0, (s.n_ticks - 1) % k) if combined else ()
+    return sum(len(srcs) * sum((s.n_ticks + k - 1 - ph) // k - ends.count(ph) for ph in phases)
                for srcs, phases in channels.values())
 
 
-def plan(s: Schedule) -> Buffers:
-    """The checked buffer plan of a schedule (cached per schedule)."""
-    buffers = _plan(s)
-    check(s, buffers)
+def plan(s: Schedule, combined: bool = False) -> Buffers:
+    """The checked buffer plan of a schedule (cached per schedule), run combined or not
+    (`parallel.combined_1f1b`)."""
+    buffers = _plan(s, combined)
+    check(s, buffers, combined)
     return buffers
 
 
-def check(s: Schedule, buffers: Buffers) -> None:
+def check(s: Schedule, buffers: Buffers, combined: bool = False) -> None:
     """Replays the table and raises ValueError unless: every microbatch passes every
     stage once forward and once backward (B + W, or BW) on the rank that holds the
     stage; every cell runs after what it depends on (messages one tick later); and no
-    buffer slot is overwritten while its entry is still to be read."""
+    buffer slot is overwritten while its entry is still to be read (`combined`: an F
+    writes its slot from the start of the tick before its own, where a BW it may run
+    beside reads)."""
     rows = s.forward_rows()
     at = rows.cells()
     S, m = s.n_global_stages, s.n_microbatches
@@ -255,7 +264,8 @@ def check(s: Schedule, buffers: Buffers) -> None:
                 raise ValueError(f"schedule {s.name}: the cells of microbatch {i}, stage {g} "
                                  f"use different stash slots")
             slot = int(buffers.stash[ticks[0], r])
-            events += [(min(ticks), 1, "store", ("stash", r, slot), (i, g)),
+            start = (min(ticks) - 1, -1) if combined else (min(ticks), 1)
+            events += [(*start, "store", ("stash", r, slot), (i, g)),
                        (max(ticks), 0, "read", ("stash", r, slot), (i, g))]
     for t, _, action, key, content in sorted(events, key=lambda e: e[:2]):
         if action == "store":

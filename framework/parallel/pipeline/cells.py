@@ -17,6 +17,8 @@ ticks.py runs them; how they are lowered for each compiler is lowering.py's).
   W(i, c)   the weight gradients from that slot: one matmul per weight.
   BWj(i, c) BW over part j of the chunk's layers, from that part's residuals; BW0 sends
             dx on, the others pass the gradient down to the part below.
+  F+BW      (`parallel.combined_1f1b`) F(i, c) and BW(j, c') as one cell: one loop over
+            the layers, F's layer n-1-l beside BW's layer l (`stash.scan_fused`).
 
 Under rematerialisation (`SplitBackward.recompute`) the stash is 1F1B's (the layer
 inputs): B pulls dy through the chunk's full VJP for dx, keeps dy (one message's size),
@@ -44,7 +46,7 @@ from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import ON_FIRST
 from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
-from framework.parallel.pipeline.stash import scan_from, scan_into
+from framework.parallel.pipeline.stash import scan_from, scan_fused, scan_into
 from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types, layer_slice,
                                                     layers_of)
 
@@ -190,6 +192,29 @@ class Cells:
             x = run(layer_slice(w, piece.lo, piece.hi), x, scan=scan)
             stash = out["carry"]
         return x, stash
+
+    def combined(self, state: TickState, f: CellIn, b: CellIn) -> TickState:
+        """F+BW: F of cell `f` and BW of cell `b` (another microbatch, maybe another
+        chunk) in one loop over the layers (`stash.scan_fused`): F's output to `act`, its
+        residuals into its slot (in place, or a fresh slot where the compiler copies what
+        a conditional passes through), BW's weight gradients to `g_w` and dx to `grad`."""
+        fns, p, t = self.fns, self.params, self.types
+        x = only_on(ON_FIRST, f.first, lambda: fns.embed(p["embed"], self.inputs[f.mb]),
+                    lambda: f.x)
+        w = self.weights(f.chunk)
+        first = self.prog.first(f.stage, jax.tree.leaves(w)[0].shape[0])
+        stash, slot = ((state.stash, f.slot) if self.fns.pass_through
+                       else (t.packing.zeros(1, self.manual), 0))
+        piece = t.pieces[0]  # (a whole BW: one piece)
+        scan, out = scan_fused(t.packing, stash, slot, piece,
+                               (self.weights(b.chunk), b.dy, b.slot),
+                               None if self.fns.pass_through else state.stash)
+        run = layers_of(fns, self.prog.real(f.stage), 1, of_microbatch(self.docs, f.mb),
+                        first, piece.lo, piece.hi)
+        y = run(w, x, scan=scan)
+        kept = {"stash": out["carry"]} if self.fns.pass_through else {
+            "fresh": {"slot": out["carry"]}}
+        return state._replace(act=y, grad=out["dx"], g_w=out["g_w"], **kept)
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
         """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""

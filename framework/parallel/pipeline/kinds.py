@@ -12,6 +12,10 @@ global stage g:
         first to run is the top part and BW0 makes dx. With parts sized so that each
         costs what F costs (BW = 2F, or 3F under full remat) every lockstep tick costs
         one F: 1F1B's ticks are then balanced with synchronous sends.
+  F+BW  no table holds it: with `parallel.combined_1f1b` the executor runs a BW and the
+        F that follows it on the same rank (1F1B's steady state, F of microbatch i + 1
+        beside BW of i) as one cell, their layer loops as one (`Program.fused`), so that
+        the compiler can run one's collectives beside the other's matmuls.
 
 Every fact about a kind is a field of its `CellKind` row in `KINDS` (indexed by `code`,
 the small integer the tables hold): names, units of work and cost, what it waits for
@@ -39,6 +43,7 @@ import numpy as np
 
 ACT, GRAD, STASH = "act", "grad", "stash"  # how a cell gets what it needs
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4  # the codes of the kinds (BWj: 5 + j)
+FBW = 8  # F and BW combined (`parallel.combined_1f1b`): the executor's, never a table's
 
 Work = tuple[int, int, int]  # (kind, microbatch, global stage): one unit of work
 
@@ -140,6 +145,11 @@ KINDS: tuple[CellKind, ...] = (
              writes=(Out.WEIGHT_GRADS, Out.GRAD), waits=None, scope="cell_backward",
              colour=_RED, label="backward", frees_stash=True, makes_dx=True),
     *(_part(j) for j in range(3)),
+    CellKind(FBW, "F+BW", action="", units=(F, B, W), cost=3, phase=None,
+             writes=(Out.KEPT, Out.ACT, Out.WEIGHT_GRADS, Out.GRAD), waits=None,
+             scope="cell_combined", colour="#9d755d",
+             label="forward and backward combined (F+BW)", frees_stash=True, makes_dx=True,
+             head=True),
 )
 PARTS = tuple(k for k in KINDS if k.part is not None)  # BW0, BW1, ...: a BW cut in parts
 BW_PARTS = tuple(k.code for k in PARTS)

@@ -170,3 +170,30 @@ class Cells(cells.Cells):
         """`slot` where `pred`, else the stash's spare last slot (`apart` only)."""
         spare = next(iter(state.stash.values())).shape[0] - 1
         return jnp.where(pred, slot, spare)
+
+
+def run_combined(cells: Cells, fused, state: TickState, f: CellIn, b: CellIn) -> TickState:
+    """The combined cell (F of `f`, BW of `b`) where `fused`, as the conditionals of
+    `Program.combined_branches` but the head's (`head_combined`), lowered as `Cells.lower`
+    lowers F's and BW's: what F keeps and BW's weight gradients in place in the branch
+    (pass-through), or after it (`apart`: the spare slot, zeros where it did not run)."""
+    work, embed, _ = cells.prog.combined_branches()
+    fn = lambda s: cells.combined(s, f, b)
+    if cells.apart:
+        like = jax.tree.map(lambda a: a[0], state.grads["chunks"])
+        state = state._replace(fresh=cells.fresh_zeros(), g_w=jax.tree.map(cells.zeros, like))
+        state = cond_fields(work.scopes, fused, fn, state,
+                            (Field.FRESH, Field.ACT, Field.G_W, Field.GRAD))
+        state = cells.write_kept(state, f._replace(slot=cells.slot_or_spare(fused, f.slot, state)))
+        state = state._replace(grads=cells.add_chunk(state.grads, b.chunk, state.g_w), g_w=None)
+    else:
+        state = cond_fields(work.scopes, fused, lambda s: cells.accumulate(fn(s), b), state,
+                            (Field.STASH, Field.ACT, Field.GRADS_CHUNKS, Field.GRAD))
+    return cond_fields(embed.scopes, fused & b.first, lambda s: cells.embed_grad(s, b), state,
+                       (Field.GRADS_EMBED,))
+
+
+def head_combined(cells: Cells, fused, state: TickState, f: CellIn) -> TickState:
+    """After a combined cell on the last stage: the head and loss of its F."""
+    head = cells.prog.combined_branches()[2]
+    return cond_fields(head.scopes, fused & f.last, lambda s: cells.head(s, f), state, _HEAD)

@@ -12,6 +12,7 @@
       .scope_weights   per named scope those open, the share of the loop's executions
                        that run it (the communication audit weighs by it)
       .sends_per_step  messages put on the wire per step (the comm model, the planner)
+      .fused           `parallel.combined_1f1b`: the BW and F cells run as one (F+BW)
       .real(stage)     uneven stages: how many of a chunk's layers are real
       .first(stage, n) the global index of a stage's first layer (sliding-window layers)
 
@@ -35,7 +36,7 @@ import numpy as np
 from framework.parallel.pipeline import buffers as buffer_plan
 from framework.parallel.pipeline.layout import stage_starts
 from framework.parallel.pipeline.schedule import forward_only, make_schedule
-from framework.parallel.pipeline.kinds import IDLE, KINDS, B, CellKind, F, Out
+from framework.parallel.pipeline.kinds import BW, FBW, IDLE, KINDS, B, CellKind, F, Out
 from framework.parallel.pipeline.scopes import ON_FIRST, ON_LAST, STAGE, send_scope
 from framework.parallel.pipeline.table import AUTODIFF, Schedule, StageMap
 
@@ -65,6 +66,7 @@ class Branch(NamedTuple):
 class Program:
     schedule: Schedule
     stage_layers: Optional[tuple] = None  # real layers per global stage (None: even)
+    combined: bool = False  # parallel.combined_1f1b: a BW and the F after it as one cell
 
     @property
     def stages(self) -> StageMap:
@@ -77,11 +79,11 @@ class Program:
 
     @cached_property
     def buffers(self) -> buffer_plan.Buffers:
-        return buffer_plan.plan(self.schedule)
+        return buffer_plan.plan(self.schedule, self.combined)
 
     @cached_property
     def sends_per_step(self) -> int:
-        return buffer_plan.sends_per_step(self.schedule)
+        return buffer_plan.sends_per_step(self.schedule, self.combined)
 
     def real(self, stage):
         """The real layers of global stage `stage`'s chunk (traced), None when even."""
@@ -96,6 +98,21 @@ class Program:
         if self.stage_layers is None:
             return jnp.asarray(stage, jnp.int32) * per_chunk
         return jnp.asarray(stage_starts(self.stage_layers), jnp.int32)[stage]
+
+    @cached_property
+    def fused(self) -> np.ndarray:
+        """[ticks, ranks] the cells that run combined (`parallel.combined_1f1b`): a BW in
+        a pair's backward tick and the F in the next pair's forward tick on the same
+        rank, as one F+BW cell (Megatron-LM's combined 1F1B: F of microbatch i + 1 beside
+        BW of i). Neither waits for the other: the F's input arrived during the BW's
+        tick, and the BW's dL/dy before it. All False unless `combined`."""
+        k = self.schedule.kind
+        out = np.zeros(k.shape, bool)
+        if self.combined:
+            pair = (k[1:-1:2] == BW) & (k[2::2] == F)  # ticks (2s+1, 2s+2)
+            out[1:-1:2] |= pair
+            out[2::2] |= pair
+        return out
 
     def kinds(self, phase: int) -> set:
         """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""
@@ -115,6 +132,8 @@ class Program:
                 "pattern": [ch.pattern for ch in b.channels]}
         if not self.autodiff:
             rows["stash"] = b.stash
+        if self.combined:
+            rows["fused"] = self.fused
         return rows
 
     def branches(self, phase: int) -> tuple[Branch, ...]:
@@ -137,19 +156,41 @@ class Program:
                 out.append(Branch(kind, Role.EMBED_GRAD, "first", (kind.scope, ON_FIRST)))
         return tuple(out)
 
+    def combined_branches(self) -> tuple[Branch, ...]:
+        """The conditionals of a combined cell (`fused`), in the order they run: the
+        F+BW work, the embedding's gradient after its dx (first stage), the head after
+        its F (last stage)."""
+        kind = KINDS[FBW]
+        return (Branch(kind, Role.WORK, None, (kind.scope,)),
+                Branch(kind, Role.EMBED_GRAD, "first", (kind.scope, ON_FIRST)),
+                Branch(kind, Role.HEAD, "last", (kind.scope, ON_LAST)))
+
+    def _counted(self, code: int) -> np.ndarray:
+        """[ticks, ranks] the cells a branch of kind `code` runs for: its kind's cells
+        that do not run combined; F+BW: one per combined pair, at its F."""
+        s = self.schedule
+        if code == FBW:
+            return self.fused & (s.kind == F)
+        return (s.kind == code) & ~self.fused
+
     def _branch_weight(self, branch: Branch, steps: int) -> float:
         """The share of its conditional's executions on a device that run `branch`: a
         kind's cells over the ticks whose dispatch holds its branch (each tick of the
         step its kind runs in); nested in the kind's scope, its cells on the stage `on`
         over all of them (the head on the last stage's m F cells, ...)."""
         s, code = self.schedule, branch.kind.code
-        cells = int((s.kind == code).sum())
+        counted = self._counted(code)
+        cells = int(counted.sum())
         if branch.on is None:
+            if code == FBW:  # in the loop only: its first and last ticks run apart
+                return cells / max(1, (steps - 1) * s.n_stages)
             ticks = sum(any(b.role is Role.WORK and b.kind == branch.kind for b in
                             self.branches(phase)) for phase in range(s.ticks_per_step))
             return float(cells) / (steps * s.n_stages * max(1, ticks))
         stage = 0 if branch.on == "first" else s.n_global_stages - 1
-        return int(((s.kind == code) & (s.global_stage == stage)).sum()) / max(cells, 1)
+        if code == FBW and branch.on == "first":  # the embedding's gradient follows BW
+            counted = np.roll(counted, -1, axis=0) & (s.kind == BW)
+        return int((counted & (s.global_stage == stage)).sum()) / max(cells, 1)
 
     @cached_property
     def scope_weights(self) -> dict[str, float]:
@@ -163,8 +204,10 @@ class Program:
                        STAGE: float((s.forward_rows().kind == F).mean())}
         else:
             steps = s.n_ticks // s.ticks_per_step
-            weights = {b.scopes[-1]: self._branch_weight(b, steps)
-                       for phase in range(s.ticks_per_step) for b in self.branches(phase)}
+            branches = [b for phase in range(s.ticks_per_step) for b in self.branches(phase)]
+            if self.combined:
+                branches += self.combined_branches()
+            weights = {b.scopes[-1]: self._branch_weight(b, steps) for b in branches}
         # Sends: per pattern, the share of ticks that send it (overlapped: every tick of
         # the loop's step it is in, unconditionally).
         weights.update({send_scope(ch, k): 1.0 if ch.overlap else float(np.mean(ch.pattern == k))
@@ -175,15 +218,22 @@ class Program:
 @lru_cache(maxsize=None)
 def program(name: str, pipeline: int, microbatches: int, virtual_stages: int = 1,
             overlap: bool = True, stage_layers: Optional[tuple] = None,
-            parts: int = 1) -> Program:
+            parts: int = 1, combined: bool = False) -> Program:
     """The Program of `parallel.schedule` (raises ValueError for a bad combination: see
     `schedule.check`). `overlap`: `parallel.overlap_sends`; `stage_layers`: counts per
     global stage (resolved, not `auto`) or None; `parts`: the cells a BW is cut into
-    where the schedule does that (a configuration's Program, with these resolved from
-    its settings: `framework/engine/resolved.py`, `Layout.program`)."""
+    where the schedule does that; `combined`: `parallel.combined_1f1b` (a configuration's
+    Program, with these resolved from its settings: `framework/engine/resolved.py`,
+    `Layout.program`)."""
     schedule = make_schedule(name, pipeline, microbatches, virtual_stages, overlap, parts)
     layers = tuple(int(n) for n in stage_layers) if stage_layers is not None else None
-    return Program(schedule, layers)
+    if combined and (schedule.executor == AUTODIFF or schedule.split_backward
+                     or not overlap or not (schedule.kind == BW).any()):
+        raise ValueError(f"parallel.combined_1f1b needs a tick schedule with whole BW cells "
+                         f"and overlapped sends (1f1b, interleaved_1f1b with "
+                         f"parallel.overlap_sends true), not {name}"
+                         f"{'' if overlap else ' with synchronous sends'}")
+    return Program(schedule, layers, combined)
 
 
 @lru_cache(maxsize=None)

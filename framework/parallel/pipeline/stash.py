@@ -199,3 +199,39 @@ def scan_from(packing: Packing, stash: dict, slot, piece: Piece, w, dy):
     n = jax.tree.leaves(w)[0].shape[0]
     dx, g_w = jax.lax.scan(back, dy, (w, jnp.arange(n)), reverse=True)
     return g_w, dx
+
+
+def scan_fused(packing: Packing, stash: dict, slot, piece: Piece, back: tuple, read=None):
+    """A `scan` for a combined cell (F+BW, `parallel.combined_1f1b`): F's layer loop
+    (as `scan_into`: each layer's residuals written into its rows of slot `slot`) and
+    the backward of another microbatch (as `scan_from`) in one loop, F's layer n-1-l
+    beside the backward's layer l (top first), so that the compiler can run one's
+    collectives (the expert all-to-alls, tensor parallelism's) beside the other's
+    matmuls. back: (its weights [n, ...], dL/dy [mb, seq, d], its slot); read: the
+    stash it reads (None: the one written, passed through in place). Returns (scan,
+    result): result["carry"] the stash after it, ["g_w"] the backward's weight
+    gradients [n, ...], ["dx"] its input's gradient."""
+    w_back, dy, slot_back = back
+    result = {}
+
+    def scan(one, h, layers, scanned):  # one(h, params, scanned_l) -> h'; h [mb, seq, d]
+        n = jax.tree.leaves(layers)[0].shape[0]
+        at = lambda tree, l: jax.tree.map(lambda a: a[l], tree)
+
+        def body(carry, xs):
+            h, dh, stash = carry
+            params_back, l = xs
+            acts = packing.read(stash if read is None else read, slot_back, piece.like,
+                                piece.at(l))
+            g_p, dh = join_vjp(acts, piece.vjp_def, piece.param_slot, params_back)(dh)
+            lf, params = n - 1 - l, at(layers, n - 1 - l)
+            h, vjp_fn = jax.vjp(lambda p, h: one(h, p, at(scanned, lf)), params, h)
+            stash = packing.store(stash, split_vjp(vjp_fn, params)[0], slot, piece.like,
+                                  piece.at(lf))
+            return (h, dh, stash), g_p
+
+        (h, result["dx"], result["carry"]), result["g_w"] = jax.lax.scan(
+            body, (h, dy, stash), (w_back, jnp.arange(n)), reverse=True)
+        return h
+
+    return scan, result

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.comm import (manual_axes, send, send_overlapped, store,
                                               varying, zeros_typed_like)
-from framework.parallel.pipeline.kinds import ACT, GRAD, B
-from framework.parallel.pipeline.lowering import Cells
+from framework.parallel.pipeline.kinds import ACT, GRAD, IDLE, B
+from framework.parallel.pipeline.lowering import Cells, head_combined, run_combined
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, LOOP
 from framework.parallel.pipeline.stage import StageFns
@@ -55,45 +55,117 @@ def of_phase(cells: Cells, phase: int) -> Cells:
     return replace(cells, kinds=frozenset(cells.prog.kinds(phase)))
 
 
-def _tick(cells: Cells, rank, phase: int):
-    """Tick `phase` of a loop step on this rank: start sending the last tick's messages
-    (overlapped), read the cell's inputs, run its cell (which writes the stash), send
-    or receive and store the messages."""
+def _travelling(cells: Cells, phase: int) -> list:
+    """The overlapped channels whose messages travel during tick `phase` of a step."""
+    return [ch for ch in cells.prog.buffers.channels if ch.overlap and phase in ch.phases]
+
+
+def _read(cells: Cells, carry: Carry, row: dict, rank):
+    """This rank's cell this tick: (its kind, its inputs from the receive slots)."""
+    kind = row["kind"][rank]
+    k_read, k_stash = (jnp.maximum(row[n][rank], 0) for n in ("read", "stash"))
+    msg = lambda buf: carry.recv[buf][k_read] if buf in carry.recv else cells.zeros(
+        cells.types.x)
+    return kind, CellIn(msg(ACT), msg(GRAD), k_stash, row["mb"][rank], row["chunk"][rank],
+                        row["stage"][rank], row["first"][rank], row["last"][rank], carry.held)
+
+
+def _state(cells: Cells, carry: Carry) -> TickState:
+    douts = cells.held_zeros() if B in cells.kinds else []
+    return TickState(carry.grads, carry.loss, carry.stash, carry.saved,
+                     cells.zeros(cells.types.x), cells.zeros(cells.types.x), douts)
+
+
+def _dispatch(cells: Cells, runs: list, kind, state: TickState, cell: CellIn) -> TickState:
+    with jax.named_scope(CELL):  # (first, the last tick's B douts: `Role.HELD_DOUTS`)
+        for run in runs:
+            state = cells.dispatch(run, kind, state, cell)
+    return state
+
+
+def _finish(cells: Cells, carry: Carry, state: TickState, row: dict, rank, arriving: dict,
+            kind, cell: CellIn) -> Carry:
+    """The tick's end: send or receive and store its messages, keep what it made."""
     buffers = cells.prog.buffers
+    if carry.held and B in cells.kinds:
+        held = (state.douts, *(varying(a, cells.manual) for a in (cell.slot, kind == B)))
+    else:
+        held = carry.held
+    made = {ACT: state.act, GRAD: state.grad}
+    recv = dict(carry.recv)
+    for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
+        if ch.overlap and ch not in arriving:
+            continue
+        got = arriving[ch] if ch.overlap else send(ch, pattern, made[ch.buffer])
+        recv[ch.buffer] = store(recv[ch.buffer], got, arrive[rank], arrive[rank] >= 0)
+    pending = {buf: made[buf] for buf in carry.pending}
+    return Carry(recv, state.stash, state.saved, state.grads, state.loss, pending, held)
+
+
+def _tick(cells: Cells, rank, phase: int, first: bool = False):
+    """Tick `phase` of a loop step on this rank: start sending the last tick's messages
+    (overlapped; not in the `first` tick of all, run apart, where there are none),
+    read the cell's inputs, run its cell (which writes the stash), send or receive and
+    store the messages."""
     cells = of_phase(cells, phase)
     runs = [cells.lower(branch) for branch in cells.prog.branches(phase)]
-    travelling = [ch for ch in buffers.channels if ch.overlap and phase in ch.phases]
 
     def tick(carry: Carry, row: dict) -> Carry:
         # Started before the cell, done after it: nothing in the cell depends on them.
-        arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer]) for ch in travelling}
-        kind = row["kind"][rank]
-        k_read, k_stash = (jnp.maximum(row[n][rank], 0) for n in ("read", "stash"))
-        msg = lambda buf: carry.recv[buf][k_read] if buf in carry.recv else cells.zeros(
-            cells.types.x)
-        cell = CellIn(msg(ACT), msg(GRAD), k_stash, row["mb"][rank], row["chunk"][rank],
-                      row["stage"][rank], row["first"][rank], row["last"][rank], carry.held)
-        douts = cells.held_zeros() if B in cells.kinds else []
-        state = TickState(carry.grads, carry.loss, carry.stash, carry.saved,
-                          cells.zeros(cells.types.x), cells.zeros(cells.types.x), douts)
-        with jax.named_scope(CELL):  # (first, the last tick's B douts: `Role.HELD_DOUTS`)
-            for run in runs:
-                state = cells.dispatch(run, kind, state, cell)
-        if carry.held and B in cells.kinds:
-            held = (state.douts, *(varying(a, cells.manual) for a in (k_stash, kind == B)))
-        else:
-            held = carry.held
-        made = {ACT: state.act, GRAD: state.grad}
-        recv = dict(carry.recv)
-        for ch, arrive, pattern in zip(buffers.channels, row["arrive"], row["pattern"]):
-            if ch.overlap and ch not in arriving:
-                continue
-            got = arriving[ch] if ch.overlap else send(ch, pattern, made[ch.buffer])
-            recv[ch.buffer] = store(recv[ch.buffer], got, arrive[rank], arrive[rank] >= 0)
-        pending = {buf: made[buf] for buf in carry.pending}
-        return Carry(recv, state.stash, state.saved, state.grads, state.loss, pending, held)
+        arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer])
+                    for ch in ([] if first else _travelling(cells, phase))}
+        kind, cell = _read(cells, carry, row, rank)
+        state = _dispatch(cells, runs, kind, _state(cells, carry), cell)
+        return _finish(cells, carry, state, row, rank, arriving, kind, cell)
 
     return tick
+
+
+def _combined_step(cells: Cells, rank):
+    """A step of the combined loop (`parallel.combined_1f1b`): a backward tick, then the
+    next forward tick; where the rank's BW and F run combined (`Program.fused`), as one
+    cell between the two (after the backward tick's messages arrived, which its F
+    reads), their layer loops as one (`Cells.combined`). The forward tick's messages
+    (BW's dx among them) start after the combined cell; the other ranks' cells run as
+    in `_tick`."""
+    back, fwd = of_phase(cells, 1), of_phase(cells, 0)
+    runs_back = [back.lower(b) for b in cells.prog.branches(1)]
+    runs_fwd = [fwd.lower(b) for b in cells.prog.branches(0)]
+
+    def step(carry: Carry, rows: dict):
+        row_b, row_f = (jax.tree.map(lambda a: a[i], rows) for i in (0, 1))
+        fused = row_b["fused"][rank]
+        apart = lambda kind: jnp.where(fused, IDLE, kind)  # the kinds run one by one
+        arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer])
+                    for ch in _travelling(cells, 1)}
+        kind, cell_b = _read(back, carry, row_b, rank)
+        state = _dispatch(back, runs_back, apart(kind), _state(back, carry), cell_b)
+        carry = _finish(back, carry, state, row_b, rank, arriving, apart(kind), cell_b)
+        kind, cell_f = _read(fwd, carry, row_f, rank)
+        with jax.named_scope(CELL):
+            state = run_combined(fwd, fused, _state(fwd, carry), cell_f, cell_b)
+            pending = dict(carry.pending, **{GRAD: jnp.where(fused, state.grad,
+                                                             carry.pending[GRAD])})
+            state = head_combined(fwd, fused, state._replace(grad=cells.zeros(cells.types.x)),
+                                  cell_f)
+        carry = carry._replace(pending=pending)
+        arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer])
+                    for ch in _travelling(cells, 0)}
+        state = _dispatch(fwd, runs_fwd, apart(kind), state, cell_f)
+        return _finish(fwd, carry, state, row_f, rank, arriving, apart(kind), cell_f), None
+
+    return step
+
+
+def combined_loop(cells: Cells, rank, carry: Carry, rows: dict) -> Carry:
+    """The tick loop of `parallel.combined_1f1b`: the first (forward) tick, then steps
+    of (backward, forward) ticks (`_combined_step`), then the last (backward) tick; the
+    messages are those of `_step`'s loop, tick for tick."""
+    at = lambda i: jax.tree.map(lambda a: jnp.asarray(a)[i], rows)
+    middle = jax.tree.map(lambda a: jnp.asarray(a)[1:-1].reshape(-1, 2, *a.shape[1:]), rows)
+    carry = _tick(cells, rank, 0, first=True)(carry, at(0))
+    carry, _ = jax.lax.scan(_combined_step(cells, rank), carry, middle)
+    return _tick(cells, rank, 1)(carry, at(-1))
 
 
 def _step(cells: Cells, rank):
@@ -150,5 +222,8 @@ def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=N
     xs = jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]),
                       prog.scan_inputs())
     with jax.named_scope(LOOP):
-        final, _ = jax.lax.scan(_step(cells, rank), init, xs)
+        if prog.combined:
+            final = combined_loop(cells, rank, init, prog.scan_inputs())
+        else:
+            final, _ = jax.lax.scan(_step(cells, rank), init, xs)
     return final.loss, final.grads
