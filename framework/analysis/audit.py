@@ -210,6 +210,17 @@ def sends_overlapped_fraction(found: list[Collective], axis: str = "pipe") -> fl
     return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
 
 
+def exchange_overlapped_fraction(found: list[Collective]) -> float | None:
+    """The share of the expert exchange's bytes (the MoE layers' dispatch and combine
+    all-to-alls over `expert`; without FSDP's gathers and reduce-scatters, which cross
+    the same devices when the expert groups are the data devices) sent by overlapping
+    collectives (None when there are none)."""
+    sends = [c for c in found if c.kind in ("all-to-all", "ragged-all-to-all")
+             and "expert" in c.axes]
+    total = sum(c.bytes_per_step for c in sends)
+    return sum(c.bytes_per_step for c in sends if c.overlapped) / total if total else None
+
+
 def overlapped_fraction(found: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float | None]:
     """Per mesh axis: the share of its bytes per step sent by overlapping collectives
     (None for an axis that sends nothing)."""

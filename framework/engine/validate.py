@@ -68,10 +68,10 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                     "reduce-scatter)")
     errs += _check_sequence_split(p, train)
     errs += _check_expert(model, p)
-    return errs + _check_combined(p)
+    return errs + check_combined(p)
 
 
-def _check_combined(p: ParallelConfig) -> list[str]:
+def check_combined(p: ParallelConfig) -> list[str]:
     """parallel.combined_1f1b: the Program says which tables can run combined."""
     if not p.combined_1f1b or schedules.check(p.schedule, p.pipeline, p.microbatches,
                                              p.virtual_stages):
