@@ -200,10 +200,11 @@ def fixture_batch(name: str):
     return np.tile(ids, (4, 1)), float(nll)
 
 
-# Three families whose settings differ most (a mixture of experts; Gemma 2's window,
-# softcaps and norms; Qwen2's biases and tied embeddings): every family's own settings
-# are exact on every path in tests/parity/test_families.py and drawn by the search.
-TRAINED = ("qwen3_moe", "gemma2_window_softcap", "qwen2_tied")
+# The families whose settings differ most (mixtures of experts, one with a gated shared
+# expert; Gemma 2's window, softcaps and norms; Qwen2's biases and tied embeddings):
+# every family's own settings are exact on every path in tests/parity/test_families.py
+# and drawn by the search.
+TRAINED = ("qwen3_moe", "qwen2_moe", "gemma2_window_softcap", "qwen2_tied")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in TRAINED])
