@@ -157,12 +157,10 @@ NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts
                       ("routed_scaling_factor", 1.0))
 # the config.json key of a family's shared expert's width
 SHARED_WIDTH = {"qwen2_moe": "shared_expert_intermediate_size"}
-EVERY_LAYER = "every layer a mixture of experts (mixed dense and MoE layers are not built)"
 # config.json keys that must hold this value where present (null: absent), and why
-ONLY = {"qwen3_moe": (("decoder_sparse_step", 1, EVERY_LAYER), ("mlp_only_layers", [],
-                                                                 EVERY_LAYER)),
-        "qwen2_moe": (("decoder_sparse_step", 1, EVERY_LAYER), ("mlp_only_layers", [],
-                                                                 EVERY_LAYER)),
+EVERY_LAYER = "every layer a mixture of experts (mixed dense and MoE layers are not built)"
+QWEN_SPARSE = (("decoder_sparse_step", 1, EVERY_LAYER), ("mlp_only_layers", [], EVERY_LAYER))
+ONLY = {"qwen3_moe": QWEN_SPARSE, "qwen2_moe": QWEN_SPARSE,
         "mixtral": (("router_jitter_noise", 0.0, "no router noise"),)}
 # model.moe's settings that a folder's family decides (beside the experts' count, top_k,
 # width, renormalisation), and the values each family's folders hold: qwen3_moe's and
@@ -222,9 +220,11 @@ def export_fields(cfg: ModelConfig) -> dict:
                               "experts are model.d_ff wide: set model.moe.renormalize=true "
                               "and model.moe.expert_hidden=null")
         return {**common, "num_local_experts": m.experts, "router_jitter_noise": 0.0}
-    return {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
-            "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            **{key: shared_hidden(cfg) for key in (SHARED_WIDTH.get(cfg.family),) if key}}
+    out = {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
+           "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if cfg.family in SHARED_WIDTH:
+        out[SHARED_WIDTH[cfg.family]] = shared_hidden(cfg)
+    return out
 
 
 def _holds(kind: str) -> str:
