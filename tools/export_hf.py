@@ -1,5 +1,6 @@
 """Export a checkpoint as a Hugging Face folder of its model family (model.family: Llama,
-Qwen2, Qwen3, Mistral or Gemma 2) that transformers loads:
+Qwen2, Qwen3, Mistral, Gemma 2, or the mixtures of experts Qwen3-MoE, Mixtral and
+Qwen2-MoE) that transformers loads:
 
     python tools/export_hf.py <run folder | checkpoint folder | step folder> <out folder>
         [--step N] [--dtype float32|bfloat16] [--max-shard-size 5GB] [--overwrite]

@@ -41,6 +41,10 @@ folder, reloaded in float32:
                         renormalised (norm_topk_prob false), every layer sparse, float32
     mixtral             Mixtral: 4 experts of 48 (intermediate_size), top 2, untied,
                         no window, float32
+    qwen2_moe           Qwen2-MoE: q/k/v biases, 4 experts of 24, top 2 not
+                        renormalised, a sigmoid-gated shared expert of 40
+                        (shared_expert_intermediate_size), every layer sparse, untied,
+                        float32
 
 The windows (5) are shorter than the ids (12 tokens) and than prompt + continuation
 (4 + 16), so that they cut attention in both the logits and the greedy tokens.
@@ -60,7 +64,8 @@ import numpy as np
 import torch
 import transformers
 from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                          MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -147,6 +152,11 @@ FIXTURES = {  # name -> writer of the folder (models built when chosen)
         10, MixtralConfig, tie_word_embeddings=False, sliding_window=None,
         num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
         router_jitter_noise=0.0)),
+    "qwen2_moe": lambda: saved(build(
+        11, Qwen2MoeConfig, tie_word_embeddings=False, rope_parameters=ROPE_1E6,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], router_aux_loss_coef=0.001, use_sliding_window=False)),
 }
 
 

@@ -112,6 +112,9 @@ class HfFamily:
     # (mistral) or layer_types (gemma2: a pattern)
     activation_key: str = "hidden_act"  # the config.json key of the MLP's activation
     gemma_scores: bool = False  # query_pre_attn_scalar and the two soft-caps are read
+    # qwen's switched-on window: on the layers below max_window_layers (every other one:
+    # qwen2_moe), else on those from it on (qwen2, qwen3, qwen3_moe)
+    window_below: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,16 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family({"qk_norm": True}, HfFamily("Qwen3ForCausalLM", {"attention_bias": False},
                                                 "use_sliding_window", True)),
     "mistral": Family({}, HfFamily("MistralForCausalLM", {}, None, True, "all")),
-    # Mixtures of experts (model.moe): Qwen3's attention, or Mistral's (Llama's layer)
+    # Mixtures of experts (model.moe): Qwen3's attention, Mistral's (Llama's layer) or Qwen2's
     "qwen3_moe": Family({"qk_norm": True},
                         HfFamily("Qwen3MoeForCausalLM", {"attention_bias": False},
                                  "use_sliding_window", True)),
     "mixtral": Family({}, HfFamily("MixtralForCausalLM", {}, None, True, "all")),
+    # Qwen2's attention (q/k/v biases; transformers 5's config.json says qkv_bias) and a
+    # sigmoid-gated shared expert beside the routed ones (framework/io/hf/moe.py)
+    "qwen2_moe": Family({"qkv_bias": True},
+                        HfFamily("Qwen2MoeForCausalLM", {"qkv_bias": True},
+                                 "use_sliding_window", True, window_below=True)),
     "gemma2": Family({"norm_plus_one": True, "post_norms": True, "activation": "gelu_tanh",
                       "embed_scale": True},
                      HfFamily("Gemma2ForCausalLM", {"attention_bias": False}, None, True,

@@ -357,7 +357,7 @@ class MoE(nn.Module):
         return self.tp.exit(y.reshape(xs.shape), "mlp")  # [b, s (/tensor with SP), embed]
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def check_moe(model: ModelConfig) -> list[str]:

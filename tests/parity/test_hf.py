@@ -9,7 +9,8 @@ logits for fixed ids: Llamas tied + plain RoPE, untied + plain RoPE (legacy
 `rope_theta` key), untied + Llama 3 RoPE scaling in bfloat16 across three safetensors
 files; Qwen2 (q/k/v biases, tied), Qwen3 (q/k norm, head_dim 16 = 2 x hidden/heads),
 Mistral (untied), Gemma 2, and the mixtures of experts Qwen3-MoE (top 2 of 4 experts,
-not renormalised) and Mixtral (top 2 of 4, renormalised).
+not renormalised), Mixtral (top 2 of 4, renormalised) and Qwen2-MoE (q/k/v biases, top 2
+of 4 not renormalised, a sigmoid-gated shared expert).
 """
 
 import dataclasses
@@ -24,13 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from framework.io.hf import llama as hf
 from framework.model import reference
 from framework.errors import ConfigError
-from framework.config import ModelConfig, RopeScaling, TrainConfig
+from framework.config import ModelConfig, MoeConfig, RopeScaling, TrainConfig
 from framework.io.hf.safetensors import Tensors
 from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 
 HF = FIXTURES / "hf"
 FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied", "mistral_window",
-            "gemma2_window_softcap", "qwen3_moe", "mixtral")
+            "gemma2_window_softcap", "qwen3_moe", "mixtral", "qwen2_moe")
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
@@ -67,6 +68,8 @@ def test_logits_match_transformers(name):
 
 WHAT_MATTERS = {
     "mistral_window": [dict(sliding_window=None)],
+    "qwen2_moe": [dict(moe=MoeConfig(experts=4, top_k=2, expert_hidden=24, renormalize=False,
+                                     shared_experts=1, shared_hidden=40))],  # ungated
     "gemma2_window_softcap": [dict(sliding_window=None), dict(sliding_window_pattern=0),
                               dict(attn_softcap=None), dict(final_softcap=None),
                               dict(query_pre_attn_scalar=None)],
@@ -197,10 +200,11 @@ def fixture_batch(name: str):
     return np.tile(ids, (4, 1)), float(nll)
 
 
-# Three families whose settings differ most (a mixture of experts; Gemma 2's window,
-# softcaps and norms; Qwen2's biases and tied embeddings): every family's own settings
-# are exact on every path in tests/parity/test_families.py and drawn by the search.
-TRAINED = ("qwen3_moe", "gemma2_window_softcap", "qwen2_tied")
+# The families whose settings differ most (mixtures of experts, one with a gated shared
+# expert; Gemma 2's window, softcaps and norms; Qwen2's biases and tied embeddings):
+# every family's own settings are exact on every path in tests/parity/test_families.py
+# and drawn by the search.
+TRAINED = ("qwen3_moe", "qwen2_moe", "gemma2_window_softcap", "qwen2_tied")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in TRAINED])

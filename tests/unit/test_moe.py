@@ -296,7 +296,8 @@ def test_parameter_count_and_flops_count_the_experts():
 
 def test_moe_config_json_reads_and_refuses_in_one_line():
     """Qwen3-MoE and Mixtral config.json (the committed fixtures) -> model.moe; a feature
-    this model does not run is named in one line (framework/io/hf/moe.py)."""
+    this model does not run is named in one line (framework/io/hf/moe.py). Qwen2-MoE's:
+    tests/unit/test_hf_qwen2_moe.py."""
     from framework.errors import ConfigError
     from framework.io.hf import family
     from tests.helpers import FIXTURES
@@ -316,7 +317,7 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
                                                             "router_jitter_noise": 0.1},
                "num_experts_per_tok=0 is not a whole number": {**mixtral,
                                                                "num_experts_per_tok": 0},
-               "model_type 'qwen2_moe'": {**qwen, "model_type": "qwen2_moe"},
+               "model_type 'qwen2_vl'": {**qwen, "model_type": "qwen2_vl"},
                "shared_expert_intermediate_size=64 is not supported": {
                    **qwen, "shared_expert_intermediate_size": 64},
                "n_shared_experts=1 is not supported": {**mixtral, "n_shared_experts": 1},

@@ -113,8 +113,10 @@ def check_fields(hf: dict, kind: str, where: str) -> None:
                           f"supported (no sliding-window attention)")
     window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
     on = hf.get(family.window_switch, False) if family.window_switch else family.has_window
-    if family.window_switch:  # qwen: the window is on the layers from max_window_layers on
-        on = on and hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
+    if family.window_switch:  # qwen: the window is on the layers from max_window_layers
+        below = hf.get("max_window_layers", 28)  # on (qwen2_moe: on some of those below)
+        on = on and (below >= 1 if family.window_below else below < hf.get(
+            "num_hidden_layers", 0))
     if on and window is not None and (positions is None or window < positions):
         raise ConfigError(f"{where}: sliding_window={window} (below max_position_embeddings="
                           f"{positions}) is not supported: only full attention (no "

@@ -1,9 +1,10 @@
-"""Hugging Face mixtures of experts (`qwen3_moe`, `mixtral`): their config.json's expert
-settings <-> `model.moe`, and their expert tensors <-> the canonical MoE leaves
-(framework/model/moe.py). The rest of the layer is Llama's layout (framework/io/hf/llama.py
-calls in here for the feed-forward). Checked against transformers 5.24's
-`modeling_qwen3_moe.py` and `modeling_mixtral.py`, whose `save_pretrained` writes one
-tensor per expert (nn.Linear weights [out, in]):
+"""Hugging Face mixtures of experts (`qwen3_moe`, `mixtral`, `qwen2_moe`): their
+config.json's expert settings <-> `model.moe`, and their expert tensors <-> the canonical
+MoE leaves (framework/model/moe.py). The rest of the layer is Llama's layout
+(framework/io/hf/llama.py calls in here for the feed-forward). Checked against
+transformers 5.24's `modeling_qwen3_moe.py`, `modeling_mixtral.py` and
+`modeling_qwen2_moe.py`, whose `save_pretrained` writes one tensor per expert
+(nn.Linear weights [out, in]):
 
     qwen3_moe: model.layers.N.mlp.gate.weight [E, d]               -> layers/moe/router[N]
                                                                       [d, E]
@@ -13,17 +14,31 @@ tensor per expert (nn.Linear weights [out, in]):
                                                                       [E, f, d]
     mixtral:   model.layers.N.block_sparse_moe.gate.weight, experts.e.w1 (gate), w3 (up),
                w2 (down): the same shapes
+    qwen2_moe: qwen3_moe's, and the shared expert (model.moe.shared_experts 1,
+               shared_hidden s, shared_gate):
+               model.layers.N.mlp.shared_expert.gate_proj / up_proj -> layers/moe/
+                   .weight [s, d]                                      shared_gate_up[N]
+                                                                       [d, 2, s]
+               model.layers.N.mlp.shared_expert.down_proj.weight    -> layers/moe/
+                   [d, s]                                              shared_down[N] [s, d]
+               model.layers.N.mlp.shared_expert_gate.weight [1, d]  -> layers/moe/
+                                                                       shared_gate[N] [d, 1]
 
-config.json: qwen3_moe's num_experts (or num_local_experts), num_experts_per_tok,
-moe_intermediate_size, norm_topk_prob (every layer sparse: decoder_sparse_step 1,
-mlp_only_layers []); mixtral's num_local_experts, num_experts_per_tok,
-intermediate_size (its experts' width), always renormalised, router_jitter_noise 0.
-router_aux_loss_coef is
-transformers' training loss weight only where output_router_logits is true: read as
-model.moe.aux_loss_coef then, else 0. Neither family has shared experts or a sigmoid
-router (model.moe.shared_experts, router, routed_scale): a config.json that names them
-(Qwen2-MoE's and DeepSeek's keys) is refused, and so is exporting or starting from a
-folder with them set.
+config.json: qwen3_moe's and qwen2_moe's num_experts (or num_local_experts),
+num_experts_per_tok, moe_intermediate_size, norm_topk_prob (default false), every layer
+sparse (decoder_sparse_step 1, mlp_only_layers []: mixed dense and MoE layers are not
+built); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
+width), always renormalised, router_jitter_noise 0. qwen2_moe's shared expert is
+shared_expert_intermediate_size wide and Qwen2MoeSparseMoeBlock adds
+sigmoid(shared_expert_gate(x)) * shared_expert(x) to the routed experts' weighted sum:
+model.moe.shared_gate's sum exactly (the gate's sigmoid taken in float32 here, in the
+compute dtype there: the same in float32). router_aux_loss_coef is transformers'
+training loss weight only where output_router_logits is true: read as
+model.moe.aux_loss_coef then, else 0. No family here has a sigmoid router or a routed
+scale (model.moe.router, routed_scale), and only qwen2_moe a shared expert: a
+config.json that names DeepSeek's keys (or Qwen2-MoE's shared expert outside
+qwen2_moe) is refused, and so is exporting or starting from a folder with settings its
+family cannot hold (`HELD`).
 """
 
 from __future__ import annotations
@@ -34,11 +49,12 @@ import numpy as np
 
 from framework.config import ModelConfig, MoeConfig
 from framework.errors import ConfigError
-from framework.model.moe import expert_hidden
+from framework.model.moe import expert_hidden, shared_hidden
 
 # family -> (module of the feed-forward, gate, up, down)
 LAYOUTS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-           "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+           "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+           "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def is_moe(family: str) -> bool:
@@ -53,6 +69,12 @@ def _names(cfg: ModelConfig, p: str):
     return f"{p}{module}.gate.weight", experts
 
 
+def _shared_names(p: str):
+    """((gate, up, down) of the shared expert, its gate) of layer prefix `p` (qwen2_moe)."""
+    return (tuple(f"{p}mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")),
+            f"{p}mlp.shared_expert_gate.weight")
+
+
 def expected(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     """The feed-forward's tensors of layer prefix `p` with their shapes."""
     d, f = cfg.d_model, expert_hidden(cfg)
@@ -60,6 +82,10 @@ def expected(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     out = {router: (cfg.moe.experts, d)}
     for gate, up, down in experts:
         out.update({gate: (f, d), up: (f, d), down: (d, f)})
+    if cfg.moe.shared_experts:
+        (gate, up, down), w_gate = _shared_names(p)
+        s = shared_hidden(cfg)
+        out.update({gate: (s, d), up: (s, d), down: (d, s), w_gate: (1, d)})
     return out
 
 
@@ -83,9 +109,21 @@ def readers(cfg: ModelConfig, read, per_layer, bounds) -> dict:
         experts = _names(cfg, p)[1]
         return np.stack([read(experts[e][2], (d_sl, f_sl)).T for e in expert_ids(e_sl)])
 
-    return {("layers", "moe", "router"): per_layer(router),
-            ("layers", "moe", "w_gate_up"): per_layer(w_gate_up),
-            ("layers", "moe", "w_down"): per_layer(w_down)}
+    def shared_gate_up(p, index):  # [d, 2, s]
+        d_sl, c_sl, s_sl = index
+        names = _shared_names(p)[0]
+        return np.stack([read(names[j], (s_sl, d_sl)).T for j in (0, 1)], axis=1)[:, c_sl, :]
+
+    out = {("layers", "moe", "router"): per_layer(router),
+           ("layers", "moe", "w_gate_up"): per_layer(w_gate_up),
+           ("layers", "moe", "w_down"): per_layer(w_down)}
+    if cfg.moe.shared_experts:  # [s, d] and [d, 1]: the HF tensors transposed
+        out.update({("layers", "moe", "shared_gate_up"): per_layer(shared_gate_up),
+                    ("layers", "moe", "shared_down"): per_layer(
+                        lambda p, index: read(_shared_names(p)[0][2], index[::-1]).T),
+                    ("layers", "moe", "shared_gate"): per_layer(
+                        lambda p, index: read(_shared_names(p)[1], index[::-1]).T)})
+    return out
 
 
 def makers(cfg: ModelConfig, moe_layers, get, n: int, p: str) -> dict:
@@ -96,6 +134,12 @@ def makers(cfg: ModelConfig, moe_layers, get, n: int, p: str) -> dict:
         out.update({gate: lambda e=e: get(moe_layers["w_gate_up"], n)[e, :, 0].T,
                     up: lambda e=e: get(moe_layers["w_gate_up"], n)[e, :, 1].T,
                     down: lambda e=e: get(moe_layers["w_down"], n)[e].T})
+    if cfg.moe.shared_experts:
+        (gate, up, down), w_gate = _shared_names(p)
+        out.update({gate: lambda: get(moe_layers["shared_gate_up"], n)[:, 0].T,
+                    up: lambda: get(moe_layers["shared_gate_up"], n)[:, 1].T,
+                    down: lambda: get(moe_layers["shared_down"], n).T,
+                    w_gate: lambda: get(moe_layers["shared_gate"], n).T})
     return out
 
 
@@ -107,37 +151,54 @@ def _count(hf: dict, key: str, where: str) -> int:
 
 
 # config.json keys of shared experts and other routers (Qwen2-MoE, DeepSeek-V2/V3), with
-# the value that says none: these families' layouts have no place for them
+# the value that says none: refused, except the family's own (SHARED_WIDTH)
 NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
                       ("num_shared_experts", 0), ("scoring_func", "softmax"),
                       ("routed_scaling_factor", 1.0))
-# model.moe's settings a folder of these families cannot hold (beside their defaults)
+# the config.json key of a family's shared expert's width
+SHARED_WIDTH = {"qwen2_moe": "shared_expert_intermediate_size"}
+# config.json keys that must hold this value where present (null: absent), and why
+EVERY_LAYER = "every layer a mixture of experts (mixed dense and MoE layers are not built)"
+QWEN_SPARSE = (("decoder_sparse_step", 1, EVERY_LAYER), ("mlp_only_layers", [], EVERY_LAYER))
+ONLY = {"qwen3_moe": QWEN_SPARSE, "qwen2_moe": QWEN_SPARSE,
+        "mixtral": (("router_jitter_noise", 0.0, "no router noise"),)}
+# model.moe's settings that a folder's family decides (beside the experts' count, top_k,
+# width, renormalisation), and the values each family's folders hold: qwen3_moe's and
+# mixtral's MoeConfig's defaults (no shared experts, a softmax router, no routed scale);
+# qwen2_moe's one sigmoid-gated shared expert, of any width (shared_hidden)
 NOT_IN_FOLDERS = ("shared_experts", "shared_hidden", "shared_gate", "router", "routed_scale")
+_DEFAULTS = {k: getattr(MoeConfig(), k) for k in NOT_IN_FOLDERS}
+HELD = {"qwen3_moe": _DEFAULTS, "mixtral": _DEFAULTS,
+        "qwen2_moe": {**{k: v for k, v in _DEFAULTS.items() if k != "shared_hidden"},
+                      "shared_experts": 1, "shared_gate": True}}
 
 
 def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     """model.moe of a MoE family's config.json (module docstring); a feature this model
     does not run is a one-line ConfigError naming it."""
     for key, none in NOT_THESE_FAMILIES:
-        if hf.get(key) not in (None, none):
+        if key != SHARED_WIDTH.get(kind) and hf.get(key) not in (None, none):
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported for model_type "
-                              f"{kind} (no shared experts, a softmax router)")
-    unsupported = {"qwen3_moe": (("decoder_sparse_step", 1), ("mlp_only_layers", [])),
-                   "mixtral": (("router_jitter_noise", 0.0),)}[kind]
-    for key, want in unsupported:
-        if hf.get(key, want) not in (want,) and not (want == 0.0 and hf.get(key) == 0):
+                              f"{kind} ({_holds(kind)})")
+    for key, want, why in ONLY[kind]:
+        if hf.get(key) is not None and hf[key] != want:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {want!r}: "
-                              f"every layer a mixture of experts, no router noise)")
-    # (Qwen3's published folders say num_experts; transformers 5 writes num_local_experts)
-    experts = _count(hf, "num_experts" if kind == "qwen3_moe" and "num_experts" in hf
-                     else "num_local_experts", where)
-    hidden = _count(hf, "moe_intermediate_size" if kind == "qwen3_moe" else
-                    "intermediate_size", where)
+                              f"{why})")
+    # (Qwen's published folders say num_experts; transformers 5 may write num_local_experts)
+    experts = _count(hf, "num_local_experts" if kind == "mixtral" or (
+        "num_experts" not in hf and "num_local_experts" in hf) else "num_experts", where)
+    hidden = _count(hf, "intermediate_size" if kind == "mixtral" else "moe_intermediate_size",
+                    where)
     coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+    shared = {}
+    if kind in SHARED_WIDTH:  # one shared expert, gated (Qwen2MoeSparseMoeBlock)
+        shared = dict(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
+                      shared_gate=True)
     return MoeConfig(experts=experts, top_k=_count(hf, "num_experts_per_tok", where),
                      expert_hidden=hidden,
-                     renormalize=bool(hf.get("norm_topk_prob", False)) if kind == "qwen3_moe"
-                     else True, aux_loss_coef=coef)
+                     renormalize=True if kind == "mixtral" else bool(hf.get("norm_topk_prob",
+                                                                            False)),
+                     aux_loss_coef=coef, **shared)
 
 
 def export_fields(cfg: ModelConfig) -> dict:
@@ -145,7 +206,12 @@ def export_fields(cfg: ModelConfig) -> dict:
     m = cfg.moe
     if not m.enabled:
         raise ConfigError(f"model.family={cfg.family} needs model.moe.experts >= 1 to export")
-    _check_default(m, f"a {cfg.family} folder")
+    held = HELD[cfg.family]
+    wrong = [k for k in held if getattr(m, k) != held[k]]
+    _refuse([f"model.moe.{k}={getattr(m, k)}" for k in wrong], cfg.family,
+            f"a {cfg.family} folder", "set " + " ".join(
+                f"model.moe.{k}={str(held[k]).lower() if isinstance(held[k], bool) else held[k]}"
+                for k in wrong))
     common = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
               "output_router_logits": m.aux_loss_coef > 0}
     if cfg.family == "mixtral":
@@ -154,19 +220,24 @@ def export_fields(cfg: ModelConfig) -> dict:
                               "experts are model.d_ff wide: set model.moe.renormalize=true "
                               "and model.moe.expert_hidden=null")
         return {**common, "num_local_experts": m.experts, "router_jitter_noise": 0.0}
-    return {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
-            "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    out = {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
+           "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if cfg.family in SHARED_WIDTH:
+        out[SHARED_WIDTH[cfg.family]] = shared_hidden(cfg)
+    return out
 
 
-def _check_default(m, where: str) -> None:
-    """A one-line ConfigError where `m` (a MoeConfig or its dict) sets what these
-    families' folders cannot hold (NOT_IN_FOLDERS)."""
-    default = MoeConfig()
-    named = [f"model.moe.{k}={_get(m, k)}" for k in NOT_IN_FOLDERS
-             if _get(m, k) is not None and _get(m, k) != getattr(default, k)]
+def _holds(kind: str) -> str:
+    """What a folder of `kind` holds of NOT_IN_FOLDERS, in words."""
+    return ("one sigmoid-gated shared expert and a softmax router" if kind in SHARED_WIDTH
+            else "no shared experts and a softmax router")
+
+
+def _refuse(named: list[str], kind: str, where: str, advice: str) -> None:
+    """A one-line ConfigError naming the settings (`named`) `where` cannot hold, if any."""
     if named:
-        raise ConfigError(f"{', '.join(named)}: {where} has no shared experts and a softmax "
-                          f"router (qwen3_moe, mixtral); drop these settings")
+        raise ConfigError(f"{', '.join(named)}: {where} has {_holds(kind)} ({kind}); "
+                          f"{advice}")
 
 
 def _get(m, key: str):
@@ -176,12 +247,17 @@ def _get(m, key: str):
 
 def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> ModelConfig:
     """The folder's experts with the training settings the user gave (the loss
-    coefficients and the capacity factor: not the checkpoint's); settings the folder
-    cannot hold are refused."""
+    coefficients and the capacity factor: not the checkpoint's); a setting of
+    NOT_IN_FOLDERS given (not its default) that differs from the folder's is refused."""
     mine = given.get("moe")
     if mine is None or not folder_cfg.moe.enabled:
         return folder_cfg
-    _check_default(mine, where)
+    theirs = folder_cfg.moe
+    _refuse([f"model.moe.{k}={_get(mine, k)}" for k in NOT_IN_FOLDERS
+             if _get(mine, k) is not None and _get(mine, k) not in (_DEFAULTS[k],
+                                                                   getattr(theirs, k))],
+            folder_cfg.family, where, "drop these settings (train.init_from reads them from "
+            "config.json)")
     coefs = {k: _get(mine, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor")
              if _get(mine, k) is not None}
     return dataclasses.replace(folder_cfg, moe=dataclasses.replace(folder_cfg.moe, **coefs))
