@@ -139,6 +139,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, found), documents)
     report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
+    report["combined_1f1b"] = parallel.combined_1f1b  # each BW and the F after it as one cell
     report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
     report["pipeline/backward_parts"] = engine.schedule.parts
     report["attention"] = engine.attention_kernel(cfg.train.seq_len)

@@ -25,6 +25,7 @@ def lines(report: dict) -> list[str]:
     out = [f"{report['target']}: {report['n_devices']} x {report['device_kind']}, "
            f"{report['mesh']} ({report['schedule']}"
            f"{', ' + report['sends'] + ' sends' if 'sends' in report else ''}"
+           f"{', combined 1F1B' if report.get('combined_1f1b') else ''}"
            f"{', ' + report['attention'] + ' attention' if 'attention' in report else ''}"
            f"), compiled in "
            f"{report['compile_time_s']:.1f} s",
