@@ -115,8 +115,9 @@ def comm_fields(compiled, engine, platform: str) -> dict:
         for axis in ("pipe", "context"):  # the stage-to-stage sends, the ring attention's
             out[f"comm/overlapped_fraction/{axis}_sends"] = audit.sends_overlapped_fraction(
                 found, axis)
-        out["comm/overlapped_fraction/expert_exchange"] = audit.exchange_overlapped_fraction(
-            found)
+        if "expert" in mesh_shape:  # (absent from dense meshes)
+            out["comm/overlapped_fraction/expert_exchange"] = (
+                audit.exchange_overlapped_fraction(found))
     return out
 
 
