@@ -40,7 +40,7 @@ from framework.units import memory_unit
 from framework.analysis import calibration, comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import resolved, with_exchange
-from framework.engine.validate import check
+from framework.engine.validate import check, check_combined
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
@@ -150,6 +150,9 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
         share = ring_hidden_share(model, tp, bw / hw.peak_flops)
         out["comm_tensor"] -= min(rings * share, budget)
+        budget -= min(rings * share, budget)  # (what combined cells may hide next)
+    if lay.program.combined:
+        _combined_hidden(out, lay, budget)
     out["total"] = sum(out.values())
     out["bubble"] = sched.bubble_fraction
     out["rate"] = share  # of the peak the compute term assumes (1: no measurement)
@@ -159,6 +162,19 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     ideal = model_flops_per_token(model, train.seq_len) * tokens / n / format_peak(model, hw)
     out["mfu"] = ideal / out["total"]
     return out
+
+
+def _combined_hidden(out: dict, lay, budget: float) -> None:
+    """`parallel.combined_1f1b`: the expert exchange of the combined cells
+    (`Program.fused_share` of them) runs beside the other microbatch's matmuls, hidden
+    up to the compute left (the GPU compiler put a matmul beside every all-to-all of
+    Mixtral's combined cells: docs/parallelism.md); the warm-up and cool-down cells, not
+    combined, stay exposed. Tensor parallelism's bytes are left exposed, as without
+    combining (the compiler overlapped 74% of Qwen3-30B-A3B's tensor bytes, combined,
+    40% without: not yet measured per cell)."""
+    hidden = min(out.get("comm_expert", 0.0) * lay.program.fused_share, budget)
+    if hidden > 0:
+        out["comm_expert"] -= hidden
 
 
 def format_peak(model: ModelConfig, hw: Hardware) -> float:
@@ -250,7 +266,8 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
     """Every valid (pipeline, data, context, tensor, microbatches, schedule, zero1 or fsdp,
     and for a mixture of experts the expert degree: `_experts`)
     on n_devices (`framework.engine.validate.check` decides validity); remat and sequence
-    parallelism come from `base`; context degrees that leave each device at least
+    parallelism come from `base`, and `parallel.combined_1f1b` on the layouts whose table
+    can run combined; context degrees that leave each device at least
     MIN_CONTEXT_TOKENS of a sequence (`_contexts`); schedules: every registered one by
     default, those with virtual stages at each of `virtual_stages` (default:
     `_virtual_stages`); uneven stages (`auto`) where the layers do not divide the
@@ -273,7 +290,11 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                 par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp, context=cp,
                                           microbatches=m, schedule=schedule,
                                           virtual_stages=v, zero1=zero1, fsdp=fsdp,
-                                          stage_layers=stage_layers, expert=e)
+                                          stage_layers=stage_layers, expert=e,
+                                          combined_1f1b=False)
+                combined = dataclasses.replace(par, combined_1f1b=True)
+                if base.combined_1f1b and not check_combined(combined):
+                    par = combined  # (where the layout's table can run combined)
                 if not check(model, par, train, n_devices):
                     out.append(par)
     return out

@@ -48,13 +48,16 @@ def test_the_expert_rows_the_gpu_compiler_runs_are_the_planners(overrides, rows)
     assert ratio == pytest.approx(1.0, abs=0.05), ratio
 
 
-@pytest.mark.parametrize("recipe,target,ratio", [("qwen3_30b_a3b", "gpu:h100x8", 0.10),
-                                                 ("mixtral_8x7b", "gpu:h100x16", 0.10)])
-def test_the_moe_recipes_fit_their_nodes_on_the_gpu_compiler(recipe, target, ratio):
+@pytest.mark.parametrize("recipe,target,ratio,hidden", [
+    ("qwen3_30b_a3b", "gpu:h100x8", 0.10, 0.7), ("mixtral_8x7b", "gpu:h100x16", 0.10, 0.8)])
+def test_the_moe_recipes_fit_their_nodes_on_the_gpu_compiler(recipe, target, ratio, hidden):
     """The two MoE recipes (each the verified planner's pick, recipes/*.yaml) compile and
-    fit on the GPU compiler; the memory model within `ratio` of it (2026-11-30: 0.98x,
-    and 1.00x for Mixtral's FSDP + expert 8; 1.22x while FSDP's gradients were counted
-    twice, as shards and as the tick executor's accumulators)."""
+    fit on the GPU compiler; the memory model within `ratio` of it (2026-11-29: 0.93x
+    for Qwen3's expert 4, 1.01x for Mixtral's expert 8, both FSDP; Mixtral read 1.22x
+    while FSDP's gradients were counted twice, as shards and as the tick executor's
+    accumulators); at least `hidden` of the expert exchange overlapped (combined cells:
+    Qwen3 75%, Mixtral 87.5%, every all-to-all of a combined cell; 67% and 50% in
+    separate cells)."""
     cfg = compose_recipe(recipe, f"target={target}", config="compile")
     report = program.compile_report(cfg, targets.parse(cfg.target))
     assert report["fits"]
@@ -63,8 +66,5 @@ def test_the_moe_recipes_fit_their_nodes_on_the_gpu_compiler(recipe, target, rat
     assert report["attention"] == "cudnn"
     experts = report.get("comm/bytes_per_step/expert", 0.0)
     assert (experts > 0) == (cfg.parallel.expert > 1)
-    # combined 1F1B: the exchange's all-to-alls beside the other microbatch's matmuls
-    # (2026-11-29: Mixtral 87.5%, 100% in the combined cells; 50% without)
-    assert cfg.parallel.combined_1f1b
-    if cfg.parallel.expert > 1:
-        assert report["comm/overlapped_fraction/expert_exchange"] >= 0.8
+    assert cfg.parallel.combined_1f1b and cfg.parallel.expert > 1
+    assert report["comm/overlapped_fraction/expert_exchange"] >= hidden

@@ -194,3 +194,24 @@ def test_long_sequences_bring_context_layouts_whose_activations_shrink():
     acts = {c: memory_model.predict_memory(MODEL, ParallelConfig(context=c),
                                            long)["activations"] for c in (1, 2, 4)}
     assert acts[4] < 0.3 * acts[1] and acts[2] < 0.55 * acts[1], acts
+
+
+def test_combined_cells_hide_their_share_of_the_expert_exchange_and_keep_every_schedule():
+    """parallel.combined_1f1b: the planner hides the expert exchange of the combined
+    cells (Program.fused_share of it) up to the compute, not the rest; enumerated from a
+    base with it on, the schedules that cannot run combined stay in the table (without)."""
+    from framework.config import MoeConfig
+
+    model = dataclasses.replace(MODEL, family="mixtral", moe=MoeConfig(experts=4, top_k=2))
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    par = ParallelConfig(pipeline=2, data=2, expert=2, microbatches=8, schedule="1f1b")
+    apart, both = (planner.predict_time(model, dataclasses.replace(par, combined_1f1b=c),
+                                        TRAIN, hw) for c in (False, True))
+    share = 6 / 8  # at p 2, m 8: the two warm-up forwards of each rank run alone
+    assert both["comm_expert"] == pytest.approx(apart["comm_expert"] * (1 - share))
+    assert both["compute"] == apart["compute"]
+    layouts = planner.enumerate_layouts(model, TRAIN, 4, dataclasses.replace(
+        par, combined_1f1b=True))
+    names = {(p.schedule, p.combined_1f1b) for p in layouts if p.pipeline > 1}
+    assert ("1f1b", True) in names and ("zb_h1", False) in names and ("gpipe", False) in names
+    assert not any(c for s, c in names if s not in ("1f1b", "interleaved_1f1b"))

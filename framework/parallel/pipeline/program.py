@@ -114,6 +114,12 @@ class Program:
             out[2::2] |= pair
         return out
 
+    @property
+    def fused_share(self) -> float:
+        """The share of the forwards that run combined (`fused`; 0 unless `combined`)."""
+        forwards = self.schedule.kind == F
+        return float((self.fused & forwards).sum() / max(1, forwards.sum()))
+
     def kinds(self, phase: int) -> set:
         """The cell kinds tick `phase` of the loop's step runs somewhere in the table."""
         s = self.schedule
