@@ -38,7 +38,10 @@ step mock_1b_dots "${4:-45}" $PY tools/mock_gpu.py recipe=llama_1b_8gpu parallel
 step mock_8b "${5:-130}" $PY tools/mock_gpu.py recipe=llama3_8b \
   --schedules 1f1b,zb_v --stage last --steps 2 --profile --json "$OUT/mock_8b.json"
 # 5. The MoE recipe's last stage (issue 44: Qwen3-30B-A3B's shape, 128 experts top 8,
-# capacity factor 1.25: the slots as batched matmuls), profiled.
+# capacity factor 1.25: the slots as batched matmuls; expert 4), combined cells as
+# shipped and separate (one GPU's share: what combining costs without the all-to-alls
+# it hides), profiled.
 step mock_moe "${6:-100}" $PY tools/mock_gpu.py recipe=qwen3_30b_a3b \
-  --schedules interleaved_1f1b:6 --stage last --steps 2 --profile --json "$OUT/mock_moe.json"
+  --schedules interleaved_1f1b:8/combined,interleaved_1f1b:8/separate --stage last --steps 2 \
+  --profile --json "$OUT/mock_moe.json"
 exit 0

@@ -41,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="recipe=<name> and key=value overrides")
     parser.add_argument("--schedules", default="",
-                        help="comma-separated, each name[:virtual stages] (e.g. "
-                             "1f1b,interleaved_1f1b:2,zb_v; default: the recipe's)")
+                        help="comma-separated, each name[:virtual stages][/combined|"
+                             "/separate] (e.g. 1f1b,interleaved_1f1b:2/combined,zb_v; "
+                             "default: the recipe's)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
     parser.add_argument("--no-mock", action="store_true", help="the run's own devices")
     parser.add_argument("--stage", default="last",
@@ -155,17 +156,27 @@ def _profile(engine, state, tokens, steps: int = 2):
         return device_time.profile_steps(one, steps, folder, engine.compiled.as_text())
 
 
+CELLS = {"combined": True, "separate": False}  # --schedules name/cells: combined_1f1b
+
+
 def with_schedule(parallel, spec: str):
-    """`parallel` running `name[:virtual stages]` (a schedule without virtual stages
-    runs with 1; with them, the given count or the layout's own)."""
+    """`parallel` running `name[:virtual stages][/combined|/separate]` (a schedule
+    without virtual stages runs with 1; with them, the given count or the layout's own;
+    `parallel.combined_1f1b` as given, else the layout's where the table can run it)."""
+    from framework.engine.validate import combined_where_possible
     from framework.errors import ConfigError
     from framework.parallel.pipeline.schedule import uses_virtual_stages
 
-    name, _, v = spec.partition(":")
-    if v and not v.isdigit():
-        raise ConfigError(f"--schedules {spec!r}: name[:virtual stages], e.g. interleaved_1f1b:2")
+    given, _, cells = spec.partition("/")
+    name, _, v = given.partition(":")
+    if (v and not v.isdigit()) or (cells and cells not in CELLS):
+        raise ConfigError(f"--schedules {spec!r}: name[:virtual stages][/combined|/separate], "
+                          f"e.g. interleaved_1f1b:2/combined")
     virtual = int(v) if v else (parallel.virtual_stages if uses_virtual_stages(name) else 1)
-    return dataclasses.replace(parallel, schedule=name, virtual_stages=virtual)
+    out = dataclasses.replace(parallel, schedule=name, virtual_stages=virtual)
+    if cells:
+        return dataclasses.replace(out, combined_1f1b=CELLS[cells])
+    return combined_where_possible(out)
 
 
 def stages_of(spec: str, pipeline: int) -> list[int]:
@@ -212,9 +223,11 @@ def main(argv=None) -> int:
     rows = []
     for parallel, stage in [(par, st) for par in layouts for st in stages]:
         row = measure(cfg, parallel, devset, args.steps, stage, args.profile)
+        row["combined_1f1b"] = parallel.combined_1f1b
         rows.append(row)
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        where = "" if stage is None else f" stage {stage}"
+        where = (" combined" if parallel.combined_1f1b else "") + (
+            "" if stage is None else f" stage {stage}")
         print(f"{row['mesh'] + where:<36} compile {row['compile_s']:6.1f} s  memory "
               f"{row['memory_gib']:6.2f} GiB  step {row['step_s'] * 1e3:9.1f} ms  "
               f"{row['tflops_per_device']:7.1f} TFLOP/s/device  MFU {mfu}", flush=True)

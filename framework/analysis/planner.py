@@ -40,7 +40,7 @@ from framework.units import memory_unit
 from framework.analysis import calibration, comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import resolved, with_exchange
-from framework.engine.validate import check, check_combined
+from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
 from framework.model.attention import kernel_for
@@ -290,11 +290,8 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
                 par = dataclasses.replace(base, pipeline=p, data=dp, tensor=tp, context=cp,
                                           microbatches=m, schedule=schedule,
                                           virtual_stages=v, zero1=zero1, fsdp=fsdp,
-                                          stage_layers=stage_layers, expert=e,
-                                          combined_1f1b=False)
-                combined = dataclasses.replace(par, combined_1f1b=True)
-                if base.combined_1f1b and not check_combined(combined):
-                    par = combined  # (where the layout's table can run combined)
+                                          stage_layers=stage_layers, expert=e)
+                par = combined_where_possible(par)
                 if not check(model, par, train, n_devices):
                     out.append(par)
     return out

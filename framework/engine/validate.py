@@ -12,6 +12,7 @@ heads; an even head dim for RoPE; the attention kernel's constraints.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 from framework.config import (TENSOR_SPLITTABLE, ModelConfig, ParallelConfig, TrainConfig,
@@ -69,6 +70,12 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     errs += _check_sequence_split(p, train)
     errs += _check_expert(model, p)
     return errs + check_combined(p)
+
+
+def combined_where_possible(p: ParallelConfig) -> ParallelConfig:
+    """`p` with `parallel.combined_1f1b` kept only where its table can run combined: the
+    setting carried over to other schedules (the planner's layouts, mock_gpu's)."""
+    return dataclasses.replace(p, combined_1f1b=False) if check_combined(p) else p
 
 
 def check_combined(p: ParallelConfig) -> list[str]:

@@ -135,3 +135,22 @@ def test_mock_gpu_puts_this_gpu_at_the_stage_asked_for():
     assert mock_gpu.stages_of("last", 4) == [3] and mock_gpu.stages_of("all", 2) == [0, 1]
     with pytest.raises(ConfigError, match="--stage '4'"):
         mock_gpu.stages_of("4", 4)
+
+
+def test_mock_gpu_schedules_run_combined_as_asked_or_where_they_can():
+    """--schedules name[:v][/combined|/separate]: combined cells as asked; without, the
+    recipe's combined_1f1b is kept where the table can run it (a zero-bubble schedule
+    cannot: its B and W are separate cells)."""
+    from framework.config import ParallelConfig
+    from framework.errors import ConfigError
+    from tools import mock_gpu
+
+    par = ParallelConfig(pipeline=2, microbatches=4, schedule="interleaved_1f1b",
+                         virtual_stages=2, combined_1f1b=True)
+    assert mock_gpu.with_schedule(par, "1f1b").combined_1f1b
+    assert not mock_gpu.with_schedule(par, "zb_h1").combined_1f1b
+    assert not mock_gpu.with_schedule(par, "interleaved_1f1b:2/separate").combined_1f1b
+    off = mock_gpu.with_schedule(dataclasses.replace(par, combined_1f1b=False), "1f1b/combined")
+    assert off.combined_1f1b and off.virtual_stages == 1
+    with pytest.raises(ConfigError, match="/combined"):
+        mock_gpu.with_schedule(par, "1f1b/fused")
