@@ -43,6 +43,7 @@ DENSE = {
     "pp4_remat": (4, 1, 1, 8, dict(schedule="1f1b", remat="full")),
     "uneven_fsdp": (2, 2, 1, 4, dict(schedule="1f1b", stage_layers=[3, 5], fsdp=True)),
     "context": (2, 1, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2, context=2)),
+    "pp1": (1, 2, 2, 4, dict(schedule="1f1b")),  # no sends: F(i+1) beside BW(i) alone
 }
 
 

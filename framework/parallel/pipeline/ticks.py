@@ -25,6 +25,11 @@ flat buffer per dtype, so that B's output gradients can take the residuals' plac
 (`stash.Packing`): with a split backward a microbatch in flight holds no more than
 1F1B's full residuals.
 
+With `parallel.combined_1f1b` (`Program.fused`) a BW and the F of the next tick on the
+same rank run as one cell, their layer loops as one (`Cells.combined`), so that one's
+collectives run beside the other's matmuls: the loop's steps are then (backward tick,
+forward tick) pairs, the table's first and last ticks run apart (`combined_loop`).
+
 Shapes below: mb = rows of a microbatch, seq = its tokens (/tensor with sequence
 parallelism), d = d_model; n = slots of a buffer (a receive buffer has one more,
 the spare row that takes the writes not kept, `comm.slots`).
@@ -135,24 +140,24 @@ def _combined_step(cells: Cells, rank):
     def step(carry: Carry, rows: dict):
         row_b, row_f = (jax.tree.map(lambda a: a[i], rows) for i in (0, 1))
         fused = row_b["fused"][rank]
-        apart = lambda kind: jnp.where(fused, IDLE, kind)  # the kinds run one by one
+        alone = lambda kind: jnp.where(fused, IDLE, kind)  # the cells not combined
         arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer])
                     for ch in _travelling(cells, 1)}
         kind, cell_b = _read(back, carry, row_b, rank)
-        state = _dispatch(back, runs_back, apart(kind), _state(back, carry), cell_b)
-        carry = _finish(back, carry, state, row_b, rank, arriving, apart(kind), cell_b)
+        state = _dispatch(back, runs_back, alone(kind), _state(back, carry), cell_b)
+        carry = _finish(back, carry, state, row_b, rank, arriving, alone(kind), cell_b)
         kind, cell_f = _read(fwd, carry, row_f, rank)
         with jax.named_scope(CELL):
             state = run_combined(fwd, fused, _state(fwd, carry), cell_f, cell_b)
-            pending = dict(carry.pending, **{GRAD: jnp.where(fused, state.grad,
-                                                             carry.pending[GRAD])})
+            pending = {buf: jnp.where(fused, state.grad, sent) if buf == GRAD else sent
+                       for buf, sent in carry.pending.items()}  # (none at pipeline 1)
             state = head_combined(fwd, fused, state._replace(grad=cells.zeros(cells.types.x)),
                                   cell_f)
         carry = carry._replace(pending=pending)
         arriving = {ch: send_overlapped(ch, carry.pending[ch.buffer])
                     for ch in _travelling(cells, 0)}
-        state = _dispatch(fwd, runs_fwd, apart(kind), state, cell_f)
-        return _finish(fwd, carry, state, row_f, rank, arriving, apart(kind), cell_f), None
+        state = _dispatch(fwd, runs_fwd, alone(kind), state, cell_f)
+        return _finish(fwd, carry, state, row_f, rank, arriving, alone(kind), cell_f), None
 
     return step
 
