@@ -66,11 +66,10 @@ def test_combined_1f1b_apart_as_on_older_gpus_equals_one_device(name, v, ref, mo
 
 
 MOE = {
-    "qwen3_moe_1f1b_zero1": ("qwen3_moe", dict(schedule="1f1b", zero1=True)),
     "mixtral_interleaved_fsdp": ("mixtral", dict(schedule="interleaved_1f1b",
                                                  virtual_stages=2, fsdp=True)),
-    "capacity_chunks_sp": ("qwen3_moe@0.75", dict(schedule="1f1b", expert_chunks=2,
-                                                  sequence_parallel=True)),
+    "capacity_chunks_sp_zero1": ("qwen3_moe@0.75", dict(schedule="1f1b", expert_chunks=2,
+                                                        sequence_parallel=True, zero1=True)),
 }
 
 
