@@ -51,7 +51,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
     """(model, parallel, train, data, param_dtype) of one valid random configuration on
     at most n_devices (data: its document masks)."""
     from framework.config import CHOICES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-    from framework.engine.validate import check, check_combined
+    from framework.engine.validate import check, combined_where_possible
     from framework.model.moe import MOE_FAMILIES
     from framework.parallel.pipeline import schedule as schedules
 
@@ -96,9 +96,8 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
                              expert=_expert(pick, model, d))
         if par.expert > 1 and model.moe.capacity_factor is not None:  # (drawn only then)
             par = dataclasses.replace(par, expert_chunks=pick([1, 2]))
-        combined = dataclasses.replace(par, combined_1f1b=True)
-        if rng.integers(2) and par.pipeline > 1 and not check_combined(combined):
-            par = combined  # (half the tables that can run combined)
+        if rng.integers(2) and par.pipeline > 1:  # (half the tables that can run combined)
+            par = combined_where_possible(dataclasses.replace(par, combined_1f1b=True))
         train = TrainConfig(seq_len=pick([8, 16]), global_batch_size=d * m * pick([1, 2]),
                             seed=int(rng.integers(1000)))
         masked = rng.integers(3) == 0

@@ -81,7 +81,7 @@ from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
-from framework.parallel.expert import ExpertParallel, expert_parallel
+from framework.parallel.expert import expert_parallel
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
 from framework.units import FP32, dtype_bytes
@@ -145,23 +145,29 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
     return ticks * per_tick + fixed + copies * batch_hidden
 
 
-def _layer_backward(model: ModelConfig, seq: int, tp: int, sp: bool, rules, mb_rows: int,
-                    tpu: bool, ep: ExpertParallel = ExpertParallel()) -> float:
-    """One layer's backward in flight: its residuals once more (recomputed under
-    remat) and the attention kernel's score blocks; the TPU's fused backward holds
-    layer_backward/tpu of that."""
-    held = residuals(model, seq, tp, sp, "none", rules=rules, ep=ep).chunk(1, mb_rows)
-    held += attention_scores_bytes(model, mb_rows, seq, tp)
-    return held * fitted("layer_backward/tpu") if tpu else held
+def _layer_residuals(lay: Layout, remat: str) -> Residuals:
+    """One layer's residuals as the layout runs it (its tensor plan, sequence split and
+    expert plan) under `remat`."""
+    return residuals(lay.model, lay.seq_per_device, lay.parallel.tensor, lay.sequence_parallel,
+                     remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
+                     ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
+                                        lay.parallel.expert_chunks))
 
 
 def _layer_forward(lay: Layout) -> float:
-    """One layer's forward in flight (a combined cell's F beside its BW's layer): its
-    activations, as its backward would keep them without remat."""
-    return residuals(lay.model, lay.seq_per_device, lay.parallel.tensor, lay.sequence_parallel,
-                     "none", rules=param_rules(lay.parallel.tensor_split, lay.expert),
-                     ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
-                                        lay.parallel.expert_chunks)).chunk(1, lay.rows_per_microbatch)
+    """One layer's forward in flight: its activations, as its backward would keep them
+    without remat (a combined cell's F beside its BW's layer: a layer's backward holds
+    them too)."""
+    return _layer_residuals(lay, "none").chunk(1, lay.rows_per_microbatch)
+
+
+def _layer_backward(lay: Layout, tpu: bool) -> float:
+    """One layer's backward in flight: its residuals once more (recomputed under
+    remat) and the attention kernel's score blocks; the TPU's fused backward holds
+    layer_backward/tpu of that."""
+    held = _layer_forward(lay) + attention_scores_bytes(
+        lay.model, lay.rows_per_microbatch, lay.seq_per_device, lay.parallel.tensor)
+    return held * fitted("layer_backward/tpu") if tpu else held
 
 
 def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
@@ -253,7 +259,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     """(kept activations, the head's peak, the layers' backward peak, gradients) of the
     layout's executor: autodiff's tick scan, or the tick executor's measured state."""
     sched, v, layers = lay.program.schedule, lay.chunks_per_rank, lay.chunk_layers
-    tp, m, mb_rows = lay.parallel.tensor, lay.parallel.microbatches, lay.rows_per_microbatch
+    m, mb_rows = lay.parallel.microbatches, lay.rows_per_microbatch
     if sched.executor != AUTODIFF:  # its own state (receive slots, stash, accumulators)
         state = executor_state(lay.model, lay.parallel, lay.global_batch, lay.seq_len,
                                platform)
@@ -262,10 +268,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         head = head_bytes(lay, "1f1b", platform)
         return _tick_kept(state), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
-    res = residuals(lay.model, lay.seq_per_device, tp, lay.sequence_parallel,
-                    lay.layer_remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
-                    ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
-                                       lay.parallel.expert_chunks))
+    res = _layer_residuals(lay, lay.layer_remat)
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
@@ -290,12 +293,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     w = _param_bytes(lay)
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = dtype_bytes(lay.model.dtype) / FP32 if tpu else None
-    layer_backward = _layer_backward(lay.model, lay.seq_per_device, lay.parallel.tensor,
-                                     lay.sequence_parallel,
-                                     param_rules(lay.parallel.tensor_split, lay.expert),
-                                     lay.rows_per_microbatch, tpu,
-                                     expert_parallel(lay.expert, lay.parallel.expert_exchange,
-                                                     lay.parallel.expert_chunks))
+    layer_backward = _layer_backward(lay, tpu)
     gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one
