@@ -10,7 +10,8 @@ tied embeddings, the dense or blockwise attention kernel and its block sizes, do
 masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
 the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mixtures
 of experts with their experts, top-k, widths, auxiliary losses, router (softmax or
-sigmoid, scaled or not) and shared experts (in half of them, gated or not) drawn), sliding
+sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to the best of 2 groups)
+and shared experts (in half of them, gated or not) drawn), sliding
 windows (a third; on every layer or every other), attention and logit soft-caps, the
 stored parameter dtype (bfloat16 in a quarter), small model shapes; for the tick
 executor's schedules, half of them with the dispatch of GPU compilers that copy what a
@@ -120,10 +121,15 @@ def _moe(pick, rng, model, context: int):
         aux_loss_coef=pick([0.0, 0.1]), z_loss_coef=pick([0.0, 0.01]),
         capacity_factor=pick([None, 0.75, 1.5]) if context == 1 else None))
     shared = pick([0, 0, 1, 2])  # shared experts in one case of two, gated or not
-    return dataclasses.replace(model, moe=dataclasses.replace(
+    model = dataclasses.replace(model, moe=dataclasses.replace(
         model.moe, router=pick(["softmax", "sigmoid"]), routed_scale=pick([1.0, 2.5]),
         shared_experts=shared, shared_hidden=pick([None, 16]) if shared else None,
         shared_gate=bool(shared and rng.integers(2))))
+    # sigmoid-routed with 4 or 8 experts: DeepSeek-V3's group-limited routing, the best
+    # of 2 groups (no draw of its own: the draws after it stay as they were)
+    groups = 2 if model.moe.router == "sigmoid" and experts >= 4 else 1
+    return dataclasses.replace(model, moe=dataclasses.replace(
+        model.moe, expert_groups=groups, top_groups=1))
 
 
 def _expert(pick, model, d: int) -> int:
@@ -249,6 +255,8 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         extra += f" moe{m.experts}x{m.top_k}" if m.enabled else ""
         extra += f" capacity{m.capacity_factor}" if m.capacity_factor is not None else ""
         extra += f" {m.router}" if m.enabled and m.router != "softmax" else ""
+        extra += f" groups{m.top_groups}of{m.expert_groups}" if m.enabled and \
+            m.expert_groups > 1 else ""
         extra += f" shared{m.shared_experts}" if m.enabled and m.shared_experts else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""

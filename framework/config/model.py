@@ -49,9 +49,11 @@ class MoeConfig:
     1 with `renormalize`, DeepSeek-V3's norm_topk_prob); its load-balancing loss's P_e
     is the mean over tokens of s_e / sum_j s_j, DeepSeek-V3's sequence-wise balance
     loss's per-token normalised scores (computed here over the same group as above,
-    not per sequence, and with this f_e: DeepSeek-V3's f_e carries E / top_k more). Its
-    bias-based auxiliary-loss-free balancing (e_score_correction_bias, updated outside
-    the gradient) is not implemented. Either router's weights are then multiplied by
+    not per sequence, and with this f_e: DeepSeek-V3's f_e carries E / top_k more).
+    `bias_update_rate` gamma > 0: its auxiliary-loss-free balancing, a bias per layer and
+    expert added to the scores for choosing only (e_score_correction_bias), moved by
+    gamma x sign(mean load - load) after each step (framework/model/router.py; with
+    either router). Either router's weights are then multiplied by
     `routed_scale` (DeepSeek's routed_scaling_factor). The z-loss is on the logits.
     `shared_experts` (DeepSeek-V2/V3's n_shared_experts; Qwen2-MoE has one): every token
     also goes through one dense gated MLP of width shared_experts x expert_hidden
@@ -80,6 +82,11 @@ class MoeConfig:
     capacity_factor: Optional[float] = None
     aux_loss_coef: float = 0.0  # Mixtral's router_aux_loss_coef (0.02 in its config)
     z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0  # DeepSeek-V3's bias update speed gamma (0.001); 0: off
+    # group-limited routing (DeepSeek-V3's n_group 8, topk_group 4): the experts in
+    # `expert_groups` groups, each token's top_k chosen among its `top_groups` best groups
+    expert_groups: int = 1
+    top_groups: int = 1
 
     @property
     def enabled(self) -> bool:

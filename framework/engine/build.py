@@ -20,9 +20,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from framework.config import ModelConfig, OptimConfig, ParallelConfig
+from framework.errors import ConfigError
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
-from framework.engine.step import build_loss_and_grads, fp8_metrics, moe_metrics, train_step
+from framework.engine.step import (build_loss_and_grads, fp8_metrics, moe_balance, moe_metrics,
+                                   train_step)
 from framework.model import attention
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import batch_axes
@@ -48,7 +50,8 @@ class Engine:
     def __post_init__(self):
         self.step_fn = jax.jit(
             train_step(self._loss_and_grads(stats=True), self.optimizer, self.lr,
-                       fp8_metrics(self.layout.resolved), moe_metrics(self.layout.resolved)),
+                       fp8_metrics(self.layout.resolved), moe_metrics(self.layout.resolved),
+                       moe_balance(self.layout.resolved)),
             in_shardings=(self.state_shardings, self.batch_sharding()),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
 
@@ -143,6 +146,10 @@ def build_engine(model: ModelConfig, parallel: ParallelConfig, optim: OptimConfi
                  total_steps: int, mesh, documents: DocumentMask | None = None) -> Engine:
     """Assumes `parallel` was validated (framework/engine/validate.py) for this mesh.
     `documents`: attention within each row's documents (data.document_mask)."""
+    if model.moe.bias_update_rate and optim.param_dtype != "float32":
+        raise ConfigError(f"model.moe.bias_update_rate={model.moe.bias_update_rate} needs "
+                          f"optim.param_dtype=float32 (the balancing bias moves by that much "
+                          f"a step; {optim.param_dtype} would round the steps away)")
     # `auto` attention as the mesh's platform runs it (a GPU target compiled from a CPU
     # machine: cuDNN's kernel, as the run will use)
     platform = mesh.devices.flat[0].platform

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from framework.engine.resolved import Layout
 from framework.model.moe import STATS, moe_layers, n_stats
+from framework.model.router import BIAS, update_bias
 from framework.parallel.mesh import CONTEXT, TENSOR
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.layout import to_layers
@@ -108,3 +109,14 @@ def metrics(stats, layout: Layout) -> dict:
     out[f"{PREFIX}aux_loss"] = jnp.sum(per_layer[:, e]) / (groups * layers)
     out[f"{PREFIX}z_loss"] = jnp.sum(per_layer[:, e + 1]) / (groups * layers)
     return out
+
+
+def balance(params, stats, layout: Layout):
+    """The train layout's params with each MoE layer's balancing bias moved by the
+    step's loads (framework/model/router.py's `update_bias`): the bias [stages, v, Lc,
+    E] and the statistics [stages, v, Lc, n] are both in the stage layout, layer by
+    layer; padding layers routed nothing and stay."""
+    moe = params["stages"]["moe"]
+    counts = stats[..., :layout.model.moe.experts]
+    bias = update_bias(moe[BIAS], counts, layout.model.moe.bias_update_rate)
+    return dict(params, stages=dict(params["stages"], moe=dict(moe, **{BIAS: bias})))

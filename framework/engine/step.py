@@ -285,15 +285,18 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
 
 
 def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: optax.Schedule,
-               weight_metrics=None, stats_metrics=None):
+               weight_metrics=None, stats_metrics=None, stats_update=None):
     """The pure step: (state, tokens [global_batch, seq + 1]) -> (state, metrics).
     `weight_metrics`: params -> more metrics of the weights this step used (FP8's).
-    `stats_metrics`: loss_and_grads's third output -> more metrics (MoE's router's)."""
+    `stats_metrics`: loss_and_grads's third output -> more metrics (MoE's router's).
+    `stats_update`: (updated params, that output) -> params (MoE's balancing bias)."""
 
     def step(state, tokens):
         loss, grads, *stats = loss_and_grads(state["params"], tokens)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        if stats_update is not None:
+            params = stats_update(params, *stats)
         widened = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # bfloat16 params
         metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(widened),
                    "train/lr": lr(state["step"])}
@@ -313,6 +316,14 @@ def fp8_metrics(layout: Layout):
     if model.fp8 == "none":
         return None
     return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))
+
+
+def moe_balance(layout: Layout):
+    """The balancing bias's move after each step (framework/model/router.py), or None
+    without it (model.moe.bias_update_rate 0)."""
+    if not moe_stats.enabled(layout) or not layout.model.moe.bias_update_rate:
+        return None
+    return partial(moe_stats.balance, layout=layout)
 
 
 def moe_metrics(layout: Layout):

@@ -47,6 +47,7 @@ from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
                                   cross_entropy_sum)
 from framework.model.moe import MoE, check_moe, matrix_params as moe_matrix_params
+from framework.model.router import UNTRAINED
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
 from framework.model.weight_ops import (GIVEN, PRODUCTS, SAVED, TAPS,  # noqa: F401 (re-export)
@@ -82,7 +83,9 @@ def weights_outside_weight_op(cfg: ModelConfig) -> list[str]:
     path = lambda keys: "/".join(str(k.key) for k in keys)
     leaves = lambda tree: jax.tree_util.tree_leaves_with_path(nn.meta.unbox(tree))
     tapped = {path(keys) for keys, _ in leaves(variables.get(TAPS, {}))}
-    return [path(keys) for keys, _ in leaves(variables["params"]) if path(keys) not in tapped]
+    untrained = lambda keys: str(keys[-1].key) in UNTRAINED  # no gradient by design
+    return [path(keys) for keys, _ in leaves(variables["params"])
+            if path(keys) not in tapped and not untrained(keys)]
 
 
 class KVCache(NamedTuple):

@@ -41,6 +41,9 @@ decoding and the forward-only loss never see one), an identity's backward hands 
 group's `router_stats` over as the probe's cotangent (`_report`). It is a weight op, so
 the zero-bubble W pass, which replays the weight ops alone, produces it exactly once.
 
+The router itself (scores, top-k, the auxiliary losses, the statistics and DeepSeek-V3's
+auxiliary-loss-free balancing bias) is framework/model/router.py.
+
 Switch Transformer: Fedus et al. 2021. ST-MoE (router z-loss): Zoph et al. 2022.
 Mixtral: Jiang et al. 2024. Qwen3-MoE: Yang et al. 2025. DeepSeek-V2 (shared experts):
 DeepSeek-AI 2024a. DeepSeek-V3 (sigmoid router, routed_scaling_factor, the
@@ -50,8 +53,6 @@ Qwen2-MoE's gated shared expert: transformers' Qwen2MoeSparseMoeBlock.
 
 from __future__ import annotations
 
-from functools import partial
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ import jax.numpy as jnp
 from framework.config import ModelConfig
 from framework.model.layers import NO_TP, gated, param
 from framework.model.moe_slots import capacity, capacity_experts, dropped_copies, slots
+from framework.model.router import (BIAS, LOAD, UNTRAINED, balance_scores,  # noqa: F401 (re-export)
+                                    moe_layers, n_stats, route, router_loss_values,
+                                    router_losses, router_stats, scores, update_bias)
 from framework.model.weight_ops import weight_op
 from framework.parallel.tensor import TensorParallel
 
@@ -108,31 +112,6 @@ def executed_rows(cfg: ModelConfig, seq: int, dense_ragged_dot: bool) -> float:
     if m.capacity_factor is not None:
         return m.experts * capacity(cfg, seq) / (seq * m.top_k)
     return float(m.experts) if dense_ragged_dot else 1.0
-
-
-def scores(router: str, logits):
-    """logits [T, E] float32 -> the router's scores [T, E]: softmax over the experts, or
-    each expert's sigmoid (DeepSeek-V3)."""
-    return jax.nn.sigmoid(logits) if router == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-
-
-def balance_scores(router: str, logits):
-    """The per-token distribution [T, E] whose mean over tokens is the load-balancing
-    loss's P: the softmax; of sigmoid scores s, s / sum_e s (DeepSeek-V3's
-    sequence-wise balance loss, section 2.1.2 of its report)."""
-    s = scores(router, logits)
-    return s / jnp.sum(s, axis=-1, keepdims=True) if router == "sigmoid" else s
-
-
-def route(cfg: ModelConfig, logits):
-    """logits [T, E] float32 -> (top-k weights [T, k] float32, expert ids [T, k] int32):
-    the router's scores, the k largest (ties: the lower id), renormalised to sum 1 where
-    set, times routed_scale."""
-    m = cfg.moe
-    weights, ids = jax.lax.top_k(scores(m.router, logits), m.top_k)
-    if m.renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return (weights * m.routed_scale if m.routed_scale != 1.0 else weights), ids
 
 
 def _ragged(x_and_sizes, w):
@@ -207,77 +186,7 @@ def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int = 1):
     return jnp.einsum("etd,te->td", out, routing.astype(out.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_loss_grad(router, logits, aux_weight, z_weight):
-    return logits
-
-
-def _with_loss_fwd(router, logits, aux_weight, z_weight):
-    return logits, (logits, aux_weight, z_weight)
-
-
-def _with_loss_bwd(router, saved, g):
-    """g + d/dlogits of sum_t [sum_e p_te a_e + z lse_t^2] (p: `balance_scores`): a [E]
-    and z [] constants."""
-    logits, a, z = saved
-    extra = lambda l: (jnp.sum(balance_scores(router, l) * a)
-                       + z * jnp.sum(jax.nn.logsumexp(l, axis=-1) ** 2))
-    return g + jax.grad(extra)(logits), None, None  # a, z: constants (no cotangent)
-
-
-_with_loss_grad.defvjp(_with_loss_fwd, _with_loss_bwd)
-
-
-def _hits(cfg: ModelConfig, logits, tp: TensorParallel):
-    """A group's top-k hits per expert [E] and its tokens T (this device's logits [T', E]
-    float32; summed over the devices the group is split over)."""
-    _, ids = route(cfg, logits)
-    count = tp.whole_sum(jnp.sum(jax.nn.one_hot(ids, logits.shape[-1]), axis=(0, 1)))
-    return count, jnp.sum(count) / cfg.moe.top_k  # each token hits top_k (typed like logits)
-
-
-def router_loss_values(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
-    """The losses of one group's router logits [T, E] float32 (this device's tokens of
-    it): (load-balancing loss E sum_e f_e P_e, f_e the fraction of tokens whose top-k
-    holds e (no gradient, as transformers' one-hot), P_e the mean over tokens of
-    `balance_scores` (the probability of e; of sigmoid scores, e's share of the token's
-    sum); z-loss mean_t lse_t^2)."""
-    count, tokens = _hits(cfg, logits, tp)
-    f = jax.lax.stop_gradient(count / tokens)  # [E]: sums to top_k
-    p = tp.whole_sum(jnp.sum(balance_scores(cfg.moe.router, logits), axis=0)) / tokens
-    z = tp.whole_sum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
-    return logits.shape[-1] * jnp.sum(f * p), z
-
-
-def router_losses(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
-    """logits [T, E] float32, unchanged; their gradient gains the auxiliary losses' (each
-    coefficient over the groups and the MoE layers of a step: MoeConfig): per token,
-    d/dp_te of the load-balancing loss is E f_e / T, of the z-loss's 2 lse_t / T."""
-    m = cfg.moe
-    if not (m.aux_loss_coef or m.z_loss_coef):
-        return logits
-    count, tokens = _hits(cfg, jax.lax.stop_gradient(logits), tp)
-    scale = 1.0 / (tp.groups * moe_layers(cfg) * tokens)
-    aux_weight = m.aux_loss_coef * scale * logits.shape[-1] * count / tokens  # [E]
-    return _with_loss_grad(m.router, logits, aux_weight, m.z_loss_coef * scale)
-
-
 STATS = "stats"  # the train step's probe of the router statistics (engine/moe_stats.py)
-
-
-def n_stats(cfg: ModelConfig) -> int:
-    """The statistics of one layer and group: hits per expert [E], aux, z, dropped."""
-    return cfg.moe.experts + 3
-
-
-def router_stats(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP):
-    """One group's router statistics [E + 3] float32 from this device's logits [T, E]:
-    the top-k hits of each expert (token copies routed to it), the load-balancing and
-    z losses (`router_loss_values`), and the copies dropped (0: routing is dropless)."""
-    logits = jax.lax.stop_gradient(logits)
-    count, _ = _hits(cfg, logits, tp)
-    aux, z = router_loss_values(cfg, logits, tp)
-    return jnp.concatenate([count, jnp.stack([aux, z, jnp.zeros_like(aux)])])
 
 
 def _typed(x, like):
@@ -305,10 +214,6 @@ def _report_bwd(stats, g):
 _report.defvjp(_report_fwd, _report_bwd)
 
 
-def moe_layers(cfg: ModelConfig) -> int:
-    return cfg.n_layers if cfg.moe.enabled else 0
-
-
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward: router [embed, router_experts] (replicated),
     experts' fused gate/up [experts, embed, 2, mlp] and down [experts, mlp, embed] (`mlp`
@@ -329,16 +234,21 @@ class MoE(nn.Module):
         w_in = param(self, "w_gate_up", (e, c.d_model, 2, f),
                      ("experts", "embed", "gate_up", "mlp"))
         w_down = param(self, "w_down", (e, f, c.d_model), ("experts", "mlp", "embed"))
+        # the auxiliary-loss-free balancing bias [E] (router.py): no gradient
+        bias = param(self, BIAS, (e,), ("router_experts",), nn.initializers.zeros) \
+            if c.moe.bias_update_rate else None
         logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
         b, s_local = logits.shape[:2]
-        logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp)
+        logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp,
+                               bias)
         probe = self.has_variable("params", STATS)  # the train step's (moe_stats.py)
-        stats = router_stats(c, logits, self.tp) if probe else None
+        stats = router_stats(c, logits, self.tp, bias) if probe else None
         logits = self.tp.enter(logits.reshape(b, s_local, e), "mlp")  # [b, s, E]
         # [b, s, embed], typed as varying over `tensor` here: f's backward all-reduce
         # runs once on it, not on the experts' copies of it and the shared expert's input
         xs = self.tp.varies(self.tp.enter(x.astype(dt), "mlp"), "mlp")
-        weights, ids = route(c, logits.reshape(-1, e))  # [b s, k]
+        weights, ids = route(c, logits.reshape(-1, e), bias)  # [b s, k]
+        self.sow("intermediates", LOAD, jnp.sum(jax.nn.one_hot(ids, e), axis=(0, 1)))
         if probe:  # the statistics ride the probe's gradient (`_report`)
             stats = stats.at[e + 2].set(dropped_copies(c, ids, b))
             zero = _typed(jnp.zeros((), jnp.float32), weights)
@@ -358,6 +268,21 @@ class MoE(nn.Module):
 
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+
+
+def _group_errors(m) -> list[str]:
+    """Group-limited routing's settings (router.py's `in_top_groups`), one line each."""
+    if m.expert_groups < 1 or m.experts % m.expert_groups:
+        return [f"model.moe.expert_groups={m.expert_groups} must divide model.moe.experts="
+                f"{m.experts} (1: no groups)"]
+    if not 1 <= m.top_groups <= m.expert_groups:
+        return [f"model.moe.top_groups={m.top_groups} must be in [1, model.moe.expert_groups="
+                f"{m.expert_groups}]"]
+    if m.top_groups < m.expert_groups and m.top_k > m.top_groups * (m.experts // m.expert_groups):
+        return [f"model.moe.top_k={m.top_k} is more than the experts of "
+                f"model.moe.top_groups={m.top_groups} groups of "
+                f"{m.experts // m.expert_groups}"]
+    return []
 
 
 def check_moe(model: ModelConfig) -> list[str]:
@@ -394,6 +319,10 @@ def check_moe(model: ModelConfig) -> list[str]:
         errs.append(f"model.moe.router={m.router!r} is not one of {', '.join(ROUTERS)}")
     if m.routed_scale <= 0:
         errs.append(f"model.moe.routed_scale={m.routed_scale} must be > 0")
+    errs += _group_errors(m)
+    if m.bias_update_rate < 0:
+        errs.append(f"model.moe.bias_update_rate={m.bias_update_rate} must be >= 0 (0: no "
+                    f"balancing bias)")
     if model.fp8 != "none":
         errs.append(f"model.fp8={model.fp8} does not run with model.moe (the router and "
                     f"the grouped expert matmuls stay in model.dtype): use model.fp8=none")

@@ -11,30 +11,49 @@ import optax
 from framework.config import ModelConfig
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.llama import Block, Embed, Head, cross_entropy_sum
+from framework.model.router import BIAS, LOAD, update_bias
 from framework.parallel.tensor import TensorParallel
 
 
 def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = None,
-            groups: int = 1):
+            groups: int = 1, loads: bool = False):
     """inputs: [batch, seq] int32 -> logits [batch, seq, vocab] float32 (`documents`:
     attention within the documents of each row, framework/model/documents.py). `groups`:
     how many such groups a step's batch has (a mixture of experts' auxiliary losses are
-    averaged over them: `loss_fn`)."""
+    averaged over them: `loss_fn`). `loads` (a mixture of experts): (logits, the token
+    copies each layer routed to each expert [L, E])."""
     x = Embed(cfg).apply({"params": params["embed"]}, inputs)
     docs = documents_of(inputs, documents)
     tp = TensorParallel(groups=groups)  # no axis: every collective the identity
 
     def layer(x, layer_params, window=None):
-        return Block(cfg, tp).apply({"params": layer_params}, x, docs=docs,
-                                    window=window), None
+        y, seen = Block(cfg, tp).apply({"params": layer_params}, x, docs=docs, window=window,
+                                       mutable=["intermediates"])
+        return y, (seen["intermediates"]["moe"][LOAD][0] if loads else None)
 
     if cfg.sliding_window_pattern and cfg.sliding_window:  # layer by layer, in Python
+        per_layer = []
         for i in range(cfg.n_layers):
             layer_params = jax.tree.map(lambda a: a[i], params["layers"])
-            x, _ = layer(x, layer_params, window_of(cfg, i))
+            x, load = layer(x, layer_params, window_of(cfg, i))
+            per_layer.append(load)
+        routed = jnp.stack(per_layer) if loads else None
     else:
-        x, _ = jax.lax.scan(lambda x, p: layer(x, p, cfg.sliding_window), x, params["layers"])
-    return Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
+        x, routed = jax.lax.scan(lambda x, p: layer(x, p, cfg.sliding_window), x,
+                                 params["layers"])
+    logits = Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
+    return (logits, routed) if loads else logits
+
+
+def balanced(used, new, tokens, cfg: ModelConfig):
+    """`new` params with each MoE layer's balancing bias moved from its value in `used`
+    (the params a step ran with) by the loads the batch `tokens` [batch, seq + 1] put on
+    its experts under them (framework/model/router.py; the train step recounts the same
+    from its statistics)."""
+    _, loads = forward(used, tokens[:, :-1], cfg, loads=True)  # [L, E]
+    bias = update_bias(used["layers"]["moe"][BIAS], loads, cfg.moe.bias_update_rate)
+    moe = dict(new["layers"]["moe"], **{BIAS: bias})
+    return dict(new, layers=dict(new["layers"], moe=moe))
 
 
 def window_of(cfg: ModelConfig, i: int):
@@ -73,7 +92,10 @@ def reference_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformati
     def step(params, opt_state, tokens):
         loss, grads = loss_and_grads(params, tokens, cfg)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        new = optax.apply_updates(params, updates)
+        if cfg.moe.enabled and cfg.moe.bias_update_rate:
+            new = balanced(params, new, tokens, cfg)
+        return new, opt_state, loss
 
     return step
 

@@ -50,6 +50,7 @@ import numpy as np
 from framework.config import ModelConfig, MoeConfig
 from framework.errors import ConfigError
 from framework.model.moe import expert_hidden, shared_hidden
+from framework.model.router import BIAS
 
 # family -> (module of the feed-forward, gate, up, down)
 LAYOUTS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -117,6 +118,9 @@ def readers(cfg: ModelConfig, read, per_layer, bounds) -> dict:
     out = {("layers", "moe", "router"): per_layer(router),
            ("layers", "moe", "w_gate_up"): per_layer(w_gate_up),
            ("layers", "moe", "w_down"): per_layer(w_down)}
+    if cfg.moe.bias_update_rate:  # no folder here holds a balancing bias: it starts at 0
+        out[("layers", "moe", BIAS)] = per_layer(
+            lambda p, index: np.zeros(len(expert_ids(index[0])), np.float32))
     if cfg.moe.shared_experts:  # [s, d] and [d, 1]: the HF tensors transposed
         out.update({("layers", "moe", "shared_gate_up"): per_layer(shared_gate_up),
                     ("layers", "moe", "shared_down"): per_layer(
@@ -166,7 +170,8 @@ ONLY = {"qwen3_moe": QWEN_SPARSE, "qwen2_moe": QWEN_SPARSE,
 # width, renormalisation), and the values each family's folders hold: qwen3_moe's and
 # mixtral's MoeConfig's defaults (no shared experts, a softmax router, no routed scale);
 # qwen2_moe's one sigmoid-gated shared expert, of any width (shared_hidden)
-NOT_IN_FOLDERS = ("shared_experts", "shared_hidden", "shared_gate", "router", "routed_scale")
+NOT_IN_FOLDERS = ("shared_experts", "shared_hidden", "shared_gate", "router", "routed_scale",
+                  "expert_groups", "top_groups")
 _DEFAULTS = {k: getattr(MoeConfig(), k) for k in NOT_IN_FOLDERS}
 HELD = {"qwen3_moe": _DEFAULTS, "mixtral": _DEFAULTS,
         "qwen2_moe": {**{k: v for k, v in _DEFAULTS.items() if k != "shared_hidden"},
@@ -206,6 +211,12 @@ def export_fields(cfg: ModelConfig) -> dict:
     m = cfg.moe
     if not m.enabled:
         raise ConfigError(f"model.family={cfg.family} needs model.moe.experts >= 1 to export")
+    if m.bias_update_rate:
+        raise ConfigError(f"model.moe.bias_update_rate={m.bias_update_rate}: a {cfg.family} "
+                          f"folder has no balancing bias (DeepSeek-V3's "
+                          f"e_score_correction_bias), and the trained bias changes which "
+                          f"experts each token goes to; export a run trained with "
+                          f"model.moe.bias_update_rate=0")
     held = HELD[cfg.family]
     wrong = [k for k in held if getattr(m, k) != held[k]]
     _refuse([f"model.moe.{k}={getattr(m, k)}" for k in wrong], cfg.family,
@@ -247,7 +258,8 @@ def _get(m, key: str):
 
 def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> ModelConfig:
     """The folder's experts with the training settings the user gave (the loss
-    coefficients and the capacity factor: not the checkpoint's); a setting of
+    coefficients, the capacity factor and the balancing bias's rate, which starts the
+    bias at 0: not the checkpoint's); a setting of
     NOT_IN_FOLDERS given (not its default) that differs from the folder's is refused."""
     mine = given.get("moe")
     if mine is None or not folder_cfg.moe.enabled:
@@ -258,6 +270,7 @@ def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> 
                                                                    getattr(theirs, k))],
             folder_cfg.family, where, "drop these settings (train.init_from reads them from "
             "config.json)")
-    coefs = {k: _get(mine, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+    coefs = {k: _get(mine, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor",
+                                        "bias_update_rate")
              if _get(mine, k) is not None}
     return dataclasses.replace(folder_cfg, moe=dataclasses.replace(folder_cfg.moe, **coefs))
