@@ -45,6 +45,9 @@ folder, reloaded in float32:
                         renormalised, a sigmoid-gated shared expert of 40
                         (shared_expert_intermediate_size), every layer sparse, untied,
                         float32
+    qwen3_moe_dense_first  Qwen3-MoE with a dense layer first (mlp_only_layers [0], its
+                        MLP intermediate_size 48 wide) and two MoE layers, top 2
+                        renormalised, tied, float32
 
 The windows (5) are shorter than the ids (12 tokens) and than prompt + continuation
 (4 + 16), so that they cut attention in both the logits and the greedy tokens.
@@ -157,6 +160,11 @@ FIXTURES = {  # name -> writer of the folder (models built when chosen)
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=40, norm_topk_prob=False, decoder_sparse_step=1,
         mlp_only_layers=[], router_aux_loss_coef=0.001, use_sliding_window=False)),
+    "qwen3_moe_dense_first": lambda: saved(build(
+        12, Qwen3MoeConfig, num_hidden_layers=3, head_dim=16, tie_word_embeddings=True,
+        rope_parameters=ROPE_1E6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[0], router_aux_loss_coef=0.001)),
 }
 
 

@@ -11,7 +11,8 @@ masks (a third of them; token 0 then ends documents, and an eighth of the tokens
 the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mixtures
 of experts with their experts, top-k, widths, auxiliary losses, router (softmax or
 sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to the best of 2 groups)
-and shared experts (in half of them, gated or not) drawn), sliding
+and shared experts (in half of them, gated or not, with a dense layer before the MoE
+ones) drawn), sliding
 windows (a third; on every layer or every other), attention and logit soft-caps, the
 stored parameter dtype (bfloat16 in a quarter), small model shapes; for the tick
 executor's schedules, half of them with the dispatch of GPU compilers that copy what a
@@ -128,8 +129,11 @@ def _moe(pick, rng, model, context: int):
     # sigmoid-routed with 4 or 8 experts: DeepSeek-V3's group-limited routing, the best
     # of 2 groups (no draw of its own: the draws after it stay as they were)
     groups = 2 if model.moe.router == "sigmoid" and experts >= 4 else 1
-    return dataclasses.replace(model, moe=dataclasses.replace(
-        model.moe, expert_groups=groups, top_groups=1))
+    # with shared experts, as DeepSeek-V3, a dense layer first (framework/model/prefix.py):
+    # one layer more, so the stages' layers are as drawn
+    first = 1 if shared else 0
+    return dataclasses.replace(model, n_layers=model.n_layers + first, moe=dataclasses.replace(
+        model.moe, expert_groups=groups, top_groups=1, first_dense=first))
 
 
 def _expert(pick, model, d: int) -> int:
@@ -258,6 +262,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         extra += f" groups{m.top_groups}of{m.expert_groups}" if m.enabled and \
             m.expert_groups > 1 else ""
         extra += f" shared{m.shared_experts}" if m.enabled and m.shared_experts else ""
+        extra += f" dense{m.first_dense}" if m.enabled and m.first_dense else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"

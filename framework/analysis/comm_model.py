@@ -68,6 +68,7 @@ import jax
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
+from framework.model.prefix import DENSE, prefix_layers, stack_layers
 from framework.model.registry import spec_of
 from framework.model.moe_slots import capacity
 from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
@@ -106,11 +107,26 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
             size = math.prod(shape.shape)
             size //= parallel.tensor ** sum(n in tensor_dims for n in names)
             if group == "layers":
-                size = (size // model.n_layers * rank_layers if rank_layers
+                size = (size // stack_layers(model) * rank_layers if rank_layers
                         else size // parallel.pipeline)
             total += size
         counts[group] = total
+    # a MoE model's dense prefix (embed/dense, framework/model/prefix.py) apart
+    counts["prefix"] = local_prefix_count(model, parallel)
+    counts["embed"] -= counts["prefix"]
     return counts
+
+
+def local_prefix_count(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """The dense prefix's parameters one device holds (every pipeline rank holds them)."""
+    if not prefix_layers(model):
+        return 0
+    tensor_dims = set(parallel.tensor_split)
+    shapes, axes = _param_shapes(model)
+    leaves = zip(jax.tree.leaves(shapes["embed"][DENSE]),
+                 jax.tree.leaves(axes["embed"][DENSE], is_leaf=lambda a: isinstance(a, tuple)))
+    return sum(math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
+               for shape, names in leaves)
 
 
 def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
@@ -123,7 +139,7 @@ def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers
                             jax.tree.leaves(axes["layers"], is_leaf=lambda a: isinstance(a, tuple))):
         if "experts" in names:
             size = math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
-            total += size // model.n_layers * rank_layers // parallel.expert
+            total += size // stack_layers(model) * rank_layers // parallel.expert
     return total
 
 
@@ -171,9 +187,12 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     hidden = (lay.rows_per_replica * lay.seq_per_device
               * model.d_model * dtype_bytes(model.dtype))  # A
     # two in the forward, two in the backward; a rematerialised layer's backward runs
-    # the attention's again (the MLP's output is the next layer's input, kept)
-    return ((5 if lay.recomputes else 4) * _busiest_layers(lay)
-            * _ring_all_reduce(parallel.tensor) * hidden)
+    # the attention's again (the MLP's output is the next layer's input, kept); a dense
+    # prefix: its forward, then again and its backward (prefix.py), on the first stage
+    # only (one rank in p, as the audit counts a conditional's collectives: averaged)
+    units = (5 if lay.recomputes else 4) * _busiest_layers(lay) + \
+        6 * prefix_layers(model) / parallel.pipeline
+    return units * _ring_all_reduce(parallel.tensor) * hidden
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -213,6 +232,8 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
     # two gathers (cast where the compute dtype is narrower), one reduce-scatter
     cast = 2 * min(dtype_bytes(model.dtype), stored) + stored
     ends = 2 * stored * counts["embed"] + cast * counts["head"]
+    # a dense prefix: gathered for the forward and again for its backward, as stored
+    ends += 3 * stored * counts.get("prefix", 0)
     if model.tie_embeddings:
         ends += 3 * stored * counts["embed"]
     # FP8 gathers (model.fp8_gather): the layers' two gathers one byte an element (the
@@ -239,12 +260,13 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     if lay.sequence_parallel:
         # the scales replicated over `tensor`: 2 per layer (4 with Gemma's post-norms) +
         # the final one, and q/k norm's two of head_dim (biases are split with their heads)
-        norms = ((2 + 2 * model.has_post_norms) * layers + 1) * model.d_model + \
-            2 * layers * model.head_dim * model.has_qk_norm
+        held_layers = layers + prefix_layers(model)  # every rank holds the prefix
+        norms = ((2 + 2 * model.has_post_norms) * held_layers + 1) * model.d_model + \
+            2 * held_layers * model.head_dim * model.has_qk_norm
         tensor += _ring_all_reduce(tp) * norms * grad
 
     pipe = stage_sends(model, parallel, train)
-    shared = counts["embed"] + counts["head"]  # used on several pipeline ranks
+    shared = counts["embed"] + counts["prefix"] + counts["head"]  # on several pipeline ranks
     # FSDP per use: their gradients arrive sharded over `data` already
     pipe += _ring_all_reduce(p) * shared * grad / (dp if lay.gathers_per_use else 1)
 

@@ -81,6 +81,7 @@ from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
+from framework.model.prefix import dense_config, prefix_layers
 from framework.parallel.expert import expert_parallel
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
@@ -152,6 +153,18 @@ def _layer_residuals(lay: Layout, remat: str) -> Residuals:
                      remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
                      ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
                                         lay.parallel.expert_chunks))
+
+
+def _prefix(lay: Layout, remat: str) -> float:
+    """A MoE model's dense prefix (framework/model/prefix.py) for one microbatch: its
+    layers' residuals under `remat` (0 without one)."""
+    k = prefix_layers(lay.model)
+    if k == 0:
+        return 0.0
+    res = residuals(dense_config(lay.model), lay.seq_per_device, lay.parallel.tensor,
+                    lay.sequence_parallel, remat,
+                    rules=param_rules(lay.parallel.tensor_split, lay.expert))
+    return res.chunk(k, lay.rows_per_microbatch)
 
 
 def _layer_forward(lay: Layout) -> float:
@@ -272,6 +285,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     ticks = sched.forward_rows().n_ticks
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
+    kept += m * _prefix(lay, lay.layer_remat)  # the first stage embeds every microbatch
     head = head_bytes(lay, "per_microbatch" if m > 1 else "whole_batch", platform)
     backward = layer_backward
     if ticks > 1:  # the tick scan's backward: one tick's slice of the residual stack,
@@ -314,7 +328,9 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         "gradients": grads * stored_width,
         "activations": kept,
         # the head's peak, the layers' and (FSDP) the embedding's after the loop do not overlap
-        "transient": max(head, backward, _fsdp_embedding_gradient(lay)),
+        "transient": max(head, backward, _fsdp_embedding_gradient(lay),
+                         # a dense prefix's backward, recomputed from the ids (prefix.py)
+                         _prefix(lay, lay.layer_remat) + layer_backward),
     }
     out["total"] = sum(out.values())
     return out

@@ -43,6 +43,7 @@ from framework.engine.resolved import resolved, with_exchange
 from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
+from framework.model.prefix import prefix_layers, stack_layers
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows
 from framework.model.flops import (fp8_matmul_share, hardware_flops_per_token,
@@ -128,6 +129,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     layers *= fp8_slowdown(model, train.seq_len, hw)
     cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
+    cost[0] += prefix_layers(model) * layers / model.n_layers  # a dense prefix (prefix.py)
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     share = measured_rate(lay, train.seq_len, hw) or 1.0
     # context: 1/cp of each sequence; at the measured share of the peak where known
@@ -237,7 +239,7 @@ def _stage_layers(model: ModelConfig, base: ParallelConfig, n_stages: int):
     given = base.stage_layers
     if isinstance(given, tuple) and len(given) == n_stages:
         return given
-    if given is None and model.n_layers % n_stages == 0:
+    if given is None and stack_layers(model) % n_stages == 0:
         return None
     return "auto"
 
@@ -248,7 +250,8 @@ def _virtual_stages(model: ModelConfig, p: int, given) -> tuple[int, ...]:
     (uneven stages)."""
     if given is not None:
         return tuple(given)
-    per_rank = model.n_layers // p if model.n_layers % p == 0 else 0
+    n = stack_layers(model)
+    per_rank = n // p if n % p == 0 else 0
     return tuple(v for v in range(2, 9) if per_rank and per_rank % v == 0) or (2, 4)
 
 

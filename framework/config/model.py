@@ -66,7 +66,9 @@ class MoeConfig:
     expert_hidden: Optional[int] = None  # one expert's hidden width; null: model.d_ff
     renormalize: bool = True  # the top_k weights divided by their sum
     # Which layers are MoE: layer i iff i >= first_dense and (i - first_dense) % every == 0
-    # (only every 1, first_dense 0 today: the layers are stacked, one structure each)
+    # (every 1 only today). The first_dense dense layers (DeepSeek-V3's
+    # first_k_dense_replace) run on the first stage after the embedding
+    # (framework/model/prefix.py); d_ff is their width, expert_hidden the experts'.
     every: int = 1
     first_dense: int = 0
     shared_experts: int = 0  # experts every token goes through, as one MLP (0: none)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from framework.model.prefix import DENSE, dense_config, prefix_layers, table_of
 from framework.model import reference
 from framework.parallel import rules as sharding
 from framework.config import ModelConfig
@@ -93,8 +94,16 @@ class Decoder:
         """On each device: tokens [b, s] at positions start.. -> (its vocabulary slice of
         the last position's logits [b, vocab@tensor], the updated cache)."""
         c, tp, spec = self.cfg, self.tp, self.spec
-        x = spec.embed(c, tp).apply({"params": params["embed"]}, tokens)
-        x, cache = spec.apply_layers_cached(c, params["layers"], x, cache, start, tp)
+        x = spec.embed(c, tp).apply({"params": table_of(params["embed"])}, tokens)
+        k = prefix_layers(c)  # a MoE model's dense layers first: caches [:k] (prefix.py)
+        if k:
+            x, first = spec.apply_layers_cached(dense_config(c), params["embed"][DENSE], x,
+                                                spec.kv_cache(*(a[:k] for a in cache)), start, tp)
+            x, rest = spec.apply_layers_cached(c, params["layers"], x,
+                                               spec.kv_cache(*(a[k:] for a in cache)), start, tp)
+            cache = [jnp.concatenate([a, b]) for a, b in zip(first, rest)]
+        else:
+            x, cache = spec.apply_layers_cached(c, params["layers"], x, cache, start, tp)
         logits = spec.head(c, tp).apply({"params": params["head"]}, x[:, -1:],
                                         tied_table=params["embed"]["table"])
         return logits[:, 0], spec.kv_cache(*cache)

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework.model.prefix import DENSE
 from framework.config import OptimConfig
 
 # Muon's (reduction, output) axes of each layer matrix, counted from the last (the
@@ -100,7 +101,7 @@ def decay_mask(params, decay_embeddings: bool = True, no_decay: tuple[str, ...] 
         name = "/".join(["layers" if names[0] == "stages" else names[0]] + names[1:])
         if any(fnmatchcase(name, pattern) for pattern in no_decay):
             return False
-        return decay_embeddings or names[:1] != ["embed"]
+        return decay_embeddings or names[:2] != ["embed", "table"]
 
     return jax.tree_util.tree_map_with_path(decayed, params)
 
@@ -112,7 +113,8 @@ def muon_axes(params):
         if isinstance(leaf, optax.MaskedNode):
             return leaf
         names = [str(getattr(k, "key", k)) for k in path]
-        axes = MUON_AXES.get(names[-1]) if names[0] in ("layers", "stages") else None
+        layer = names[0] in ("layers", "stages") or names[:2] == ["embed", DENSE]  # prefix.py
+        axes = MUON_AXES.get(names[-1]) if layer else None
         return optax.contrib.MuonDimensionNumbers(*axes) if axes else None
 
     return jax.tree_util.tree_map_with_path(

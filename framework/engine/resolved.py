@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh
 from framework import hardware
 from framework.config import ModelConfig, ParallelConfig
 from framework.model.flops import stage_flops_per_token
+from framework.model.prefix import stack_layers
 from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import (CONTEXT, DATA, EXPERT, PIPE, TENSOR, batch_axes, degrees,
                                      expert_degree, mesh_axes)
@@ -188,7 +189,7 @@ class Layout:
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
         """Real layers of every global stage, even or not."""
-        return self.stage_layers or (self.model.n_layers // self.global_stages,) * \
+        return self.stage_layers or (stack_layers(self.model) // self.global_stages,) * \
             self.global_stages
 
     @property
@@ -241,7 +242,7 @@ def with_stage_layers(model: ModelConfig, parallel: ParallelConfig,
         return parallel
     counts = tuple(parallel.stage_layers)
     if parallel.stage_layers == "auto":
-        counts = balance(model.n_layers, global_stages(parallel),
+        counts = balance(stack_layers(model), global_stages(parallel),
                          *stage_flops_per_token(model, seq_len))
     return dataclasses.replace(parallel, stage_layers=None if len(set(counts)) == 1 else counts)
 

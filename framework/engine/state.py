@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from framework.config import ModelConfig
 from framework.engine.resolved import Layout
+from framework.model.prefix import stack_layers
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel import rules
@@ -179,7 +180,7 @@ class StateLayout:
             lead = out[0] if out and out[0] is not None else ()
             lead = (lead,) if isinstance(lead, str) else lead
             if self.stage_layers is not None and (  # padded stages: does L split evenly?
-                    self.model.n_layers % math.prod(mesh.shape[a] for a in lead)):
+                    stack_layers(self.model) % math.prod(mesh.shape[a] for a in lead)):
                 out = P(None, *out[1:])
             return out
 

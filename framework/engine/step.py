@@ -35,6 +35,7 @@ from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model import fp8
 from framework.model.documents import DocumentMask, documents_of
+from framework.model.prefix import embed_piece
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
@@ -87,10 +88,13 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
                                                          gather["embed"](weights[1])))
         head_loss = lambda head, embed, y, targets: run(y, (head, embed), targets)
 
+    stack = spec.stack(layout.layer_remat, tp, skip_unless, stack_gather)
+    # the embedding, then a MoE model's dense prefix (framework/model/prefix.py)
+    piece = embed_piece(model, tp, spec.embed, spec.apply_layers,
+                        spec.stack(layout.layer_remat, tp))
     return StageFns(
-        embed=lambda e, ids: spec.embed(model, tp).apply({"params": gather["embed"](e)}, ids),
-        layers=partial(spec.apply_layers, model, stack=spec.stack(
-            layout.layer_remat, tp, skip_unless, stack_gather)),
+        embed=lambda e, ids, docs=None: piece(gather["embed"](e), ids, docs),
+        layers=partial(spec.apply_layers, model, stack=stack),
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=gather["layer"]) if split else None,

@@ -21,6 +21,7 @@ from framework.errors import ConfigError
 from framework.model import attention, fp8, moe
 from framework.engine.resolved import (Layout, global_stages, overlapped, resolved,
                                       with_stage_layers)
+from framework.model.prefix import stack_layers
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
 from framework.parallel.expert import EXCHANGES
@@ -145,16 +146,18 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
     """Layers per global stage: even (stage_layers null), explicit, or auto."""
     n_chunks = global_stages(p)
     what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*chunks per rank"
-    given, L = p.stage_layers, model.n_layers
+    given, L = p.stage_layers, stack_layers(model)
+    layers = (f"model.n_layers={L}" if L == model.n_layers else
+              f"model.n_layers - model.moe.first_dense={L}")  # the stages' layers
     if given is None:
         if L % n_chunks == 0:
             return []
         ok = [d for d in _divisors(L) if d <= 64]
-        return [f"model.n_layers={L} is not divisible by {what}={n_chunks}: use a divisor of "
+        return [f"{layers} is not divisible by {what}={n_chunks}: use a divisor of "
                 f"{L} ({', '.join(map(str, ok))}) or parallel.stage_layers=auto (uneven stages)"]
     if given == "auto":
         return [] if L >= n_chunks else [
-            f"parallel.stage_layers=auto needs model.n_layers={L} >= {what}={n_chunks} "
+            f"parallel.stage_layers=auto needs {layers} >= {what}={n_chunks} "
             f"(one layer per stage at least)"]
     # A tuple of positive layer counts: ParallelConfig refuses any other form (framework/config/).
     if len(given) != n_chunks:
@@ -162,7 +165,7 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
                 f"{what}={n_chunks}: give {n_chunks} layer counts, or auto"]
     if sum(given) != L:
         return [f"parallel.stage_layers={shown(given)} adds up to {sum(given)} layers but "
-                f"model.n_layers={L}"]
+                f"{layers}"]
     return []
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from framework.config import ModelConfig
 from framework.model.moe import moe_layers, routed_params
+from framework.model.prefix import dense_config, prefix_layers
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -67,8 +68,12 @@ def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, floa
     # of the scores and weighted values (keys averaged over the layers)
     spec = spec_of(model)
     keys = sum(spec.keys_per_query(model, seq_len)) / model.n_layers
-    layer = 3 * (2 * spec.layer_matrix_params(model) + 2 * keys * model.n_heads * model.head_dim)
-    return float(layer), 0.0, head_flops(model)
+    scores = 2 * keys * model.n_heads * model.head_dim
+    layer = 3 * (2 * spec.layer_matrix_params(model) + scores)
+    # the input piece: the lookup (none) and a MoE model's dense prefix (prefix.py),
+    # whose backward recomputes its forward (4 of 3)
+    dense = 4 * (2 * spec.layer_matrix_params(dense_config(model)) + scores)
+    return float(layer), float(prefix_layers(model) * dense), head_flops(model)
 
 
 def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward: bool,

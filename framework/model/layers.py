@@ -86,15 +86,17 @@ class MLP(nn.Module):
 
 
 def layer_windows(cfg: ModelConfig, n: int, first=None):
-    """The sliding windows of n consecutive layers from global layer `first` (an int or
-    traced; None: 0): None without a window; an int when every layer has the same
+    """The sliding windows of n consecutive layers of the stack from its layer `first` (an
+    int or traced; None: 0): None without a window; an int when every layer has the same
     (sliding_window_pattern 0, Mistral); else [n] int32, NO_WINDOW on the global layers
     (`ModelConfig.global_layer`)."""
     if cfg.sliding_window is None:
         return None
     if not cfg.sliding_window_pattern:
         return cfg.sliding_window
-    index = (0 if first is None else first) + jnp.arange(n, dtype=jnp.int32)
+    # the stack's layer i is global layer first_dense + i (the dense prefix: prefix.py)
+    offset = cfg.moe.first_dense if cfg.moe.enabled else 0
+    index = offset + (0 if first is None else first) + jnp.arange(n, dtype=jnp.int32)
     return jnp.where(cfg.global_layer(index), NO_WINDOW, cfg.sliding_window).astype(jnp.int32)
 
 

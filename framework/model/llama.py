@@ -47,6 +47,7 @@ from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
                                   cross_entropy_sum)
 from framework.model.moe import MoE, check_moe, matrix_params as moe_matrix_params
+from framework.model.prefix import DENSE, dense_config, prefix_layers, stack_layers
 from framework.model.router import UNTRAINED
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
@@ -282,15 +283,22 @@ def init_params_and_axes(cfg: ModelConfig, key):
     tokens = jnp.zeros((1, 2), jnp.int32)
     x = jnp.zeros((1, 2, cfg.d_model), jnp.float32)
     embed, embed_axes = _unbox(Embed(cfg).init(k_embed, tokens)["params"])
-    init_layer = lambda k: Block(cfg).init(k, x)["params"]
-    layers = jax.vmap(lambda k: nn.meta.unbox(init_layer(k)))(
-        jax.random.split(k_layers, cfg.n_layers))
-    _, layer_axes = _unbox(jax.eval_shape(init_layer, k_layers))
-    layer_axes = jax.tree.map(lambda a: ("layers",) + a, layer_axes, is_leaf=_is_axes)
+    stacked = lambda c, k, n: _stacked(lambda k: Block(c).init(k, x)["params"], k, n)
+    layers, layer_axes = stacked(cfg, k_layers, stack_layers(cfg))
+    if prefix_layers(cfg):  # the dense layers before the MoE ones (prefix.py)
+        embed[DENSE], embed_axes[DENSE] = stacked(dense_config(cfg), jax.random.fold_in(
+            k_layers, 1), prefix_layers(cfg))
     head, head_axes = _unbox(Head(cfg).init(k_head, x, tied_table=embed["table"])["params"])
     params = {"embed": embed, "layers": layers, "head": head}
     axes = {"embed": embed_axes, "layers": layer_axes, "head": head_axes}
     return params, axes
+
+
+def _stacked(init_layer, key, n: int):
+    """(n layers' params stacked on axis 0, their logical axes ('layers', ...))."""
+    params = jax.vmap(lambda k: nn.meta.unbox(init_layer(k)))(jax.random.split(key, n))
+    _, axes = _unbox(jax.eval_shape(init_layer, key))
+    return params, jax.tree.map(lambda a: ("layers",) + a, axes, is_leaf=_is_axes)
 
 
 def init_params(cfg: ModelConfig, key):
@@ -336,9 +344,11 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
     c = cfg
     attn = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
     attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
-    layer = layer_matrix_params(c, active) + attn + (4 if c.has_post_norms else 2) * c.d_model
+    layer = lambda c: layer_matrix_params(c, active) + attn + (4 if c.has_post_norms else 2) \
+        * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
-    return c.vocab_size * c.d_model + c.n_layers * layer + head
+    layers = stack_layers(c) * layer(c) + prefix_layers(c) * layer(dense_config(c))
+    return c.vocab_size * c.d_model + layers + head
 
 
 def check_model(model: ModelConfig) -> list[str]:

@@ -304,9 +304,12 @@ def check_moe(model: ModelConfig) -> list[str]:
     if m.capacity_factor is not None and not m.capacity_factor > 0:
         errs.append(f"model.moe.capacity_factor={m.capacity_factor} must be > 0 (null: "
                     f"dropless)")
-    if m.every != 1 or m.first_dense != 0:
-        errs.append(f"model.moe.every={m.every}, first_dense={m.first_dense}: only every "
-                    f"layer MoE is supported yet (every=1, first_dense=0)")
+    if m.every != 1:
+        errs.append(f"model.moe.every={m.every}: only every layer after the dense prefix MoE "
+                    f"is supported yet (every=1; model.moe.first_dense for dense layers first)")
+    if not 0 <= m.first_dense < model.n_layers:
+        errs.append(f"model.moe.first_dense={m.first_dense} must be in [0, model.n_layers="
+                    f"{model.n_layers}) (the dense layers before the MoE ones)")
     if m.shared_experts < 0:
         errs.append(f"model.moe.shared_experts={m.shared_experts} must be >= 0 (0: none)")
     if m.shared_hidden is not None and m.shared_hidden < 1:

@@ -11,6 +11,7 @@ import optax
 from framework.config import ModelConfig
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.llama import Block, Embed, Head, cross_entropy_sum
+from framework.model.prefix import DENSE, dense_config, prefix_layers, table_of
 from framework.model.router import BIAS, LOAD, update_bias
 from framework.parallel.tensor import TensorParallel
 
@@ -22,27 +23,32 @@ def forward(params, inputs, cfg: ModelConfig, documents: DocumentMask | None = N
     how many such groups a step's batch has (a mixture of experts' auxiliary losses are
     averaged over them: `loss_fn`). `loads` (a mixture of experts): (logits, the token
     copies each layer routed to each expert [L, E])."""
-    x = Embed(cfg).apply({"params": params["embed"]}, inputs)
+    x = Embed(cfg).apply({"params": table_of(params["embed"])}, inputs)
     docs = documents_of(inputs, documents)
     tp = TensorParallel(groups=groups)  # no axis: every collective the identity
+    if prefix_layers(cfg):  # a MoE model's dense layers first (prefix.py)
+        x = _layers(dense_config(cfg), params["embed"][DENSE], x, docs, tp, 0, False)[0]
+    x, routed = _layers(cfg, params["layers"], x, docs, tp, prefix_layers(cfg), loads)
+    logits = Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
+    return (logits, routed) if loads else logits
 
+
+def _layers(cfg: ModelConfig, stacked, x, docs, tp, first: int, loads: bool):
+    """x through the layers stacked [n, ...] (global layers first..first+n-1): (y, with
+    `loads` each layer's token copies per expert [n, E], else None)."""
     def layer(x, layer_params, window=None):
         y, seen = Block(cfg, tp).apply({"params": layer_params}, x, docs=docs, window=window,
                                        mutable=["intermediates"])
         return y, (seen["intermediates"]["moe"][LOAD][0] if loads else None)
 
+    n = jax.tree.leaves(stacked)[0].shape[0]
     if cfg.sliding_window_pattern and cfg.sliding_window:  # layer by layer, in Python
         per_layer = []
-        for i in range(cfg.n_layers):
-            layer_params = jax.tree.map(lambda a: a[i], params["layers"])
-            x, load = layer(x, layer_params, window_of(cfg, i))
+        for i in range(n):
+            x, load = layer(x, jax.tree.map(lambda a: a[i], stacked), window_of(cfg, first + i))
             per_layer.append(load)
-        routed = jnp.stack(per_layer) if loads else None
-    else:
-        x, routed = jax.lax.scan(lambda x, p: layer(x, p, cfg.sliding_window), x,
-                                 params["layers"])
-    logits = Head(cfg).apply({"params": params["head"]}, x, tied_table=params["embed"]["table"])
-    return (logits, routed) if loads else logits
+        return x, (jnp.stack(per_layer) if loads else None)
+    return jax.lax.scan(lambda x, p: layer(x, p, cfg.sliding_window), x, stacked)
 
 
 def balanced(used, new, tokens, cfg: ModelConfig):

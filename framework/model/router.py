@@ -155,7 +155,7 @@ def router_stats(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP, bias=None
 
 
 def moe_layers(cfg: ModelConfig) -> int:
-    return cfg.n_layers if cfg.moe.enabled else 0
+    return cfg.n_layers - cfg.moe.first_dense if cfg.moe.enabled else 0
 
 
 def update_bias(bias, counts, rate: float):

@@ -9,8 +9,9 @@ logits for fixed ids: Llamas tied + plain RoPE, untied + plain RoPE (legacy
 `rope_theta` key), untied + Llama 3 RoPE scaling in bfloat16 across three safetensors
 files; Qwen2 (q/k/v biases, tied), Qwen3 (q/k norm, head_dim 16 = 2 x hidden/heads),
 Mistral (untied), Gemma 2, and the mixtures of experts Qwen3-MoE (top 2 of 4 experts,
-not renormalised), Mixtral (top 2 of 4, renormalised) and Qwen2-MoE (q/k/v biases, top 2
-of 4 not renormalised, a sigmoid-gated shared expert).
+not renormalised), Mixtral (top 2 of 4, renormalised), Qwen2-MoE (q/k/v biases, top 2
+of 4 not renormalised, a sigmoid-gated shared expert) and Qwen3-MoE with a dense layer
+first (mlp_only_layers [0]).
 """
 
 import dataclasses
@@ -31,7 +32,8 @@ from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 
 HF = FIXTURES / "hf"
 FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied", "mistral_window",
-            "gemma2_window_softcap", "qwen3_moe", "mixtral", "qwen2_moe")
+            "gemma2_window_softcap", "qwen3_moe", "mixtral", "qwen2_moe",
+            "qwen3_moe_dense_first")
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
@@ -204,7 +206,8 @@ def fixture_batch(name: str):
 # expert; Gemma 2's window, softcaps and norms; Qwen2's biases and tied embeddings):
 # every family's own settings are exact on every path in tests/parity/test_families.py
 # and drawn by the search.
-TRAINED = ("qwen3_moe", "qwen2_moe", "gemma2_window_softcap", "qwen2_tied")
+TRAINED = ("qwen3_moe", "qwen2_moe", "gemma2_window_softcap", "qwen2_tied",
+           "qwen3_moe_dense_first")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in TRAINED])

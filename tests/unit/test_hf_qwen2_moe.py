@@ -34,8 +34,9 @@ def test_the_folder_reads_as_qwen2s_attention_and_a_gated_shared_expert():
 
 @pytest.mark.parametrize("change,message", [
     (dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported (only 1: every "
-                                  "layer a mixture of experts (mixed dense and MoE layers"),
-    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported (only []: every layer"),
+                                  "layer after the dense ones (mlp_only_layers) a mixture"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported (only the first layers "
+                                "dense, [0, 1, ..., k-1]"),
     (dict(shared_expert_intermediate_size=0),
      "shared_expert_intermediate_size=0 is not a whole number >= 1"),
     (dict(shared_expert_intermediate_size=None),

@@ -51,6 +51,7 @@ import numpy as np
 from framework.errors import ConfigError
 from framework.config import ModelConfig
 from framework.model.llama import init_params
+from framework.model.prefix import DENSE, dense_config, prefix_layers
 from framework.io.hf.family import (CONFIG_FILE, GENERATION_FILE,  # noqa: F401 (re-export)
                                     export_config, generation_config, is_hf_folder,
                                     merge_model, model_config, read_config)
@@ -92,7 +93,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
                     **{name: (d,) for name in norms[1:]}})
-        out.update(moe.expected(cfg, p) if cfg.moe.enabled else {
+        out.update(moe.expected(cfg, p) if n >= prefix_layers(cfg) and cfg.moe.enabled else {
             p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f)})
         if cfg.has_qkv_bias:
@@ -138,13 +139,31 @@ def check_tensors(tensors: Tensors, cfg: ModelConfig, where: str) -> None:
 def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Callable]:
     """For each canonical leaf (by path), index -> float32 block of that leaf, reading
     only the rows/columns of the HF tensors the block is made of."""
-    r, hd, kv, L = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, cfg.n_kv_heads, cfg.n_layers
     read = lambda name, index: tensors.read(name, index).astype(np.float32)
+    readers = {
+        ("embed", "table"): lambda index: read("model.embed_tokens.weight", index),
+        ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
+    }
+    if not cfg.tie_embeddings:
+        readers[("head", "w")] = lambda index: read("lm_head.weight", index[::-1]).T
+    k = prefix_layers(cfg)  # a MoE model's dense layers first: embed/dense (prefix.py)
+    stacks = [(("layers",), cfg, k, cfg.n_layers - k)] + (
+        [(("embed", DENSE), dense_config(cfg), 0, k)] if k else [])
+    for root, layer_cfg, start, count in stacks:
+        readers.update({root + path: reader for path, reader in
+                        _layer_readers(read, layer_cfg, start, count).items()})
+    return readers
+
+
+def _layer_readers(read, cfg: ModelConfig, start: int, count: int) -> dict:
+    """The leaf readers of a stack of `count` layers of `cfg`, HF layers start.. (paths
+    below the stack's root)."""
+    r, hd, kv = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, cfg.n_kv_heads
 
     def per_layer(one):  # one(layer, rest of the index) -> block of that layer
         def block(index):
-            lo, hi = _bounds(index[0], L)
-            return np.stack([one(LAYER.format(n), index[1:]) for n in range(lo, hi)])
+            lo, hi = _bounds(index[0], count)
+            return np.stack([one(LAYER.format(start + n), index[1:]) for n in range(lo, hi)])
         return block
 
     def groups(p, kind, g_sl, rest=()):  # q/k/v_proj.{kind} of kv groups g_sl
@@ -173,26 +192,20 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
         return np.stack(both, axis=1)[:, c_sl, :]
 
     norm = lambda key: lambda p, index: read(p + key, index)
-    readers = {
-        ("embed", "table"): lambda index: read("model.embed_tokens.weight", index),
-        ("layers", "attn", "wqkv"): per_layer(wqkv),
-        ("layers", "attn", "wo"): per_layer(wo),
-        ("head", "norm", "scale"): lambda index: read("model.norm.weight", index),
-    }
-    readers.update(moe.readers(cfg, read, per_layer, _bounds) if cfg.moe.enabled else {
-        ("layers", "mlp", "w_gate_up"): per_layer(w_gate_up),  # (experts: io/hf/moe.py)
-        ("layers", "mlp", "w_down"): per_layer(
+    readers = {("attn", "wqkv"): per_layer(wqkv), ("attn", "wo"): per_layer(wo)}
+    readers.update({path[1:]: reader for path, reader in moe.readers(
+        cfg, read, per_layer, _bounds).items()} if cfg.moe.enabled else {
+        ("mlp", "w_gate_up"): per_layer(w_gate_up),  # (experts: io/hf/moe.py)
+        ("mlp", "w_down"): per_layer(
             lambda p, index: read(p + "mlp.down_proj.weight", index[::-1]).T)})
     for mine, theirs in layer_norms(cfg).items():
-        readers[("layers", mine, "scale")] = per_layer(norm(f"{theirs}.weight"))
+        readers[(mine, "scale")] = per_layer(norm(f"{theirs}.weight"))
     if cfg.has_qkv_bias:
-        readers[("layers", "attn", "qkv_bias")] = per_layer(qkv_bias)
+        readers[("attn", "qkv_bias")] = per_layer(qkv_bias)
     if cfg.has_qk_norm:
         for w in "qk":
-            readers[("layers", "attn", f"{w}_norm", "scale")] = per_layer(
+            readers[("attn", f"{w}_norm", "scale")] = per_layer(
                 norm(f"self_attn.{w}_norm.weight"))
-    if not cfg.tie_embeddings:
-        readers[("head", "w")] = lambda index: read("lm_head.weight", index[::-1]).T
     return readers
 
 
@@ -244,21 +257,32 @@ def load_params(folder: str | Path, cfg: ModelConfig, shardings, tensors: Tensor
 def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
     """[(name, shape, dtype, make)] for safetensors_io.write_folder; `make()` builds one
     HF tensor from the canonical parameters (host or device arrays), one layer at a time."""
+    makers = {"model.embed_tokens.weight": lambda: np.asarray(params["embed"]["table"], np.float32),
+              "model.norm.weight": lambda: np.asarray(params["head"]["norm"]["scale"], np.float32)}
+    if not cfg.tie_embeddings:
+        makers["lm_head.weight"] = lambda: np.asarray(params["head"]["w"], np.float32).T
+    k = prefix_layers(cfg)  # a MoE model's dense layers first: embed/dense (prefix.py)
+    makers.update(_layer_makers(cfg, params["layers"], k, cfg.n_layers - k))
+    if k:
+        makers.update(_layer_makers(dense_config(cfg), params["embed"][DENSE], 0, k))
     np_dtype = EXPORT_DTYPES[dtype]
+    return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
+            for name, shape in expected_tensors(cfg).items()]
+
+
+def _layer_makers(cfg: ModelConfig, layers, start: int, count: int) -> dict:
+    """HF tensor name -> maker, for a stack of `count` layers of `cfg` (its params
+    `layers` [count, ...]) written as HF layers start..start+count-1."""
     r = cfg.n_heads // cfg.n_kv_heads
-    layers = params["layers"]
     get = lambda leaf, n: np.asarray(leaf[n], dtype=np.float32)
 
     def qkv(n, j):  # j: slice of the group's rows (q heads, k, or v)
         w = get(layers["attn"]["wqkv"], n)[:, :, j, :]  # [d, kv, *, hd]
         return w.transpose(1, 2, 3, 0).reshape(-1, cfg.d_model)
 
-    makers = {"model.embed_tokens.weight": lambda: np.asarray(params["embed"]["table"], np.float32),
-              "model.norm.weight": lambda: np.asarray(params["head"]["norm"]["scale"], np.float32)}
-    if not cfg.tie_embeddings:
-        makers["lm_head.weight"] = lambda: np.asarray(params["head"]["w"], np.float32).T
-    for n in range(cfg.n_layers):
-        p = LAYER.format(n)
+    makers = {}
+    for n in range(count):
+        p = LAYER.format(start + n)
         makers.update({p + f"{theirs}.weight": lambda n=n, mine=mine: get(
             layers[mine]["scale"], n) for mine, theirs in layer_norms(cfg).items()})
         makers.update({
@@ -278,8 +302,7 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
             if cfg.has_qk_norm and w != "v":
                 makers[p + f"self_attn.{w}_norm.weight"] = lambda n=n, w=w: get(
                     layers["attn"][f"{w}_norm"]["scale"], n)
-    return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
-            for name, shape in expected_tensors(cfg).items()]
+    return makers
 
 
 def export(out: str | Path, cfg: ModelConfig, params, dtype: str = "float32",

@@ -26,8 +26,9 @@ transformers 5.24's `modeling_qwen3_moe.py`, `modeling_mixtral.py` and
 
 config.json: qwen3_moe's and qwen2_moe's num_experts (or num_local_experts),
 num_experts_per_tok, moe_intermediate_size, norm_topk_prob (default false), every layer
-sparse (decoder_sparse_step 1, mlp_only_layers []: mixed dense and MoE layers are not
-built); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
+sparse (decoder_sparse_step 1) but the first mlp_only_layers, which must be [0, ..., k-1]
+(model.moe.first_dense k: their MLP intermediate_size wide, framework/model/prefix.py;
+dense layers among MoE ones are not built); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
 width), always renormalised, router_jitter_noise 0. qwen2_moe's shared expert is
 shared_expert_intermediate_size wide and Qwen2MoeSparseMoeBlock adds
 sigmoid(shared_expert_gate(x)) * shared_expert(x) to the routed experts' weighted sum:
@@ -162,8 +163,10 @@ NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts
 # the config.json key of a family's shared expert's width
 SHARED_WIDTH = {"qwen2_moe": "shared_expert_intermediate_size"}
 # config.json keys that must hold this value where present (null: absent), and why
-EVERY_LAYER = "every layer a mixture of experts (mixed dense and MoE layers are not built)"
-QWEN_SPARSE = (("decoder_sparse_step", 1, EVERY_LAYER), ("mlp_only_layers", [], EVERY_LAYER))
+EVERY_LAYER = ("every layer after the dense ones (mlp_only_layers) a mixture of experts "
+               "(dense layers among MoE ones are not built)")
+QWEN_SPARSE = (("decoder_sparse_step", 1, EVERY_LAYER),)
+DENSE_FIRST = {"qwen3_moe": "mlp_only_layers", "qwen2_moe": "mlp_only_layers"}
 ONLY = {"qwen3_moe": QWEN_SPARSE, "qwen2_moe": QWEN_SPARSE,
         "mixtral": (("router_jitter_noise", 0.0, "no router noise"),)}
 # model.moe's settings that a folder's family decides (beside the experts' count, top_k,
@@ -176,6 +179,19 @@ _DEFAULTS = {k: getattr(MoeConfig(), k) for k in NOT_IN_FOLDERS}
 HELD = {"qwen3_moe": _DEFAULTS, "mixtral": _DEFAULTS,
         "qwen2_moe": {**{k: v for k, v in _DEFAULTS.items() if k != "shared_hidden"},
                       "shared_experts": 1, "shared_gate": True}}
+
+
+def _dense_first(hf: dict, kind: str, where: str) -> int:
+    """model.moe.first_dense from the folder's dense layers (Qwen's mlp_only_layers), which
+    must be the first ones (framework/model/prefix.py)."""
+    key = DENSE_FIRST.get(kind)
+    layers = hf.get(key) if key else None
+    if not layers:
+        return 0
+    if sorted(layers) != list(range(len(layers))):
+        raise ConfigError(f"{where}: {key}={layers!r} is not supported (only the first layers "
+                          f"dense, [0, 1, ..., k-1]: dense layers among MoE ones are not built)")
+    return len(layers)
 
 
 def settings(hf: dict, kind: str, where: str) -> MoeConfig:
@@ -195,7 +211,7 @@ def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     hidden = _count(hf, "intermediate_size" if kind == "mixtral" else "moe_intermediate_size",
                     where)
     coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-    shared = {}
+    shared = {"first_dense": _dense_first(hf, kind, where)}
     if kind in SHARED_WIDTH:  # one shared expert, gated (Qwen2MoeSparseMoeBlock)
         shared = dict(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
                       shared_gate=True)
@@ -226,13 +242,15 @@ def export_fields(cfg: ModelConfig) -> dict:
     common = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
               "output_router_logits": m.aux_loss_coef > 0}
     if cfg.family == "mixtral":
-        if not m.renormalize or expert_hidden(cfg) != cfg.d_ff:
-            raise ConfigError("a mixtral folder renormalises the top-k weights and its "
-                              "experts are model.d_ff wide: set model.moe.renormalize=true "
-                              "and model.moe.expert_hidden=null")
+        if not m.renormalize or expert_hidden(cfg) != cfg.d_ff or m.first_dense:
+            raise ConfigError("a mixtral folder renormalises the top-k weights, its experts "
+                              "are model.d_ff wide and every layer is MoE: set "
+                              "model.moe.renormalize=true, model.moe.expert_hidden=null and "
+                              "model.moe.first_dense=0")
         return {**common, "num_local_experts": m.experts, "router_jitter_noise": 0.0}
     out = {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
-           "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+           "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1,
+           "mlp_only_layers": list(range(m.first_dense))}
     if cfg.family in SHARED_WIDTH:
         out[SHARED_WIDTH[cfg.family]] = shared_hidden(cfg)
     return out

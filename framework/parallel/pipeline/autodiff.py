@@ -36,8 +36,10 @@ def forward(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     first, last = on(0), on(S - 1)
     manual = manual_axes(inputs)
     m, mb, seq = inputs.shape
-    x_like = fns.embed(params["embed"], inputs[0])  # its type only (dead code)
-    embed_all = lambda: fns.embed(params["embed"], inputs.reshape(m * mb, seq)).reshape(
+    x_like = fns.embed(params["embed"], inputs[0], of_microbatch(docs, 0))  # type (dead code)
+    merged = None if docs is None else jax.tree.map(  # [micro * mb, ...]
+        lambda a: a.reshape((m * mb,) + a.shape[2:]), docs)
+    embed_all = lambda: fns.embed(params["embed"], inputs.reshape(m * mb, seq), merged).reshape(
         (m,) + x_like.shape)  # [micro, mb, seq(/tensor), embed]
     x_mb = only_on(ON_FIRST, first, embed_all, lambda: zeros_typed_like(
         jax.ShapeDtypeStruct((m,) + x_like.shape, x_like.dtype), manual,

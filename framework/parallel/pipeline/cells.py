@@ -163,9 +163,9 @@ class Cells:
         or (a split backward that keeps the weight ops' inputs) are handed on whole
         with those inputs (`fresh`)."""
         fns, p = self.fns, self.params
-        x = only_on(ON_FIRST, cell.first, lambda: fns.embed(p["embed"], self.inputs[cell.mb]),
-                    lambda: cell.x)
         w, docs = self.weights(cell.chunk), of_microbatch(self.docs, cell.mb)
+        x = only_on(ON_FIRST, cell.first,
+                    lambda: fns.embed(p["embed"], self.inputs[cell.mb], docs), lambda: cell.x)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
         if not self.keeps_inputs:  # (recompute: B writes the saved buffer)
             x, stash = self.forward_in_place(state, cell, w, x, docs, first)
@@ -199,8 +199,8 @@ class Cells:
         residuals into its slot (in place, or a fresh slot where the compiler copies what
         a conditional passes through), BW's weight gradients to `g_w` and dx to `grad`."""
         fns, p, t = self.fns, self.params, self.types
-        x = only_on(ON_FIRST, f.first, lambda: fns.embed(p["embed"], self.inputs[f.mb]),
-                    lambda: f.x)
+        x = only_on(ON_FIRST, f.first, lambda: fns.embed(
+            p["embed"], self.inputs[f.mb], of_microbatch(self.docs, f.mb)), lambda: f.x)
         w = self.weights(f.chunk)
         first = self.prog.first(f.stage, jax.tree.leaves(w)[0].shape[0])
         stash, slot = ((state.stash, f.slot) if self.fns.pass_through
@@ -267,9 +267,11 @@ class Cells:
         return state._replace(g_w=g_w)
 
     def embed_grad(self, state: TickState, cell: CellIn) -> TickState:
-        """After the first stage's backward: the embedding's gradient from dx."""
+        """After the first stage's backward: the embedding's gradient from dx (and a dense
+        prefix's, recomputed from the ids: framework/model/prefix.py)."""
         embed, grads = self.params["embed"], state.grads
-        g_embed = jax.vjp(lambda e: self.fns.embed(e, self.inputs[cell.mb]), embed)[1](
+        docs = of_microbatch(self.docs, cell.mb)
+        g_embed = jax.vjp(lambda e: self.fns.embed(e, self.inputs[cell.mb], docs), embed)[1](
             state.grad)[0]
         return state._replace(grads=dict(grads, embed=_add(grads["embed"], g_embed)))
 

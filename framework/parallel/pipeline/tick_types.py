@@ -168,7 +168,7 @@ def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, s
     docs = of_microbatch(docs, 0)
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     first = prog.first(stage, jax.tree.leaves(w0)[0].shape[0])
-    x = fns.embed(params["embed"], inputs[0])
+    x = fns.embed(params["embed"], inputs[0], docs)
     none = jax.tree.structure([])
     if not split or recompute:  # residuals kept in place, layer by layer
         pieces = trace_pieces(fns, w0, x, prog.real(stage), prog.schedule.parts, docs, first)
