@@ -72,6 +72,7 @@ from framework.model.prefix import DENSE, prefix_layers, stack_layers
 from framework.model.registry import spec_of
 from framework.model.moe_slots import capacity
 from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
+from framework.parallel.pipeline.table import AUTODIFF
 from framework.units import FP32, dtype_bytes
 
 
@@ -218,7 +219,7 @@ def _busiest_layers(lay: Layout) -> int:
 
 
 def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
-               stored: int = FP32) -> float:
+               stored: int = FP32, autodiff: bool = False) -> float:
     """`data` with FSDP gathering per use (framework/parallel/data.py), float32 shards:
     per microbatch each layer is gathered for its forward and again for its backward
     (in the compute dtype: the matrices travel cast, the norm scales' few bytes are
@@ -232,14 +233,19 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
     # two gathers (cast where the compute dtype is narrower), one reduce-scatter
     cast = 2 * min(dtype_bytes(model.dtype), stored) + stored
     ends = 2 * stored * counts["embed"] + cast * counts["head"]
-    # a dense prefix: gathered for the forward and again for its backward, as stored
-    ends += 3 * stored * counts.get("prefix", 0)
+    # a dense prefix, as stored: per microbatch gathered for the forward and again for its
+    # backward (the tick executor), or (`autodiff`, which embeds every microbatch at
+    # once) gathered and its gradient reduce-scattered once a step
+    prefix = stored * counts.get("prefix", 0)
+    once = 2 * prefix / parallel.microbatches if autodiff else 0.0
+    ends += 0.0 if autodiff else 3 * prefix
     if model.tie_embeddings:
         ends += 3 * stored * counts["embed"]
     # FP8 gathers (model.fp8_gather): the layers' two gathers one byte an element (the
     # norm scales' few bytes counted so too; the scales' all-reduced maxima are scalars)
     layer = 2 + stored if model.fp8 != "none" and model.fp8_gather else cast
-    return parallel.microbatches * share * (layer * counts["layers"] + ends / parallel.pipeline)
+    return parallel.microbatches * share * (layer * counts["layers"]
+                                            + (ends + once) / parallel.pipeline)
 
 
 def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
@@ -278,7 +284,8 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
             held - experts) * grad
     data = _ring_all_reduce(dp // e) * held * grad
     if lay.gathers_per_use:
-        data = fsdp_bytes(model, parallel, counts, grad)
+        data = fsdp_bytes(model, parallel, counts, grad,
+                          lay.program.schedule.executor == AUTODIFF)
     context = context_bytes(model, parallel, train, permute)
     sharded = parallel.zero1 or parallel.fsdp  # summed over `context` on the data shard
     context += _ring_all_reduce(c) * held * grad / (dp if sharded else 1)
