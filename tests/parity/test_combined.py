@@ -65,9 +65,7 @@ def test_combined_1f1b_apart_as_on_older_gpus_equals_one_device(name, v, ref, mo
     check(ref, 4 // v, 1, 1, 8, schedule=name, virtual_stages=v)
 
 
-MOE = {
-    "mixtral_interleaved_fsdp": ("mixtral", dict(schedule="interleaved_1f1b",
-                                                 virtual_stages=2, fsdp=True)),
+MOE = {  # (interleaved with FSDP and experts split: tests/parity/test_dense_prefix.py)
     "capacity_chunks_sp_zero1": ("qwen3_moe@0.75", dict(schedule="1f1b", expert_chunks=2,
                                                         sequence_parallel=True, zero1=True)),
 }

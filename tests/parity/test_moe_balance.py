@@ -1,7 +1,7 @@
 """DeepSeek-V3's auxiliary-loss-free balancing bias (`model.moe.bias_update_rate`,
 framework/model/router.py) moves as on one device: three steps of a
 sigmoid-routed, group-limited MoE on a pipelined, expert-, tensor- and data-parallel layout
-(interleaved combined cells, FSDP) against the naive reference,
+(zero-bubble's split backward, ZeRO-1, sequence parallelism) against the naive reference,
 whose bias moves by the loads a one-device forward counts (framework/model/
 reference.py). Starting from a Hugging Face folder, the bias starts at 0; a folder cannot
 hold it, so exporting a run that trained one is refused in one line."""
@@ -39,8 +39,8 @@ def test_the_reference_bias_moves_and_changes_the_loss():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="interleaved_1f1b",
-         virtual_stages=2, fsdp=True, combined_1f1b=True),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="zb_h1",
+         zero1=True, sequence_parallel=True),
 ], ids=lambda kw: kw["schedule"])
 def test_a_pipelined_layout_moves_the_bias_as_one_device(kw):
     ref_losses, ref_params = reference_losses(3, model=BALANCED)
