@@ -129,7 +129,9 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     layers *= fp8_slowdown(model, train.seq_len, hw)
     cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
-    cost[0] += prefix_layers(model) * layers / model.n_layers  # a dense prefix (prefix.py)
+    # a dense prefix (prefix.py): always recomputed in the first stage's backward
+    cost[0] += prefix_layers(model) * layers / model.n_layers * (
+        1.0 if lay.remat.recompute_forward else 4 / 3)
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     share = measured_rate(lay, train.seq_len, hw) or 1.0
     # context: 1/cp of each sequence; at the measured share of the peak where known
