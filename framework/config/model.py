@@ -255,6 +255,14 @@ class ModelConfig:
     def has_embed_scale(self) -> bool:
         return bool(self.family_setting("embed_scale"))
 
+    @property
+    def moe_shape(self) -> tuple:
+        """What of `moe` shapes the parameters: experts, their width, shared experts,
+        the dense layers first, the balancing bias (on or off)."""
+        m = self.moe
+        return (m.experts, m.expert_hidden, m.shared_experts, m.shared_hidden, m.shared_gate,
+                m.first_dense, m.bias_update_rate > 0) if m.enabled else ()
+
     def global_layer(self, index):
         """Whether layer `index` (an int, or an int array: then elementwise) attends to
         every earlier position: all do without a window; with one, those with

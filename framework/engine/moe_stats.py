@@ -19,7 +19,7 @@ schedule; recounting outside the pipeline would cost a forward.
 Every statistic sums over groups (a microbatch of a data replica), which is why they
 can ride: per layer the top-k hits per expert, the load-balancing and z losses of each
 group, and the dropped copies. From these the metrics (`metrics`):
-  moe/load_max_over_mean/layer_<i>  the step's tokens routed to layer i's busiest
+  moe/load_max_over_mean/layer_<i>  the step's tokens routed to (global) layer i's busiest
         expert over the mean per expert (tokens x top_k / experts): 1 is balanced
   moe/load_max_over_mean            the largest of them
   moe/dropped_fraction              token copies dropped / routed, all layers (0 when
@@ -103,7 +103,9 @@ def metrics(stats, layout: Layout) -> dict:
     per_layer = to_layers(stats, layout.v_shape, layout.stage_layers)  # [L, n]
     counts = per_layer[:, :e]
     ratio = jnp.max(counts, axis=1) / (jnp.sum(counts, axis=1) / e)  # [L]
-    out = {f"{PREFIX}load_max_over_mean/layer_{i}": ratio[i] for i in range(ratio.shape[0])}
+    first = model.moe.first_dense  # (the global index of the first MoE layer)
+    out = {f"{PREFIX}load_max_over_mean/layer_{first + i}": ratio[i]
+           for i in range(ratio.shape[0])}
     out[f"{PREFIX}load_max_over_mean"] = jnp.max(ratio)
     out[f"{PREFIX}dropped_fraction"] = jnp.sum(per_layer[:, e + 2]) / jnp.sum(counts)
     out[f"{PREFIX}aux_loss"] = jnp.sum(per_layer[:, e]) / (groups * layers)

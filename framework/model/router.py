@@ -31,8 +31,8 @@ from framework.model.layers import NO_TP
 from framework.parallel.tensor import TensorParallel
 
 BIAS = "score_bias"  # the auxiliary-loss-free balancing bias [E] (no gradient)
-UNTRAINED = (BIAS,)
-LOAD = "expert_load"  # sown by each MoE layer: its token copies per expert [E] (reference.py)  # layer weights the gradient never moves (the W pass may skip them)
+UNTRAINED = (BIAS,)  # layer weights the gradient never moves (the W pass may skip them)
+LOAD = "expert_load"  # sown by each MoE layer: its token copies per expert [E] (reference.py)
 
 
 def scores(router: str, logits):
@@ -57,8 +57,9 @@ def in_top_groups(cfg: ModelConfig, choice):
     """Group-limited routing (DeepSeek-V3's n_group, topk_group; transformers'
     DeepseekV3TopkRouter): the experts in G consecutive groups, each group scored by the
     sum of its two best choice scores [T, E] (scores, + the balancing bias), and every
-    expert outside a token's `top_groups` best groups given score 0 (transformers'
-    masked_fill) before the top-k."""
+    expert outside a token's `top_groups` best groups given score -inf before the top-k
+    (as DeepSeek-V3's own inference code; transformers fills 0, which a trained bias
+    pushed below 0 would let the masked experts win)."""
     m = cfg.moe
     if not limits_groups(cfg):
         return choice
@@ -67,7 +68,7 @@ def in_top_groups(cfg: ModelConfig, choice):
     best = jnp.sum(jax.lax.top_k(per_group, min(2, per_group.shape[-1]))[0], axis=-1)
     kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(best, m.top_groups)[1], m.expert_groups),
                    axis=1) > 0  # [T, G]
-    return jnp.where(jnp.repeat(kept, e // m.expert_groups, axis=1), choice, 0.0)
+    return jnp.where(jnp.repeat(kept, e // m.expert_groups, axis=1), choice, -jnp.inf)
 
 
 def route(cfg: ModelConfig, logits, bias=None):

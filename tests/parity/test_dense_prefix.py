@@ -97,8 +97,10 @@ def test_the_compiled_program_is_the_models(kw):
     with its backward, on the first stage), its gradients' all-reduce over `pipe` (every
     rank holds it), FSDP's two gathers of it; GPipe's autodiff keeping its residuals for
     every microbatch, the tick executor recomputing it in the first stage's backward (a
-    transient). 2026-11-29 on (2, 2, 2) without FSDP: memory 0.978x (GPipe) and 1.022x
-    (1F1B), 0.766x and 0.944x without the prefix's terms; tensor bytes 1.73x the model
+    transient), FSDP's gathered prefix (the whole piece at once, which its backward
+    reads). 2026-11-29 on (2, 2, 2) without FSDP: memory 0.978x (GPipe) and 1.022x
+    (1F1B), 0.766x and 0.944x without the prefix's terms; GPipe with FSDP on pp2 dp4
+    1.000x (0.900x without the gathered prefix); tensor bytes 1.73x the model
     before it counted the prefix's, FSDP's data bytes 1.116x (1F1B; GPipe, which embeds
     every microbatch at once, 0.722x when counted per microbatch)."""
     from framework.analysis import audit, comm_model, memory_model

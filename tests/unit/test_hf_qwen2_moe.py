@@ -27,6 +27,9 @@ def test_the_folder_reads_as_qwen2s_attention_and_a_gated_shared_expert():
     assert family.model_config({**QWEN2_MOE, "norm_topk_prob": True}).moe.renormalize
     assert family.model_config({**QWEN2_MOE, "output_router_logits": True}
                                ).moe.aux_loss_coef == 0.001
+    # dense layers first (mlp_only_layers [0]) beside its shared expert
+    first = family.model_config({**QWEN2_MOE, "mlp_only_layers": [0]}).moe
+    assert first.first_dense == 1 and first.shared_experts == 1 and first.shared_gate
     # its window is on the layers below max_window_layers: none below 0
     assert family.model_config({**QWEN2_MOE, "use_sliding_window": True, "sliding_window": 8,
                                 "layer_types": None, "max_window_layers": 0}).moe.enabled

@@ -77,15 +77,16 @@ def test_bad_balancing_settings_are_one_line():
 
 
 def by_hand(choice, groups: int, top_groups: int, k: int):
-    """DeepseekV3TopkRouter.get_topk_indices in numpy: each group's score the sum of its
-    two best, the top_groups groups kept, the rest masked to 0, then the top k."""
+    """DeepSeek-V3's group-limited top-k in numpy: each group's score the sum of its two
+    best, the top_groups groups kept, the rest masked to -inf (DeepSeek's inference
+    code; transformers' DeepseekV3TopkRouter fills 0), then the top k."""
     t, e = choice.shape
     per = choice.reshape(t, groups, e // groups)
     best = np.sort(per, axis=-1)[..., -2:].sum(-1)  # [T, G]
     kept = np.argsort(-best, axis=1, kind="stable")[:, :top_groups]
     mask = np.zeros((t, groups), bool)
     np.put_along_axis(mask, kept, True, axis=1)
-    masked = np.where(np.repeat(mask, e // groups, axis=1), choice, 0.0)
+    masked = np.where(np.repeat(mask, e // groups, axis=1), choice, -np.inf)
     return np.argsort(-masked, axis=1, kind="stable")[:, :k]
 
 
@@ -119,3 +120,14 @@ def test_group_limited_routing_as_deepseek_v3(with_bias):
 def test_bad_group_settings_are_one_line(change, message):
     errs = check_model(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, **change)))
     assert errs == [message], errs
+
+
+def test_a_uniform_bias_below_zero_routes_as_none():
+    """A bias pushed below 0 everywhere shifts every choice score alike: the experts
+    chosen stay (the masked groups' experts never win, as they would if masked to 0)."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(
+        CFG.moe, experts=4, top_k=1, expert_groups=2, top_groups=1))
+    logits = jnp.array([[2.0, 1.9, -3.0, -3.0]])
+    plain = router.route(cfg, logits)[1]
+    shifted = router.route(cfg, logits, jnp.full((4,), -0.95))[1]
+    assert int(plain[0, 0]) == 0 and int(shifted[0, 0]) == 0

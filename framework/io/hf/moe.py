@@ -213,7 +213,7 @@ def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
     shared = {"first_dense": _dense_first(hf, kind, where)}
     if kind in SHARED_WIDTH:  # one shared expert, gated (Qwen2MoeSparseMoeBlock)
-        shared = dict(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
+        shared.update(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
                       shared_gate=True)
     return MoeConfig(experts=experts, top_k=_count(hf, "num_experts_per_tok", where),
                      expert_hidden=hidden,
