@@ -348,6 +348,8 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
         * c.d_model
     head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
     layers = stack_layers(c) * layer(c) + prefix_layers(c) * layer(dense_config(c))
+    if c.moe.bias_update_rate and not active:  # the balancing bias: not in a matmul
+        layers += stack_layers(c) * c.moe.experts
     return c.vocab_size * c.d_model + layers + head
 
 

@@ -83,9 +83,9 @@ def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=Non
     """Runs a stack of decoder layers under `scan` (compile time independent of depth).
     layers: params stacked on axis 0 ([n, ...]); x: [batch, seq, embed]; n_real: how
     many of the n are real (uneven pipeline stages pad the rest; `scan_layers`), None:
-    all. `docs`: document masks, or None. `first`: the global index of the first layer
-    (a pipeline stage's, maybe traced; None: 0), which says which layers slide
-    (layers.layer_windows). `scan(one, x, layers, scanned) -> y`: what runs the loop
+    all. `docs`: document masks, or None. `first`: the index in the stack of the first
+    layer (a pipeline stage's, maybe traced; None: 0; a MoE model's dense prefix comes
+    before the stack: layers.layer_windows adds it), which says which layers slide. `scan(one, x, layers, scanned) -> y`: what runs the loop
     over the layers instead of `scan_layers`'s `lax.scan` (`one(h, params, scanned_l)
     -> h'` is one layer, `one_layer`; the pipeline's stash writes each layer's residuals
     in place with it: `pipeline/stash.py`'s `scan_into`)."""

@@ -37,6 +37,10 @@ def test_the_prefix_is_dense_and_the_stack_holds_the_rest():
     assert moe_layer == 4 * 3 * 64 * 32 + 64 * 4 - 3 * 64 * 128  # experts + router - MLP
     per_token = model_flops_per_token(PREFIXED, 16) - model_flops_per_token(plain, 16)
     assert per_token == 6 * 2 * (3 * 64 * 128 - 2 * 3 * 64 * 32 - 64 * 4)  # top-2 active
+    biased = dataclasses.replace(PREFIXED, moe=dataclasses.replace(PREFIXED.moe,
+                                                                   bias_update_rate=0.01))
+    held = sum(a.size for a in jax.tree.leaves(params(biased)))
+    assert count_params(biased) == held == count_params(PREFIXED) + 4 * 4  # + the biases
     # auto stages: the first stage's prefix (2 dense layers) leaves it fewer MoE layers
     lay = resolved(PREFIXED, ParallelConfig(pipeline=2, microbatches=4, stage_layers="auto"), 16)
     assert lay.stage_layer_counts == (1, 3)
