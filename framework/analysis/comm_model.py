@@ -98,15 +98,11 @@ def local_param_counts(model: ModelConfig, parallel: ParallelConfig,
     """Parameters held by one device, by top-level group (embed, layers, head), before
     any ZeRO-1 sharding: layers split over `pipe` (or `rank_layers` per rank, uneven
     stages' padding included), the rules' dims split over `tensor`."""
-    tensor_dims = set(parallel.tensor_split)
     shapes, axes = _param_shapes(model)
     counts = {}
     for group in shapes:
         total = 0
-        for shape, names in zip(jax.tree.leaves(shapes[group]),
-                                jax.tree.leaves(axes[group], is_leaf=lambda a: isinstance(a, tuple))):
-            size = math.prod(shape.shape)
-            size //= parallel.tensor ** sum(n in tensor_dims for n in names)
+        for size in _local_sizes(shapes[group], axes[group], parallel):
             if group == "layers":
                 size = (size // stack_layers(model) * rank_layers if rank_layers
                         else size // parallel.pipeline)
@@ -122,12 +118,16 @@ def local_prefix_count(model: ModelConfig, parallel: ParallelConfig) -> int:
     """The dense prefix's parameters one device holds (every pipeline rank holds them)."""
     if not prefix_layers(model):
         return 0
-    tensor_dims = set(parallel.tensor_split)
     shapes, axes = _param_shapes(model)
-    leaves = zip(jax.tree.leaves(shapes["embed"][DENSE]),
-                 jax.tree.leaves(axes["embed"][DENSE], is_leaf=lambda a: isinstance(a, tuple)))
-    return sum(math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
-               for shape, names in leaves)
+    return sum(_local_sizes(shapes["embed"][DENSE], axes["embed"][DENSE], parallel))
+
+
+def _local_sizes(shapes, axes, parallel: ParallelConfig):
+    """Each leaf's elements on one device after the tensor split (the rules' dims)."""
+    tensor_dims = set(parallel.tensor_split)
+    for shape, names in zip(jax.tree.leaves(shapes),
+                            jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, tuple))):
+        yield math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
 
 
 def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:

@@ -43,7 +43,7 @@ from framework.engine.resolved import resolved, with_exchange
 from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
-from framework.model.prefix import prefix_layers, stack_layers
+from framework.model.prefix import RECOMPUTED, prefix_layers, stack_layers
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows
 from framework.model.flops import (fp8_matmul_share, hardware_flops_per_token,
@@ -131,7 +131,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     cost = [n * layers / model.n_layers for n in lay.stage_layer_counts]
     # a dense prefix (prefix.py): always recomputed in the first stage's backward
     cost[0] += prefix_layers(model) * layers / model.n_layers * (
-        1.0 if lay.remat.recompute_forward else 4 / 3)
+        1.0 if lay.remat.recompute_forward else RECOMPUTED)
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     share = measured_rate(lay, train.seq_len, hw) or 1.0
     # context: 1/cp of each sequence; at the measured share of the peak where known

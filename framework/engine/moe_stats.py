@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from framework.engine.resolved import Layout
 from framework.model.moe import STATS, moe_layers, n_stats
+from framework.model.prefix import prefix_layers
 from framework.model.router import BIAS, update_bias
 from framework.parallel.mesh import CONTEXT, TENSOR
 from framework.parallel.pipeline.comm import varying
@@ -103,7 +104,7 @@ def metrics(stats, layout: Layout) -> dict:
     per_layer = to_layers(stats, layout.v_shape, layout.stage_layers)  # [L, n]
     counts = per_layer[:, :e]
     ratio = jnp.max(counts, axis=1) / (jnp.sum(counts, axis=1) / e)  # [L]
-    first = model.moe.first_dense  # (the global index of the first MoE layer)
+    first = prefix_layers(model)  # (the global index of the first MoE layer)
     out = {f"{PREFIX}load_max_over_mean/layer_{first + i}": ratio[i]
            for i in range(ratio.shape[0])}
     out[f"{PREFIX}load_max_over_mean"] = jnp.max(ratio)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from framework.config import ModelConfig
 from framework.model.moe import moe_layers, routed_params
-from framework.model.prefix import dense_config, prefix_layers
+from framework.model.prefix import RECOMPUTED, dense_config, prefix_layers
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -71,8 +71,8 @@ def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, floa
     scores = 2 * keys * model.n_heads * model.head_dim
     layer = 3 * (2 * spec.layer_matrix_params(model) + scores)
     # the input piece: the lookup (none) and a MoE model's dense prefix (prefix.py),
-    # whose backward recomputes its forward (4 of 3)
-    dense = 4 * (2 * spec.layer_matrix_params(dense_config(model)) + scores)
+    # whose backward recomputes its forward
+    dense = 3 * RECOMPUTED * (2 * spec.layer_matrix_params(dense_config(model)) + scores)
     return float(layer), float(prefix_layers(model) * dense), head_flops(model)
 
 

@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from framework.model.prefix import prefix_layers
 from framework.config import ModelConfig
 from framework.model.blockwise import zeros_varying_like
 from framework.model.weight_ops import gathered_weight_op, scattered_weight_op, weight_op
@@ -95,7 +96,7 @@ def layer_windows(cfg: ModelConfig, n: int, first=None):
     if not cfg.sliding_window_pattern:
         return cfg.sliding_window
     # the stack's layer i is global layer first_dense + i (the dense prefix: prefix.py)
-    offset = cfg.moe.first_dense if cfg.moe.enabled else 0
+    offset = prefix_layers(cfg)
     index = offset + (0 if first is None else first) + jnp.arange(n, dtype=jnp.int32)
     return jnp.where(cfg.global_layer(index), NO_WINDOW, cfg.sliding_window).astype(jnp.int32)
 

@@ -27,6 +27,9 @@ import jax
 from framework.config import ModelConfig, MoeConfig
 
 DENSE = "dense"  # embed/dense: the dense prefix's stacked params
+# its training FLOPs over a layer's without remat: its backward recomputes its forward
+# (3 forwards' worth + 1)
+RECOMPUTED = 4 / 3
 
 
 def prefix_layers(cfg: ModelConfig) -> int:

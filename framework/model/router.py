@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from framework.config import ModelConfig
 from framework.model.layers import NO_TP
+from framework.model.prefix import stack_layers
 from framework.parallel.tensor import TensorParallel
 
 BIAS = "score_bias"  # the auxiliary-loss-free balancing bias [E] (no gradient)
@@ -156,7 +157,7 @@ def router_stats(cfg: ModelConfig, logits, tp: TensorParallel = NO_TP, bias=None
 
 
 def moe_layers(cfg: ModelConfig) -> int:
-    return cfg.n_layers - cfg.moe.first_dense if cfg.moe.enabled else 0
+    return stack_layers(cfg) if cfg.moe.enabled else 0
 
 
 def update_bias(bias, counts, rate: float):
