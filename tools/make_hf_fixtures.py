@@ -48,6 +48,9 @@ folder, reloaded in float32:
     qwen3_moe_dense_first  Qwen3-MoE with a dense layer first (mlp_only_layers [0], its
                         MLP intermediate_size 48 wide) and two MoE layers, top 2
                         renormalised, tied, float32
+    qwen3_moe_sparse_step  Qwen3-MoE with MoE every 2nd layer (decoder_sparse_step 2)
+                        after two dense ones (mlp_only_layers [0, 1]): 6 layers, MoE
+                        at 3 and 5, untied, float32
 
 The windows (5) are shorter than the ids (12 tokens) and than prompt + continuation
 (4 + 16), so that they cut attention in both the logits and the greedy tokens.
@@ -165,6 +168,11 @@ FIXTURES = {  # name -> writer of the folder (models built when chosen)
         rope_parameters=ROPE_1E6, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[0], router_aux_loss_coef=0.001)),
+    "qwen3_moe_sparse_step": lambda: saved(build(
+        13, Qwen3MoeConfig, num_hidden_layers=6, head_dim=16, tie_word_embeddings=False,
+        rope_parameters=ROPE_1E6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2,
+        mlp_only_layers=[0, 1], router_aux_loss_coef=0.001)),
 }
 
 

@@ -132,8 +132,15 @@ def _moe(pick, rng, model, context: int):
     # with shared experts, as DeepSeek-V3, a dense layer first (framework/model/prefix.py):
     # one layer more, so the stages' layers are as drawn
     first = 1 if shared else 0
-    return dataclasses.replace(model, n_layers=model.n_layers + first, moe=dataclasses.replace(
-        model.moe, expert_groups=groups, top_groups=1, first_dense=first))
+    # without shared experts and with a routed scale, MoE every 2nd layer (Qwen's
+    # decoder_sparse_step 2; a unit of a dense layer and a MoE one): twice the layers, so
+    # that the stages' units are as drawn (no draw of its own, as above)
+    every = 2 if not shared and model.moe.routed_scale != 1.0 and \
+        not model.sliding_window_pattern else 1
+    return dataclasses.replace(model, n_layers=first + every * model.n_layers,
+                               moe=dataclasses.replace(model.moe, expert_groups=groups,
+                                                       top_groups=1, first_dense=first,
+                                                       every=every))
 
 
 def _expert(pick, model, d: int) -> int:
@@ -263,6 +270,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
             m.expert_groups > 1 else ""
         extra += f" shared{m.shared_experts}" if m.enabled and m.shared_experts else ""
         extra += f" dense{m.first_dense}" if m.enabled and m.first_dense else ""
+        extra += f" every{m.every}" if m.enabled and m.every > 1 else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"

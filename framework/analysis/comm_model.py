@@ -68,7 +68,7 @@ import jax
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
-from framework.model.prefix import DENSE, prefix_layers, stack_layers
+from framework.model.prefix import DENSE, prefix_layers, stack_layers, unit_layers
 from framework.model.registry import spec_of
 from framework.model.moe_slots import capacity
 from framework.parallel.mesh import CONTEXT, DATA, EXPERT, PIPE, TENSOR
@@ -191,7 +191,7 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     # the attention's again (the MLP's output is the next layer's input, kept); a dense
     # prefix: its forward, then again and its backward (prefix.py), on the first stage
     # only (one rank in p, as the audit counts a conditional's collectives: averaged)
-    units = (5 if lay.recomputes else 4) * _busiest_layers(lay) + \
+    units = (5 if lay.recomputes else 4) * _busiest_decoder_layers(lay) + \
         6 * prefix_layers(model) / parallel.pipeline
     return units * _ring_all_reduce(parallel.tensor) * hidden
 
@@ -209,13 +209,19 @@ def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
     # the gradients' c shifts in float32; the GPU compiler casts before the last one
     sums = (c - permute) * FP32 / dtype_bytes(model.dtype) + permute
     shifts = ((2 + again) * (c - 1) + sums) * kv
-    return shifts * (1 if permute else c - 1) * _busiest_layers(lay)
+    return shifts * (1 if permute else c - 1) * _busiest_decoder_layers(lay)
 
 
 def _busiest_layers(lay: Layout) -> int:
-    """The layers of the busiest pipeline rank (uneven stages: `parallel.stage_layers`)."""
+    """The stacked units of the busiest pipeline rank (uneven stages:
+    `parallel.stage_layers`): its MoE layers."""
     counts = lay.stage_layer_counts
     return max(sum(counts[g] for g in row) for row in lay.program.stages.of)
+
+
+def _busiest_decoder_layers(lay: Layout) -> int:
+    """The decoder layers of the busiest pipeline rank (model.moe.every per unit)."""
+    return _busiest_layers(lay) * unit_layers(lay.model)
 
 
 def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
@@ -266,7 +272,7 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     if lay.sequence_parallel:
         # the scales replicated over `tensor`: 2 per layer (4 with Gemma's post-norms) +
         # the final one, and q/k norm's two of head_dim (biases are split with their heads)
-        held_layers = layers + prefix_layers(model)  # every rank holds the prefix
+        held_layers = layers * unit_layers(model) + prefix_layers(model)  # and the prefix
         norms = ((2 + 2 * model.has_post_norms) * held_layers + 1) * model.d_model + \
             2 * held_layers * model.head_dim * model.has_qk_norm
         tensor += _ring_all_reduce(tp) * norms * grad

@@ -82,7 +82,7 @@ from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
-from framework.model.prefix import dense_config, prefix_layers
+from framework.model.prefix import dense_config, prefix_layers, stack_layers, unit_layers
 from framework.parallel.expert import expert_parallel
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.parallel.rules import param_rules
@@ -147,10 +147,10 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
     return ticks * per_tick + fixed + copies * batch_hidden
 
 
-def _layer_residuals(lay: Layout, remat: str) -> Residuals:
-    """One layer's residuals as the layout runs it (its tensor plan, sequence split and
-    expert plan) under `remat`."""
-    return residuals(lay.model, lay.seq_per_device, lay.parallel.tensor, lay.sequence_parallel,
+def _layer_residuals(lay: Layout, remat: str, model: ModelConfig | None = None) -> Residuals:
+    """One layer's (a stacked unit's) residuals as the layout runs it (its tensor plan,
+    sequence split and expert plan) under `remat`; `model`: another layer of it."""
+    return residuals(model or lay.model, lay.seq_per_device, lay.parallel.tensor, lay.sequence_parallel,
                      remat, rules=param_rules(lay.parallel.tensor_split, lay.expert),
                      ep=expert_parallel(lay.expert, lay.parallel.expert_exchange,
                                         lay.parallel.expert_chunks))
@@ -189,7 +189,15 @@ def _layer_backward(lay: Layout, tpu: bool) -> float:
     """One layer's backward in flight: its residuals once more (recomputed under
     remat) and the attention kernel's score blocks; the TPU's fused backward holds
     layer_backward/tpu of that."""
-    held = _layer_forward(lay) + attention_scores_bytes(
+    held = _layer_forward(lay)
+    if unit_layers(lay.model) > 1 and lay.layer_remat == "none":
+        # a unit of model.moe.every layers (prefix.py) whose residuals are kept: its
+        # layers' backwards one at a time (under remat its forward is recomputed whole)
+        one = lambda m: _layer_residuals(lay, "none", m).chunk(1, lay.rows_per_microbatch)
+        held = max(one(dataclasses.replace(lay.model, moe=dataclasses.replace(
+            lay.model.moe, every=1), n_layers=prefix_layers(lay.model) + stack_layers(lay.model))),
+            one(dense_config(lay.model)))
+    held += attention_scores_bytes(
         lay.model, lay.rows_per_microbatch, lay.seq_per_device, lay.parallel.tensor)
     return held * fitted("layer_backward/tpu") if tpu else held
 

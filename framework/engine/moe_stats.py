@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from framework.engine.resolved import Layout
 from framework.model.moe import STATS, moe_layers, n_stats
-from framework.model.prefix import prefix_layers
+from framework.model.prefix import moe_layer_index
 from framework.model.router import BIAS, update_bias
 from framework.parallel.mesh import CONTEXT, TENSOR
 from framework.parallel.pipeline.comm import varying
@@ -104,8 +104,7 @@ def metrics(stats, layout: Layout) -> dict:
     per_layer = to_layers(stats, layout.v_shape, layout.stage_layers)  # [L, n]
     counts = per_layer[:, :e]
     ratio = jnp.max(counts, axis=1) / (jnp.sum(counts, axis=1) / e)  # [L]
-    first = prefix_layers(model)  # (the global index of the first MoE layer)
-    out = {f"{PREFIX}load_max_over_mean/layer_{first + i}": ratio[i]
+    out = {f"{PREFIX}load_max_over_mean/layer_{moe_layer_index(model, i)}": ratio[i]
            for i in range(ratio.shape[0])}
     out[f"{PREFIX}load_max_over_mean"] = jnp.max(ratio)
     out[f"{PREFIX}dropped_fraction"] = jnp.sum(per_layer[:, e + 2]) / jnp.sum(counts)

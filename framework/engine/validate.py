@@ -21,7 +21,7 @@ from framework.errors import ConfigError
 from framework.model import attention, fp8, moe
 from framework.engine.resolved import (Layout, global_stages, overlapped, resolved,
                                       with_stage_layers)
-from framework.model.prefix import stack_layers
+from framework.model.prefix import stack_layers, stacked_layers_named
 from framework.model.registry import spec_of
 from framework.parallel.mesh import resolve_data_degree
 from framework.parallel.expert import EXCHANGES
@@ -147,8 +147,7 @@ def _check_stage_layers(model: ModelConfig, p: ParallelConfig) -> list[str]:
     n_chunks = global_stages(p)
     what = "parallel.pipeline" if n_chunks == p.pipeline else "parallel.pipeline*chunks per rank"
     given, L = p.stage_layers, stack_layers(model)
-    layers = (f"model.n_layers={L}" if L == model.n_layers else
-              f"model.n_layers - model.moe.first_dense={L}")  # the stages' layers
+    layers = stacked_layers_named(model)  # the stages' layers (units: prefix.py)
     if given is None:
         if L % n_chunks == 0:
             return []

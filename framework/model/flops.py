@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from framework.config import ModelConfig
 from framework.model.moe import moe_layers, routed_params
-from framework.model.prefix import RECOMPUTED, dense_config, prefix_layers
+from framework.model.prefix import RECOMPUTED, dense_config, prefix_layers, unit_layers
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -62,17 +62,20 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 
 def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """(an average layer, the embedding (a lookup: none), the head): the costs the stage
-    balance weighs, attention by CAUSAL_SCORES."""
+    """(an average stacked unit (a layer, or model.moe.every layers), the embedding (a
+    lookup: none), the head): the costs the stage balance weighs, attention by CAUSAL_SCORES."""
     # 3x a forward of 2 FLOPs per matmul weight and, causal, half the 4 x keys x H x Q
     # of the scores and weighted values (keys averaged over the layers)
     spec = spec_of(model)
     keys = sum(spec.keys_per_query(model, seq_len)) / model.n_layers
     scores = 2 * keys * model.n_heads * model.head_dim
-    layer = 3 * (2 * spec.layer_matrix_params(model) + scores)
+    dense_layer = 2 * spec.layer_matrix_params(dense_config(model)) + scores
+    # a stacked unit: its layer, and with model.moe.every k its k - 1 dense ones first
+    layer = 3 * (2 * spec.layer_matrix_params(model) + scores
+                 + (unit_layers(model) - 1) * dense_layer)
     # the input piece: the lookup (none) and a MoE model's dense prefix (prefix.py),
     # whose backward recomputes its forward
-    dense = 3 * RECOMPUTED * (2 * spec.layer_matrix_params(dense_config(model)) + scores)
+    dense = 3 * RECOMPUTED * dense_layer
     return float(layer), float(prefix_layers(model) * dense), head_flops(model)
 
 
@@ -104,6 +107,8 @@ def fp8_matmul_share(model: ModelConfig, seq_len: int) -> float:
     score and value dots, which stay in the compute dtype (0 without FP8)."""
     if model.fp8 == "none":
         return 0.0
-    matmuls = 6.0 * model.n_layers * spec_of(model).layer_matrix_params(model)
+    spec, moe = spec_of(model), moe_layers(model)  # the rest dense (prefix.py)
+    matmuls = 6.0 * (moe * spec.layer_matrix_params(model) + (model.n_layers - moe)
+                     * spec.layer_matrix_params(dense_config(model)))
     return matmuls / (model_flops_per_token(model, seq_len) - head_flops(model))
 

@@ -46,8 +46,11 @@ from framework.model.documents import Documents
 from framework.model.layers import MLP, NO_TP, param, norm, softcap
 from framework.model.loss import (chunked_cross_entropy_sum,  # noqa: F401 (re-export)
                                   cross_entropy_sum)
-from framework.model.moe import MoE, check_moe, matrix_params as moe_matrix_params
-from framework.model.prefix import DENSE, dense_config, prefix_layers, stack_layers
+from framework.model.moe import MoE, check_moe
+from framework.model.sizes import (count_params, keys_per_query,  # noqa: F401 (re-export)
+                                   layer_matrix_params)
+from framework.model.prefix import (DENSE, UNIT_DENSE, dense_config, prefix_layers,
+                                    stack_layers, unit_layers)
 from framework.model.router import UNTRAINED
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
@@ -167,10 +170,40 @@ class Attention(nn.Module):
         return out if cache is None else (out, cache)
 
 
-class Block(nn.Module):
-    """One pre-norm decoder layer: h = x + attn(norm(x)), out = h + mlp(norm(h)); with
+def decoder_layer(module: nn.Module, c: ModelConfig, x, cache, start, docs, window):
+    """One pre-norm decoder layer built in `module`'s scope (its submodules attn, the
+    norms, mlp or moe): h = x + attn(norm(x)), out = h + ffn(norm(h)); with
     `model.post_norms` (Gemma 2) each sublayer's output is normed too:
-    h = x + norm(attn(norm(x)))."""
+    h = x + norm(attn(norm(x))). Returns out, or (out, cache) with a cache."""
+    post = (lambda name: norm(c, name)) if c.has_post_norms else (lambda name: lambda y: y)
+    attn = Attention(c, module.tp, name="attn")
+    normed = norm(c, "attn_norm")(x)
+    if cache is None:
+        h = x + post("attn_post_norm")(attn(normed, docs=docs, window=window))
+    else:
+        attended, cache = attn(normed, cache, start, window=window)
+        h = x + post("attn_post_norm")(attended)
+    ffn = MoE(c, module.tp, name="moe") if c.moe.enabled else MLP(c, module.tp, name="mlp")
+    out = h + post("mlp_post_norm")(ffn(norm(c, "mlp_norm")(h)))
+    return out if cache is None else (out, cache)
+
+
+class DenseLayer(nn.Module):
+    """A dense decoder layer inside a unit of `model.moe.every` layers (prefix.py)."""
+
+    cfg: ModelConfig
+    tp: TensorParallel = NO_TP
+
+    @nn.compact
+    def __call__(self, x, cache=None, start=0, docs=None, window=None):
+        return decoder_layer(self, self.cfg, x, cache, start, docs, window)
+
+
+class Block(nn.Module):
+    """What the pipeline stacks and scans: one decoder layer (`decoder_layer`, its params
+    at the top), or with `model.moe.every` k > 1 a unit of k layers: k - 1 dense ones
+    (submodules dense_0.., the gated MLP model.d_ff wide), then the MoE one
+    (framework/model/prefix.py)."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
@@ -179,20 +212,22 @@ class Block(nn.Module):
     def __call__(self, x, cache: KVCache | None = None, start=0, docs: Documents | None = None,
                  window=None):
         """x: [batch, seq (/tensor with SP), embed]; with a cache (decoding, see
-        Attention) returns (out, updated cache); `docs`: training's document masks;
-        `window`: this layer's sliding window (layers.layer_windows), None: none."""
-        c = self.cfg
-        post = (lambda name: norm(c, name)) if c.has_post_norms else (lambda name: lambda y: y)
-        attn = Attention(c, self.tp, name="attn")
-        normed = norm(c, "attn_norm")(x)
-        if cache is None:
-            h = x + post("attn_post_norm")(attn(normed, docs=docs, window=window))
-        else:
-            attended, cache = attn(normed, cache, start, window=window)
-            h = x + post("attn_post_norm")(attended)
-        ffn = MoE(c, self.tp, name="moe") if c.moe.enabled else MLP(c, self.tp, name="mlp")
-        out = h + post("mlp_post_norm")(ffn(norm(c, "mlp_norm")(h)))
-        return out if cache is None else (out, cache)
+        Attention; a unit's: [k, ...] leaves, one per layer) returns (out, updated
+        cache); `docs`: training's document masks; `window`: this layer's sliding window
+        (layers.layer_windows), None: none."""
+        c, k = self.cfg, unit_layers(self.cfg)
+        if k == 1:
+            return decoder_layer(self, c, x, cache, start, docs, window)
+        caches = []
+        for j in range(k):
+            one = None if cache is None else KVCache(*(a[j] for a in cache))
+            layer = (lambda *a: decoder_layer(self, c, *a)) if j == k - 1 else \
+                DenseLayer(dense_config(c), self.tp, name=UNIT_DENSE.format(j))
+            x = layer(x, one, start, docs, window)
+            if cache is not None:
+                x, one = x
+                caches.append(one)
+        return x if cache is None else (x, KVCache(*(jnp.stack(a) for a in zip(*caches))))
 
 
 class Embed(nn.Module):
@@ -318,39 +353,6 @@ def param_logical_axes(cfg: ModelConfig):
 
     jax.eval_shape(shapes_only)
     return found["axes"]
-
-
-def layer_matrix_params(cfg: ModelConfig, active: bool = True) -> int:
-    """Weights of one layer's matmuls: wqkv and wo, the gated MLP's three matrices, or
-    the MoE layer's (framework/model/moe.py's `matrix_params`)."""
-    c = cfg
-    attention = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    if not c.moe.enabled:
-        return attention + 3 * c.d_model * c.d_ff
-    return attention + moe_matrix_params(c, active)
-
-
-def keys_per_query(cfg: ModelConfig, seq_len: int) -> list[int]:
-    """Per layer, the keys a query's scores span at most: seq_len, or the window on a
-    sliding-window layer (`ModelConfig.global_layer`). The FLOP count and the stage
-    balance read it."""
-    return [seq_len if cfg.global_layer(i) else min(cfg.sliding_window, seq_len)
-            for i in range(cfg.n_layers)]
-
-
-def count_params(cfg: ModelConfig, active: bool = False) -> int:
-    """Every parameter (`active`: a mixture of experts' top_k experts only, the
-    parameters one token uses)."""
-    c = cfg
-    attn = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.has_qkv_bias  # qkv_bias
-    attn += 2 * c.head_dim * c.has_qk_norm  # q_norm, k_norm scales
-    layer = lambda c: layer_matrix_params(c, active) + attn + (4 if c.has_post_norms else 2) \
-        * c.d_model
-    head = c.d_model + (0 if c.tie_embeddings else c.d_model * c.vocab_size)
-    layers = stack_layers(c) * layer(c) + prefix_layers(c) * layer(dense_config(c))
-    if c.moe.bias_update_rate and not active:  # the balancing bias: not in a matmul
-        layers += stack_layers(c) * c.moe.experts
-    return c.vocab_size * c.d_model + layers + head
 
 
 def check_model(model: ModelConfig) -> list[str]:

@@ -304,12 +304,17 @@ def check_moe(model: ModelConfig) -> list[str]:
     if m.capacity_factor is not None and not m.capacity_factor > 0:
         errs.append(f"model.moe.capacity_factor={m.capacity_factor} must be > 0 (null: "
                     f"dropless)")
-    if m.every != 1:
-        errs.append(f"model.moe.every={m.every}: only every layer after the dense prefix MoE "
-                    f"is supported yet (every=1; model.moe.first_dense for dense layers first)")
     if not 0 <= m.first_dense < model.n_layers:
         errs.append(f"model.moe.first_dense={m.first_dense} must be in [0, model.n_layers="
                     f"{model.n_layers}) (the dense layers before the MoE ones)")
+    elif m.every < 1 or (model.n_layers - m.first_dense) % m.every:
+        errs.append(f"model.moe.every={m.every} must be >= 1 and divide model.n_layers - "
+                    f"model.moe.first_dense={model.n_layers - m.first_dense} (each group of "
+                    f"`every` layers ends with its MoE layer)")
+    elif m.every > 1 and model.sliding_window_pattern:
+        errs.append(f"model.moe.every={m.every} with model.sliding_window_pattern="
+                    f"{model.sliding_window_pattern} is not supported (a unit's layers share "
+                    f"one window): use model.moe.every=1 or one window for every layer")
     if m.shared_experts < 0:
         errs.append(f"model.moe.shared_experts={m.shared_experts} must be >= 0 (0: none)")
     if m.shared_hidden is not None and m.shared_hidden < 1:

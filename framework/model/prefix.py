@@ -16,6 +16,14 @@ counts them: `first_cost`), and generation keeps a KV cache for them as for the 
 
 The layer stack then holds the L - k MoE layers (`stack_layers`), and layer i of the
 stack is global layer k + i (its sliding window, `layers.layer_windows`).
+
+MoE every k-th layer (`model.moe.every` k: Qwen's decoder_sparse_step, Llama 4's
+interleave_moe_layer_step): after the prefix, each group of k layers ends with the MoE
+one (layer i is MoE iff i >= first_dense and (i - first_dense + 1) % k == 0; Qwen's
+(i + 1) % k == 0 where first_dense is a multiple of k). The stages still scan one
+structure: the stacked *unit* is such a group (`llama.Block`: its k - 1 dense layers as
+submodules `dense_0`.., then its own MoE layer), so the stack holds (L - first_dense) / k
+units and `parallel.stage_layers` counts units.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import jax
 from framework.config import ModelConfig, MoeConfig
 
 DENSE = "dense"  # embed/dense: the dense prefix's stacked params
+UNIT_DENSE = "dense_{}"  # layers/dense_<j>: a unit's j-th dense layer (model.moe.every)
 # its training FLOPs over a layer's without remat: its backward recomputes its forward
 # (3 forwards' worth + 1)
 RECOMPUTED = 4 / 3
@@ -37,9 +46,46 @@ def prefix_layers(cfg: ModelConfig) -> int:
     return cfg.moe.first_dense if cfg.moe.enabled else 0
 
 
+def unit_layers(cfg: ModelConfig) -> int:
+    """Decoder layers per stacked unit: model.moe.every (1 for a dense model)."""
+    return cfg.moe.every if cfg.moe.enabled else 1
+
+
 def stack_layers(cfg: ModelConfig) -> int:
-    """The layers the pipeline's stages hold: all but the dense prefix."""
-    return cfg.n_layers - prefix_layers(cfg)
+    """The units the pipeline's stages hold (all but the dense prefix, `unit_layers` a
+    unit; with every 1 a unit is a layer)."""
+    return (cfg.n_layers - prefix_layers(cfg)) // unit_layers(cfg)
+
+
+def stacked_layers_named(cfg: ModelConfig) -> str:
+    """`stack_layers` in the settings' words, for messages."""
+    L, k, every = stack_layers(cfg), prefix_layers(cfg), unit_layers(cfg)
+    if L == cfg.n_layers:
+        return f"model.n_layers={L}"
+    held = f"model.n_layers - model.moe.first_dense" if k else "model.n_layers"
+    return f"{held}={L}" if every == 1 else f"({held}) / model.moe.every={L} units"
+
+
+def unit_stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], ModelConfig, int, int]]:
+    """The stacked layer trees as global layers: [(path of the tree, its layers' model,
+    the global index of its first layer, the stride between its layers)] - the prefix,
+    a unit's dense layers, the stack's own (MoE) layers. HF import and export read it."""
+    k, every = prefix_layers(cfg), unit_layers(cfg)
+    out = [(("layers",), cfg, k + every - 1, every)]
+    out += [(("layers", UNIT_DENSE.format(j)), dense_config(cfg), k + j, every)
+            for j in range(every - 1)]
+    return out + ([(("embed", DENSE), dense_config(cfg), 0, 1)] if k else [])
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Whether global layer i is a mixture of experts (module docstring)."""
+    k = prefix_layers(cfg)
+    return cfg.moe.enabled and i >= k and (i - k + 1) % unit_layers(cfg) == 0
+
+
+def moe_layer_index(cfg: ModelConfig, unit: int) -> int:
+    """The global index of the MoE layer of stacked unit `unit` (the unit's last)."""
+    return prefix_layers(cfg) + (unit + 1) * unit_layers(cfg) - 1
 
 
 def dense_config(cfg: ModelConfig) -> ModelConfig:

@@ -18,6 +18,7 @@ from framework.model import fp8
 from framework.model.documents import Documents
 from framework.model.layers import NO_TP, layer_windows, split_windows
 from framework.model.llama import Block, KVCache
+from framework.model.prefix import unit_layers
 from framework.parallel.tensor import TensorParallel
 
 
@@ -110,13 +111,20 @@ def apply_layers_cached(cfg: ModelConfig, layers, x, caches: KVCache, start,
                         tp: TensorParallel = NO_TP):
     """The decode path of `apply_layers`: the same layers, each reading and extending its
     KV cache. layers: [n, ...]; x: [batch, seq, embed] at positions start..start+seq-1;
-    caches: KVCache of [n, batch, max_len, kv_heads@tensor, head_dim]. The sliding
+    caches: KVCache of [n x model.moe.every (a unit's layers, prefix.py), batch, max_len,
+    kv_heads@tensor, head_dim]. The sliding
     windows mask the cached keys older than each layer's window."""
-    fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0]), x)
+    n, k = jax.tree.leaves(layers)[0].shape[0], unit_layers(cfg)
+    fixed, windows = split_windows(layer_windows(cfg, n), x)
 
     def layer(x, scanned):
         layer_params, cache, window = scanned
         return Block(cfg, tp).apply({"params": layer_params}, x, KVCache(*cache), start,
                                     window=fixed if window is None else window)
 
-    return jax.lax.scan(layer, x, (layers, tuple(caches), windows))
+    if k == 1:
+        return jax.lax.scan(layer, x, (layers, tuple(caches), windows))
+    # a unit of k layers (prefix.py) reads its k layers' caches: [n, k, ...]
+    units = tuple(a.reshape((n, k) + a.shape[1:]) for a in caches)
+    x, units = jax.lax.scan(layer, x, (layers, units, windows))
+    return x, KVCache(*(a.reshape((n * k,) + a.shape[2:]) for a in units))

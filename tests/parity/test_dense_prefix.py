@@ -4,7 +4,8 @@ stage after the embedding, and two optimizer steps on pipelined, expert-, tensor
 data- and context-parallel layouts (1F1B, zero-bubble's split backward, interleaved
 combined cells, ZB-V with context parallelism; GPipe's autodiff below and in the parity
 search's draws) equal the single-device reference's; greedy decoding with the KV cache equals recomputing the
-whole forward; the stage balance and the FLOP count know the prefix."""
+whole forward; the stage balance and the FLOP count know the prefix. Then MoE every
+k-th layer (`model.moe.every`): the stacked unit of k layers, on the same paths."""
 
 import dataclasses
 
@@ -25,6 +26,8 @@ from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
 
 PREFIXED = dataclasses.replace(MODEL, family="qwen3_moe", n_layers=6, moe=MoeConfig(
     experts=4, top_k=2, expert_hidden=32, first_dense=2))
+# layers 0, 1 dense (the prefix), then units (2 dense, 3 MoE), (4 dense, 5 MoE)
+UNITS = dataclasses.replace(PREFIXED, moe=dataclasses.replace(PREFIXED.moe, every=2))
 
 
 def test_the_prefix_is_dense_and_the_stack_holds_the_rest():
@@ -46,6 +49,52 @@ def test_the_prefix_is_dense_and_the_stack_holds_the_rest():
     assert lay.stage_layer_counts == (1, 3)
 
 
+def test_a_unit_is_every_dense_layers_then_the_moe_one():
+    p = params(UNITS)
+    layers = p["layers"]
+    assert jax.tree.leaves(layers)[0].shape[0] == 2  # two units of (dense, MoE)
+    assert "moe" in layers and "mlp" in layers["dense_0"] and "moe" not in layers["dense_0"]
+    assert layers["dense_0"]["mlp"]["w_down"].shape == (2, 128, 64)
+    held = sum(a.size for a in jax.tree.leaves(p))
+    # two of PREFIXED's MoE layers dense: + 2 (MLP - experts - router)
+    assert count_params(UNITS) == held == count_params(PREFIXED) + 2 * (
+        3 * 64 * 128 - 4 * 3 * 64 * 32 - 64 * 4)
+    per_token = model_flops_per_token(UNITS, 16) - model_flops_per_token(PREFIXED, 16)
+    assert per_token == 6 * 2 * (3 * 64 * 128 - 2 * 3 * 64 * 32 - 64 * 4)  # per MoE-> dense
+    # stages split units: 2 units on 2 stages; auto weighs the first stage's prefix
+    lay = resolved(UNITS, ParallelConfig(pipeline=2, microbatches=4), 16)
+    assert lay.stage_layer_counts == (1, 1)
+    from framework.config import TrainConfig
+    from framework.engine.validate import check
+
+    errs = check(UNITS, ParallelConfig(pipeline=4, microbatches=4), TrainConfig(seq_len=16), 4)
+    assert any("(model.n_layers - model.moe.first_dense) / model.moe.every=2 units is not "
+               "divisible by parallel.pipeline=4" in e for e in errs), errs
+
+
+def test_which_layers_are_moe_and_what_is_refused():
+    from framework.model.llama import check_model
+    from framework.model.prefix import is_moe_layer, moe_layer_index
+
+    assert [i for i in range(6) if is_moe_layer(UNITS, i)] == [3, 5]
+    assert [moe_layer_index(UNITS, u) for u in range(2)] == [3, 5]
+    odd = dataclasses.replace(UNITS, n_layers=7)
+    assert any("model.moe.every=2 must be >= 1 and divide" in e for e in check_model(odd))
+    windows = dataclasses.replace(UNITS, sliding_window=4, sliding_window_pattern=2)
+    assert any("sliding_window_pattern" in e for e in check_model(windows))
+    # a qwen3_moe folder says MoE at (i + 1) % decoder_sparse_step == 0: one dense layer
+    # first and then units of 2 would move them
+    from framework.errors import ConfigError
+    from framework.io.hf import moe as hf_moe
+
+    assert hf_moe.export_fields(UNITS)["decoder_sparse_step"] == 2
+    shifted = dataclasses.replace(UNITS, n_layers=5, moe=dataclasses.replace(
+        UNITS.moe, first_dense=1))
+    with pytest.raises(ConfigError, match="model.moe.first_dense=1 is not a multiple of "
+                                          "model.moe.every=2"):
+        hf_moe.export_fields(shifted)
+
+
 @pytest.mark.parametrize("kw", [
     dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="1f1b"),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="zb_h1",
@@ -55,17 +104,26 @@ def test_the_prefix_is_dense_and_the_stack_holds_the_rest():
                       combined_1f1b=True), marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, context=2, microbatches=2, schedule="zb_v"),
                  marks=pytest.mark.slow),
-], ids=lambda kw: kw["schedule"])
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2,
+                      schedule="zb_h1", model=UNITS), marks=pytest.mark.slow),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2,
+                      schedule="interleaved_1f1b", virtual_stages=2, fsdp=True,
+                      combined_1f1b=True, model=dataclasses.replace(UNITS, n_layers=10)),
+                 marks=pytest.mark.slow),
+], ids=lambda kw: kw["schedule"] + ("-every2" if "model" in kw else ""))
 def test_every_layout_trains_like_one_device(kw):
-    ref_losses, ref_params = reference_losses(2, model=PREFIXED)
-    losses, final = engine_losses(engine(model=PREFIXED, **kw), 2)
+    model = kw.pop("model", PREFIXED)
+    ref_losses, ref_params = reference_losses(2, model=model)
+    losses, final = engine_losses(engine(model=model, **kw), 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     errs = max_rel_err(final, ref_params)
     assert worst(errs) <= 1e-4 and worst(errs["embed"][DENSE]) <= 1e-4
+    if model.moe.every > 1:
+        assert worst(errs["layers"]["dense_0"]) <= 1e-4
 
 
-def test_greedy_decoding_with_the_cache_equals_the_full_forward():
-    cfg = PREFIXED
+@pytest.mark.parametrize("cfg", [PREFIXED, UNITS], ids=("prefix", "every2"))
+def test_greedy_decoding_with_the_cache_equals_the_full_forward(cfg):
     dec = decode.Decoder(cfg, make_mesh(ParallelConfig()))
     p = dec.place(params(cfg))
     prompt = np.array([[5, 17, 3, 99]], np.int32)
@@ -94,7 +152,9 @@ def test_the_optimizer_treats_the_prefix_as_layers():
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", sequence_parallel=True,
          expert=2),
     dict(pipeline=2, data=4, microbatches=4, schedule="gpipe", fsdp=True),
-], ids=("1f1b-tp2-sp-ep2", "gpipe-fsdp"))
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", sequence_parallel=True,
+         expert=2, model=UNITS),
+], ids=("1f1b-tp2-sp-ep2", "gpipe-fsdp", "1f1b-tp2-sp-ep2-every2"))
 def test_the_compiled_program_is_the_models(kw):
     """What the compiled CPU program sends per mesh axis and holds at its peak, against
     the comm and memory models: the prefix's tensor collectives (its forward, then again
@@ -111,7 +171,8 @@ def test_the_compiled_program_is_the_models(kw):
     from tests.helpers import TRAIN
 
     train = dataclasses.replace(TRAIN, global_batch_size=32)
-    eng = engine(model=PREFIXED, train=train, **kw)
+    model = kw.pop("model", PREFIXED)
+    eng = engine(model=model, train=train, **kw)
     stats = audit.step_stats(eng, *eng.abstract_inputs(train.global_batch_size, train.seq_len))
     expected = comm_model.expected_bytes(eng.model, eng.parallel, train)
     # (data: 0.983x and 0.988x without a prefix, GPipe and 1F1B with FSDP, 2026-11-29)
@@ -119,6 +180,6 @@ def test_the_compiled_program_is_the_models(kw):
                            ("tensor", (0.99, 1.1)), ("expert", (0.999, 1.001))):
         got, want = stats.get(f"comm/bytes_per_step/{axis}", 0.0), expected.get(axis, 0.0)
         assert (got == 0 == want) or lo <= got / want <= hi, (axis, got, want)
-    predicted = memory_model.predict_memory(PREFIXED, eng.parallel, train)["total"]
+    predicted = memory_model.predict_memory(model, eng.parallel, train)["total"]
     ratio = predicted / stats["memory/peak_bytes_per_device"]
     assert 0.9 <= ratio <= 1.1, ratio

@@ -148,12 +148,13 @@ def test_prompt_and_continuation_must_fit_the_models_positions(monkeypatch):
     pytest.param("qwen3_moe", marks=pytest.mark.slow),
     pytest.param("mixtral", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe_dense_first", marks=pytest.mark.slow)])
+    pytest.param("qwen3_moe_dense_first", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_sparse_step", marks=pytest.mark.slow)])
 def test_families_kv_cache_greedy_is_transformers_greedy(name):
     """Each family's fixture (q/k/v biases, q/k norm with head_dim 16, Mistral, Mistral
     with a window of 5, Gemma 2 with a window of 5 on every other layer and soft-caps,
     the mixtures of experts Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert
-    and Qwen3-MoE with a dense layer first):
+    and Qwen3-MoE with a dense layer first, and with MoE every 2nd layer):
     greedy decoding with the KV cache, on one device and at tensor=2, is transformers'
     own greedy continuation, and the full forward's; no near-tie decides a token. The
     prompt and continuation (20 tokens) outrun the windows: the cache's keys older than

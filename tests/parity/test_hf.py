@@ -33,7 +33,7 @@ from tests.helpers import FIXTURES, compose_recipe, engine, max_rel_err, worst
 HF = FIXTURES / "hf"
 FAMILIES = ("qwen2_tied", "qwen3_head_dim", "mistral_untied", "mistral_window",
             "gemma2_window_softcap", "qwen3_moe", "mixtral", "qwen2_moe",
-            "qwen3_moe_dense_first")
+            "qwen3_moe_dense_first", "qwen3_moe_sparse_step")
 NAMES = ("tied_gqa", "untied_gqa", "llama3_bf16_sharded") + FAMILIES
 
 
@@ -207,7 +207,7 @@ def fixture_batch(name: str):
 # every family's own settings are exact on every path in tests/parity/test_families.py
 # and drawn by the search.
 TRAINED = ("qwen3_moe", "qwen2_moe", "gemma2_window_softcap", "qwen2_tied",
-           "qwen3_moe_dense_first")
+           "qwen3_moe_dense_first", "qwen3_moe_sparse_step")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in TRAINED])

@@ -232,7 +232,9 @@ def test_capacity_experts_equal_the_dense_reference_forward_and_backward(factor)
     (dict(top_k=0), "model.moe.top_k=0 must be in [1"),
     (dict(experts=-1), "model.moe.experts=-1 must be >= 1"),
     (dict(aux_loss_coef=-1.0), "model.moe.aux_loss_coef=-1.0 must be >= 0"),
-    (dict(every=2), "only every layer after the dense prefix MoE is supported yet"),
+    (dict(every=2), "model.moe.every=2 must be >= 1 and divide model.n_layers - "
+                    "model.moe.first_dense=1"),
+    (dict(every=0), "model.moe.every=0 must be >= 1"),
     (dict(first_dense=1), "model.moe.first_dense=1 must be in [0, model.n_layers=1)"),
     (dict(shared_experts=-1), "model.moe.shared_experts=-1 must be >= 0"),
     (dict(shared_experts=1, shared_hidden=0), "model.moe.shared_hidden=0 must be >= 1"),
@@ -313,7 +315,12 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
     assert family.model_config({**qwen, "mlp_only_layers": [1, 0]}).moe.first_dense == 2
     with_logits = {**mixtral, "output_router_logits": True}
     assert family.model_config(with_logits).moe.aux_loss_coef == 0.02
-    refused = {"decoder_sparse_step=2 is not supported": {**qwen, "decoder_sparse_step": 2},
+    # MoE every 2nd layer of 2 (layer 1: (i + 1) % 2 == 0)
+    assert family.model_config({**qwen, "decoder_sparse_step": 2}).moe.every == 2
+    refused = {"decoder_sparse_step=3 with 0 dense layers first and 2 after them is not "
+               "supported": {**qwen, "decoder_sparse_step": 3},
+               "decoder_sparse_step=2 with 1 dense layers first and 1 after them": {
+                   **qwen, "decoder_sparse_step": 2, "mlp_only_layers": [0]},
                "mlp_only_layers=[1] is not supported (only the first layers dense": {
                    **qwen, "mlp_only_layers": [1]},
                "router_jitter_noise=0.1 is not supported": {**mixtral,

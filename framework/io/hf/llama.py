@@ -51,7 +51,7 @@ import numpy as np
 from framework.errors import ConfigError
 from framework.config import ModelConfig
 from framework.model.llama import init_params
-from framework.model.prefix import DENSE, dense_config, prefix_layers
+from framework.model.prefix import is_moe_layer, unit_stacks
 from framework.io.hf.family import (CONFIG_FILE, GENERATION_FILE,  # noqa: F401 (re-export)
                                     export_config, generation_config, is_hf_folder,
                                     merge_model, model_config, read_config)
@@ -93,7 +93,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d),
                     p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
                     **{name: (d,) for name in norms[1:]}})
-        out.update(moe.expected(cfg, p) if n >= prefix_layers(cfg) and cfg.moe.enabled else {
+        out.update(moe.expected(cfg, p) if is_moe_layer(cfg, n) else {
             p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f)})
         if cfg.has_qkv_bias:
@@ -146,24 +146,30 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
     }
     if not cfg.tie_embeddings:
         readers[("head", "w")] = lambda index: read("lm_head.weight", index[::-1]).T
-    k = prefix_layers(cfg)  # a MoE model's dense layers first: embed/dense (prefix.py)
-    stacks = [(("layers",), cfg, k, cfg.n_layers - k)] + (
-        [(("embed", DENSE), dense_config(cfg), 0, k)] if k else [])
-    for root, layer_cfg, start, count in stacks:
+    shapes = canonical_shapes(cfg)  # the prefix, a unit's dense layers, the stack's
+    for root, layer_cfg, start, stride in unit_stacks(cfg):  # (prefix.py)
+        count = jax.tree.leaves(_at(shapes, root))[0].shape[0]
         readers.update({root + path: reader for path, reader in
-                        _layer_readers(read, layer_cfg, start, count).items()})
+                        _layer_readers(read, layer_cfg, start, count, stride).items()})
     return readers
 
 
-def _layer_readers(read, cfg: ModelConfig, start: int, count: int) -> dict:
-    """The leaf readers of a stack of `count` layers of `cfg`, HF layers start.. (paths
-    below the stack's root)."""
+def _at(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _layer_readers(read, cfg: ModelConfig, start: int, count: int, stride: int = 1) -> dict:
+    """The leaf readers of a stack of `count` layers of `cfg`, HF layers start,
+    start + stride, .. (paths below the stack's root)."""
     r, hd, kv = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, cfg.n_kv_heads
 
     def per_layer(one):  # one(layer, rest of the index) -> block of that layer
         def block(index):
             lo, hi = _bounds(index[0], count)
-            return np.stack([one(LAYER.format(start + n), index[1:]) for n in range(lo, hi)])
+            return np.stack([one(LAYER.format(start + n * stride), index[1:])
+                             for n in range(lo, hi)])
         return block
 
     def groups(p, kind, g_sl, rest=()):  # q/k/v_proj.{kind} of kv groups g_sl
@@ -261,18 +267,16 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
               "model.norm.weight": lambda: np.asarray(params["head"]["norm"]["scale"], np.float32)}
     if not cfg.tie_embeddings:
         makers["lm_head.weight"] = lambda: np.asarray(params["head"]["w"], np.float32).T
-    k = prefix_layers(cfg)  # a MoE model's dense layers first: embed/dense (prefix.py)
-    makers.update(_layer_makers(cfg, params["layers"], k, cfg.n_layers - k))
-    if k:
-        makers.update(_layer_makers(dense_config(cfg), params["embed"][DENSE], 0, k))
+    for root, layer_cfg, start, stride in unit_stacks(cfg):  # (prefix.py)
+        makers.update(_layer_makers(layer_cfg, _at(params, root), start, stride))
     np_dtype = EXPORT_DTYPES[dtype]
     return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
             for name, shape in expected_tensors(cfg).items()]
 
 
-def _layer_makers(cfg: ModelConfig, layers, start: int, count: int) -> dict:
-    """HF tensor name -> maker, for a stack of `count` layers of `cfg` (its params
-    `layers` [count, ...]) written as HF layers start..start+count-1."""
+def _layer_makers(cfg: ModelConfig, layers, start: int, stride: int = 1) -> dict:
+    """HF tensor name -> maker, for a stack of layers of `cfg` (its params `layers`
+    [count, ...]) written as HF layers start, start + stride, ..."""
     r = cfg.n_heads // cfg.n_kv_heads
     get = lambda leaf, n: np.asarray(leaf[n], dtype=np.float32)
 
@@ -281,8 +285,8 @@ def _layer_makers(cfg: ModelConfig, layers, start: int, count: int) -> dict:
         return w.transpose(1, 2, 3, 0).reshape(-1, cfg.d_model)
 
     makers = {}
-    for n in range(count):
-        p = LAYER.format(start + n)
+    for n in range(jax.tree.leaves(layers["attn"])[0].shape[0]):
+        p = LAYER.format(start + n * stride)
         makers.update({p + f"{theirs}.weight": lambda n=n, mine=mine: get(
             layers[mine]["scale"], n) for mine, theirs in layer_norms(cfg).items()})
         makers.update({

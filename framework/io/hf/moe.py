@@ -25,10 +25,11 @@ transformers 5.24's `modeling_qwen3_moe.py`, `modeling_mixtral.py` and
                                                                        shared_gate[N] [d, 1]
 
 config.json: qwen3_moe's and qwen2_moe's num_experts (or num_local_experts),
-num_experts_per_tok, moe_intermediate_size, norm_topk_prob (default false), every layer
-sparse (decoder_sparse_step 1) but the first mlp_only_layers, which must be [0, ..., k-1]
-(model.moe.first_dense k: their MLP intermediate_size wide, framework/model/prefix.py;
-dense layers among MoE ones are not built); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
+num_experts_per_tok, moe_intermediate_size, norm_topk_prob (default false), the first
+mlp_only_layers dense, which must be [0, ..., k-1] (model.moe.first_dense k: their MLP
+intermediate_size wide, framework/model/prefix.py), and after them every
+decoder_sparse_step-th layer sparse (model.moe.every: the dense layers first a multiple
+of the step, the rest groups of it; other mlp_only_layers are not built); mixtral's num_local_experts, num_experts_per_tok, intermediate_size (its experts'
 width), always renormalised, router_jitter_noise 0. qwen2_moe's shared expert is
 shared_expert_intermediate_size wide and Qwen2MoeSparseMoeBlock adds
 sigmoid(shared_expert_gate(x)) * shared_expert(x) to the routed experts' weighted sum:
@@ -163,11 +164,10 @@ NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts
 # the config.json key of a family's shared expert's width
 SHARED_WIDTH = {"qwen2_moe": "shared_expert_intermediate_size"}
 # config.json keys that must hold this value where present (null: absent), and why
-EVERY_LAYER = ("every layer after the dense ones (mlp_only_layers) a mixture of experts "
-               "(dense layers among MoE ones are not built)")
-QWEN_SPARSE = (("decoder_sparse_step", 1, EVERY_LAYER),)
 DENSE_FIRST = {"qwen3_moe": "mlp_only_layers", "qwen2_moe": "mlp_only_layers"}
-ONLY = {"qwen3_moe": QWEN_SPARSE, "qwen2_moe": QWEN_SPARSE,
+# the config.json key of a family's MoE-every-k-th-layer step (model.moe.every)
+SPARSE_STEP = {"qwen3_moe": "decoder_sparse_step", "qwen2_moe": "decoder_sparse_step"}
+ONLY = {"qwen3_moe": (), "qwen2_moe": (),
         "mixtral": (("router_jitter_noise", 0.0, "no router noise"),)}
 # model.moe's settings that a folder's family decides (beside the experts' count, top_k,
 # width, renormalisation), and the values each family's folders hold: qwen3_moe's and
@@ -194,6 +194,24 @@ def _dense_first(hf: dict, kind: str, where: str) -> int:
     return len(layers)
 
 
+def _every(hf: dict, kind: str, where: str) -> int:
+    """model.moe.every from Qwen's decoder_sparse_step s: layer i is MoE iff it is not in
+    mlp_only_layers and (i + 1) % s == 0, which is this model's rule (framework/model/
+    prefix.py) where the dense layers first are a multiple of s and the rest split
+    into groups of s."""
+    key = SPARSE_STEP.get(kind)
+    if key is None or hf.get(key) in (None, 1):
+        return 1
+    step, k = _count(hf, key, where), _dense_first(hf, kind, where)
+    rest = _count(hf, "num_hidden_layers", where) - k
+    if k % step or rest % step:
+        raise ConfigError(f"{where}: {key}={step} with {len(hf.get(DENSE_FIRST[kind]) or [])} "
+                          f"dense layers first and {rest} after them is not supported (only "
+                          f"groups of {step} layers each ending with its MoE layer: the dense "
+                          f"layers first and the rest multiples of {step})")
+    return step
+
+
 def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     """model.moe of a MoE family's config.json (module docstring); a feature this model
     does not run is a one-line ConfigError naming it."""
@@ -211,7 +229,7 @@ def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     hidden = _count(hf, "intermediate_size" if kind == "mixtral" else "moe_intermediate_size",
                     where)
     coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-    shared = {"first_dense": _dense_first(hf, kind, where)}
+    shared = {"first_dense": _dense_first(hf, kind, where), "every": _every(hf, kind, where)}
     if kind in SHARED_WIDTH:  # one shared expert, gated (Qwen2MoeSparseMoeBlock)
         shared.update(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
                       shared_gate=True)
@@ -242,14 +260,20 @@ def export_fields(cfg: ModelConfig) -> dict:
     common = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
               "output_router_logits": m.aux_loss_coef > 0}
     if cfg.family == "mixtral":
-        if not m.renormalize or expert_hidden(cfg) != cfg.d_ff or m.first_dense:
+        if not m.renormalize or expert_hidden(cfg) != cfg.d_ff or m.first_dense or \
+                m.every != 1:
             raise ConfigError("a mixtral folder renormalises the top-k weights, its experts "
                               "are model.d_ff wide and every layer is MoE: set "
-                              "model.moe.renormalize=true, model.moe.expert_hidden=null and "
-                              "model.moe.first_dense=0")
+                              "model.moe.renormalize=true, model.moe.expert_hidden=null, "
+                              "model.moe.first_dense=0 and model.moe.every=1")
         return {**common, "num_local_experts": m.experts, "router_jitter_noise": 0.0}
+    if m.first_dense % m.every:
+        raise ConfigError(f"model.moe.first_dense={m.first_dense} is not a multiple of "
+                          f"model.moe.every={m.every}: a {cfg.family} folder's "
+                          f"decoder_sparse_step puts the MoE layers at (i + 1) % step == 0, "
+                          f"which would move them")
     out = {**common, "num_experts": m.experts, "moe_intermediate_size": expert_hidden(cfg),
-           "norm_topk_prob": m.renormalize, "decoder_sparse_step": 1,
+           "norm_topk_prob": m.renormalize, "decoder_sparse_step": m.every,
            "mlp_only_layers": list(range(m.first_dense))}
     if cfg.family in SHARED_WIDTH:
         out[SHARED_WIDTH[cfg.family]] = shared_hidden(cfg)
