@@ -192,7 +192,8 @@ def _layer_backward(lay: Layout, tpu: bool) -> float:
     held = _layer_forward(lay)
     if unit_layers(lay.model) > 1 and lay.layer_remat == "none":
         # a unit of model.moe.every layers (prefix.py) whose residuals are kept: its
-        # layers' backwards one at a time (under remat its forward is recomputed whole)
+        # layers' backwards one at a time (under remat its forward is recomputed whole;
+        # save_dots keeps part of it: counted whole, an over-estimate)
         one = lambda m: _layer_residuals(lay, "none", m).chunk(1, lay.rows_per_microbatch)
         held = max(one(dataclasses.replace(lay.model, moe=dataclasses.replace(
             lay.model.moe, every=1), n_layers=prefix_layers(lay.model) + stack_layers(lay.model))),

@@ -65,8 +65,9 @@ class MoeConfig:
     top_k: int = 2
     expert_hidden: Optional[int] = None  # one expert's hidden width; null: model.d_ff
     renormalize: bool = True  # the top_k weights divided by their sum
-    # Which layers are MoE: layer i iff i >= first_dense and (i - first_dense) % every == 0
-    # (every 1 only today). The first_dense dense layers (DeepSeek-V3's
+    # Which layers are MoE: layer i iff i >= first_dense and (i - first_dense + 1) % every
+    # == 0 (each group of `every` layers ends with its MoE one: framework/model/prefix.py's
+    # stacked unit). The first_dense dense layers (DeepSeek-V3's
     # first_k_dense_replace) run on the first stage after the embedding
     # (framework/model/prefix.py); d_ff is their width, expert_hidden the experts'.
     every: int = 1
@@ -258,10 +259,10 @@ class ModelConfig:
     @property
     def moe_shape(self) -> tuple:
         """What of `moe` shapes the parameters: experts, their width, shared experts,
-        the dense layers first, the balancing bias (on or off)."""
+        the dense layers first, MoE every k-th layer, the balancing bias (on or off)."""
         m = self.moe
         return (m.experts, m.expert_hidden, m.shared_experts, m.shared_hidden, m.shared_gate,
-                m.first_dense, m.bias_update_rate > 0) if m.enabled else ()
+                m.first_dense, m.every, m.bias_update_rate > 0) if m.enabled else ()
 
     def global_layer(self, index):
         """Whether layer `index` (an int, or an int array: then elementwise) attends to

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from framework.model.prefix import prefix_layers
+from framework.model.prefix import prefix_layers, unit_layers
 from framework.config import ModelConfig
 from framework.model.blockwise import zeros_varying_like
 from framework.model.weight_ops import gathered_weight_op, scattered_weight_op, weight_op
@@ -95,7 +95,9 @@ def layer_windows(cfg: ModelConfig, n: int, first=None):
         return None
     if not cfg.sliding_window_pattern:
         return cfg.sliding_window
-    # the stack's layer i is global layer first_dense + i (the dense prefix: prefix.py)
+    # the stack's layer i is global layer first_dense + i (the dense prefix: prefix.py;
+    # a stacked unit of model.moe.every layers is refused with a window pattern)
+    assert unit_layers(cfg) == 1, "model.moe.every > 1 with sliding_window_pattern"
     offset = prefix_layers(cfg)
     index = offset + (0 if first is None else first) + jnp.arange(n, dtype=jnp.int32)
     return jnp.where(cfg.global_layer(index), NO_WINDOW, cfg.sliding_window).astype(jnp.int32)

@@ -15,7 +15,8 @@ over `data` like any weight), the first stage runs k more layers (the stage bala
 counts them: `first_cost`), and generation keeps a KV cache for them as for the stack.
 
 The layer stack then holds the L - k MoE layers (`stack_layers`), and layer i of the
-stack is global layer k + i (its sliding window, `layers.layer_windows`).
+stack is global layer k + i (its sliding window, `layers.layer_windows`) - with
+model.moe.every 1; with k' > 1, unit i holds layers k + i k' .. k + (i + 1) k' - 1 (below).
 
 MoE every k-th layer (`model.moe.every` k: Qwen's decoder_sparse_step, Llama 4's
 interleave_moe_layer_step): after the prefix, each group of k layers ends with the MoE
@@ -29,8 +30,6 @@ units and `parallel.stage_layers` counts units.
 from __future__ import annotations
 
 import dataclasses
-
-import jax
 
 from framework.config import ModelConfig, MoeConfig
 
@@ -62,7 +61,7 @@ def stacked_layers_named(cfg: ModelConfig) -> str:
     L, k, every = stack_layers(cfg), prefix_layers(cfg), unit_layers(cfg)
     if L == cfg.n_layers:
         return f"model.n_layers={L}"
-    held = f"model.n_layers - model.moe.first_dense" if k else "model.n_layers"
+    held = "model.n_layers - model.moe.first_dense" if k else "model.n_layers"
     return f"{held}={L}" if every == 1 else f"({held}) / model.moe.every={L} units"
 
 

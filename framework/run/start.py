@@ -67,7 +67,8 @@ FAMILY_SHAPE_KEYS = {"has_qkv_bias": "model.qkv_bias", "has_qk_norm": "model.qk_
                      "has_post_norms": "model.post_norms",
                      "has_norm_plus_one": "model.norm_plus_one",
                      "moe_shape": "model.moe's (experts, expert_hidden, shared_experts, "
-                                  "shared_hidden, shared_gate, first_dense, a balancing bias)"}
+                                  "shared_hidden, shared_gate, first_dense, every, a balancing "
+                                  "bias)"}
 # Settings that change what the same parameters compute: a resume may change them
 # (e.g. RoPE for a longer context), and its line says so.
 MATHS_KEYS = {"dtype": "model.dtype", "mlp_activation": "model.activation", "has_embed_scale": "model.embed_scale",

@@ -36,8 +36,8 @@ def test_the_folder_reads_as_qwen2s_attention_and_a_gated_shared_expert():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(decoder_sparse_step=3), "decoder_sparse_step=3 with 0 dense layers first and 2 "
-                                  "after them is not supported (only groups of 3 layers"),
+    (dict(decoder_sparse_step=3), "decoder_sparse_step=3 with 2 layers after the first 0 "
+                                  "is not supported (only groups of 3 layers"),
     (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported (only the first layers "
                                 "dense, [0, 1, ..., k-1]"),
     (dict(shared_expert_intermediate_size=0),

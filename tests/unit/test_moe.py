@@ -317,10 +317,11 @@ def test_moe_config_json_reads_and_refuses_in_one_line():
     assert family.model_config(with_logits).moe.aux_loss_coef == 0.02
     # MoE every 2nd layer of 2 (layer 1: (i + 1) % 2 == 0)
     assert family.model_config({**qwen, "decoder_sparse_step": 2}).moe.every == 2
-    refused = {"decoder_sparse_step=3 with 0 dense layers first and 2 after them is not "
-               "supported": {**qwen, "decoder_sparse_step": 3},
-               "decoder_sparse_step=2 with 1 dense layers first and 1 after them": {
-                   **qwen, "decoder_sparse_step": 2, "mlp_only_layers": [0]},
+    # layer 0 dense by mlp_only_layers and by the step alike: a unit of (dense, MoE)
+    both = family.model_config({**qwen, "decoder_sparse_step": 2, "mlp_only_layers": [0]})
+    assert (both.moe.first_dense, both.moe.every) == (0, 2)
+    refused = {"decoder_sparse_step=3 with 2 layers after the first 0 is not supported": {
+                   **qwen, "decoder_sparse_step": 3},
                "mlp_only_layers=[1] is not supported (only the first layers dense": {
                    **qwen, "mlp_only_layers": [1]},
                "router_jitter_noise=0.1 is not supported": {**mixtral,
@@ -378,12 +379,18 @@ def test_a_capacity_factor_with_context_parallelism_is_refused_in_one_line():
 def test_starting_from_a_folder_keeps_the_capacity_factor_given():
     """train.init_from: the folder's experts, the training settings given (the loss
     coefficients and the capacity factor; it was silently dropped before 2026-11-29)."""
+    from framework.errors import ConfigError
     from framework.io.hf import moe as hf_moe
 
     folder = dataclasses.replace(CFG, family="mixtral", moe=MoeConfig(experts=4, top_k=2))
     got = hf_moe.merged({"moe": {"capacity_factor": 1.25, "aux_loss_coef": 0.1}}, folder)
     assert got.moe == MoeConfig(experts=4, top_k=2, capacity_factor=1.25, aux_loss_coef=0.1)
     assert hf_moe.merged({"moe": {"experts": 9}}, folder).moe == folder.moe
+    # which layers are MoE is the folder's: another given is refused, not dropped
+    with pytest.raises(ConfigError, match=r"model.moe.every=2 \(the folder's 1\): "
+                                          r"config.json says which layers are MoE"):
+        hf_moe.merged({"moe": {"every": 2}}, folder)
+    assert hf_moe.merged({"moe": {"every": 1, "first_dense": 0}}, folder).moe == folder.moe
 
 
 def test_expert_chunks_below_one_is_refused_in_one_line():

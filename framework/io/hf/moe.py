@@ -163,10 +163,10 @@ NOT_THESE_FAMILIES = (("shared_expert_intermediate_size", 0), ("n_shared_experts
                       ("routed_scaling_factor", 1.0))
 # the config.json key of a family's shared expert's width
 SHARED_WIDTH = {"qwen2_moe": "shared_expert_intermediate_size"}
-# config.json keys that must hold this value where present (null: absent), and why
 DENSE_FIRST = {"qwen3_moe": "mlp_only_layers", "qwen2_moe": "mlp_only_layers"}
 # the config.json key of a family's MoE-every-k-th-layer step (model.moe.every)
 SPARSE_STEP = {"qwen3_moe": "decoder_sparse_step", "qwen2_moe": "decoder_sparse_step"}
+# config.json keys that must hold this value where present (null: absent), and why
 ONLY = {"qwen3_moe": (), "qwen2_moe": (),
         "mixtral": (("router_jitter_noise", 0.0, "no router noise"),)}
 # model.moe's settings that a folder's family decides (beside the experts' count, top_k,
@@ -194,22 +194,22 @@ def _dense_first(hf: dict, kind: str, where: str) -> int:
     return len(layers)
 
 
-def _every(hf: dict, kind: str, where: str) -> int:
-    """model.moe.every from Qwen's decoder_sparse_step s: layer i is MoE iff it is not in
-    mlp_only_layers and (i + 1) % s == 0, which is this model's rule (framework/model/
-    prefix.py) where the dense layers first are a multiple of s and the rest split
-    into groups of s."""
-    key = SPARSE_STEP.get(kind)
+def _layer_groups(hf: dict, kind: str, where: str) -> dict:
+    """model.moe's first_dense and every from Qwen's mlp_only_layers [0..k-1] and
+    decoder_sparse_step s: layer i is MoE iff i >= k and (i + 1) % s == 0, which is this
+    model's rule (framework/model/prefix.py) with first_dense k - k % s (the layers from
+    there to k are dense under both) and every s, where the layers after first_dense
+    split into groups of s."""
+    k, key = _dense_first(hf, kind, where), SPARSE_STEP.get(kind)
     if key is None or hf.get(key) in (None, 1):
-        return 1
-    step, k = _count(hf, key, where), _dense_first(hf, kind, where)
-    rest = _count(hf, "num_hidden_layers", where) - k
-    if k % step or rest % step:
-        raise ConfigError(f"{where}: {key}={step} with {len(hf.get(DENSE_FIRST[kind]) or [])} "
-                          f"dense layers first and {rest} after them is not supported (only "
-                          f"groups of {step} layers each ending with its MoE layer: the dense "
-                          f"layers first and the rest multiples of {step})")
-    return step
+        return {"first_dense": k, "every": 1}
+    step = _count(hf, key, where)
+    rest = _count(hf, "num_hidden_layers", where) - (k - k % step)
+    if rest % step:
+        raise ConfigError(f"{where}: {key}={step} with {rest} layers after the first "
+                          f"{k - k % step} is not supported (only groups of {step} layers "
+                          f"each ending with its MoE layer: the last layers would be dense)")
+    return {"first_dense": k - k % step, "every": step}
 
 
 def settings(hf: dict, kind: str, where: str) -> MoeConfig:
@@ -229,7 +229,7 @@ def settings(hf: dict, kind: str, where: str) -> MoeConfig:
     hidden = _count(hf, "intermediate_size" if kind == "mixtral" else "moe_intermediate_size",
                     where)
     coef = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-    shared = {"first_dense": _dense_first(hf, kind, where), "every": _every(hf, kind, where)}
+    shared = _layer_groups(hf, kind, where)
     if kind in SHARED_WIDTH:  # one shared expert, gated (Qwen2MoeSparseMoeBlock)
         shared.update(shared_experts=1, shared_hidden=_count(hf, SHARED_WIDTH[kind], where),
                       shared_gate=True)
@@ -301,8 +301,8 @@ def _get(m, key: str):
 def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> ModelConfig:
     """The folder's experts with the training settings the user gave (the loss
     coefficients, the capacity factor and the balancing bias's rate, which starts the
-    bias at 0: not the checkpoint's); a setting of
-    NOT_IN_FOLDERS given (not its default) that differs from the folder's is refused."""
+    bias at 0: not the checkpoint's); a setting of NOT_IN_FOLDERS, first_dense or every
+    given (not its default) that differs from the folder's is refused."""
     mine = given.get("moe")
     if mine is None or not folder_cfg.moe.enabled:
         return folder_cfg
@@ -312,6 +312,12 @@ def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> 
                                                                    getattr(theirs, k))],
             folder_cfg.family, where, "drop these settings (train.init_from reads them from "
             "config.json)")
+    layers = [f"model.moe.{k}={_get(mine, k)} (the folder's {getattr(theirs, k)})"
+              for k in ("first_dense", "every") if _get(mine, k) is not None
+              and _get(mine, k) not in (getattr(MoeConfig(), k), getattr(theirs, k))]
+    if layers:
+        raise ConfigError(f"{', '.join(layers)}: {where} says which layers are MoE; drop "
+                          f"these settings (train.init_from reads them from config.json)")
     coefs = {k: _get(mine, k) for k in ("aux_loss_coef", "z_loss_coef", "capacity_factor",
                                         "bias_update_rate")
              if _get(mine, k) is not None}
