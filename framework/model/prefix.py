@@ -65,15 +65,16 @@ def stacked_layers_named(cfg: ModelConfig) -> str:
     return f"{held}={L}" if every == 1 else f"({held}) / model.moe.every={L} units"
 
 
-def unit_stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], ModelConfig, int, int]]:
+def unit_stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], ModelConfig, int, int, int]]:
     """The stacked layer trees as global layers: [(path of the tree, its layers' model,
-    the global index of its first layer, the stride between its layers)] - the prefix,
-    a unit's dense layers, the stack's own (MoE) layers. HF import and export read it."""
-    k, every = prefix_layers(cfg), unit_layers(cfg)
-    out = [(("layers",), cfg, k + every - 1, every)]
-    out += [(("layers", UNIT_DENSE.format(j)), dense_config(cfg), k + j, every)
+    how many, the global index of its first layer, the stride between its layers)] -
+    the stack's own (MoE) layers, a unit's dense layers, the prefix. HF import and
+    export read it."""
+    k, every, n = prefix_layers(cfg), unit_layers(cfg), stack_layers(cfg)
+    out = [(("layers",), cfg, n, k + every - 1, every)]
+    out += [(("layers", UNIT_DENSE.format(j)), dense_config(cfg), n, k + j, every)
             for j in range(every - 1)]
-    return out + ([(("embed", DENSE), dense_config(cfg), 0, 1)] if k else [])
+    return out + ([(("embed", DENSE), dense_config(cfg), k, 0, 1)] if k else [])
 
 
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:

@@ -146,9 +146,8 @@ def leaf_readers(tensors: Tensors, cfg: ModelConfig) -> dict[tuple[str, ...], Ca
     }
     if not cfg.tie_embeddings:
         readers[("head", "w")] = lambda index: read("lm_head.weight", index[::-1]).T
-    shapes = canonical_shapes(cfg)  # the prefix, a unit's dense layers, the stack's
-    for root, layer_cfg, start, stride in unit_stacks(cfg):  # (prefix.py)
-        count = jax.tree.leaves(_at(shapes, root))[0].shape[0]
+    # the stack's own layers, a unit's dense layers, the prefix (prefix.py)
+    for root, layer_cfg, count, start, stride in unit_stacks(cfg):
         readers.update({root + path: reader for path, reader in
                         _layer_readers(read, layer_cfg, start, count, stride).items()})
     return readers
@@ -267,16 +266,16 @@ def hf_tensors(cfg: ModelConfig, params, dtype: str) -> list:
               "model.norm.weight": lambda: np.asarray(params["head"]["norm"]["scale"], np.float32)}
     if not cfg.tie_embeddings:
         makers["lm_head.weight"] = lambda: np.asarray(params["head"]["w"], np.float32).T
-    for root, layer_cfg, start, stride in unit_stacks(cfg):  # (prefix.py)
-        makers.update(_layer_makers(layer_cfg, _at(params, root), start, stride))
+    for root, layer_cfg, count, start, stride in unit_stacks(cfg):  # (prefix.py)
+        makers.update(_layer_makers(layer_cfg, _at(params, root), count, start, stride))
     np_dtype = EXPORT_DTYPES[dtype]
     return [(name, shape, np_dtype, lambda m=makers[name]: m().astype(np_dtype))
             for name, shape in expected_tensors(cfg).items()]
 
 
-def _layer_makers(cfg: ModelConfig, layers, start: int, stride: int = 1) -> dict:
-    """HF tensor name -> maker, for a stack of layers of `cfg` (its params `layers`
-    [count, ...]) written as HF layers start, start + stride, ..."""
+def _layer_makers(cfg: ModelConfig, layers, count: int, start: int, stride: int = 1) -> dict:
+    """HF tensor name -> maker, for a stack of `count` layers of `cfg` (its params
+    `layers` [count, ...]) written as HF layers start, start + stride, ..."""
     r = cfg.n_heads // cfg.n_kv_heads
     get = lambda leaf, n: np.asarray(leaf[n], dtype=np.float32)
 
@@ -285,7 +284,7 @@ def _layer_makers(cfg: ModelConfig, layers, start: int, stride: int = 1) -> dict
         return w.transpose(1, 2, 3, 0).reshape(-1, cfg.d_model)
 
     makers = {}
-    for n in range(jax.tree.leaves(layers["attn"])[0].shape[0]):
+    for n in range(count):
         p = LAYER.format(start + n * stride)
         makers.update({p + f"{theirs}.weight": lambda n=n, mine=mine: get(
             layers[mine]["scale"], n) for mine, theirs in layer_norms(cfg).items()})
