@@ -43,11 +43,11 @@ from framework.engine.resolved import resolved, with_exchange
 from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
-from framework.model.prefix import RECOMPUTED, prefix_layers, stack_layers, unit_layers
+from framework.model.prefix import RECOMPUTED, prefix_layers, stack_layers
 from framework.model.attention import kernel_for
 from framework.model.moe import executed_rows
 from framework.model.flops import (fp8_matmul_share, hardware_flops_per_token,
-                                   model_flops_per_token)
+                                   layer_shares, model_flops_per_token)
 from framework.parallel.pipeline.schedule import (chunks_per_rank, schedule_names,
                                                   uses_virtual_stages)
 
@@ -128,10 +128,10 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     layers *= fp8_slowdown(model, train.seq_len, hw)
-    per_unit = layers * unit_layers(model) / model.n_layers  # (prefix.py's units)
-    cost = [n * per_unit for n in lay.stage_layer_counts]
+    unit_share, dense_share = layer_shares(model, train.seq_len)  # (prefix.py's units)
+    cost = [n * layers * unit_share for n in lay.stage_layer_counts]
     # a dense prefix (prefix.py): always recomputed in the first stage's backward
-    cost[0] += prefix_layers(model) * layers / model.n_layers * (
+    cost[0] += prefix_layers(model) * layers * dense_share * (
         1.0 if lay.remat.recompute_forward else RECOMPUTED)
     head_beyond = max(0.0, cost[-1] + head - max(cost))
     share = measured_rate(lay, train.seq_len, hw) or 1.0

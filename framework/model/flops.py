@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from framework.config import ModelConfig
 from framework.model.moe import moe_layers, routed_params
-from framework.model.prefix import RECOMPUTED, dense_config, prefix_layers, unit_layers
+from framework.model.prefix import (RECOMPUTED, dense_config, prefix_layers, stack_layers,
+                                    unit_layers)
 from framework.model.registry import spec_of
 
 FULL_SCORES, CAUSAL_SCORES = "full", "causal"
@@ -61,22 +62,35 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return float(6 * matmul_params(model) + attention_flops(model, seq_len))
 
 
-def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """(an average stacked unit (a layer, or model.moe.every layers), the embedding (a
-    lookup: none), the head): the costs the stage balance weighs, attention by CAUSAL_SCORES."""
-    # 3x a forward of 2 FLOPs per matmul weight and, causal, half the 4 x keys x H x Q
-    # of the scores and weighted values (keys averaged over the layers)
+def _unit_and_dense_layer(model: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of (a stacked unit, one dense layer): 2 per matmul weight
+    and, causal, half the 4 x keys x H x Q of the scores and weighted values (keys
+    averaged over the layers). A unit: its layer, and with model.moe.every k its k - 1
+    dense ones (prefix.py)."""
     spec = spec_of(model)
     keys = sum(spec.keys_per_query(model, seq_len)) / model.n_layers
     scores = 2 * keys * model.n_heads * model.head_dim
     dense_layer = 2 * spec.layer_matrix_params(dense_config(model)) + scores
-    # a stacked unit: its layer, and with model.moe.every k its k - 1 dense ones first
-    layer = 3 * (2 * spec.layer_matrix_params(model) + scores
-                 + (unit_layers(model) - 1) * dense_layer)
-    # the input piece: the lookup (none) and a MoE model's dense prefix (prefix.py),
-    # whose backward recomputes its forward
-    dense = 3 * RECOMPUTED * dense_layer
-    return float(layer), float(prefix_layers(model) * dense), head_flops(model)
+    unit = 2 * spec.layer_matrix_params(model) + scores + (unit_layers(model) - 1) * dense_layer
+    return float(unit), float(dense_layer)
+
+
+def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """(a stacked unit (a layer, or model.moe.every layers), the embedding (a lookup:
+    none), the head): the costs the stage balance weighs, attention by CAUSAL_SCORES.
+    Training: 3x the forward; a MoE model's dense prefix (prefix.py), in the input
+    piece, has its forward recomputed by its backward."""
+    unit, dense_layer = _unit_and_dense_layer(model, seq_len)
+    return 3 * unit, 3 * RECOMPUTED * dense_layer * prefix_layers(model), head_flops(model)
+
+
+def layer_shares(model: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(one stacked unit's, one dense prefix layer's) share of all the layers' FLOPs:
+    how the planner splits `hardware_flops_per_token`'s layers among the stages (a unit
+    of model.moe.every layers is not every times the average layer)."""
+    unit, dense_layer = _unit_and_dense_layer(model, seq_len)
+    total = stack_layers(model) * unit + prefix_layers(model) * dense_layer
+    return unit / total, dense_layer / total
 
 
 def hardware_flops_per_token(model: ModelConfig, seq_len: int, recompute_forward: bool,

@@ -53,6 +53,8 @@ Qwen2-MoE's gated shared expert: transformers' Qwen2MoeSparseMoeBlock.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -285,6 +287,16 @@ def _group_errors(m) -> list[str]:
     return []
 
 
+def _dense_errors(m) -> list[str]:
+    """MoE settings given to a dense model (model.moe.experts 0), which nothing would
+    read: one line naming them, rather than a run that silently ignores them."""
+    default = type(m)()
+    given = [f"{f.name}={getattr(m, f.name)}" for f in dataclasses.fields(m)
+             if f.name != "experts" and getattr(m, f.name) != getattr(default, f.name)]
+    return [f"model.moe.{', '.join(given)} set on a dense model (model.moe.experts=0): set "
+            f"model.moe.experts >= 1 for a mixture of experts, or leave them unset"] if given else []
+
+
 def check_moe(model: ModelConfig) -> list[str]:
     """Problems of the mixture-of-experts settings, one line each."""
     m, errs = model.moe, []
@@ -293,7 +305,7 @@ def check_moe(model: ModelConfig) -> list[str]:
                     + (f" (model.family={model.family} is a mixture of experts)"
                        if model.family in MOE_FAMILIES else " (0: a dense feed-forward)"))
     if not m.enabled:
-        return errs
+        return errs or _dense_errors(m)
     if not 1 <= m.top_k <= m.experts:
         errs.append(f"model.moe.top_k={m.top_k} must be in [1, model.moe.experts={m.experts}]")
     if m.expert_hidden is not None and m.expert_hidden < 1:

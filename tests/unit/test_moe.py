@@ -255,6 +255,14 @@ def test_a_moe_family_needs_experts():
     assert check_model(dataclasses.replace(CFG, family="qwen3_moe")) == []
 
 
+def test_moe_settings_on_a_dense_model_are_refused_not_ignored():
+    dense = dataclasses.replace(CFG, n_layers=4, moe=MoeConfig(every=2, first_dense=1))
+    assert check_model(dense) == [
+        "model.moe.every=2, first_dense=1 set on a dense model (model.moe.experts=0): set "
+        "model.moe.experts >= 1 for a mixture of experts, or leave them unset"]
+    assert check_model(dataclasses.replace(dense, moe=MoeConfig())) == []
+
+
 def test_moe_settings_through_hydra_and_the_layout_check():
     """`model.moe.*` from the command line; the layout check (framework/engine/validate.py)
     refuses a bad one in one line before anything is compiled."""
