@@ -205,11 +205,16 @@ def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
                                     else 1)
     kv = (lay.rows_per_replica * lay.seq_per_device * 2 * kv_heads
           * model.head_dim * dtype_bytes(model.dtype))  # k and v, one layer
-    again = permute and lay.recomputes  # the recomputed forward ring's (above)
     # the gradients' c shifts in float32; the GPU compiler casts before the last one
     sums = (c - permute) * FP32 / dtype_bytes(model.dtype) + permute
-    shifts = ((2 + again) * (c - 1) + sums) * kv
-    return shifts * (1 if permute else c - 1) * _busiest_decoder_layers(lay)
+    # a layer's, with the recomputed forward's ring (above) `again`
+    shifts = lambda again: ((2 + again) * (c - 1) + sums) * kv * (1 if permute else c - 1)
+    # a dense prefix (prefix.py) on the first stage only, its forward recomputed by a
+    # cell of its own (on CPU too, where nothing merges it with the backward's): averaged
+    # over the p ranks, as the audit counts a conditional's collectives (and as
+    # `layer_tensor_bytes` counts its tensor collectives)
+    return (shifts(permute and lay.recomputes) * _busiest_decoder_layers(lay)
+            + shifts(True) * prefix_layers(model) / parallel.pipeline)
 
 
 def _busiest_layers(lay: Layout) -> int:
