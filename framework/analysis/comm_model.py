@@ -244,12 +244,15 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
     # two gathers (cast where the compute dtype is narrower), one reduce-scatter
     cast = 2 * min(dtype_bytes(model.dtype), stored) + stored
     ends = 2 * stored * counts["embed"] + cast * counts["head"]
-    # a dense prefix, as stored: per microbatch gathered for the forward and again for its
-    # backward (the tick executor), or (`autodiff`, which embeds every microbatch at
-    # once) gathered and its gradient reduce-scattered once a step
-    prefix = stored * counts.get("prefix", 0)
-    once = 2 * prefix / parallel.microbatches if autodiff else 0.0
-    ends += 0.0 if autodiff else 3 * prefix
+    # a dense prefix, gathered layer by layer as the layers are (cast): per microbatch
+    # for the forward, then in its backward's recomputed forward and again for the
+    # backward itself (the tick executor), or (`autodiff`, which embeds every microbatch
+    # at once) once a step for the forward and once for the backward; its gradient
+    # reduce-scattered as stored each time
+    one = min(dtype_bytes(model.dtype), stored)
+    prefix = counts.get("prefix", 0)
+    once = (2 * one + stored) * prefix / parallel.microbatches if autodiff else 0.0
+    ends += 0.0 if autodiff else (3 * one + stored) * prefix
     if model.tie_embeddings:
         ends += 3 * stored * counts["embed"]
     # FP8 gathers (model.fp8_gather): the layers' two gathers one byte an element (the

@@ -168,14 +168,25 @@ def _prefix(lay: Layout, remat: str) -> float:
     return res.chunk(k, lay.rows_per_microbatch)
 
 
-def _prefix_gathered(lay: Layout) -> float:
-    """FSDP's per-use gathers: the dense prefix's weights gathered whole in float32 (the
-    input piece is gathered at once, not layer by layer as the stack), which its
-    backward reads (GPipe's autodiff keeps them from the forward); 0 otherwise. CPU
-    program, pp2 dp4 FSDP: 0.900x -> 1.00x (GPipe), 0.918x -> 1.06x (1F1B)."""
-    if not (lay.gathers_per_use and prefix_layers(lay.model)):
+def _prefix_backward(lay: Layout, tpu: bool) -> float:
+    """The first stage's backward of a MoE model's dense prefix (prefix.py), recomputed
+    from the ids: its residuals for one microbatch under the layers' remat, then one
+    dense layer's backward in flight (as `_layer_backward`, the dense layer's), with
+    FSDP that layer's weights gathered in the compute dtype (layer by layer as the
+    stack's, gathered again for the backward, never kept) and its float32 gradient
+    before the reduce-scatter; 0 without a prefix."""
+    k = prefix_layers(lay.model)
+    if k == 0:
         return 0.0
-    return float(local_prefix_count(lay.model, lay.parallel) * FP32)
+    dense = dense_config(lay.model)
+    held = _layer_residuals(lay, "none", dense).chunk(1, lay.rows_per_microbatch)
+    held += attention_scores_bytes(
+        dense, lay.rows_per_microbatch, lay.seq_per_device, lay.parallel.tensor)
+    if lay.gathers_per_use:
+        one = local_prefix_count(lay.model, lay.parallel) / k
+        held += one * (min(dtype_bytes(lay.model.dtype), FP32) + FP32)
+    return _prefix(lay, lay.layer_remat) + (held * fitted("layer_backward/tpu") if tpu
+                                             else held)
 
 
 def _layer_forward(lay: Layout) -> float:
@@ -306,7 +317,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
     kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
     # the first stage embeds every microbatch at once (a dense prefix: its residuals)
-    kept += m * _prefix(lay, lay.layer_remat) + _prefix_gathered(lay)
+    kept += m * _prefix(lay, lay.layer_remat)
     head = head_bytes(lay, "per_microbatch" if m > 1 else "whole_batch", platform)
     backward = layer_backward
     if ticks > 1:  # the tick scan's backward: one tick's slice of the residual stack,
@@ -350,10 +361,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         "activations": kept,
         # the head's peak, the layers' and (FSDP) the embedding's after the loop do not overlap
         "transient": max(head, backward, _fsdp_embedding_gradient(lay),
-                         # a dense prefix's backward, recomputed from the ids (prefix.py)
-                         _prefix(lay, lay.layer_remat) + layer_backward + (
-                             0.0 if lay.program.schedule.executor == AUTODIFF  # (kept)
-                             else _prefix_gathered(lay))),
+                         _prefix_backward(lay, tpu)),
     }
     out["total"] = sum(out.values())
     return out

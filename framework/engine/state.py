@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from framework.config import ModelConfig
 from framework.engine.resolved import Layout
-from framework.model.prefix import stack_layers
+from framework.model.prefix import DENSE, stack_layers
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel import rules
@@ -76,6 +76,10 @@ def param_specs(lay: Layout):
     if parallel.fsdp:  # a dimension of one use: stages are [stage, chunk, layer, ...]
         dims = data_parallel.fsdp_dims(shapes, specs, parallel.data, {"stages": 3},
                                        lay.expert)
+        if DENSE in shapes["embed"]:  # a dense prefix, gathered layer by layer: [k, ...]
+            dims["embed"][DENSE] = data_parallel.fsdp_dims(
+                {DENSE: shapes["embed"][DENSE]}, {DENSE: specs["embed"][DENSE]},
+                parallel.data, {DENSE: 1}, lay.expert)[DENSE]
     else:
         dims = data_parallel.zero1_dims(shapes, specs, parallel.data, lay.expert)
     return data_parallel.add_data_axis(specs, dims), dims

@@ -35,7 +35,7 @@ from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model import fp8
 from framework.model.documents import DocumentMask, documents_of
-from framework.model.prefix import embed_piece
+from framework.model.prefix import DENSE, embed_piece
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
@@ -91,7 +91,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     stack = spec.stack(layout.layer_remat, tp, skip_unless, stack_gather)
     # the embedding, then a MoE model's dense prefix (framework/model/prefix.py)
     piece = embed_piece(model, tp, spec.embed, spec.apply_layers,
-                        spec.stack(layout.layer_remat, tp))
+                        spec.stack(layout.layer_remat, tp, None, gather["prefix"]))
     return StageFns(
         embed=lambda e, ids, docs=None: piece(gather["embed"](e), ids, docs),
         layers=partial(spec.apply_layers, model, stack=stack),
@@ -107,13 +107,20 @@ def _per_use_gathers(dims, dtype) -> dict:
     travel in the compute dtype `dtype` where it is narrower than the stored one (the
     model casts every matrix to it before use, framework/model/llama.py); the embedding
     table in its own (a lookup's gradient scatter-adds rows: summed in the stored
-    dtype, as without FSDP)."""
+    dtype, as without FSDP). A MoE model's dense prefix (embed/dense, prefix.py) is
+    gathered as the layers are, one layer at a time in the compute dtype ("prefix"),
+    not with the embedding."""
     if dims is None:
-        return {"embed": lambda tree: tree, "head": lambda tree: tree, "layer": None}
-    one = lambda group, offset, cast=None: partial(
-        data_parallel.gather_leaves, dims=dims[group], offset=offset, dtype=cast)
-    return {"embed": one("embed", 0), "head": one("head", 0, dtype),
-            "layer": one("stages", 3, dtype)}
+        return {"embed": lambda tree: tree, "head": lambda tree: tree, "layer": None,
+                "prefix": None}
+    one = lambda tree, offset, cast=None: partial(
+        data_parallel.gather_leaves, dims=tree, offset=offset, dtype=cast)
+    embed, prefix = dict(dims["embed"]), None
+    if DENSE in embed:  # (its leaves passed through by the embedding's gather)
+        prefix = one(embed[DENSE], 1, dtype)
+        embed[DENSE] = jax.tree.map(lambda d: None, embed[DENSE], is_leaf=lambda d: d is None)
+    return {"embed": one(embed, 0), "head": one(dims["head"], 0, dtype),
+            "layer": one(dims["stages"], 3, dtype), "prefix": prefix}
 
 
 def _fp8_layer_gather(dims, model, tp: TensorParallel):

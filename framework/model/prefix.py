@@ -11,7 +11,8 @@ recomputes the piece from the token ids and pulls the gradient of the stack's fi
 input through it (`cells.embed_grad`: the dense prefix is always fully rematerialised,
 its only residual the ids); their gradients join the embedding's. What that costs:
 every pipeline rank stores them (as it stores the embedding; FSDP and ZeRO-1 shard them
-over `data` like any weight), the first stage runs k more layers (the stage balance
+over `data` like any weight, FSDP gathering them layer by layer as it gathers the stack's
+layers: `engine/step.py`'s "prefix" gather), the first stage runs k more layers (the stage balance
 counts them: `first_cost`), and generation keeps a KV cache for them as for the stack.
 
 The layer stack then holds the L - k MoE layers (`stack_layers`), and layer i of the

@@ -147,7 +147,8 @@ def test_the_optimizer_treats_the_prefix_as_layers():
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(pipeline=2, data=4, microbatches=4, schedule="gpipe", fsdp=True),
-    # (the prefix with units after it: 1.039x the peak without the units, 2026-11-29)
+    # (the prefix with units after it: 0.994x, 1.053x before the prefix's backward was a
+    # dense layer's; the prefix alone on this layout 1.039x, 2026-11-29)
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", sequence_parallel=True,
          expert=2, model=UNITS),
     dict(pipeline=2, data=2, context=2, microbatches=4, schedule="1f1b"),
@@ -158,10 +159,12 @@ def test_the_compiled_program_is_the_models(kw):
     with its backward, on the first stage), its gradients' all-reduce over `pipe` (every
     rank holds it), FSDP's two gathers of it; GPipe's autodiff keeping its residuals for
     every microbatch, the tick executor recomputing it in the first stage's backward (a
-    transient), FSDP's gathered prefix (the whole piece at once, which its backward
-    reads). 2026-11-29 on (2, 2, 2) without FSDP: memory 0.978x (GPipe) and 1.022x
-    (1F1B), 0.766x and 0.944x without the prefix's terms; GPipe with FSDP on pp2 dp4
-    1.000x (0.900x without the gathered prefix); tensor bytes 1.73x the model
+    transient), FSDP's gathered prefix (one layer at a time in the compute dtype, as
+    the stack's). 2026-11-29 on (2, 2, 2) without FSDP: memory 0.992x (GPipe) and 0.995x
+    (1F1B; 0.766x and 0.944x without the prefix's terms, 1.017x when its backward was
+    costed as a MoE layer's); GPipe with FSDP on pp2 dp4 1.064x (the prefix gathered whole
+    in float32 until the fifth session of that day: a 17% higher compiled peak, which
+    the model then matched at 1.000x); tensor bytes 1.73x the model
     before it counted the prefix's, FSDP's data bytes 1.116x (1F1B; GPipe, which embeds
     every microbatch at once, 0.722x when counted per microbatch). Context parallelism:
     the prefix's ring shifts, forward, recomputed and backward, on the first stage
