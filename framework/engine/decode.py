@@ -95,15 +95,11 @@ class Decoder:
         the last position's logits [b, vocab@tensor], the updated cache)."""
         c, tp, spec = self.cfg, self.tp, self.spec
         x = spec.embed(c, tp).apply({"params": table_of(params["embed"])}, tokens)
-        k = prefix_layers(c)  # a MoE model's dense layers first: caches [:k] (prefix.py)
+        k = prefix_layers(c)  # a MoE model's dense layers first: cache rows [:k] (prefix.py)
         if k:
-            x, first = spec.apply_layers_cached(dense_config(c), params["embed"][DENSE], x,
-                                                spec.kv_cache(*(a[:k] for a in cache)), start, tp)
-            x, rest = spec.apply_layers_cached(c, params["layers"], x,
-                                               spec.kv_cache(*(a[k:] for a in cache)), start, tp)
-            cache = [jnp.concatenate([a, b]) for a, b in zip(first, rest)]
-        else:
-            x, cache = spec.apply_layers_cached(c, params["layers"], x, cache, start, tp)
+            x, cache = spec.apply_layers_cached(dense_config(c), params["embed"][DENSE], x,
+                                                cache, start, tp)
+        x, cache = spec.apply_layers_cached(c, params["layers"], x, cache, start, tp, first=k)
         logits = spec.head(c, tp).apply({"params": params["head"]}, x[:, -1:],
                                         tied_table=params["embed"]["table"])
         return logits[:, 0], spec.kv_cache(*cache)
