@@ -189,10 +189,13 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
               * model.d_model * dtype_bytes(model.dtype))  # A
     # two in the forward, two in the backward; a rematerialised layer's backward runs
     # the attention's again (the MLP's output is the next layer's input, kept); a dense
-    # prefix: its forward, then again and its backward (prefix.py), on the first stage
-    # only (one rank in p, as the audit counts a conditional's collectives: averaged)
-    units = (5 if lay.recomputes else 4) * _busiest_decoder_layers(lay) + \
-        6 * prefix_layers(model) / parallel.pipeline
+    # prefix (prefix.py) on the first stage only (one rank in p, as the audit counts a
+    # conditional's collectives: averaged), as a layer under autodiff, and under the
+    # tick executor two more: its backward cell runs its forward again first
+    again = 1 if lay.recomputes else 0
+    prefix = 4 + again + (0 if lay.program.schedule.executor == AUTODIFF else 2)
+    units = (4 + again) * _busiest_decoder_layers(lay) + \
+        prefix * prefix_layers(model) / parallel.pipeline
     return units * _ring_all_reduce(parallel.tensor) * hidden
 
 
@@ -209,12 +212,14 @@ def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
     sums = (c - permute) * FP32 / dtype_bytes(model.dtype) + permute
     # a layer's, with the recomputed forward's ring (above) `again`
     shifts = lambda again: ((2 + again) * (c - 1) + sums) * kv * (1 if permute else c - 1)
-    # a dense prefix (prefix.py) on the first stage only, its forward recomputed by a
-    # cell of its own (on CPU too, where nothing merges it with the backward's): averaged
-    # over the p ranks, as the audit counts a conditional's collectives (and as
-    # `layer_tensor_bytes` counts its tensor collectives)
-    return (shifts(permute and lay.recomputes) * _busiest_decoder_layers(lay)
-            + shifts(True) * prefix_layers(model) / parallel.pipeline)
+    # a dense prefix (prefix.py) on the first stage only: as a layer under autodiff;
+    # under the tick executor its backward cell runs its forward again first (on CPU
+    # too, where nothing merges that with the backward's); averaged over the p ranks,
+    # as the audit counts a conditional's collectives (and `layer_tensor_bytes` its
+    # tensor collectives)
+    layer = shifts(permute and lay.recomputes)
+    prefix = layer if lay.program.schedule.executor == AUTODIFF else shifts(True)
+    return layer * _busiest_decoder_layers(lay) + prefix * prefix_layers(model) / parallel.pipeline
 
 
 def _busiest_layers(lay: Layout) -> int:
@@ -276,6 +281,10 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
 
     tensor = layer_tensor_bytes(model, parallel, train)
     tensor += 2 * _ring_all_reduce(tp) * hidden / p  # embedding fwd, LM head bwd
+    if prefix_layers(model) and lay.program.schedule.executor != AUTODIFF:
+        # the embedding again, before the prefix's backward (prefix.py; without one XLA
+        # drops the unused lookup): under SP a reduce-scatter, half an all-reduce
+        tensor += _ring_all_reduce(tp) * hidden / p / (2 if lay.sequence_parallel else 1)
     tensor += 3 * _ring_all_reduce(tp) * rows * tokens * FP32 / p  # loss
     if lay.sequence_parallel:
         # the scales replicated over `tensor`: 2 per layer (4 with Gemma's post-norms) +

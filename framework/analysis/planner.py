@@ -128,7 +128,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
     # head adds what the slack of its fewer layers (uneven stages) does not absorb.
     layers *= fp8_slowdown(model, train.seq_len, hw)
-    unit_share, dense_share = layer_shares(model, train.seq_len)  # (prefix.py's units)
+    unit_share, dense_share = layer_shares(model, train.seq_len, rows)  # (prefix.py's units)
     cost = [n * layers * unit_share for n in lay.stage_layer_counts]
     # a dense prefix (prefix.py): always recomputed in the first stage's backward
     cost[0] += prefix_layers(model) * layers * dense_share * (

@@ -62,16 +62,20 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return float(6 * matmul_params(model) + attention_flops(model, seq_len))
 
 
-def _unit_and_dense_layer(model: ModelConfig, seq_len: int) -> tuple[float, float]:
+def _unit_and_dense_layer(model: ModelConfig, seq_len: int,
+                          expert_rows: float = 1.0) -> tuple[float, float]:
     """Forward FLOPs per token of (a stacked unit, one dense layer): 2 per matmul weight
     and, causal, half the 4 x keys x H x Q of the scores and weighted values (keys
     averaged over the layers). A unit: its layer, and with model.moe.every k its k - 1
-    dense ones (prefix.py)."""
+    dense ones (prefix.py); its MoE layer's routed experts at `expert_rows` rows per
+    routed copy (`hardware_flops_per_token`'s)."""
     spec = spec_of(model)
     keys = sum(spec.keys_per_query(model, seq_len)) / model.n_layers
     scores = 2 * keys * model.n_heads * model.head_dim
     dense_layer = 2 * spec.layer_matrix_params(dense_config(model)) + scores
     unit = 2 * spec.layer_matrix_params(model) + scores + (unit_layers(model) - 1) * dense_layer
+    if model.moe.enabled:
+        unit += (expert_rows - 1.0) * 2 * routed_params(model)
     return float(unit), float(dense_layer)
 
 
@@ -84,11 +88,13 @@ def stage_flops_per_token(model: ModelConfig, seq_len: int) -> tuple[float, floa
     return 3 * unit, 3 * RECOMPUTED * dense_layer * prefix_layers(model), head_flops(model)
 
 
-def layer_shares(model: ModelConfig, seq_len: int) -> tuple[float, float]:
+def layer_shares(model: ModelConfig, seq_len: int,
+                 expert_rows: float = 1.0) -> tuple[float, float]:
     """(one stacked unit's, one dense prefix layer's) share of all the layers' FLOPs:
-    how the planner splits `hardware_flops_per_token`'s layers among the stages (a unit
-    of model.moe.every layers is not every times the average layer)."""
-    unit, dense_layer = _unit_and_dense_layer(model, seq_len)
+    how the planner splits `hardware_flops_per_token`'s layers (at the same
+    `expert_rows`) among the stages (a unit of model.moe.every layers is not every
+    times the average layer; a dense prefix layer holds none of the experts' rows)."""
+    unit, dense_layer = _unit_and_dense_layer(model, seq_len, expert_rows)
     total = stack_layers(model) * unit + prefix_layers(model) * dense_layer
     return unit / total, dense_layer / total
 

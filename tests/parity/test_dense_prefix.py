@@ -146,30 +146,27 @@ def test_the_optimizer_treats_the_prefix_as_layers():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, data=4, microbatches=4, schedule="gpipe", fsdp=True),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="gpipe", fsdp=True),
     # (the prefix with units after it: 0.994x, 1.053x before the prefix's backward was a
     # dense layer's; the prefix alone on this layout 1.039x, 2026-11-29)
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b", sequence_parallel=True,
          expert=2, model=UNITS),
-    dict(pipeline=2, data=2, context=2, microbatches=4, schedule="1f1b"),
-], ids=("gpipe-fsdp", "1f1b-tp2-sp-ep2-every2", "1f1b-cp2"))
+    dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b"),
+], ids=("gpipe-tp2-fsdp", "1f1b-tp2-sp-ep2-every2", "1f1b-cp2-tp2"))
 def test_the_compiled_program_is_the_models(kw):
     """What the compiled CPU program sends per mesh axis and holds at its peak, against
-    the comm and memory models: the prefix's tensor collectives (its forward, then again
-    with its backward, on the first stage), its gradients' all-reduce over `pipe` (every
-    rank holds it), FSDP's two gathers of it; GPipe's autodiff keeping its residuals for
-    every microbatch, the tick executor recomputing it in the first stage's backward (a
-    transient), FSDP's gathered prefix (one layer at a time in the compute dtype, as
-    the stack's). 2026-11-29 on (2, 2, 2) without FSDP: memory 0.992x (GPipe) and 0.995x
-    (1F1B; 0.766x and 0.944x without the prefix's terms, 1.017x when its backward was
-    costed as a MoE layer's); GPipe with FSDP on pp2 dp4 1.064x (the prefix gathered whole
-    in float32 until the fifth session of that day: a 17% higher compiled peak, which
-    the model then matched at 1.000x); tensor bytes 1.73x the model
-    before it counted the prefix's, FSDP's data bytes 1.116x (1F1B; GPipe, which embeds
-    every microbatch at once, 0.722x when counted per microbatch). Context parallelism:
-    the prefix's ring shifts, forward, recomputed and backward, on the first stage
-    (pp2 dp2 cp2 1F1B: context bytes 1.178x the model before it counted them, 1.000x
-    now, 2026-11-29)."""
+    the comm and memory models: the prefix's tensor collectives and ring shifts (its
+    forward, then under the tick executor again in its backward cell before the
+    backward itself, the embedding's all-reduce with it; under GPipe's autodiff as a
+    layer's), its gradients' all-reduce over `pipe` (every rank holds it), FSDP's
+    gathers of it layer by layer; GPipe's autodiff keeping its residuals for every
+    microbatch, the tick executor recomputing it in the first stage's backward (a
+    transient). 2026-11-29 (fifth session): tensor bytes 1.006x, 1.005x and 1.005x the
+    model (up to 1.09x, 0.87x and 1.04x before the executors' forward passes and the
+    embedding's second all-reduce were told apart), context 1.0005x (1.178x before the
+    prefix's rings were counted), FSDP data 0.978x; memory 0.923x, 0.994x and 0.981x.
+    (A MoE model under remat=full with tensor and context parallelism is predicted at
+    0.69-0.76x on these tiny CPU programs, the prefix or not: not asserted here.)"""
     from framework.analysis import audit, comm_model, memory_model
     from tests.helpers import TRAIN
 
@@ -180,7 +177,7 @@ def test_the_compiled_program_is_the_models(kw):
     expected = comm_model.expected_bytes(eng.model, eng.parallel, train, permute=False)
     # (data: 0.983x and 0.988x without a prefix, GPipe and 1F1B with FSDP, 2026-11-29)
     for axis, (lo, hi) in (("pipe", (0.99, 1.01)), ("data", (0.97, 1.01)),
-                           ("tensor", (0.99, 1.1)), ("expert", (0.999, 1.001)),
+                           ("tensor", (0.99, 1.01)), ("expert", (0.999, 1.001)),
                            ("context", (0.99, 1.01))):
         got, want = stats.get(f"comm/bytes_per_step/{axis}", 0.0), expected.get(axis, 0.0)
         assert (got == 0 == want) or lo <= got / want <= hi, (axis, got, want)

@@ -399,6 +399,12 @@ def test_starting_from_a_folder_keeps_the_capacity_factor_given():
                                           r"config.json says which layers are MoE"):
         hf_moe.merged({"moe": {"every": 2}}, folder)
     assert hf_moe.merged({"moe": {"every": 1, "first_dense": 0}}, folder).moe == folder.moe
+    # a dense folder: MoE settings given are refused, not dropped
+    dense = dataclasses.replace(CFG, moe=MoeConfig())
+    with pytest.raises(ConfigError, match=r"^model.moe.experts=8, model.moe.top_k=1: "
+                                          r"config.json is a dense model \(no experts\)"):
+        hf_moe.merged({"moe": {"experts": 8, "top_k": 1, "every": 1}}, dense)
+    assert hf_moe.merged({"moe": {"experts": 0, "top_k": 2}}, dense) is dense
 
 
 def test_expert_chunks_below_one_is_refused_in_one_line():

@@ -304,7 +304,16 @@ def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> 
     bias at 0: not the checkpoint's); a setting of NOT_IN_FOLDERS, first_dense or every
     given (not its default) that differs from the folder's is refused."""
     mine = given.get("moe")
-    if mine is None or not folder_cfg.moe.enabled:
+    if mine is None:
+        return folder_cfg
+    if not folder_cfg.moe.enabled:  # a dense folder: no MoE setting has anything to set
+        default = MoeConfig()
+        named = [f"model.moe.{f.name}={_get(mine, f.name)}" for f in dataclasses.fields(default)
+                 if _get(mine, f.name) is not None
+                 and _get(mine, f.name) != getattr(default, f.name)]
+        if named:
+            raise ConfigError(f"{', '.join(named)}: {where} is a dense model (no experts); "
+                              f"drop these settings")
         return folder_cfg
     theirs = folder_cfg.moe
     _refuse([f"model.moe.{k}={_get(mine, k)}" for k in NOT_IN_FOLDERS
