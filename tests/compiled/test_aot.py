@@ -96,7 +96,7 @@ def test_the_target_compiles_and_sends_what_the_cpu_program_sends(target, schedu
 
 
 @pytest.mark.slow  # 16 s each: the fast tier's time (it compiles one GPU program)
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # interleaved: the 70B recipe's
 def test_gpu_stage_to_stage_sends_overlap_the_cells(schedule):
     """Overlapped sends (the default): on the GPU compiler every `collective-permute`
     over `pipe` is asynchronous with a cell's matmuls scheduled between its start and
@@ -105,12 +105,10 @@ def test_gpu_stage_to_stage_sends_overlap_the_cells(schedule):
     GPU options, framework/runtime/devices.py): a cell holds tensor-parallel
     collectives. The 1B recipe: on the tiny model the scheduler's cost model hides
     some sends behind elementwise work, rightly (a few KiB)."""
-    extra = ("parallel.virtual_stages=2",) if schedule == "interleaved_1f1b" else ()
-    got = report("gpu:h100x8", f"parallel.schedule={schedule}", *extra,
-                 recipe="llama_1b_8gpu")
+    got = report("gpu:h100x8", f"parallel.schedule={schedule}", recipe="llama_1b_8gpu")
     assert got["sends"] == "overlapped"
     assert got["comm/overlapped_fraction/pipe_sends"] >= 0.9
-    sync = report("gpu:h100x8", f"parallel.schedule={schedule}", *extra,
+    sync = report("gpu:h100x8", f"parallel.schedule={schedule}",
                   "parallel.overlap_sends=false", recipe="llama_1b_8gpu")
     assert sync["sends"] == "synchronous"
     assert sync["comm/overlapped_fraction/pipe_sends"] == 0
@@ -205,14 +203,15 @@ def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
 @pytest.mark.slow  # 50 s: one 8B program on the TPU compiler
 def test_a_tpu_program_fits_by_the_compilers_peak_not_its_summed_temporaries():
     """The TPU compiler's temporaries count the tiles' padding twice; its peak is what
-    it checks against HBM (framework/analysis/memory_check.py, `compiled_bytes`). Eight
-    Llama-3-8B layers, ZB-H1, 832 sequences on tpu:v5p-32: arguments + outputs +
+    it checks against HBM (framework/analysis/memory_check.py, `compiled_bytes`). Four
+    Llama-3-8B layers, ZB-H1, 1,024 sequences on tpu:v5p-32: arguments + outputs +
     temporaries - aliased over the chip's 95.74 GiB, yet the compiler accepts the
-    program at a lower peak; the report says it fits. (768 sequences: 99.6 GiB summed,
-    peak 73.3 GiB on 2026-11-26; 90.8 summed once the stash was written in place layer
-    by layer, 2026-11-28, so the case grew to stay over the chip.)"""
-    got = report("tpu:v5p-32", "parallel.schedule=zb_h1", "model.n_layers=8",
-                 "train.global_batch_size=832", recipe="llama3_8b_v5p")
+    program at a lower peak; the report says it fits. (2026-11-29: 100.6 GiB summed,
+    peak 74.8 GiB, predicted 0.950x; eight layers and 832 sequences compiled 15% slower.
+    768 sequences of eight layers: 99.6 GiB summed, peak 73.3 GiB on 2026-11-26; 90.8
+    summed once the stash was written in place layer by layer, 2026-11-28.)"""
+    got = report("tpu:v5p-32", "parallel.schedule=zb_h1", "model.n_layers=4",
+                 "train.global_batch_size=1024", recipe="llama3_8b_v5p")
     summed = sum(got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp"))
     assert summed - got["memory/alias_bytes_per_device"] > got["memory/device_bytes"]
     assert got["fits"] and got["memory/compiled_bytes_per_device"] < 0.85 * got[

@@ -254,25 +254,3 @@ def test_a_corpus_run_resumed_mid_epoch_on_another_mesh_sees_the_same_batches(tm
     assert sorted(part) == list(range(1, 7))
     for step in range(1, 7):
         assert abs(part[step] - full[step]) <= 1e-5 * full[step], (step, part, full)
-
-
-def test_a_wsd_run_resumed_at_the_start_of_its_decay_has_the_uninterrupted_losses(tmp_path,
-                                                                                   env):
-    """optim.schedule=wsd over 8 steps, decaying over the last 4: stopped at step 4 (the
-    decay's start) and resumed, every loss is the uninterrupted run's (the decay's
-    learning rates come from the step, not from the invocation)."""
-    args = ("recipe=llama_tiny_debug", "train.steps=8", "logging.every=1", "logging=no_wandb",
-            "profile.steps=0", "eval.every=0", "optim.schedule=wsd", "optim.decay_steps=4",
-            "optim.warmup_steps=2")
-    run = lambda name, *more: framework_run(*args, *more, f"hydra.run.dir={tmp_path / name}",
-                                            cwd=tmp_path, env=env)
-    for proc in (run("full"), run("part", "train.stop_at=4"), run("part")):
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    loss = lambda name: {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / name)}
-    lr = lambda name: {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / name)}
-    full, part = loss("full"), loss("part")
-    assert sorted(part) == list(range(1, 9)) and lr("part") == lr("full")
-    rates = lr("full")  # stable to the decay's first step (record 5), then falling
-    assert rates[3] == rates[4] == rates[5] > rates[6] > rates[7] > rates[8]
-    for step in range(1, 9):
-        assert abs(part[step] - full[step]) <= 1e-5 * full[step], (step, part, full)

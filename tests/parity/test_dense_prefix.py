@@ -95,8 +95,9 @@ def test_which_layers_are_moe_and_what_is_refused():
         hf_moe.export_fields(shifted)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="1f1b"),
+@pytest.mark.parametrize("kw", [  # (all slow: 12-34 s each; the fast tier decodes a prefix)
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="1f1b"),
+                 marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, context=2, microbatches=2, schedule="zb_v"),
                  marks=pytest.mark.slow),
     # (the prefix with units of (dense, MoE) after it: a unit is the stacked layer)
