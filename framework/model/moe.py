@@ -59,7 +59,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, MoeConfig
 from framework.model.layers import NO_TP, gated, param
 from framework.model.moe_slots import capacity, capacity_experts, dropped_copies, slots
 from framework.model.router import (BIAS, LOAD, UNTRAINED, balance_scores,  # noqa: F401 (re-export)
@@ -287,12 +287,18 @@ def _group_errors(m) -> list[str]:
     return []
 
 
+def set_away_from_default(get) -> list[tuple[str, object]]:
+    """(name, value) of each model.moe setting away from its default; `get(name)`: its
+    value (a MoeConfig's, or None where a dict of given settings lacks it)."""
+    default = MoeConfig()
+    return [(f.name, get(f.name)) for f in dataclasses.fields(default)
+            if get(f.name) is not None and get(f.name) != getattr(default, f.name)]
+
+
 def _dense_errors(m) -> list[str]:
     """MoE settings given to a dense model (model.moe.experts 0), which nothing would
     read: one line naming them, rather than a run that silently ignores them."""
-    default = type(m)()
-    given = [f"{f.name}={getattr(m, f.name)}" for f in dataclasses.fields(m)
-             if f.name != "experts" and getattr(m, f.name) != getattr(default, f.name)]
+    given = [f"{k}={v}" for k, v in set_away_from_default(lambda k: getattr(m, k))]
     return [f"model.moe.{', '.join(given)} set on a dense model (model.moe.experts=0): set "
             f"model.moe.experts >= 1 for a mixture of experts, or leave them unset"] if given else []
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from framework.config import ModelConfig, MoeConfig
 from framework.errors import ConfigError
-from framework.model.moe import expert_hidden, shared_hidden
+from framework.model.moe import expert_hidden, set_away_from_default, shared_hidden
 from framework.model.router import BIAS
 
 # family -> (module of the feed-forward, gate, up, down)
@@ -307,10 +307,8 @@ def merged(given: dict, folder_cfg: ModelConfig, where: str = "config.json") -> 
     if mine is None:
         return folder_cfg
     if not folder_cfg.moe.enabled:  # a dense folder: no MoE setting has anything to set
-        default = MoeConfig()
-        named = [f"model.moe.{f.name}={_get(mine, f.name)}" for f in dataclasses.fields(default)
-                 if _get(mine, f.name) is not None
-                 and _get(mine, f.name) != getattr(default, f.name)]
+        named = [f"model.moe.{k}={v}"
+                 for k, v in set_away_from_default(lambda k: _get(mine, k))]
         if named:
             raise ConfigError(f"{', '.join(named)}: {where} is a dense model (no experts); "
                               f"drop these settings")
