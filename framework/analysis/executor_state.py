@@ -40,7 +40,9 @@ def state_key(lay: Layout) -> tuple:
     tensor-parallel plan (their per-device weights and activations), the chunks a rank
     holds and their layers (padded or not), a microbatch's rows and tokens, the buffer
     plan's slot counts, which buffers send overlapped, the backward's cells, and FSDP's
-    sharding of the gradient accumulators."""
+    sharding of the gradient accumulators, and the expert plan (the experts' weights and
+    their gradient accumulators split over `expert`; the exchange's buffers among a
+    layer's residuals)."""
     prog, parallel = lay.program, lay.parallel
     s = prog.schedule
     pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
@@ -48,7 +50,8 @@ def state_key(lay: Layout) -> tuple:
             parallel.remat, tuple(parallel.tensor_split), s.n_chunks, lay.chunk_layers,
             lay.stage_layers is not None, lay.rows_per_microbatch, lay.seq_len,
             tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
-            parallel.data if lay.gathers_per_use else None)  # FSDP: sharded grads
+            parallel.data if lay.gathers_per_use else None,  # FSDP: sharded grads
+            parallel.expert, parallel.expert_exchange, parallel.expert_chunks)
 
 
 def trace_per_device(lay: Layout, measure, pass_through: bool = True) -> None:

@@ -184,3 +184,21 @@ def test_the_planner_enumerates_expert_degrees_for_a_mixture_of_experts_only():
     dense = dataclasses.replace(MOE, family="llama", moe=MoeConfig())
     assert {p.expert for p in planner.enumerate_layouts(dense, TRAIN, 8, ParallelConfig(),
                                                        schedules=["1f1b"])} == {1}
+
+
+def test_the_executor_state_of_an_expert_layout_is_its_own_whatever_was_asked_before():
+    """The planner asks for hundreds of layouts and `executor_state` keeps one trace per
+    shape of the state: an expert layout must not be answered with the state of the same
+    layout at expert 1 (until 2026-11-29 it was, and the planner counted Mixtral's every
+    expert's gradients on each device without FSDP: 139.7 GiB for a layout that compiles
+    to 62 GiB on the GPU compiler)."""
+    from framework.analysis import executor_state as es
+
+    base = ParallelConfig(pipeline=2, data=4, microbatches=4, schedule="1f1b", zero1=True)
+    experts = dataclasses.replace(base, expert=4)
+    es._STATES.clear()
+    alone = es.executor_state(MOE, experts, 32, 8, "cpu")["grads"]
+    es._STATES.clear()
+    dense = es.executor_state(MOE, base, 32, 8, "cpu")["grads"]
+    after = es.executor_state(MOE, experts, 32, 8, "cpu")["grads"]
+    assert after == alone < dense
