@@ -110,7 +110,10 @@ GPU_XLA_OPTIONS = {
     # beside a matmul; at 4, 100%, 0.06 GiB more memory; llama3_70b 100%, +0.1 GiB).
     # With FSDP the layers' gathers take slots too: at 4 llama3_70b's gradient sends went
     # back between the cells (50%); at 8, 100% (+0.35 GiB without FSDP, docs/compile.md).
-    "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+    # The MoE recipes' exchange in parts (parallel.expert_chunks=4) takes more: at 8
+    # Qwen3-30B-A3B's sends fell from 81% to 40% beside a matmul; at 16 they stay at 81%
+    # and 94% of its all-to-all bytes overlap (2026-11-29).
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 16,
 }
 GPU_XLA_FLAGS = tuple(f"--{k}={str(v).lower()}" for k, v in GPU_XLA_OPTIONS.items())
 # glibc mallopt parameters (malloc.h) and the values set on CPU (see the module docstring).
