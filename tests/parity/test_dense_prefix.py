@@ -96,13 +96,13 @@ def test_which_layers_are_moe_and_what_is_refused():
 
 
 @pytest.mark.parametrize("kw", [  # (all slow: 12-34 s each; the fast tier decodes a prefix)
-    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2, schedule="1f1b"),
+    # (the prefix with units of (dense, MoE) after it: a unit is the stacked layer; until
+    # 2026-11-29 also a plain 1F1B case and ZB-H1 with these settings, whose split
+    # backward ZB-V's case runs)
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2,
+                      schedule="1f1b", zero1=True, sequence_parallel=True, model=UNITS),
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, context=2, microbatches=2, schedule="zb_v"),
-                 marks=pytest.mark.slow),
-    # (the prefix with units of (dense, MoE) after it: a unit is the stacked layer)
-    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2,
-                      schedule="zb_h1", zero1=True, sequence_parallel=True, model=UNITS),
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=4, expert=2,
                       schedule="interleaved_1f1b", virtual_stages=2, fsdp=True,
