@@ -29,14 +29,14 @@ LAYOUTS = [
     # to 1e-5 on the CI machines; on 2026-11-29's development machine (a Xeon with
     # AVX512-FP16/BF16, jax 0.10.2) the layers' gradients differed by 12.5% and 7.9%,
     # the loss not, and only under this suite's `--xla_backend_optimization_level=0`
-    # (tests/conftest.py): at level 1 or XLA's default the same layouts match to 3e-7,
+    # (tests/conftest.py): at level 1 the same layouts match to 3e-7 and 5e-7,
     # and without FP8 they match at level 0. XLA:CPU's unoptimized code, not the
     # framework: kept visible as expected failures there rather than loosened.
     pytest.param(dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1",
                       sequence_parallel=True),
                  marks=[pytest.mark.slow, pytest.mark.xfail(
                      strict=False, reason="FP8 with a pipeline and sequence parallelism: "
-                     "12.5% off under XLA:CPU -O0 on AVX512-FP16 CPUs (3e-7 at -O1)")]),
+                     "12.5% off under XLA:CPU -O0 on AVX512-FP16 CPUs (5e-7 at -O1)")]),
     pytest.param(dict(pipeline=2, data=2, tensor=1, microbatches=2,
                       schedule="interleaved_1f1b", virtual_stages=2, zero1=True),
                  marks=pytest.mark.slow),
