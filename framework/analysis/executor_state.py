@@ -42,12 +42,14 @@ def state_key(lay: Layout) -> tuple:
     plan's slot counts, which buffers send overlapped, the backward's cells, and FSDP's
     sharding of the gradient accumulators, and the expert plan (the experts' weights and
     their gradient accumulators split over `expert`; the exchange's buffers among a
-    layer's residuals)."""
+    layer's residuals), and collective matmul (its rings' blocks among the residuals).
+    tests/unit/test_executor_state_key.py changes each ParallelConfig field alone: the
+    key changes or the traced state does not."""
     prog, parallel = lay.program, lay.parallel
     s = prog.schedule
     pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
     return (lay.model, parallel.tensor, parallel.context, parallel.sequence_parallel,
-            parallel.remat, tuple(parallel.tensor_split), s.n_chunks, lay.chunk_layers,
+            parallel.collective_matmul, parallel.remat, tuple(parallel.tensor_split), s.n_chunks, lay.chunk_layers,
             lay.stage_layers is not None, lay.rows_per_microbatch, lay.seq_len,
             tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
             parallel.data if lay.gathers_per_use else None,  # FSDP: sharded grads

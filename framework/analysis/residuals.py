@@ -28,21 +28,19 @@ from framework.units import tree_bytes as nbytes
 
 
 @lru_cache(maxsize=None)
-def _residual_bytes(model: ModelConfig, rules, layer: tuple, n_layers: int, rows: int,
-                    part: str = "full", ep: ExpertParallel = ExpertParallel()) -> int:
+def _residual_bytes(model: ModelConfig, tp_plan: TensorParallel, seq: int, remat: str,
+                    n_layers: int, rows: int, part: str = "full") -> int:
     """VJP residual bytes of `n_layers` layers for `rows` token rows on one device,
     traced with `jax.eval_shape` (never run): the engine's own `apply_layers` and
-    tensor-parallel plan, inside a shard_map over an abstract `tensor` mesh of `tp`
-    devices, so weights and activations have their per-device shapes. `part`: "full"
-    (the VJP of weights and input, what a fused backward keeps), or for a split
-    backward (`framework/engine/split.py`) "input" (the input-gradient VJP's residuals),
-    "saved" (the weight ops' inputs) or "douts" (the weight ops' output gradients).
-    `layer`: (seq, tp, sp, remat), the sequence, tensor degree, sequence parallelism
-    and remat policy the layers run with. `ep`: the expert-parallel plan (the MoE
-    layers' dispatch buffers, over an abstract `expert` axis beside `tensor`)."""
-    seq, tp, sp, remat = layer
-    expert = ep.size
-    tp_plan = TensorParallel(TENSOR, tp, sp, rules, expert=ep)
+    tensor-parallel plan `tp_plan` (its degree, sequence parallelism, collective
+    matmul, rules and expert plan: the whole plan is the cache key), inside a shard_map
+    over an abstract `tensor` mesh (and `expert` beside it, for the MoE layers'
+    dispatch buffers), so weights and activations have their per-device shapes.
+    `part`: "full" (the VJP of weights and input, what a fused backward keeps), or for
+    a split backward (`framework/engine/split.py`) "input" (the input-gradient VJP's
+    residuals), "saved" (the weight ops' inputs) or "douts" (the weight ops' output
+    gradients). `seq`, `remat`: the sequence and remat policy the layers run with."""
+    tp, sp, expert = tp_plan.size, tp_plan.sequence_parallel, tp_plan.expert.size
     axes = (EXPERT, TENSOR) if expert > 1 else (TENSOR,)
     dt, spec = jnp.dtype(model.dtype), spec_of(model)
     found = {}
@@ -95,15 +93,21 @@ def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) 
     return dataclasses.replace(model, attention="blockwise" if impl == "cudnn" else impl)
 
 
-def residuals(model: ModelConfig, seq: int, tp: int, sp: bool, remat: str,
-              part: str = "full", rules=None,
-              ep: ExpertParallel = ExpertParallel()) -> Residuals:
+def tensor_plan(tp: int, sp: bool = False, rules=None, ep: ExpertParallel = ExpertParallel(),
+                cm: bool = False) -> TensorParallel:
+    """The tensor-parallel plan a layer's residuals are traced with (the engine's, but
+    for the context split, whose sequence `residuals` is given per device)."""
+    rules = param_rules() if rules is None else rules
+    return TensorParallel(TENSOR, tp, sp, rules, collective_matmul=cm, expert=ep)
+
+
+def residuals(model: ModelConfig, seq: int, tp_plan: TensorParallel, remat: str,
+              part: str = "full") -> Residuals:
     """Four traces, (layers, rows) in {1, 2}^2, of r(L, b) = L*(b*x + y) + b*z + w. The
     layer-invariant z, w (the causal mask and other broadcast constants, which the
     layer scan hoists and XLA folds into their users) are not memory: dropped.
     `model.attention` must be resolved (`attention_traced`)."""
-    rules = param_rules() if rules is None else rules
-    r = {(n, b): _residual_bytes(model, rules, (seq, tp, sp, remat), n, b, part, ep)
+    r = {(n, b): _residual_bytes(model, tp_plan, seq, remat, n, b, part)
          for n in (1, 2) for b in (1, 2)}
     per_row = r[2, 2] - r[2, 1] - r[1, 2] + r[1, 1]
     return Residuals(per_row, r[2, 1] - r[1, 1] - per_row)
