@@ -49,9 +49,10 @@ def state_key(lay: Layout) -> tuple:
     s = prog.schedule
     pending = tuple(sorted({ch.buffer for ch in prog.buffers.channels if ch.overlap}))
     return (lay.model, parallel.tensor, parallel.context, parallel.sequence_parallel,
-            parallel.collective_matmul, parallel.remat, tuple(parallel.tensor_split), s.n_chunks, lay.chunk_layers,
-            lay.stage_layers is not None, lay.rows_per_microbatch, lay.seq_len,
-            tuple(sorted(prog.buffers.n_slots.items())), pending, s.split_backward, s.parts,
+            parallel.collective_matmul, parallel.remat, tuple(parallel.tensor_split),
+            s.n_chunks, lay.chunk_layers, lay.stage_layers is not None,
+            lay.rows_per_microbatch, lay.seq_len, tuple(sorted(prog.buffers.n_slots.items())),
+            pending, s.split_backward, s.parts,
             parallel.data if lay.gathers_per_use else None,  # FSDP: sharded grads
             parallel.expert, parallel.expert_exchange, parallel.expert_chunks)
 

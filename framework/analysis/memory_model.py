@@ -77,16 +77,15 @@ import jax
 from framework.analysis.executor_state import executor_state
 from framework.analysis.fitted import fitted
 from framework.analysis.comm_model import local_prefix_count
-from framework.analysis.residuals import Residuals, attention_traced, residuals, tensor_plan
+from framework.analysis.residuals import Residuals, attention_traced, residuals
 from framework.analysis.transients import attention_scores_bytes, head_bytes
 from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
+from framework.engine.step import tensor_parallel
 from framework.model.prefix import dense_config, prefix_layers, stack_layers, unit_layers
-from framework.parallel.expert import ExpertParallel, expert_parallel
+from framework.parallel.expert import ExpertParallel
 from framework.parallel.pipeline.table import AUTODIFF
-from framework.parallel.rules import param_rules
-from framework.parallel.tensor import TensorParallel
 from framework.units import FP32, dtype_bytes
 
 
@@ -151,15 +150,7 @@ def _autodiff_kept(res: Residuals, ticks: int, layers: int, mb_rows: int, v: int
 def _layer_residuals(lay: Layout, remat: str, model: ModelConfig | None = None) -> Residuals:
     """One layer's (a stacked unit's) residuals as the layout runs it (its tensor plan,
     sequence split and expert plan) under `remat`; `model`: another layer of it."""
-    ep = expert_parallel(lay.expert, lay.parallel.expert_exchange, lay.parallel.expert_chunks)
-    return residuals(model or lay.model, lay.seq_per_device, _tensor_plan(lay, ep), remat)
-
-
-def _tensor_plan(lay: Layout, ep: ExpertParallel = ExpertParallel()) -> TensorParallel:
-    """The layout's tensor-parallel plan for its layers' residuals (`ep`: its experts')."""
-    return tensor_plan(lay.parallel.tensor, lay.sequence_parallel,
-                       param_rules(lay.parallel.tensor_split, lay.expert), ep,
-                       lay.parallel.collective_matmul)
+    return residuals(model or lay.model, lay.seq_per_device, tensor_parallel(lay), remat)
 
 
 def _prefix(lay: Layout, remat: str) -> float:
@@ -168,7 +159,8 @@ def _prefix(lay: Layout, remat: str) -> float:
     k = prefix_layers(lay.model)
     if k == 0:
         return 0.0
-    res = residuals(dense_config(lay.model), lay.seq_per_device, _tensor_plan(lay), remat)
+    dense = dataclasses.replace(tensor_parallel(lay), expert=ExpertParallel())  # no experts
+    res = residuals(dense_config(lay.model), lay.seq_per_device, dense, remat)
     return res.chunk(k, lay.rows_per_microbatch)
 
 

@@ -18,11 +18,9 @@ from framework.config import ModelConfig
 from framework.engine.split import split_layers
 from framework.model import attention
 from framework.model.registry import spec_of
-from framework.parallel.expert import ExpertParallel
 from framework.parallel.mesh import EXPERT, TENSOR
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.stage import split_vjp
-from framework.parallel.rules import param_rules
 from framework.parallel.tensor import TensorParallel
 from framework.units import tree_bytes as nbytes
 
@@ -91,14 +89,6 @@ def attention_traced(model: ModelConfig, seq: int, platform: str | None = None) 
         impl = attention.choose(platform or jax.default_backend(), model.dtype, seq,
                                 model.head_dim)
     return dataclasses.replace(model, attention="blockwise" if impl == "cudnn" else impl)
-
-
-def tensor_plan(tp: int, sp: bool = False, rules=None, ep: ExpertParallel = ExpertParallel(),
-                cm: bool = False) -> TensorParallel:
-    """The tensor-parallel plan a layer's residuals are traced with (the engine's, but
-    for the context split, whose sequence `residuals` is given per device)."""
-    rules = param_rules() if rules is None else rules
-    return TensorParallel(TENSOR, tp, sp, rules, collective_matmul=cm, expert=ep)
 
 
 def residuals(model: ModelConfig, seq: int, tp_plan: TensorParallel, remat: str,

@@ -210,6 +210,18 @@ def passes_through(platform: str) -> bool:
     return hardware.passes_through(platform, jaxlib.__version__)
 
 
+def tensor_parallel(layout: Layout, **run) -> TensorParallel:
+    """The layout's tensor-parallel plan: its degree, sequence parallelism, rules,
+    collective matmul and expert plan, read here only (the step's and the memory
+    model's traced residuals, framework/analysis/residuals.py). `run`: what only a
+    running step sets (the rings' permute, the context split, the statistics' axes)."""
+    parallel = layout.parallel
+    ep = expert_parallel(layout.expert, parallel.expert_exchange, parallel.expert_chunks)
+    return TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
+                          param_rules(parallel.tensor_split, layout.expert),
+                          collective_matmul=parallel.collective_matmul, expert=ep, **run)
+
+
 def device_fn(layout: Layout, zero1_dims, run, split: bool,
               options: StepOptions = StepOptions()):
     """(params, tokens) -> run(fns, params, inputs, targets, docs) on each device, inside the
@@ -221,14 +233,8 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
     # The tensor-parallel plan from the sharding rules: a rule the model cannot run is a
     # PlanError here, when the engine is built.
     cp = ContextParallel(CONTEXT, parallel.context, permute=not options.cpu)
-    ep = expert_parallel(layout.expert, parallel.expert_exchange,
-                         parallel.expert_chunks)
-    tp = TensorParallel(TENSOR, parallel.tensor, layout.sequence_parallel,
-                        param_rules(parallel.tensor_split, layout.expert),
-                        collective_matmul=parallel.collective_matmul,
-                        permute=not options.cpu, context=cp, expert=ep,
-                        stat_axes=layout.microbatch_axes,
-                        groups=layout.microbatch_groups)
+    tp = tensor_parallel(layout, permute=not options.cpu, context=cp,
+                         stat_axes=layout.microbatch_axes, groups=layout.microbatch_groups)
     if split:
         check_weight_ops(layout.model)
 
