@@ -2,6 +2,7 @@
 
     python tools/parity_search.py --cases 200 --seed 1     # a developer's long sweep
     python tools/parity_search.py --cases 20 --seed 7 --devices 8
+    python tools/parity_search.py --cases 40 --schedules zb_h1,zb_v   # some schedules only
 
 Draws random valid configurations (schedule from the registry, pipeline, data, context,
 tensor, microbatches, virtual stages, uneven stages (a third of them), overlapped or
@@ -49,9 +50,10 @@ TOLERANCE = 1e-4
 BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradient sum
 
 
-def draw(rng: np.random.Generator, n_devices: int = 8):
+def draw(rng: np.random.Generator, n_devices: int = 8, names: tuple = ()):
     """(model, parallel, train, data, param_dtype) of one valid random configuration on
-    at most n_devices (data: its document masks)."""
+    at most n_devices (data: its document masks); `names`: the schedules drawn from
+    (default: every registered one)."""
     from framework.config import CHOICES, DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from framework.engine.validate import check, combined_where_possible
     from framework.model.moe import MOE_FAMILIES
@@ -59,7 +61,7 @@ def draw(rng: np.random.Generator, n_devices: int = 8):
 
     pick = lambda options: options[int(rng.integers(len(options)))]
     while True:
-        name = pick(list(schedules.schedule_names()))
+        name = pick(list(names or schedules.schedule_names()))
         p, t = pick([1, 2, 4]), pick([1, 2, 4])
         c = pick([c for c in (1, 1, 2, 4) if p * c * t <= n_devices] or [1])  # context
         d = pick([d for d in (1, 2, 4) if p * d * c * t <= n_devices] or [1])
@@ -283,7 +285,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
             f"mb{par.microbatches}{v} remat={par.remat}{extra}")
 
 
-def search(seed: int, cases: int, devices, log=print) -> list[str]:
+def search(seed: int, cases: int, devices, log=print, names: tuple = ()) -> list[str]:
     """Draws `cases` configurations; returns one line per failure."""
     import warnings
 
@@ -295,7 +297,7 @@ def search(seed: int, cases: int, devices, log=print) -> list[str]:
     dispatch_rng = np.random.default_rng([seed, 1])
     failures = []
     for i in range(cases):
-        model, par, train, data, param_dtype = draw(rng, len(devices))
+        model, par, train, data, param_dtype = draw(rng, len(devices), names)
         apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,
                                                                   train.seq_len).program.autodiff
         start = time.perf_counter()
@@ -320,12 +322,23 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    parser.add_argument("--schedules", default="",
+                        help="comma-separated schedules to draw from (default: all)")
     args = parser.parse_args(argv)
+    from framework.errors import ConfigError
+    from framework.parallel.pipeline import schedule as schedules
+
+    names = tuple(filter(None, args.schedules.split(",")))
+    unknown = sorted(set(names) - set(schedules.schedule_names()))
+    if unknown:
+        print(ConfigError(f"--schedules: {', '.join(unknown)} not one of "
+                          f"{', '.join(schedules.schedule_names())}"), file=sys.stderr)
+        return 2
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_platforms", "cpu")
-    failures = search(args.seed, args.cases, jax.devices())
+    failures = search(args.seed, args.cases, jax.devices(), names=names)
     print(f"{len(failures)} of {args.cases} configurations differ from the reference")
     return 1 if failures else 0
 

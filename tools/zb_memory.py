@@ -16,6 +16,7 @@ beside its p - r stashes; the tool prints each rank's predicted peak against 1F1
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -45,9 +46,9 @@ def state_bytes(model, parallel, batch: int, seq: int) -> dict:
     def measure(fns, params, inputs, targets, docs):
         types = ticks.make_cells(lay.program, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE)).types
-        size = lambda xs: sum(a.size * a.dtype.itemsize for a in xs)
-        found.update(residuals=size(types.residuals), saved=size(types.saved),
-                     douts=size(types.douts))
+        size = lambda xs: sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in xs)
+        per_layer = sum((p.hi - p.lo) * size(p.like) for p in types.pieces)  # in place
+        found.update(residuals=per_layer, saved=size(types.saved), douts=size(types.douts))
         return jnp.zeros(())
 
     trace_per_device(lay, measure)

@@ -87,12 +87,13 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
         cells = ticks.make_cells(lay.program, fns, params, inputs, targets,
                                  jax.lax.axis_index(PIPE))
         found.update({k: nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
-        # F's residuals leave its conditional as one fresh slot only where the compiler
-        # copies what a conditional passes through, or beside the weight ops' inputs
-        # (a split backward without remat); else each layer's are written in place
-        slot = nbytes(cells.types.packing.zeros(1)) if cells.apart or cells.keeps_inputs else 0
-        saved = nbytes([cells.zeros(a, 0) for a in cells.types.saved])
-        found["slot"] = slot + saved
+        # F's residuals (and the weight ops' inputs a split backward without remat
+        # keeps) leave its conditional as one fresh slot only where the compiler copies
+        # what a conditional passes through; else each layer's are written in place.
+        # (Under remat a split backward's B hands dy to W: one [mb, seq, d].)
+        fresh = nbytes(cells.fresh_zeros()) if cells.apart else 0
+        held = nbytes([cells.zeros(a, 0) for a in cells.types.saved]) if cells.recompute else 0
+        found["slot"] = fresh + held
         return jnp.zeros(())
 
     trace_per_device(lay, measure, pass_through)

@@ -41,6 +41,7 @@ class WeightOps:
     replay: Callable
     outside: Callable
     scan_layers: Callable
+    one_layer: Callable  # one step of scan_layers's loop (a layer loop of one's own)
     layer_windows: Callable
     split_windows: Callable
 
@@ -71,8 +72,8 @@ DECODER = ModelSpec(
     llama.Block, stack.apply_layers, stack.apply_layers_cached, llama.KVCache,
     llama.head_loss, stack.checkpointed, stack.Stack,
     WeightOps(llama.Block, llama.SAVED, llama.TAPS, llama.replay_weight_ops,
-              llama.weights_outside_weight_op, stack.scan_layers, layers.layer_windows,
-              layers.split_windows),
+              llama.weights_outside_weight_op, stack.scan_layers, stack.one_layer,
+              layers.layer_windows, layers.split_windows),
     llama.count_params, llama.layer_matrix_params, llama.keys_per_query, llama.check_model)
 
 ARCHITECTURES: dict[str, ModelSpec] = {"decoder": DECODER}

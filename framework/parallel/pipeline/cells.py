@@ -7,13 +7,15 @@ ticks.py runs them; how they are lowered for each compiler is lowering.py's).
             backward needs; parameters are recognised by identity and never copied)
             go straight into that layer's rows of the microbatch's stash slot
             (`stash.scan_into`; a split backward keeping the weight ops' inputs: the
-            chunk's VJP's, `fresh`). The last stage then runs head + loss and keeps
-            dL/dy for its own backward.
+            VJP of the input and the weight ops' outputs, and those inputs into the
+            layer's row of the saved buffers). The last stage then runs head + loss and
+            keeps dL/dy for its own backward.
   BW(i, c)  the layers in reverse, each layer's VJP rebuilt from its rows of the slot
             (`stash.scan_from`): the weight gradients (`g_w`, to add) and dx to send on.
-  B(i, c)   (split backward) the VJP w.r.t. the input and the weight matmuls' outputs
-            only: dx is sent on, the matmul output gradients (`douts`) overwrite the
-            (now dead) residuals in the stash slot, next to the matmul inputs F saved.
+  B(i, c)   (split backward) the same reverse loop, each layer's VJP w.r.t. its input
+            and its weight matmuls' outputs only: dx is sent on, the matmul output
+            gradients (`douts`) overwrite the (now dead) residuals in the stash slot,
+            next to the matmul inputs F saved.
   W(i, c)   the weight gradients from that slot: one matmul per weight.
   BWj(i, c) BW over part j of the chunk's layers, from that part's residuals; BW0 sends
             dx on, the others pass the gradient down to the part below.
@@ -45,7 +47,7 @@ from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_t
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import ON_FIRST
-from framework.parallel.pipeline.stage import StageFns, join_vjp, of_microbatch, split_vjp
+from framework.parallel.pipeline.stage import StageFns, of_microbatch
 from framework.parallel.pipeline.stash import scan_from, scan_fused, scan_into
 from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types, layer_slice,
                                                     layers_of)
@@ -113,27 +115,26 @@ class Cells:
     # --- Where what a cell makes goes ---------------------------------------------------
 
     def fresh_zeros(self) -> dict:
-        """What F hands on (`fresh`) where it does not run: its residuals in place, one
-        stash slot {key: [1, rows, LANE]}; keeping the weight ops' inputs, its VJP's
-        residuals and those inputs."""
-        t = self.types
-        if not self.keeps_inputs:
-            return {"slot": t.packing.zeros(1, self.manual)}
-        return {"residuals": [self.zeros(a) for a in t.residuals],
-                "kept": [self.zeros(a) for a in t.saved]}
+        """What F hands on (`fresh`, where the compiler copies what a conditional passes
+        through) where it does not run: one stash slot {key: [1, rows, LANE]} and,
+        keeping the weight ops' inputs, one slot of the saved buffers [1, Lc, ...]."""
+        return {"slot": self.types.packing.zeros(1, self.manual), "saved": self.saved_slot()}
+
+    def saved_slot(self) -> list:
+        """One slot of the saved buffers, [1, Lc, ...] each ([] unless F keeps them)."""
+        return [self.zeros(a, 0) for a in self.types.saved] if self.keeps_inputs else []
 
     def write_kept(self, state: TickState, cell: CellIn) -> TickState:
-        """F's residuals (`fresh`) into stash slot `cell.slot`, its kept inputs into the
-        saved buffers'."""
-        fresh, t = state.fresh, self.types
-        if "slot" in fresh:  # one slot, its layers' residuals in place: [1, rows, LANE]
-            return state._replace(fresh=None, stash={
-                k: jax.lax.dynamic_update_slice(buf, fresh["slot"][k], (cell.slot, 0, 0))
-                for k, buf in state.stash.items()})
-        saved = [write_slot(buf, e, cell.slot) for buf, e in zip(state.saved, fresh["kept"])]
-        return state._replace(stash=t.packing.store(state.stash, fresh["residuals"],
-                                                    cell.slot, t.residuals),
-                              saved=saved or state.saved, fresh=None)
+        """F's slot (`fresh`: its layers' residuals, [1, rows, LANE], and the weight
+        ops' inputs it keeps, [1, Lc, ...]) into slot `cell.slot` of the stash and
+        of the saved buffers."""
+        fresh = state.fresh
+        at = lambda a: (cell.slot,) + (0,) * (a.ndim - 1)
+        saved = [jax.lax.dynamic_update_slice(buf, e, at(buf))
+                 for buf, e in zip(state.saved, fresh["saved"])]
+        return state._replace(fresh=None, saved=saved or state.saved, stash={
+            k: jax.lax.dynamic_update_slice(buf, fresh["slot"][k], at(buf))
+            for k, buf in state.stash.items()})
 
     def accumulate(self, state: TickState, cell: CellIn, layers=slice(None)) -> TickState:
         """The gradients of chunk `cell.chunk` (its `layers`) += the cell's `g_w`."""
@@ -167,31 +168,29 @@ class Cells:
         x = only_on(ON_FIRST, cell.first,
                     lambda: fns.embed(p["embed"], self.inputs[cell.mb], docs), lambda: cell.x)
         first = self.prog.first(cell.stage, jax.tree.leaves(w)[0].shape[0])
-        if not self.keeps_inputs:  # (recompute: B writes the saved buffer)
-            x, stash = self.forward_in_place(state, cell, w, x, docs, first)
-            if self.fns.pass_through:
-                return state._replace(stash=stash, act=x)
-            return state._replace(fresh={"slot": stash}, act=x)  # (`lowering.Cells.apart`)
-        y, vjp_fn, kept = fns.split.forward(w, x, n_real=self.prog.real(cell.stage),
-                                            docs=docs, first=first)
-        residuals, kept = split_vjp(vjp_fn, w)[0], jax.tree.leaves(kept)
-        return state._replace(fresh={"residuals": residuals, "kept": kept}, act=y)
+        x, stash, saved = self.forward_in_place(state, cell, w, x, docs, first)
+        if self.fns.pass_through:  # (recompute: B writes the saved buffer)
+            return state._replace(stash=stash, saved=saved or state.saved, act=x)
+        return state._replace(fresh={"slot": stash, "saved": saved}, act=x)  # (`apart`)
 
     def forward_in_place(self, state: TickState, cell: CellIn, w, x, docs, first):
         """The chunk's layers on x [mb, seq, d], each layer's residuals written into its
-        rows of the microbatch's stash slot as it runs (`stash.scan_into`): (y, the
-        stash). Where the compiler copies what a conditional passes through
-        (`StageFns.pass_through`), into a fresh slot {key: [1, rows, LANE]} instead,
-        which `write_kept` puts in place after the conditional."""
-        t, n_real = self.types, self.prog.real(cell.stage)
-        stash, slot = ((state.stash, cell.slot) if self.fns.pass_through
-                       else (t.packing.zeros(1, self.manual), 0))
+        rows of the microbatch's stash slot as it runs (`stash.scan_into`), and the
+        weight ops' inputs, if kept, into its row of the saved buffers: (y, the stash,
+        the saved buffers ([] if not kept)). Where the compiler copies what a
+        conditional passes through (`StageFns.pass_through`), into a fresh slot of each
+        instead, which `write_kept` puts in place after the conditional."""
+        t, n_real, split = self.types, self.prog.real(cell.stage), self.keeps_inputs
+        stash, saved, slot = ((state.stash, state.saved if split else [], cell.slot)
+                              if self.fns.pass_through else
+                              (t.packing.zeros(1, self.manual), self.saved_slot(), 0))
         for piece in t.pieces:
-            scan, out = scan_into(t.packing, stash, slot, piece)
-            run = layers_of(self.fns, n_real, len(t.pieces), docs, first, piece.lo, piece.hi)
+            scan, out = scan_into(t.packing, stash, slot, piece, saved if split else None)
+            run = layers_of(self.fns, n_real, len(t.pieces), docs, first, piece.lo, piece.hi,
+                            split)
             x = run(layer_slice(w, piece.lo, piece.hi), x, scan=scan)
-            stash = out["carry"]
-        return x, stash
+            stash, saved = out["carry"] if split else (out["carry"], saved)
+        return x, stash, saved
 
     def combined(self, state: TickState, f: CellIn, b: CellIn) -> TickState:
         """F+BW: F of cell `f` and BW of cell `b` (another microbatch, maybe another
@@ -213,7 +212,7 @@ class Cells:
                         first, piece.lo, piece.hi)
         y = run(w, x, scan=scan)
         kept = {"stash": out["carry"]} if self.fns.pass_through else {
-            "fresh": {"slot": out["carry"]}}
+            "fresh": {"slot": out["carry"], "saved": []}}
         return state._replace(act=y, grad=out["dx"], g_w=out["g_w"], **kept)
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
@@ -238,10 +237,9 @@ class Cells:
         if not self.split:  # BW: the gradients of the input and of the weights
             g_w, dx = self.in_place(state, cell, 0, cell.dy)
             return state._replace(grad=dx, g_w=g_w)
-        t, w = self.types, self.weights(cell.chunk)  # B: the input's and the matmul outputs'
-        vjp_fn = join_vjp(t.packing.read(state.stash, cell.slot, t.residuals), t.vjp_def,
-                          t.param_slot, w)
-        dx, douts = vjp_fn(cell.dy)
+        # B: the gradients of the input and of the weight ops' outputs, layer by layer
+        douts, dx = scan_from(self.types.packing, state.stash, cell.slot, self.types.pieces[0],
+                              self.weights(cell.chunk), cell.dy, split=True)
         return state._replace(douts=jax.tree.leaves(douts), grad=dx)
 
     def backward_part(self, j: int):

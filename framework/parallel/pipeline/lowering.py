@@ -12,9 +12,10 @@ Two lowerings of what a cell keeps (F's residuals, `fresh`) and its weight gradi
 (`g_w`), chosen by the compiler (`StageFns.pass_through`, `engine.step.passes_through`):
 
   pass-through  (XLA's CPU and TPU compilers, its GPU compiler from jaxlib 0.11.2) they
-                are written in place inside the branch (`Cells.write_kept`,
-                `Cells.accumulate`); the other ranks pass the state through, and the
-                compiler keeps a value passed through a two-way conditional in its buffer.
+                are written in place inside the branch (F's layer by layer,
+                `Cells.forward_in_place`; `Cells.accumulate`); the other ranks pass
+                the state through, and the compiler keeps a value passed through a
+                two-way conditional in its buffer.
   apart         (the GPU compiler before jaxlib 0.11.2 copies what a conditional passes
                 through) they leave the branch as fresh values and are written in place
                 after it: zeros where the cell does not run, written to a spare stash
@@ -106,11 +107,9 @@ class Cells(cells.Cells):
 
     def fields(self, out: Out) -> tuple:
         """The fields of the tick state a branch that makes `out` writes."""
-        if out is Out.KEPT and not self.keeps_inputs and not self.apart:  # in place
-            return (Field.STASH,)
-        if out is Out.KEPT:
+        if out is Out.KEPT:  # in place, or a fresh slot put in place after the branch
             return (Field.FRESH,) if self.apart else (
-                (Field.STASH, Field.SAVED) if self.split else (Field.STASH,))
+                (Field.STASH, Field.SAVED) if self.keeps_inputs else (Field.STASH,))
         if out is Out.WEIGHT_GRADS:
             return (Field.G_W,) if self.apart else (Field.GRADS_CHUNKS,)
         return (Field[out.name],)
@@ -125,9 +124,7 @@ class Cells(cells.Cells):
             if kind.part is not None:
                 piece = self.types.pieces[kind.part]
                 layers = slice(piece.lo, piece.hi)
-            if not self.apart and Out.KEPT in kind.writes:
-                then = self.write_kept if self.keeps_inputs else None
-            elif not self.apart and Out.WEIGHT_GRADS in kind.writes:
+            if not self.apart and Out.WEIGHT_GRADS in kind.writes:
                 then = partial(self.accumulate, layers=layers)
             writes = tuple(f for out in kind.writes for f in self.fields(out))
             return Run(branch.scopes, kind.code, branch.on, self.work(kind), writes, role,

@@ -41,6 +41,10 @@ class SplitBackward:
     forward: Callable
     weight_grads: Callable
     recompute: bool = False
+    # (w, x, n_real, docs, first, scan) -> y: forward's layers one at a time, each as
+    # one(h, (params, taps_l), scanned_l) -> (h', saved_l) run by `scan` (residuals kept
+    # in place, `stash.scan_into`)
+    layers: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

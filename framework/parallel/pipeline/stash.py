@@ -142,19 +142,28 @@ class Piece(NamedTuple):
         return {k: self.start.get(k, 0) + l * n for k, n in self.per_layer().items()}
 
 
-def layer_vjps(on_layer, carry):
+def layer_vjps(on_layer, carry, split: bool = False):
     """A `scan` for `framework.model.stack.scan_layers` that runs each layer under its
-    own `jax.vjp`: `on_layer(carry, residuals, vjp_def, param_slot, l) -> carry` gets
-    layer l's residuals (its weights left out, `split_vjp`). Returns (scan, result),
-    result["carry"] the carry after the last layer once the scan has run."""
+    own `jax.vjp`: `on_layer(carry, residuals, vjp_def, param_slot, l, saved) -> carry`
+    gets layer l's residuals (its weights left out, `split_vjp`). Returns (scan, result),
+    result["carry"] the carry after the last layer once the scan has run. `split`
+    (zero-bubble's B and W, `SplitBackward.layers`): a layer is one(h, (params, taps),
+    s) -> (h', saved), its VJP is of h and the taps (the weights constants to it), and
+    `saved` are its weight ops' inputs (else None)."""
     result = {}
 
     def scan(one, h, layers, scanned):  # one(h, params, scanned_l) -> h'; h [mb, seq, d]
         def body(hc, xs):
             h, c = hc
             params, s, l = xs
-            h, vjp_fn = jax.vjp(lambda p, h: one(h, p, s), params, h)
-            return (h, on_layer(c, *split_vjp(vjp_fn, params), l)), None
+            if split:
+                params, taps = params
+                h, vjp_fn, saved = jax.vjp(lambda h, t: one(h, (params, t), s), h, taps,
+                                           has_aux=True)
+            else:
+                h, vjp_fn = jax.vjp(lambda p, h: one(h, p, s), params, h)
+                saved = None
+            return (h, on_layer(c, *split_vjp(vjp_fn, params), l, saved)), None
 
         n = jax.tree.leaves(layers)[0].shape[0]
         (h, result["carry"]), _ = jax.lax.scan(body, (h, carry), (layers, scanned,
@@ -164,41 +173,57 @@ def layer_vjps(on_layer, carry):
     return scan, result
 
 
-def probe(layers_fn, w, x):
+def probe(layers_fn, w, x, split: bool = False):
     """One layer's residual types and VJP structure of `layers_fn(w, x, scan=...)` (for
     the types only: the trace is dead code): (y, like, vjp_def, param_slot)."""
     found = []
 
-    def record(c, acts, vjp_def, param_slot, l):
+    def record(c, acts, vjp_def, param_slot, l, saved):
         found[:] = [tuple(Like.of(a) for a in acts), vjp_def, param_slot]
         return c
 
-    scan, _ = layer_vjps(record, ())
+    scan, _ = layer_vjps(record, (), split)
     y = layers_fn(w, x, scan=scan)
     return (y, *found)
 
 
-def scan_into(packing: Packing, stash: dict, slot, piece: Piece):
+def scan_into(packing: Packing, stash: dict, slot, piece: Piece, saved: list | None = None):
     """A `scan` that writes each layer's residuals into its rows of slot `slot` of the
-    stash as it goes (F). Returns (scan, result): result["carry"] the stash after it."""
-    def write(stash, acts, vjp_def, param_slot, l):
+    stash as it goes (F). Returns (scan, result): result["carry"] the stash after it.
+    `saved` (a split backward keeping the weight ops' inputs, `layer_vjps`): their
+    buffers, each [slots, layers, ...]; layer l's inputs go into [slot, l], and the
+    carry is (stash, saved)."""
+    def write(stash, acts, vjp_def, param_slot, l, kept):
         return packing.store(stash, acts, slot, piece.like, piece.at(l))
 
-    return layer_vjps(write, stash)
+    def write_both(carry, acts, vjp_def, param_slot, l, kept):
+        stash, bufs = carry
+        bufs = [jax.lax.dynamic_update_slice(
+            buf, a[None, None].astype(buf.dtype), (slot, l) + (0,) * a.ndim)
+            for buf, a in zip(bufs, jax.tree.leaves(kept), strict=True)]
+        return write(stash, acts, vjp_def, param_slot, l, kept), bufs
+
+    if saved is None:
+        return layer_vjps(write, stash)
+    return layer_vjps(write_both, (stash, list(saved)), split=True)
 
 
-def scan_from(packing: Packing, stash: dict, slot, piece: Piece, w, dy):
+def scan_from(packing: Packing, stash: dict, slot, piece: Piece, w, dy, split: bool = False):
     """The backward of the piece's layers (w: their weights [hi - lo, ...]) from their
-    rows of slot `slot`, top layer first: (weight gradients like w, dx)."""
+    rows of slot `slot`, top layer first: (weight gradients like w, dx); `split`
+    (zero-bubble's B): (the weight ops' output gradients [hi - lo, ...], dx)."""
     def back(dh, xs):  # dh [mb, seq, d]
         params, l = xs
         acts = packing.read(stash, slot, piece.like, piece.at(l))
-        g_p, dh = join_vjp(acts, piece.vjp_def, piece.param_slot, params)(dh)
+        vjp_fn = join_vjp(acts, piece.vjp_def, piece.param_slot, params)
+        if split:  # of the input and the taps: dx, douts
+            return vjp_fn(dh)
+        g_p, dh = vjp_fn(dh)
         return dh, g_p
 
     n = jax.tree.leaves(w)[0].shape[0]
-    dx, g_w = jax.lax.scan(back, dy, (w, jnp.arange(n)), reverse=True)
-    return g_w, dx
+    dx, per_layer = jax.lax.scan(back, dy, (w, jnp.arange(n)), reverse=True)
+    return per_layer, dx
 
 
 def scan_fused(packing: Packing, stash: dict, slot, piece: Piece, back: tuple, read=None):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.parallel.pipeline.program import Program
-from framework.parallel.pipeline.stage import StageFns, of_microbatch, split_vjp
+from framework.parallel.pipeline.stage import StageFns, of_microbatch
 from framework.parallel.pipeline.stash import Like, Packing, Piece, probe
 
 
@@ -122,20 +122,25 @@ def part_real(n_real, lo: int, hi: int, parts: int):
     return n_real if n_real is None or parts == 1 else jnp.clip(n_real - lo, 0, hi - lo)
 
 
-def layers_of(fns: StageFns, n_real, parts: int, docs, first, lo: int, hi: int):
-    """`fns.layers` of the chunk's layers [lo, hi): (weights [hi - lo, ...], x, scan)."""
-    return partial(fns.layers, n_real=part_real(n_real, lo, hi, parts), docs=docs,
+def layers_of(fns: StageFns, n_real, parts: int, docs, first, lo: int, hi: int,
+              split: bool = False):
+    """`fns.layers` of the chunk's layers [lo, hi): (weights [hi - lo, ...], x, scan);
+    `split`: the split backward's (`SplitBackward.layers`: the VJPs of the input and
+    the weight ops' outputs, the weight ops' inputs kept)."""
+    return partial(fns.split.layers if split else fns.layers,
+                   n_real=part_real(n_real, lo, hi, parts), docs=docs,
                    first=None if first is None else first + lo)
 
 
-def trace_pieces(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None) -> tuple:
+def trace_pieces(fns: StageFns, w, x, n_real, parts: int, docs=None, first=None,
+                 split: bool = False) -> tuple:
     """The `Piece`s of a chunk's layers cut into `parts` (bottom first), each layer's
     residuals after the last's in the stash slot (traced for their types only)."""
     rows: dict = {}
     pieces = []
     for lo, hi in part_bounds(jax.tree.leaves(w)[0].shape[0], parts):
-        run = layers_of(fns, n_real, parts, docs, first, lo, hi)
-        x, like, vjp_def, param_slot = probe(run, layer_slice(w, lo, hi), x)
+        run = layers_of(fns, n_real, parts, docs, first, lo, hi, split)
+        x, like, vjp_def, param_slot = probe(run, layer_slice(w, lo, hi), x, split)
         piece = Piece(lo, hi, like, vjp_def, param_slot, dict(rows))
         for key, n in piece.per_layer().items():
             rows[key] = rows.get(key, 0) + (hi - lo) * n
@@ -148,40 +153,34 @@ class Types(NamedTuple):
     shapes only (dead code the compiler drops)."""
 
     x: jax.Array  # [mb, seq, d]
-    residuals: list  # leaves of a chunk's VJP, weights left out ([]: per layer, `pieces`)
-    vjp_def: object  # the VJP's treedef, and which of its leaves are weights
-    param_slot: list
-    saved: list  # split backward: the weight ops' inputs, and their tree
+    saved: list  # split backward: the weight ops' inputs [Lc, ...], and their tree
     saved_def: object
-    douts: list  # split backward: the weight ops' output gradients, and their tree
+    douts: list  # split backward: the weight ops' output gradients [Lc, ...], their tree
     dout_def: object
-    packing: Packing  # the stash row holding either residuals or douts
-    pieces: tuple = ()  # residuals kept in place: the chunk's `Piece`s (one per part of a
-    #                     BW cut into parts), bottom first; () for a split backward that
-    #                     keeps the weight ops' inputs (its stash is the chunk's VJP's)
+    packing: Packing  # the stash row holding either residuals (per layer) or douts
+    pieces: tuple  # the chunk's `Piece`s (one per part of a BW cut into parts), bottom
+    #                first: each layer's residuals in place in the stash slot
 
 
 def trace_types(fns: StageFns, prog: Program, params, inputs, recompute: bool, stage,
                 docs=None) -> Types:
     """`stage`: any global stage typed like the table's (varying over `pipe`)."""
-    split = prog.schedule.split_backward
+    split = prog.schedule.split_backward and not recompute  # keeps the weight ops' inputs
     docs = of_microbatch(docs, 0)
     w0 = jax.tree.map(lambda a: a[0], params["chunks"])
     first = prog.first(stage, jax.tree.leaves(w0)[0].shape[0])
     x = fns.embed(params["embed"], inputs[0], docs)
-    none = jax.tree.structure([])
-    if not split or recompute:  # residuals kept in place, layer by layer
-        pieces = trace_pieces(fns, w0, x, prog.real(stage), prog.schedule.parts, docs, first)
-        rows = [Like(sh, dt, vy) for p in pieces for _ in range(p.hi - p.lo)
-                for sh, dt, vy in p.like]
-        saved = [x] if recompute else []  # recompute: the incoming gradient, B to W
-        return Types(x, [], None, None, saved, jax.tree.structure(saved), [], none,
-                     Packing.of(rows), pieces)
+    pieces = trace_pieces(fns, w0, x, prog.real(stage), 1 if split else prog.schedule.parts,
+                          docs, first, split)
+    rows = [Like(sh, dt, vy) for p in pieces for _ in range(p.hi - p.lo)
+            for sh, dt, vy in p.like]
+    if not split:  # (recompute: the incoming gradient, B to W, is saved)
+        saved, none = ([x] if recompute else []), jax.tree.structure([])
+        return Types(x, saved, jax.tree.structure(saved), [], none, Packing.of(rows), pieces)
+    # the stacked types of what F keeps beside the stash and B writes over it (traced only)
     _, vjp_fn, saved = fns.split.forward(w0, x, n_real=prog.real(stage), docs=docs,
                                          first=first)
     douts_tree = vjp_fn(x)[1]
-    residuals, vjp_def, param_slot = split_vjp(vjp_fn, w0)
     douts = jax.tree.leaves(douts_tree)
-    return Types(x, residuals, vjp_def, param_slot, jax.tree.leaves(saved),
-                 jax.tree.structure(saved), douts, jax.tree.structure(douts_tree),
-                 Packing.of(residuals, douts))
+    return Types(x, jax.tree.leaves(saved), jax.tree.structure(saved), douts,
+                 jax.tree.structure(douts_tree), Packing.of(rows, douts), pieces)
