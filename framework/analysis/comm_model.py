@@ -15,7 +15,7 @@ hidden states of one data replica's batch (in the compute dtype):
           parallel embedding (one reduction forward) and LM head (one backward), each
           on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
           label logit), and with sequence parallelism one all-reduce of the norm-scale
-          gradients per step.
+          gradients per step. FP8's collective matmuls gather in one byte an element.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
           parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
@@ -196,7 +196,17 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     prefix = 4 + again + (0 if lay.program.schedule.executor == AUTODIFF else 2)
     units = (4 + again) * _busiest_decoder_layers(lay) + \
         prefix * prefix_layers(model) / parallel.pipeline
-    return units * _ring_all_reduce(parallel.tensor) * hidden
+    return units * _ring_all_reduce(parallel.tensor) * hidden * _fp8_rings(model, parallel)
+
+
+def _fp8_rings(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """FP8's collective matmuls (framework/model/fp8.py): of each all-reduce's worth, the
+    gathering half (the forward's x, the backward's dy of a scattering matmul) travels
+    as FP8, one byte an element; the partial sums in the compute dtype."""
+    rings = parallel.collective_matmul and parallel.sequence_parallel and parallel.tensor > 1
+    if model.fp8 == "none" or not rings:
+        return 1.0
+    return (1 + 1 / dtype_bytes(model.dtype)) / 2
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,

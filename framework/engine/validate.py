@@ -54,7 +54,6 @@ def check(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                          not_one_of("parallel.fsdp_regather", p.fsdp_regather),
                          not_one_of("model.dtype", model.dtype)) if e]
     errs += attention.check_settings(model) + fp8.check_settings(model)
-    errs += fp8.check_layout(model, p)
     if n_devices is not None and p.data != -1 and p.n_devices != n_devices:
         errs.append(
             f"parallel.pipeline*data*context*tensor={p.pipeline}*{p.data}*{p.context}*"

@@ -79,10 +79,7 @@ def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
-    axes = _varying(x) | _varying(w)
-    cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
-        if axes - _varying(a) else a
-    return _scaled(eq, cast(x), cast(w), whole_max, w_scale)
+    return _scaled(eq, *_alike(x, w), whole_max, w_scale)
 
 
 def _varying(a) -> frozenset:
@@ -95,11 +92,7 @@ def _scaled(eq: str, x, w, whole_max, w_scale):
 
 
 def _forward(eq, x, w, whole_max, w_scale):
-    x8, sx = quantize(x, E4M3, whole_max)
-    if w_scale is None:
-        w8, sw = quantize(w, E4M3, whole_max)
-    else:  # E4M3's values already (exact in any wider dtype)
-        w8, sw = w.astype(E4M3), w_scale
+    x8, sx, w8, sw = _operands(x, w, whole_max, w_scale)  # (w_scale: w is E4M3's values)
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
     return y, (x8, sx, w8, sw, w_scale)
 
@@ -122,6 +115,93 @@ def _bwd(eq, whole_max, residuals, dy):
 
 
 _scaled.defvjp(_fwd, _bwd)
+
+
+# --- FP8 collective matmuls (parallel.collective_matmul) --------------------------------
+# The tensor-parallel plan's rings (framework/parallel/tensor.py, `gather_ring` and
+# `scatter_ring`) with each block's product on E4M3 operands. Each operand is quantized
+# once with the whole tensor's scale before its ring, so the same numbers as `fp8_einsum`
+# after an all-gather (or before a reduce-scatter) come out, and the blocks that travel
+# are E4M3: one byte an element instead of two. The backward runs the other ring:
+# gather_matmul's dx is a ring of partial sums of dy8 @ w8^T, matmul_scatter's dx a ring
+# that gathers dy8's blocks (E5M2) and multiplies each as it passes; dw = x8^T @ dy8 on
+# the whole sequence, from the gathered blocks.
+
+def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None):
+    """tp.gather_matmul(eq, x, w) on FP8 operands: x [b, s/tensor, d] -> [b, s, ...]."""
+    return _gather_mm(eq, tp, *_alike(x, w), w_scale)
+
+
+def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None):
+    """tp.matmul_scatter(eq, x, w) on FP8 operands: x [b, s, f] -> [b, s/tensor, d]."""
+    return _scatter_mm(eq, tp, *_alike(x, w), w_scale)
+
+
+def _alike(x, w):
+    """x and w typed as varying over the same mesh axes (as `fp8_einsum`)."""
+    axes = _varying(x) | _varying(w)
+    cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
+        if axes - _varying(a) else a
+    return cast(x), cast(w)
+
+
+def _operands(x, w, whole_max, w_scale):
+    x8, sx = quantize(x, E4M3, whole_max)
+    w8, sw = quantize(w, E4M3, whole_max) if w_scale is None else (w.astype(E4M3), w_scale)
+    return x8, sx, w8, sw
+
+
+def _scaled_dot(eq, scale, dtype):
+    """product(block, w8) for a ring: the float32 product of FP8 operands, scaled, cast."""
+    return lambda block, w8: (_dot(eq, block, w8) * scale).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_mm(eq, tp, x, w, w_scale):
+    return _gather_mm_fwd(eq, tp, x, w, w_scale)[0]
+
+
+def _gather_mm_fwd(eq, tp, x, w, w_scale):
+    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale)
+    product = _scaled_dot(eq, sx * sw, x.dtype)
+    y, x8_all = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
+    return y, (x8_all, sx, w8, sw, w_scale)
+
+
+def _gather_mm_bwd(eq, tp, residuals, dy):  # dy [b, s, ...]
+    x8_all, sx, w8, sw, w_scale = residuals
+    dy8, sdy = quantize(dy, E5M2, tp.whole_max)
+    for_x, for_w = _transposed(eq)
+    dx = tp.scatter_ring(dy8, w8, _scaled_dot(for_x, sdy * sw, dy.dtype))
+    dw = (_dot(for_w, x8_all, dy8) * (sx * sdy)).astype(dy.dtype)
+    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
+
+
+_gather_mm.defvjp(_gather_mm_fwd, _gather_mm_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scatter_mm(eq, tp, x, w, w_scale):
+    return _scatter_mm_fwd(eq, tp, x, w, w_scale)[0]
+
+
+def _scatter_mm_fwd(eq, tp, x, w, w_scale):
+    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale)
+    y = tp.scatter_ring(x8, w8, _scaled_dot(eq, sx * sw, x.dtype))
+    return y, (x8, sx, w8, sw, w_scale)
+
+
+def _scatter_mm_bwd(eq, tp, residuals, dy):  # dy [b, s/tensor, d]
+    x8, sx, w8, sw, w_scale = residuals
+    dy8, sdy = quantize(dy, E5M2, tp.whole_max)  # the whole dy's scale (max over tensor)
+    for_x, for_w = _transposed(eq)
+    product = _scaled_dot(for_x, sdy * sw, dy.dtype)
+    dx, dy8_all = tp.gather_ring(dy8, w8, lambda block, w8: (product(block, w8), block))
+    dw = (_dot(for_w, x8, dy8_all) * (sx * sdy)).astype(dy.dtype)
+    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
+
+
+_scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
 
 
 # The layers' matrices whose every use is an FP8 matmul (framework/model/llama.py,
@@ -234,15 +314,6 @@ def check_settings(model) -> list[str]:
     mode = getattr(model, "fp8", "none")
     if mode not in MODES:
         return [f"model.fp8={mode!r} is not one of {', '.join(MODES)}"]
-    return []
-
-
-def check_layout(model, parallel) -> list[str]:
-    """What FP8 does not run with yet."""
-    if getattr(model, "fp8", "none") != "none" and parallel.collective_matmul:
-        return ["model.fp8=tensorwise does not run with parallel.collective_matmul=true yet "
-                "(the rings' blocks would need the whole tensor's scales): set "
-                "parallel.collective_matmul=false"]
     return []
 
 

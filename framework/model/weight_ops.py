@@ -32,18 +32,26 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
         x = module.get_variable(GIVEN, name)
     if module.is_mutable_collection(SAVED):
         module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
-    cfg = getattr(module, "cfg", None)
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
-    elif getattr(cfg, "fp8", "none") != "none" and fp8.is_matmul(eq, w):  # model.fp8
-        scale = module.get_variable(fp8.SCALES, name) if module.has_variable(
-            fp8.SCALES, name) else None  # FSDP's FP8 gather quantized w already
-        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max, scale)
+    elif _fp8(module, eq, w):  # model.fp8
+        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max, _given_scale(module, name))
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
         module.sow(PRODUCTS, name, y, init_fn=lambda: None, reduce_fn=lambda _, v: v)
     return module.perturb(name, y, collection=TAPS)
+
+
+def _fp8(module: nn.Module, eq, w) -> bool:
+    """Whether this weight op is an FP8 matmul (model.fp8)."""
+    return getattr(getattr(module, "cfg", None), "fp8", "none") != "none" and fp8.is_matmul(eq, w)
+
+
+def _given_scale(module: nn.Module, name: str):
+    """w's scale where FSDP's FP8 gather quantized it already, else None."""
+    return module.get_variable(fp8.SCALES, name) if module.has_variable(fp8.SCALES, name) \
+        else None
 
 
 def _recording(module: nn.Module, name: str) -> bool:
@@ -59,6 +67,8 @@ def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     backward's recording passes."""
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
+        if _fp8(module, eq, w):
+            return fp8.fp8_gather_matmul(eq, x, w, tp, _given_scale(module, name))
         return tp.gather_matmul(eq, x, w)
     return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
 
@@ -68,6 +78,8 @@ def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     """weight_op followed by the plan's g (`exit`), fused likewise."""
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
+        if _fp8(module, eq, w):
+            return fp8.fp8_matmul_scatter(eq, x, w, tp, _given_scale(module, name))
         return tp.matmul_scatter(eq, x, w)
     return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
 

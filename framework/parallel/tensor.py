@@ -172,32 +172,45 @@ class TensorParallel:
 
     def gather_matmul(self, eq: str, x, w):
         """einsum(eq, enter(x), w) as a ring (module docstring): x [b, s/tensor, d] ->
-        y [b, s, ...]. Step k multiplies the block of device i - k while the block
-        travels on to i + 1."""
+        y [b, s, ...]."""
+        return self.gather_ring(x, w, lambda block, w: jnp.einsum(eq, block, w))
+
+    def matmul_scatter(self, eq: str, x, w):
+        """exit(einsum(eq, x, w)) as a ring of partial sums: x [b, s, f] -> [b, s/tensor,
+        d]."""
+        return self.scatter_ring(x, w, lambda block, w: jnp.einsum(eq, block, w))
+
+    def gather_ring(self, x, w, product):
+        """product(block, w) of every sequence block of x, in sequence order: x [b,
+        s/tensor, ...] -> product's leaves [b, s, ...]. Step k multiplies the block of
+        device i - k while the block travels on to i + 1. (FP8's rings pass E4M3 blocks
+        and return them too: framework/model/fp8.py.)"""
         t, i = self.size, jax.lax.axis_index(self.axis)
         block, ys = x, []
         for _ in range(t - 1):
             sent = ring_shift(block, self.axis, t, 1, self.permute)
-            block, y = _beside(sent, lambda b=block: jnp.einsum(eq, b, w))
+            block, y = _beside(sent, lambda b=block: product(b, w))
             ys.append(y)
-        ys.append(jnp.einsum(eq, block, w))
+        ys.append(product(block, w))
         order = (i - jnp.arange(t)) % t  # ys[k] is sequence block (i - k) mod t
-        return _blocks_to_sequence(jnp.stack(ys)[order])
+        return jax.tree.map(lambda *blocks: _blocks_to_sequence(jnp.stack(blocks)[order]),
+                            *ys)
 
-    def matmul_scatter(self, eq: str, x, w):
-        """exit(einsum(eq, x, w)) as a ring of partial sums: x [b, s, f] -> [b, s/tensor,
-        d]. Step k adds this device's product for block i + k + 1 to the sum arriving
-        from device i + 1 and passes it to i - 1; the last step's block is i's own."""
+    def scatter_ring(self, x, w, product):
+        """The sum over the tensor devices of product(x's block i, w) for this device's
+        sequence block i: x [b, s, ...] -> [b, s/tensor, ...]. Step k adds this device's
+        product for block i + k + 1 to the sum arriving from device i + 1 and passes it
+        to i - 1; the last step's block is i's own."""
         t, i = self.size, jax.lax.axis_index(self.axis)
         n = x.shape[SEQ] // t
         block = lambda k: jax.lax.dynamic_slice_in_dim(x, ((i + k + 1) % t) * n, n, axis=SEQ)
-        total = jnp.einsum(eq, block(0), w)
+        total = product(block(0), w)
         for k in range(1, t):
             # the block's matmul waits for the last step's sum, so that XLA cannot merge
             # the steps' matmuls (all of x is at hand) into one before the ring
             xk, wk, _ = jax.lax.optimization_barrier((block(k), w, total))
             sent = ring_shift(total, self.axis, t, -1, self.permute)
-            arriving, part = _beside(sent, lambda: jnp.einsum(eq, xk, wk))
+            arriving, part = _beside(sent, lambda: product(xk, wk))
             total = arriving + part
         return total
 
