@@ -56,3 +56,32 @@ def test_what_the_search_found_stays_fixed(name, apart):
     why = search.run_case(ModelConfig(**case["model"]), par, TrainConfig(**case["train"]),
                           jax.devices()[:par.n_devices], apart=apart)
     assert why is None, why
+
+
+@pytest.mark.slow
+def test_an_fp8_case_is_checked_against_the_fp8_engine_on_one_device():
+    """The search's FP8 cases (a quarter of a long sweep; none in the CI seed's three):
+    FP8 collective matmuls under a pipeline pass against the FP8 engine with data x
+    microbatches microbatches, a reference percents from the full-precision one (so
+    against that one they would fail)."""
+    import dataclasses
+
+    from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+    from framework.model import reference
+    from framework.model.llama import init_params
+
+    search = load_tool("parity_search")
+    model = ModelConfig(vocab_size=128, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
+                        d_ff=64, dtype="float32", fp8="tensorwise")
+    par = ParallelConfig(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
+                         sequence_parallel=True, collective_matmul=True)
+    train = TrainConfig(seq_len=16, global_batch_size=8, seed=3)
+    devices = jax.devices()[:par.n_devices]
+    assert search.run_case(model, par, train, devices) is None
+    params = jax.jit(lambda k: init_params(model, k))(jax.random.key(train.seed))
+    tokens = reference.tokens_for_step(train.seed, 0, 8, 16, model.vocab_size)
+    _, fp8_grads = search._one_device(model, par, train, OptimConfig(), None, devices[0])(
+        params, tokens)
+    _, full = reference.loss_and_grads(params, tokens, dataclasses.replace(model, fp8="none"),
+                                       groups=4)
+    assert max(search._relative_errors(fp8_grads, full)) > 100 * search.TOLERANCE
