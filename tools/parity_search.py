@@ -1,8 +1,7 @@
 """A randomized search for layouts that compute something else than one device does.
 
     python tools/parity_search.py --cases 200 --seed 1     # a developer's long sweep
-    python tools/parity_search.py --cases 20 --seed 7 --devices 8
-    python tools/parity_search.py --cases 40 --schedules zb_h1,zb_v   # some schedules only
+    python tools/parity_search.py --cases 40 --schedules zb_h1,zb_v --fp8-share 0
 
 Draws random valid configurations (schedule from the registry, pipeline, data, context,
 tensor, microbatches, virtual stages, uneven stages (a third of them), overlapped or
@@ -13,18 +12,16 @@ the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mix
 of experts with their experts, top-k, widths, auxiliary losses, router (softmax or
 sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to the best of 2 groups)
 and shared experts (in half of them, gated or not, with a dense layer before the MoE
-ones) drawn), sliding
-windows (a third; on every layer or every other), attention and logit soft-caps, the
-stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (in a quarter, from a
-stream of their own; against the FP8 engine on one device, FP8_GRAD_TOLERANCE), small
-model shapes; for the tick
-executor's schedules, half of them with the dispatch of GPU compilers that copy what a
-conditional passes through, forced on CPU: `gpu-dispatch`), runs each one's
-loss and gradients twice on the same inputs, and compares the loss and every gradient
-leaf of both runs with the single-device reference (framework/model/reference.py):
-relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients rounded per
-microbatch rather than once). A failing configuration
-is printed as one line of `python -m framework.run` settings, e.g.
+ones) drawn), sliding windows (a third; on every layer or every other), attention and
+logit soft-caps, the stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (a
+quarter, from a stream of their own; against the FP8 engine on one device,
+FP8_GRAD_TOLERANCE), small model shapes; for the tick executor's schedules, half of them
+with the dispatch of GPU compilers that copy what a conditional passes through, forced
+on CPU: `gpu-dispatch`), runs each one's loss and gradients twice on the same inputs,
+and compares the loss and every gradient leaf of both runs with the single-device
+reference (framework/model/reference.py): relative error at most 1e-4 (bfloat16
+parameters: 2^-5, their gradients rounded per microbatch rather than once). A failing
+configuration is printed as one line of `python -m framework.run` settings, e.g.
 
     FAIL zb_h1 pp4 dp1 tp2 mb8: 19.6 (run 2) ... | parallel.pipeline=4 parallel.data=1 ...
 
@@ -51,13 +48,9 @@ import_jax()  # before anything imports JAX: its plugins' start-up lines stay of
 
 TOLERANCE = 1e-4
 BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradient sum
-# FP8's gradients against the FP8 engine on one device: a 1-ulp float32 difference
-# upstream (another summation order: 3e-7 at the head) moves an output gradient's
-# E5M2 rounding of some element by a step (2 mantissa bits: up to 25% of it), and the
-# layers below carry it on (seed 5, case 5 of the FP8 sweep: layer 3 of 4 exact to
-# 3e-7, layer 0 off by 8.9%). So the search catches what is off by more than a step (a
-# missing or doubled reduction, a wrong sum); tests/parity/test_fp8.py holds fixed
-# seeds at 5e-5. The loss is checked at TOLERANCE.
+# FP8's gradients against the FP8 engine on one device: one E5M2 step (a float32
+# rounding upstream moves an E5M2 rounding by a step, and the layers below carry it:
+# docs/testing.md); the loss at TOLERANCE
 FP8_GRAD_TOLERANCE = 0.25
 
 
@@ -258,10 +251,8 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
 
 
 def _loss_and_grads(eng, model):
-    """eng's jitted (params, tokens) -> (loss, grads); with FP8 under the test suite's
-    XLA backend optimization level 0 (tests/conftest.py), compiled at level 1: at level
-    0 XLA:CPU's FP8 code on AVX512-FP16 CPUs computed some tensor-parallel layouts'
-    layer gradients percents off (docs/testing.md)."""
+    """eng's jitted (params, tokens) -> (loss, grads); FP8 under the suite's XLA level 0
+    compiled at level 1 (level 0's FP8 code is off on AVX512-FP16 CPUs: docs/testing.md)."""
     fn = eng.loss_and_grads_fn()
     if model.fp8 == "none" or "optimization_level=0" not in os.environ.get("XLA_FLAGS", ""):
         return fn
@@ -277,10 +268,8 @@ def _loss_and_grads(eng, model):
 
 def _one_device(model, par, train, optim, docs, device):
     """(params, tokens) -> (loss, canonical grads) of the engine on one device with the
-    layout's data x microbatches microbatches: FP8's scaling unit is a data replica's
-    microbatch (its scales are that tensor's maxima), so this is what every FP8 layout
-    must compute (tests/parity/test_fp8.py); it differs from the full-precision
-    reference by FP8's rounding."""
+    layout's data x microbatches microbatches: what an FP8 layout must compute (FP8's
+    scaling unit is a data replica's microbatch: tests/parity/test_fp8.py)."""
     from framework.config import ParallelConfig
     from framework.engine.build import build_engine
     from framework.engine.validate import validate
