@@ -15,7 +15,9 @@ hidden states of one data replica's batch (in the compute dtype):
           parallel embedding (one reduction forward) and LM head (one backward), each
           on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
           label logit), and with sequence parallelism one all-reduce of the norm-scale
-          gradients per step. FP8's collective matmuls gather in one byte an element.
+          gradients per step. Collective matmuls: the same rings, and under remat the
+          MLP's gathering ring again too (`_layer_units`); FP8's gather one byte an
+          element.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
           parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
@@ -194,19 +196,28 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     # tick executor two more: its backward cell runs its forward again first
     again = 1 if lay.recomputes else 0
     prefix = 4 + again + (0 if lay.program.schedule.executor == AUTODIFF else 2)
-    units = (4 + again) * _busiest_decoder_layers(lay) + \
+    units = _layer_units(model, parallel, lay.recomputes) * _busiest_decoder_layers(lay) + \
         prefix * prefix_layers(model) / parallel.pipeline
-    return units * _ring_all_reduce(parallel.tensor) * hidden * _fp8_rings(model, parallel)
+    return units * _ring_all_reduce(parallel.tensor) * hidden
 
 
-def _fp8_rings(model: ModelConfig, parallel: ParallelConfig) -> float:
-    """FP8's collective matmuls (framework/model/fp8.py): of each all-reduce's worth, the
-    gathering half (the forward's x, the backward's dy of a scattering matmul) travels
-    as FP8, one byte an element; the partial sums in the compute dtype."""
-    rings = parallel.collective_matmul and parallel.sequence_parallel and parallel.tensor > 1
-    if model.fp8 == "none" or not rings:
-        return 1.0
-    return (1 + 1 / dtype_bytes(model.dtype)) / 2
+def _layer_units(model: ModelConfig, parallel: ParallelConfig, recomputes: bool) -> float:
+    """One decoder layer's tensor collectives, in all-reduces of A: 4 (f and g of the
+    attention and the MLP, forward and backward), 5 rematerialised (the attention's
+    again). With collective matmuls each all-reduce's worth is a gathering ring and a
+    scattering one (half each), and a rematerialised layer's recompute runs three rings
+    again: the attention's two and the MLP's gathering one (its product feeds the
+    backward; the down projection's scatter is dead): 5.5 (the GPU compiler's program
+    of llama3_8b at 4 layers, 2026-11-30: 4,224 MiB of ring permutes a step under
+    `full` and `save_dots`, 3,072 without remat). FP8's gathering rings
+    (framework/model/fp8.py) carry one byte an element, the partial sums the compute
+    dtype's."""
+    again = 1 if recomputes else 0
+    if not (parallel.collective_matmul and parallel.sequence_parallel and parallel.tensor > 1):
+        return 4 + again
+    gathers, scatters = 4 + 2 * again, 4 + again  # rings, each half an all-reduce
+    per = 1 / dtype_bytes(model.dtype) if model.fp8 != "none" else 1.0
+    return (gathers * per + scatters) / 2
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
