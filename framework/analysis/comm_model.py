@@ -70,6 +70,7 @@ import jax
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
 from framework.engine.resolved import Layout, resolved
+from framework.model import fp8
 from framework.model.prefix import DENSE, prefix_layers, stack_layers, unit_layers
 from framework.model.registry import spec_of
 from framework.model.moe_slots import capacity
@@ -132,18 +133,33 @@ def _local_sizes(shapes, axes, parallel: ParallelConfig):
         yield math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
 
 
-def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
-    """The parameters of the MoE layers' experts one device holds (`local_param_counts`'s
-    layers, the experts split over `expert`)."""
+def _layer_leaves_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int,
+                        keep) -> int:
+    """The layers' parameters one device holds (`local_param_counts`'s layers) in the
+    leaves keep(name, logical axes) picks."""
     tensor_dims = set(parallel.tensor_split)
     shapes, axes = _param_shapes(model)
     total = 0
-    for shape, names in zip(jax.tree.leaves(shapes["layers"]),
-                            jax.tree.leaves(axes["layers"], is_leaf=lambda a: isinstance(a, tuple))):
-        if "experts" in names:
+    for (path, shape), names in zip(jax.tree_util.tree_leaves_with_path(shapes["layers"]),
+                                    jax.tree.leaves(axes["layers"],
+                                                    is_leaf=lambda a: isinstance(a, tuple))):
+        if keep(str(getattr(path[-1], "key", "")), names):
             size = math.prod(shape.shape) // parallel.tensor ** sum(n in tensor_dims for n in names)
-            total += size // stack_layers(model) * rank_layers // parallel.expert
+            total += size // stack_layers(model) * rank_layers
     return total
+
+
+def expert_param_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
+    """The parameters of the MoE layers' experts one device holds (`local_param_counts`'s
+    layers, the experts split over `expert`)."""
+    return _layer_leaves_count(model, parallel, rank_layers,
+                               lambda name, axes: "experts" in axes) // parallel.expert
+
+
+def fp8_matrix_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
+    """The layers' FP8 matrices' parameters one device holds (`fp8.MATRICES`)."""
+    return _layer_leaves_count(model, parallel, rank_layers,
+                               lambda name, axes: name in fp8.MATRICES)
 
 
 def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
@@ -327,6 +343,11 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         expert = expert_bytes(model, parallel, train) + _ring_all_reduce(e) * (
             held - experts) * grad
     data = _ring_all_reduce(dp // e) * held * grad
+    if (parallel.zero1 or parallel.fsdp) and model.fp8 != "none" and model.fp8_gather:
+        # ZeRO-1's once-a-step gather (FSDP's with fsdp_regather=step) sends the layers'
+        # FP8 matrices in one byte (framework/engine/fp8_gathers.py)
+        data -= (dp // e - 1) / (dp // e) * fp8_matrix_count(
+            model, parallel, lay.chunk_layers * lay.chunks_per_rank) * (grad - 1)
     if lay.gathers_per_use:
         data = fsdp_bytes(model, parallel, counts, grad,
                           lay.program.schedule.executor == AUTODIFF)

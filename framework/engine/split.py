@@ -17,6 +17,7 @@ from functools import lru_cache
 import jax
 
 from framework.errors import PlanError
+from framework.model import fp8
 from framework.model.registry import spec_of
 from framework.config import ModelConfig
 from framework.parallel.pipeline.stage import SplitBackward
@@ -48,13 +49,13 @@ def split_layers(cfg: ModelConfig, remat: str = "none", recompute: bool | None =
         return ops.block(cfg, tp).apply(variables, x, mutable=mutable, docs=docs, window=window)
 
     def layer(x, params, taps, docs, window):  # one layer, recording its weight ops' inputs
-        y, state = block({"params": params, TAPS: taps}, x, [SAVED], docs, window)
+        y, state = block({**fp8.variables(params), TAPS: taps}, x, [SAVED], docs, window)
         return y, state[SAVED]
     layer = spec.checkpointed(layer, remat, None if gather is identity else gather)
 
     def prepare(layers, x, first):  # (zero taps [L, ...] like each weight op's output
         # (traced: dead code), the windows, a layer of (x, (params, taps), docs, window))
-        taps = jax.vmap(lambda p: block({"params": gather(p)}, x, [TAPS])[1][TAPS])(layers)
+        taps = jax.vmap(lambda p: block(fp8.variables(gather(p)), x, [TAPS])[1][TAPS])(layers)
         fixed, windows = ops.split_windows(ops.layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
                                                      first), x)
         scanned = lambda x, params_and_taps, docs, window: layer(

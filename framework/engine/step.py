@@ -29,7 +29,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
-from framework.engine import moe_stats
+from framework.engine import fp8_gathers, moe_stats
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
@@ -40,7 +40,7 @@ from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
 from framework.parallel.expert import expert_parallel
-from framework.parallel.mesh import CONTEXT, DATA, PIPE, TENSOR
+from framework.parallel.mesh import CONTEXT, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
 from framework.parallel.pipeline.comm import manual_axes, varying
 from framework.parallel.pipeline.program import forward_program
@@ -74,8 +74,8 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     gather = _per_use_gathers(per_use, model.dtype)
     if model.moe.enabled:  # the layers' statistics probe passes FSDP's gathers by
         gather = dict(gather, layer=moe_stats.without_probe(gather["layer"]))
-    # the layers' stack (not the split backward's passes) gathers matrices as FP8
-    stack_gather = _fp8_layer_gather(per_use, model, tp) or gather["layer"]
+    # the layers (the stack and the split backward's passes) gather matrices as FP8
+    stack_gather = fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"]
 
     def head_loss(head, embed, y, targets):
         return spec.head_loss(model, tp, head, embed["table"], y, targets, z_loss) \
@@ -97,7 +97,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
         layers=partial(spec.apply_layers, model, stack=stack),
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
-                           skip=skip_unless, gather=gather["layer"]) if split else None,
+                           skip=skip_unless, gather=stack_gather) if split else None,
         pass_through=options.pass_through)
 
 
@@ -123,45 +123,13 @@ def _per_use_gathers(dims, dtype) -> dict:
             "layer": one(dims["stages"], 3, dtype), "prefix": prefix}
 
 
-def _fp8_layer_gather(dims, model, tp: TensorParallel):
-    """FSDP's gather of one layer with its FP8 matrices (`fp8.MATRICES`) travelling as
-    E4M3 and their scales (`fp8.gather_quantized`; model.fp8_gather), the rest as
-    `_per_use_gathers` gathers them: {'params', fp8.SCALES}, the layer's variables. None
-    without FP8, FSDP per use or with model.fp8_gather=false."""
-    if dims is None or model.fp8 == "none" or not model.fp8_gather:
-        return None
-    is_matrix = lambda path: str(getattr(path[-1], "key", "")) in fp8.MATRICES
-    rest = jax.tree_util.tree_map_with_path(lambda path, d: None if is_matrix(path) else d,
-                                            dims["stages"], is_leaf=lambda d: d is None)
-    dtype = jnp.dtype(model.dtype)
-
-    def gather(params):
-        params = data_parallel.gather_leaves(params, rest, offset=3, dtype=dtype)
-        scales = {}
-
-        def one(path, w, d):
-            if not is_matrix(path) or d is None:
-                return w
-            values, scale = fp8.gather_quantized(w, DATA, d - 3, dtype, tp.whole_max)
-            node = scales
-            for key in path[:-1]:
-                node = node.setdefault(key.key, {})
-            node[path[-1].key] = scale
-            return values
-
-        params = jax.tree_util.tree_map_with_path(one, params, dims["stages"])
-        return {"params": params, fp8.SCALES: scales}
-
-    return gather
-
-
-def device_params(params, zero1_dims, vary_over, per_use: bool = False):
-    """This device's weights for the step: ZeRO-1 shards gathered (FSDP per use: left
-    sharded, `stage_fns` gathers them), typed per device (so that gradients are taken
-    per device, without implicit sums), the layers viewed as this rank's chunks
-    [v, Lc, ...]."""
-    if zero1_dims is not None and not per_use:
-        params = data_parallel.gather_params(params, zero1_dims)
+def device_params(params, gather, vary_over):
+    """This device's weights for the step: ZeRO-1's shards gathered (`gather`, from
+    `fp8_gathers.step_gather`; None: nothing to gather, or FSDP per use, whose `stage_fns` gather),
+    typed per device (so that gradients are taken per device, without implicit sums),
+    the layers viewed as this rank's chunks [v, Lc, ...]."""
+    if gather is not None:
+        params = gather(params)
     params = jax.tree.map(lambda a: varying(a, vary_over), params)
     return {"embed": params["embed"], "head": params["head"],
             "chunks": jax.tree.map(lambda a: a[0], params["stages"])}  # drop the stage axis
@@ -175,8 +143,8 @@ def reduce_gradients(grads, tensor_replicated, sequence_parallel: bool, zero1_di
     everything over `data` (or ZeRO-1's reduce-scatter; FSDP per use: done by the
     gathers' transposes); with expert parallelism (`expert_leaves`, a bool per leaf)
     the dense leaves over `expert` too."""
-    grads = {"embed": grads["embed"], "head": grads["head"],
-             "stages": jax.tree.map(lambda a: a[None], grads["chunks"])}
+    grads = {"embed": grads["embed"], "head": grads["head"],  # (FP8 gathers' scales: none)
+             "stages": jax.tree.map(lambda a: a[None], fp8.params_of(grads["chunks"]))}
     if sequence_parallel:
         grads = jax.tree.map(lambda g, r: jax.lax.psum(g, TENSOR) if r else g,
                              grads, tensor_replicated)
@@ -239,14 +207,15 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
         check_weight_ops(layout.model)
 
     per_use = zero1_dims if layout.gathers_per_use else None
+    gather = None if zero1_dims is None or per_use is not None else \
+        fp8_gathers.step_gather(zero1_dims, layout.model, tp.whole_max)
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""
         inputs, targets, n_tokens, docs = split_batch(tokens, parallel.microbatches,
                                                       parallel.data, cp, options.documents)
         fns = stage_fns(layout, tp, n_tokens, split=split, per_use=per_use, options=options)
-        return run(fns, device_params(params, zero1_dims, layout.vary_over, per_use is not None),
-                   inputs, targets, docs)
+        return run(fns, device_params(params, gather, layout.vary_over), inputs, targets, docs)
 
     return body
 

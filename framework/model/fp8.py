@@ -52,11 +52,20 @@ def quantize(x, dtype, whole_max):
     # a statistic, never differentiated (the autodiff executor linearizes the forward
     # around this custom VJP's primal: pmax has no derivative rule)
     amax = whole_max(jax.lax.stop_gradient(jnp.max(jnp.abs(x.astype(jnp.float32)))))
-    s = _scale(amax) / _largest(dtype)
-    # saturated at the largest finite value (a cast beyond it gives NaN in E4M3, inf in
-    # E5M2): only reached where `whole_max` reports less than the tensor holds; NaN stays
-    scaled = jnp.clip(x.astype(jnp.float32) / s, -_largest(dtype), _largest(dtype))
-    return scaled.astype(dtype), s
+    s = scale_of(amax, dtype)
+    return in_format(x.astype(jnp.float32), s, dtype), s
+
+
+def scale_of(amax, dtype):
+    """The scale s of a tensor with absolute maximum `amax` in `dtype`: x ~ x8 * s."""
+    return _scale(amax) / _largest(dtype)
+
+
+def in_format(x, s, dtype):
+    """x (float32) / s in `dtype`, saturated at its largest finite value (a cast beyond
+    it gives NaN in E4M3, inf in E5M2): only reached where a scale is from less than the
+    tensor holds; NaN stays."""
+    return jnp.clip(x / s, -_largest(dtype), _largest(dtype)).astype(dtype)
 
 
 def _transposed(eq: str) -> tuple[str, str]:
@@ -263,36 +272,10 @@ def weight_stats(stages: dict, dtype) -> dict:
 SCALES = "fp8_scales"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
-    """FSDP's gather of one matrix as FP8: this device's shard w quantized to E4M3 with
-    the whole matrix's scale (its absolute maximum: the shards' maxima's max over
-    `axis_name`, then `whole_max`'s over the tensor devices), gathered over `axis_name`
-    along `axis` in one byte per element, returned as (the whole matrix's E4M3 values in
-    `dtype`, the scale). Exactly `quantize` of the gathered matrix: max and the
-    elementwise scaling commute with the gather. The transpose reduce-scatters the
-    gradient in w's dtype, as FSDP's plain gather (framework/parallel/data.py)."""
-    return _gather_quantized(w, axis_name, axis, dtype, whole_max)
-
-
-def _gather_quantized(w, axis_name, axis, dtype, whole_max):
-    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
-    amax = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(jnp.abs(shard))), axis_name)
-    s = _scale(whole_max(amax)) / _largest(E4M3)
-    w8 = jnp.clip(shard / s, -_largest(E4M3), _largest(E4M3)).astype(E4M3)
-    return jax.lax.all_gather(w8, axis_name, axis=axis, tiled=True).astype(dtype), s
-
-
-def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
-    return _gather_quantized(w, axis_name, axis, dtype, whole_max), jnp.zeros((), w.dtype)
-
-
-def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
-    return (jax.lax.psum_scatter(grads[0].astype(home.dtype), axis_name,
-                                 scatter_dimension=axis, tiled=True),)
-
-
-gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+def params_of(tree):
+    """The parameters of a tree `quantized_matrices` made (its gradients' too), or the
+    tree itself."""
+    return tree["params"] if SCALES in tree else tree
 
 
 def variables(params) -> dict:

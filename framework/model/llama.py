@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from framework.model import fp8
 from framework.model.attention import attend, score_form
 from framework.model.documents import Documents
 from framework.model.layers import MLP, NO_TP, param, norm, softcap
@@ -66,7 +67,7 @@ def replay_weight_ops(cfg: ModelConfig, tp: TensorParallel, params, given):
     output gradients back through these (framework/engine/split.py). The rest of the
     block is dead code, which XLA drops."""
     x = jnp.zeros_like(given["attn_norm"]["scale"])  # the block's input shape: dead code
-    return Block(cfg, tp).apply({"params": params, GIVEN: given}, x,
+    return Block(cfg, tp).apply({**fp8.variables(params), GIVEN: given}, x,
                                 mutable=[PRODUCTS])[1][PRODUCTS]
 
 

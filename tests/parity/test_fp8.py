@@ -53,6 +53,16 @@ LAYOUTS = [
     # FSDP's FP8 gathers inside the tick executor (measured 3.8e-7)
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
                       fsdp=True), marks=pytest.mark.slow),
+    # the once-a-step FP8 gathers (ZeRO-1's above; FSDP's with fsdp_regather=step): the
+    # layers' matrices as E4M3 with a scale per layer (the max over `data` and `tensor`),
+    # under the tick executor and zero-bubble's split backward
+    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", fsdp=True,
+         fsdp_regather="step", level1=True),
+    pytest.param(dict(pipeline=2, data=2, tensor=1, microbatches=4, schedule="zb_v",
+                      zero1=True), marks=pytest.mark.slow),
+    # FSDP's per-use FP8 gathers in the split backward's B and W passes
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
+                      fsdp=True, level1=True), marks=pytest.mark.slow),
 ]
 _ONE = {}
 

@@ -1,0 +1,139 @@
+"""FP8 weight gathers (`model.fp8_gather`, on by default with `model.fp8`): where data
+parallelism gathers the layers' weights (FSDP per use, ZeRO-1 and FSDP once a step:
+framework/parallel/data.py), their FP8 matrices (`fp8.MATRICES`) travel as E4M3, one
+byte an element, with their scales, instead of in the compute or stored dtype.
+
+Each shard is quantized with the whole matrix's scale (the shards' absolute maxima's
+max over the axes the matrix is split over), so the gathered values are exactly what
+the matmul's own quantization of the gathered matrix gives (`fp8.quantize`): the layer
+gets {'params': values, fp8.SCALES: scales} as its Flax variables and its `weight_op`
+takes the given scale instead of measuring one. The gradients flow to the values as the
+weights' own (straight through the quantization, as in `fp8.fp8_einsum`) and are
+reduce-scattered in the stored dtype as without FP8.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from framework.model import fp8
+from framework.parallel import data as data_parallel
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
+    """FSDP's gather of one matrix as FP8: this device's shard w quantized to E4M3 with
+    the whole matrix's scale (its absolute maximum: the shards' maxima's max over
+    `axis_name`, then `whole_max`'s over the tensor devices), gathered over `axis_name`
+    along `axis` in one byte per element, returned as (the whole matrix's E4M3 values in
+    `dtype`, the scale). Exactly `quantize` of the gathered matrix: max and the
+    elementwise scaling commute with the gather. The transpose reduce-scatters the
+    gradient in w's dtype, as FSDP's plain gather (framework/parallel/data.py)."""
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max)
+
+
+def _gather_quantized(w, axis_name, axis, dtype, whole_max):
+    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
+    amax = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(jnp.abs(shard))), axis_name)
+    s = fp8.scale_of(whole_max(amax), fp8.E4M3)
+    w8 = fp8.in_format(shard, s, fp8.E4M3)
+    return jax.lax.all_gather(w8, axis_name, axis=axis, tiled=True).astype(dtype), s
+
+
+def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
+    return _gather_quantized(w, axis_name, axis, dtype, whole_max), jnp.zeros((), w.dtype)
+
+
+def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
+    return (jax.lax.psum_scatter(grads[0].astype(home.dtype), axis_name,
+                                 scatter_dimension=axis, tiled=True),)
+
+
+gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+
+
+def gather_layers_quantized(w, dim: int, axes, dtype, whole_max, stacked: int = 3):
+    """ZeRO-1's once-a-step gather (and FSDP's with `fsdp_regather=step`) of one stacked
+    matrix w [stage, chunk, layer, ...] as FP8: this device's shard along `dim`, each
+    layer's matrix quantized to E4M3 with its whole scale (as `gather_quantized`; the
+    maximum over `axes` where `dim` splits the layers' matrices, else each device holds
+    whole layers and their scales travel with them), gathered in one byte an element.
+    Returns (the E4M3 values in w's dtype, the scales [stage, chunk, layer]); the step
+    takes its gradients with respect to the values (as the weights: `weight_op` reads
+    the scale given beside them), so nothing here is differentiated."""
+    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
+    inner = tuple(range(stacked, w.ndim))
+    amax = jnp.max(jnp.abs(shard), axis=inner)  # [stage, chunk, layer]
+    if dim >= stacked:
+        amax = jax.lax.pmax(amax, axes)
+    s = fp8.scale_of(whole_max(amax), fp8.E4M3)  # [stage, chunk, layer]
+    w8 = fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3)
+    values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True).astype(w.dtype)
+    if dim < stacked:
+        s = jax.lax.all_gather(s, axes, axis=dim, tiled=True)
+    return values, s
+
+
+def quantized_matrices(params, dims, gather):
+    """`params` with each of the layers' FP8 matrices (`fp8.MATRICES`) that `dims` shards
+    (not None) replaced by gather(w, dim) -> (values, scale): {'params': the tree,
+    fp8.SCALES: the scales, nested as the matrices are} (a layer's Flax variables, or a stack
+    of them)."""
+    scales = {}
+
+    def one(path, w, d):
+        if str(getattr(path[-1], "key", "")) not in fp8.MATRICES or d is None:
+            return w
+        values, scale = gather(w, d)
+        node = scales
+        for key in path[:-1]:
+            node = node.setdefault(key.key, {})
+        node[path[-1].key] = scale
+        return values
+
+    params = jax.tree_util.tree_map_with_path(one, params, dims)
+    return {"params": params, fp8.SCALES: scales}
+
+
+def unquantized(dims):
+    """`dims` with the FP8 matrices' left out (None): what the plain gathers take."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, d: None if str(getattr(path[-1], "key", "")) in fp8.MATRICES else d, dims,
+        is_leaf=lambda d: d is None)
+
+
+def layer_gather(dims, model, whole_max):
+    """FSDP's gather of one layer (per use), its FP8 matrices as E4M3 with their scales
+    (`gather_quantized`), the rest as `data_parallel.gather_leaves` in the compute
+    dtype: {'params', SCALES}, the layer's variables. `dims`: FSDP's dimension per
+    stored leaf. None without FP8, FSDP per use or with model.fp8_gather=false."""
+    if dims is None or model.fp8 == "none" or not model.fp8_gather:
+        return None
+    dtype, rest = jnp.dtype(model.dtype), unquantized(dims["stages"])
+    quantized = lambda w, d: gather_quantized(w, data_parallel.shard_axes(d), d - 3, dtype,
+                                              whole_max)
+    return lambda params: quantized_matrices(
+        data_parallel.gather_leaves(params, rest, offset=3, dtype=dtype), dims["stages"],
+        quantized)
+
+
+def step_gather(zero1_dims, model, whole_max):
+    """ZeRO-1's gather of the step's parameters (FSDP's with fsdp_regather=step): with
+    FP8 gathers the layers' FP8 matrices as E4M3 with a scale per layer
+    (`gather_layers_quantized`), the stages then {'params', SCALES} (each layer's
+    variables once sliced); the rest, and everything without, as stored."""
+    plain = partial(data_parallel.gather_params, dims=zero1_dims)
+    if model.fp8 == "none" or not model.fp8_gather:
+        return plain
+    dims, dtype = zero1_dims["stages"], jnp.dtype(model.dtype)
+    quantized = lambda w, d: gather_layers_quantized(w, d, data_parallel.shard_axes(d),
+                                                     dtype, whole_max)
+
+    def gather(params):
+        params = data_parallel.gather_params(params, dict(zero1_dims, stages=unquantized(dims)))
+        return dict(params, stages=quantized_matrices(params["stages"], dims, quantized))
+
+    return gather
