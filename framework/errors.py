@@ -56,8 +56,11 @@ class Diverged(RuntimeError):
     def from_values(cls, step: int, values: dict) -> "Diverged":
         bad = [k for k, v in values.items() if not math.isfinite(v)]
         shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        why = "; a layer weight the FP8 matmuls quantize is not finite (and so its " \
-              "scale)" if any(k.startswith("fp8/") for k in bad) else ""
+        what = {"weight": "a layer weight", "activation": "a layer matmul's input",
+                "gradient": "a layer matmul's output gradient"}
+        fp8 = [what[k[4:].split("_")[0]] for k in bad if k.startswith("fp8/")]
+        why = f"; {fp8[0]} the FP8 matmuls quantize is not finite (and so its scale)" \
+            if fp8 else ""
         return cls(step, f"non-finite {' and '.join(bad)} at step {step} ({shown}){why}")
 
 

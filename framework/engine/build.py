@@ -23,7 +23,7 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.errors import ConfigError
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
-from framework.engine.step import (build_loss_and_grads, fp8_metrics, moe_balance, moe_metrics,
+from framework.engine.step import (build_loss_and_grads, fp8_metrics, moe_balance, probe_metrics,
                                    train_step)
 from framework.model import attention
 from framework.model.documents import DocumentMask
@@ -50,7 +50,7 @@ class Engine:
     def __post_init__(self):
         self.step_fn = jax.jit(
             train_step(self._loss_and_grads(stats=True), self.optimizer, self.lr,
-                       fp8_metrics(self.layout.resolved), moe_metrics(self.layout.resolved),
+                       fp8_metrics(self.layout.resolved), probe_metrics(self.layout.resolved),
                        moe_balance(self.layout.resolved)),
             in_shardings=(self.state_shardings, self.batch_sharding()),
             out_shardings=(self.state_shardings, None), donate_argnums=0)

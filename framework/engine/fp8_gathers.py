@@ -137,3 +137,18 @@ def step_gather(zero1_dims, model, whole_max):
         return dict(params, stages=quantized_matrices(params["stages"], dims, quantized))
 
     return gather
+
+
+def on_params(gather):
+    """A layer's gather that takes the layer's Flax variables ({'params', and the train
+    step's FP8 probes: framework/engine/fp8_probe.py}) or its params alone, and gathers
+    the params."""
+    if gather is None:
+        return None
+
+    def run(tree):
+        if "params" not in tree:
+            return gather(tree)
+        return {**tree, **fp8.variables(gather(tree["params"]))}
+
+    return run

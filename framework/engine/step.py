@@ -29,7 +29,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
-from framework.engine import fp8_gathers, moe_stats
+from framework.engine import fp8_gathers, fp8_probe, moe_stats
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
@@ -75,7 +75,8 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     if model.moe.enabled:  # the layers' statistics probe passes FSDP's gathers by
         gather = dict(gather, layer=moe_stats.without_probe(gather["layer"]))
     # the layers (the stack and the split backward's passes) gather matrices as FP8
-    stack_gather = fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"]
+    stack_gather = fp8_gathers.on_params(
+        fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"])
 
     def head_loss(head, embed, y, targets):
         return spec.head_loss(model, tp, head, embed["table"], y, targets, z_loss) \
@@ -225,11 +226,11 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
                          stats: bool = False):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
     (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term).
-    `documents`: attention within each row's documents (data.document_mask). `stats`
-    (a mixture of experts): a third output, the step's router statistics in the stage
-    layout [stages, v, Lc, n] (framework/engine/moe_stats.py, which the probe rides)."""
+    `documents`: attention within each row's documents (data.document_mask). `stats`:
+    a third output where statistics ride a probe (`_probes`: a mixture of experts'
+    routers, FP8's matmuls), the step's in the stage layout [stages, v, Lc, ...]."""
     prog = layout.program
-    probe = stats and moe_stats.enabled(layout) and not forward_only
+    probe = _probes(layout) if stats and not forward_only else None
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -248,15 +249,15 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
         if probe:
-            params = moe_stats.with_probe(params, layout)
+            params = probe.with_probe(params, layout)
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
         if probe:
-            grads, found = moe_stats.take_probe(grads)
+            grads, found = probe.take_probe(grads)
         grads = reduce_gradients(grads, tensor_replicated, layout.sequence_parallel,
                                  zero1_dims, layout.gathers_per_use, layout.parallel.context,
                                  expert_leaves)
         loss = jax.lax.psum(loss, layout.manual)
-        return (loss, grads, moe_stats.reduce(found, layout)) if probe else (loss, grads)
+        return (loss, grads, probe.reduce(found, layout)) if probe else (loss, grads)
 
     platform = mesh.devices.flat[0].platform
     cpu = platform == "cpu"
@@ -312,9 +313,15 @@ def moe_balance(layout: Layout):
     return partial(moe_stats.balance, layout=layout)
 
 
-def moe_metrics(layout: Layout):
-    """The `moe/` metrics of the step's router statistics (framework/engine/
-    moe_stats.py), or None without a mixture of experts."""
-    if not moe_stats.enabled(layout):
-        return None
-    return partial(moe_stats.metrics, layout=layout)
+def _probes(layout: Layout):
+    """What rides a zero probe's gradient in this layout's step: the MoE routers'
+    statistics (framework/engine/moe_stats.py), FP8's of the layers' matmul inputs and
+    output gradients (framework/engine/fp8_probe.py; FP8 refuses MoE), or None."""
+    return next((m for m in (moe_stats, fp8_probe) if m.enabled(layout)), None)
+
+
+def probe_metrics(layout: Layout):
+    """The metrics of the step's probe statistics (`moe/` of the routers, `fp8/` of the
+    activations and gradients), or None where nothing rides a probe."""
+    probe = _probes(layout)
+    return None if probe is None else partial(probe.metrics, layout=layout)

@@ -218,7 +218,7 @@ _scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 STAT_PREFIX = "fp8/"
 # Non-finite where an FP8 operand is: the run loop refuses the step (framework/run/loop.py).
-WATCHED = (STAT_PREFIX + "weight_amax_max",)
+WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activation", "gradient"))
 
 
 def _matrix_stats(w, dtype):
@@ -275,7 +275,7 @@ SCALES = "fp8_scales"
 def params_of(tree):
     """The parameters of a tree `quantized_matrices` made (its gradients' too), or the
     tree itself."""
-    return tree["params"] if SCALES in tree else tree
+    return tree["params"] if "params" in tree else tree
 
 
 def variables(params) -> dict:

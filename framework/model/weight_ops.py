@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from framework.model import fp8
+from framework.model import fp8, fp8_stats
 
 # Collections of the split backward (`framework/engine/split.py`), read only when present.
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
@@ -35,7 +35,8 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
     elif _fp8(module, eq, w):  # model.fp8
-        y = fp8.fp8_einsum(eq, x, w, module.tp.whole_max, _given_scale(module, name))
+        y = _observe(module, name, x,
+                     fp8.fp8_einsum(eq, x, w, module.tp.whole_max, _given_scale(module, name)))
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
@@ -46,6 +47,14 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
 def _fp8(module: nn.Module, eq, w) -> bool:
     """Whether this weight op is an FP8 matmul (model.fp8)."""
     return getattr(getattr(module, "cfg", None), "fp8", "none") != "none" and fp8.is_matmul(eq, w)
+
+
+def _observe(module: nn.Module, name: str, x, y):
+    """y, with the FP8 statistics of x and dy riding the probe's gradient where the
+    train step handed one (framework/model/fp8_stats.py)."""
+    if not module.has_variable(fp8_stats.PROBES, name):
+        return y
+    return fp8_stats.observed(x, y, module.get_variable(fp8_stats.PROBES, name), module.tp)
 
 
 def _given_scale(module: nn.Module, name: str):
@@ -68,7 +77,8 @@ def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            return fp8.fp8_gather_matmul(eq, x, w, tp, _given_scale(module, name))
+            return _observe(module, name, x,
+                            fp8.fp8_gather_matmul(eq, x, w, tp, _given_scale(module, name)))
         return tp.gather_matmul(eq, x, w)
     return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
 
@@ -79,7 +89,8 @@ def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            return fp8.fp8_matmul_scatter(eq, x, w, tp, _given_scale(module, name))
+            return _observe(module, name, x,
+                            fp8.fp8_matmul_scatter(eq, x, w, tp, _given_scale(module, name)))
         return tp.matmul_scatter(eq, x, w)
     return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
 

@@ -1,0 +1,111 @@
+"""The train step's `fp8/` activation and gradient metrics: what FP8 did to the inputs
+and output gradients of the layers' matmuls over the step.
+
+As the MoE router's statistics (framework/engine/moe_stats.py), they ride the gradient
+of a zero probe: the step hands each layer one [N_STATS] probe per FP8 matrix (Flax
+collection `fp8_stats.PROBES` beside the layer's params: this device's chunks
+[v, Lc, N_STATS], typed like them), whose cotangent each matmul sets to its statistics
+of the microbatch (framework/model/fp8_stats.py). The executors sum it over
+microbatches (padding layers none); `reduce` sums it over the mesh; `take_probe`
+removes it from the gradients before anything else sees them. A zero-bubble split
+backward reports once: its W pass replays the matmuls on their saved inputs and pulls
+their output gradients back, B's probe cotangent is dropped (weights are constants to
+B).
+
+The metrics (`metrics`), over the layers' FP8 matmuls (q/k/v, attention output,
+gate/up, down) of the step:
+  fp8/activation_amax_max, _min     the largest and smallest of the matmul inputs'
+        absolute maxima, each the mean over the step's microbatches (a max does not
+        sum over microbatches; the mean of the per-microbatch maxima does)
+  fp8/activation_saturated_fraction the inputs' elements at E4M3's largest magnitude
+        once scaled, a fraction of each matmul's over the step, averaged over the matmuls
+  fp8/activation_underflow_fraction nonzero elements that quantize to zero, likewise
+  fp8/gradient_amax_max, _min, fp8/gradient_saturated_fraction,
+  fp8/gradient_underflow_fraction   the same of the output gradients in E5M2
+A non-finite element makes its amax NaN (the run stops at that step: fp8.WATCHED).
+Cost: per matmul and microbatch a pass over its input and its output gradient (no
+collective but its quantization's maximum); a sum over the mesh of [v, Lc, matrices,
+10] per step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from framework.engine.resolved import Layout
+from framework.model import fp8
+from framework.model.fp8_stats import FIELDS, N_STATS, PROBES
+from framework.parallel.mesh import CONTEXT, TENSOR
+from framework.parallel.pipeline.comm import varying
+
+KINDS = ("activation", "gradient")  # the input's statistics, then the output gradient's
+
+
+def enabled(layout: Layout) -> bool:
+    return layout.model.fp8 != "none"
+
+
+def with_probe(params, layout: Layout):
+    """This device's params {'embed', 'head', 'chunks'}, the chunks as Flax variables
+    with a zero probe [v, Lc, N_STATS] float32 per FP8 matrix in collection PROBES."""
+    chunks = fp8.variables(params["chunks"])
+
+    def zero(path, w):
+        if str(getattr(path[-1], "key", "")) not in fp8.MATRICES:
+            return None
+        # typed as varying over `tensor` too: each device reports its share of a matmul's
+        # tensors (and with context parallelism, `context` is manual already)
+        return varying(jnp.zeros(w.shape[:2] + (N_STATS,), jnp.float32),
+                       tuple(dict.fromkeys(layout.vary_over + (TENSOR,))))
+
+    probes = jax.tree_util.tree_map_with_path(zero, chunks["params"])
+    return dict(params, chunks={**chunks, PROBES: probes})
+
+
+def take_probe(grads):
+    """(gradients without the probe's, the probe's: this device's {..: [v, Lc, N_STATS]})."""
+    chunks = grads["chunks"]
+    return dict(grads, chunks={k: v for k, v in chunks.items() if k != PROBES}), chunks[PROBES]
+
+
+def reduce(probe_grad, layout: Layout):
+    """This device's probe gradients -> the step's statistics of its layers, each
+    [1, v, Lc, N_STATS]: the counts summed over the whole mesh but `pipe` (each device
+    counted its part), the amaxes summed over the batch's axes (each replica's
+    microbatches) and the same on each `context`/`tensor` device (whole already)."""
+    amax = jnp.zeros(N_STATS, bool).at[jnp.array([0, len(FIELDS)])].set(True)
+
+    def one(g):
+        summed = jax.lax.psum(g, layout.batch_axes)
+        varies = jax.typeof(summed).manual_axis_type.varying
+        same = tuple(a for a in (CONTEXT, TENSOR) if a in varies)
+        if not same:
+            return summed[None]
+        return jnp.where(amax, jax.lax.pmax(summed, same), jax.lax.psum(summed, same))[None]
+
+    return jax.tree.map(one, probe_grad)
+
+
+def metrics(stats, layout: Layout) -> dict:
+    """The `fp8/` activation and gradient metrics from the step's statistics, each
+    matrix's [stages, v, Lc, N_STATS] (`reduce`'s, gathered over `pipe`)."""
+    rows = jnp.concatenate([s.reshape(-1, N_STATS) for s in jax.tree.leaves(stats)])
+    uses = layout.parallel.data * layout.parallel.microbatches  # the step's microbatches
+    out = {}
+    for k, kind in enumerate(KINDS):
+        amax, saturated, underflow, elements, nonfinite = (rows[:, k * len(FIELDS) + i]
+                                                           for i in range(len(FIELDS)))
+        real = elements > 0  # padding layers ran nothing
+        mean = jnp.where(nonfinite > 0, jnp.nan, amax / uses)
+        high = jnp.where(jnp.all(jnp.isfinite(jnp.where(real, mean, 0.0))),
+                         jnp.max(jnp.where(real, mean, -jnp.inf)), jnp.nan)
+        # each matmul's fractions (its counts are a multiple of its tensors', fp8_stats.py)
+        fraction = lambda c: jnp.sum(jnp.where(real, c / jnp.maximum(elements, 1.0), 0.0)) \
+            / jnp.maximum(jnp.sum(real), 1)
+        prefix = f"{fp8.STAT_PREFIX}{kind}_"
+        out.update({prefix + "amax_max": high,
+                    prefix + "amax_min": jnp.min(jnp.where(real & (mean > 0), mean, jnp.inf)),
+                    prefix + "saturated_fraction": fraction(saturated),
+                    prefix + "underflow_fraction": fraction(underflow)})
+    return out

@@ -1,0 +1,76 @@
+"""What FP8 does to the layers' activations and output gradients, measured inside their
+matmuls (`model.fp8`; the weights' statistics: `fp8.weight_stats`).
+
+Each FP8 matmul y = x @ w (framework/model/weight_ops.py) quantizes its input x to E4M3
+in the forward and its output gradient dy to E5M2 in the backward, each with its whole
+tensor's scale. Where the train step hands the layer a zero probe (collection `PROBES`,
+one [N_STATS] per matrix: framework/engine/fp8_probe.py), `observed` reports per
+microbatch, as the probe's cotangent:
+
+    [x: amax, saturated, underflow, elements, nonfinite,  dy: the same]
+
+amax the whole tensor's absolute maximum (the one its quantization scales by),
+saturated the elements at the format's largest magnitude once scaled, underflow the
+nonzero elements that quantize to zero, elements the tensor's size, nonfinite its NaN
+and infinite elements, the counts on this device's part (no collective beyond the
+quantization's own maximum). Where the devices of the statistics' axes hold the same values
+(an input replicated over `tensor`), each counts them: summed over the mesh, a matmul's
+counts are then a multiple of the whole tensor's, the same multiple for each, so
+its fractions are exact (which devices hold copies is not in the values' types: an
+all-gathered tensor is typed as varying). The amax is the whole tensor's on every
+device. The executors sum the probe's gradient over microbatches like a weight's (the
+MoE router's statistics ride the same way: framework/engine/moe_stats.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from framework.model.fp8 import E4M3, E5M2, _largest, quantize
+
+PROBES = "fp8_probes"  # the Flax collection of the probes, one per matrix
+FIELDS = ("amax", "saturated", "underflow", "elements", "nonfinite")
+N_STATS = 2 * len(FIELDS)  # the input's (E4M3), then the output gradient's (E5M2)
+
+
+def tensor_stats(v, dtype, tp):
+    """[amax, saturated, underflow, elements, nonfinite] of v as `quantize(v, dtype)`
+    scales it (module docstring): float32 [len(FIELDS)]."""
+    v = jax.lax.stop_gradient(v)
+    v32 = v.astype(jnp.float32)
+    amax = tp.whole_max(jnp.max(jnp.abs(v32)))  # (quantize's: the compiler may share it)
+    q = quantize(v, dtype, tp.whole_max)[0].astype(jnp.float32)
+    count = lambda c: jnp.sum(c, dtype=jnp.float32)
+    return jnp.stack([amax, count(jnp.abs(q) == _largest(dtype)),
+                      count((v32 != 0) & (q == 0)), count(jnp.ones_like(v32)),
+                      count(~jnp.isfinite(v32))])
+
+
+def observed(x, y, probe, tp):
+    """y, with the statistics of x (E4M3) and of y's cotangent (E5M2) as the probe's
+    cotangent (module docstring)."""
+    return _observed(tp, tensor_stats(x, E4M3, tp), y, probe)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _observed(tp, x_stats, y, probe):
+    return y
+
+
+def _observed_fwd(tp, x_stats, y, probe):
+    return y, (x_stats, probe)
+
+
+def _observed_bwd(tp, residuals, dy):
+    x_stats, probe = residuals
+    stats = jnp.concatenate([x_stats, tensor_stats(dy, E5M2, tp)])
+    want = jax.typeof(probe).manual_axis_type.varying
+    missing = tuple(sorted(set(want) - set(jax.typeof(stats).manual_axis_type.varying)))
+    stats = jax.lax.pcast(stats, missing, to="varying") if missing else stats
+    return jnp.zeros_like(x_stats), dy, stats
+
+
+_observed.defvjp(_observed_fwd, _observed_bwd)
