@@ -224,6 +224,9 @@ class ModelConfig:
     # With FP8 and FSDP gathering per use: the layers' matrices gathered as E4M3 with
     # their scales (half bfloat16's bytes), else in the compute dtype
     fp8_gather: bool = True
+    # With FP8: the `fp8/` statistics of the layers' matmul inputs and output gradients
+    # (framework/engine/fp8_probe.py), a pass over each per microbatch; false: none
+    fp8_stats: bool = True
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

@@ -43,7 +43,7 @@ KINDS = ("activation", "gradient")  # the input's statistics, then the output gr
 
 
 def enabled(layout: Layout) -> bool:
-    return layout.model.fp8 != "none"
+    return layout.model.fp8 != "none" and layout.model.fp8_stats
 
 
 def with_probe(params, layout: Layout):

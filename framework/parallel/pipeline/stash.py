@@ -205,6 +205,9 @@ def scan_into(packing: Packing, stash: dict, slot, piece: Piece, saved: list | N
 
     if saved is None:
         return layer_vjps(write, stash)
+    # the buffers' rows are the chunk's layers, l counts from the piece's first: a split
+    # backward keeps its chunk as one piece (tick_types), so they are the same
+    assert piece.lo == 0, f"a split backward's piece starts at layer {piece.lo}, not 0"
     return layer_vjps(write_both, (stash, list(saved)), split=True)
 
 
