@@ -4,24 +4,24 @@
     python tools/parity_search.py --cases 40 --schedules zb_h1,zb_v --fp8-share 0
 
 Draws random valid configurations (schedule from the registry, pipeline, data, context,
-tensor, microbatches, virtual stages, uneven stages (a third of them), overlapped or
-synchronous sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP, remat,
-tied embeddings, the dense or blockwise attention kernel and its block sizes, document
-masks (a third of them; token 0 then ends documents, and an eighth of the tokens are 0),
-the model family (its presets: q/k/v biases, q/k norms, Gemma 2's layer; the mixtures
-of experts with their experts, top-k, widths, auxiliary losses, router (softmax or
-sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to the best of 2 groups)
-and shared experts (in half of them, gated or not, with a dense layer before the MoE
-ones) drawn), sliding windows (a third; on every layer or every other), attention and
-logit soft-caps, the stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (a
-quarter, from a stream of their own; against the FP8 engine on one device,
-FP8_GRAD_TOLERANCE), small model shapes; for the tick executor's schedules, half of them
-with the dispatch of GPU compilers that copy what a conditional passes through, forced
-on CPU: `gpu-dispatch`), runs each one's loss and gradients twice on the same inputs,
-and compares the loss and every gradient leaf of both runs with the single-device
-reference (framework/model/reference.py): relative error at most 1e-4 (bfloat16
-parameters: 2^-5, their gradients rounded per microbatch rather than once). A failing
-configuration is printed as one line of `python -m framework.run` settings, e.g.
+tensor, microbatches, virtual stages, uneven stages (a third), overlapped or synchronous
+sends, sequence parallelism and collective matmuls, ZeRO-1, FSDP (half of it gathering
+once a step, from a stream of its own), remat, tied embeddings, the dense or blockwise
+kernel and its block sizes, document masks (a third; token 0 then ends documents, an
+eighth of the tokens are 0), the model family (its presets: q/k/v biases, q/k norms,
+Gemma 2's layer; the mixtures of experts with their experts, top-k, widths, auxiliary
+losses, router (softmax or sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to
+the best of 2 groups) and shared experts (in half, gated or not, with a dense layer
+before the MoE ones) drawn), sliding windows (a third; every layer or every other),
+soft-caps, the stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (a quarter,
+from a stream of their own; against the FP8 engine on one device, FP8_GRAD_TOLERANCE),
+small shapes; for the tick executor's schedules, half with the dispatch of GPU compilers
+that copy what a conditional passes through, forced on CPU: `gpu-dispatch`), runs each
+one's loss and gradients twice on the same inputs, and compares the loss and every
+gradient leaf of both runs with the single-device reference (framework/model/
+reference.py): relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients
+rounded per microbatch rather than once). A failure is printed as one line of
+`python -m framework.run` settings, e.g.
 
     FAIL zb_h1 pp4 dp1 tp2 mb8: 19.6 (run 2) ... | parallel.pipeline=4 parallel.data=1 ...
 
@@ -322,6 +322,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"
     extra += " combined" if par.combined_1f1b else ""
+    extra += " regather-step" if par.fsdp and par.fsdp_regather == "step" else ""
     extra += " gpu-dispatch" if apart else ""
     v = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
     cp = f" cp{par.context}" if par.context > 1 else ""
@@ -342,12 +343,14 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
     # the executor's dispatch from a stream of its own: a seed draws the configurations
     # it drew before the dispatch was drawn
     dispatch_rng = np.random.default_rng([seed, 1])
-    fp8_rng = np.random.default_rng([seed, 2])  # (likewise FP8)
+    fp8_rng, regather_rng = (np.random.default_rng([seed, k]) for k in (2, 3))  # (likewise)
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices), names)
         if fp8_rng.random() < fp8_share and not model.moe.enabled:  # (FP8 refuses MoE)
             model = dataclasses.replace(model, fp8="tensorwise")
+        if par.fsdp and regather_rng.integers(2):
+            par = dataclasses.replace(par, fsdp_regather="step")
         apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,
                                                                   train.seq_len).program.autodiff
         start = time.perf_counter()
@@ -372,10 +375,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    parser.add_argument("--fp8-share", type=float, default=0.25,
-                        help="the share of configurations with model.fp8=tensorwise")
-    parser.add_argument("--schedules", default="",
-                        help="comma-separated schedules to draw from (default: all)")
+    parser.add_argument("--fp8-share", type=float, default=0.25, help="model.fp8's share")
+    parser.add_argument("--schedules", default="", help="comma-separated (default: all)")
     args = parser.parse_args(argv)
     from framework.errors import ConfigError
     from framework.parallel.pipeline import schedule as schedules
@@ -390,8 +391,7 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_platforms", "cpu")
-    failures = search(args.seed, args.cases, jax.devices(), names=names,
-                      fp8_share=args.fp8_share)
+    failures = search(args.seed, args.cases, jax.devices(), names=names, fp8_share=args.fp8_share)
     print(f"{len(failures)} of {args.cases} configurations differ from the reference")
     return 1 if failures else 0
 
