@@ -5,7 +5,9 @@
 # Writes logs under $OUT (default ./device_out). Each step has its own time limit, so
 # one failure does not cost the others.
 #   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
-#   (SKIP_BENCH=1: no 1.)
+#                              [fp8_8b_s] [fp8_bench_s]
+#   (SKIP_BENCH=1: no 1. and no FP8 bench; FP8_ONLY=1: only 6., e.g. as a second call:
+#   the limits of 1.-6. add up to more than one device call's 600 s)
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.pylib${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -22,6 +24,7 @@ step() {  # name, seconds, command...
 }
 # Within 8 minutes on one H100/H200 (issue 43): each step its own limit, the most
 # important first. Rows are one GPU's share of each stage (mock topology, no comms).
+if [ -z "${FP8_ONLY:-}" ]; then
 # 1. MFU of the one-GPU recipe (cuDNN attention) against its plain-JAX reference, profiled.
 [ -z "${SKIP_BENCH:-}" ] && step bench "${1:-110}" $PY tools/bench.py recipe=llama_1b_1gpu \
   devices.platform=gpu --no-defaults --pairs 6 --rounds 2 --attention "" --profile \
@@ -44,4 +47,13 @@ step mock_8b "${5:-130}" $PY tools/mock_gpu.py recipe=llama3_8b \
 step mock_moe "${6:-100}" $PY tools/mock_gpu.py recipe=qwen3_30b_a3b \
   --schedules interleaved_1f1b:8/combined,interleaved_1f1b:8/separate --stage last --steps 2 \
   --profile --json "$OUT/mock_moe.json"
+fi
+# 6. FP8 (issue 45): the 8B recipe's last stage with model.fp8=tensorwise, against the
+# bfloat16 rows of 4.; then the one-GPU bench with FP8 (its plain-JAX reference runs the
+# same FP8 layers: the bfloat16 figures are 1.'s, on the same device).
+step mock_8b_fp8 "${7:-90}" $PY tools/mock_gpu.py recipe=llama3_8b model.fp8=tensorwise \
+  --schedules 1f1b --stage last --steps 2 --json "$OUT/mock_8b_fp8.json"
+[ -z "${SKIP_BENCH:-}" ] && step bench_fp8 "${8:-90}" $PY tools/bench.py recipe=llama_1b_1gpu \
+  devices.platform=gpu model.fp8=tensorwise --no-defaults --pairs 4 --rounds 2 --attention "" \
+  --markdown "$OUT/bench_fp8.md"
 exit 0
