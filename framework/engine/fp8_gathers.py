@@ -85,7 +85,7 @@ def quantized_matrices(params, dims, gather):
     scales = {}
 
     def one(path, w, d):
-        if str(getattr(path[-1], "key", "")) not in fp8.MATRICES or d is None:
+        if not fp8.is_matrix(path) or d is None:
             return w
         values, scale = gather(w, d)
         node = scales
@@ -101,8 +101,7 @@ def quantized_matrices(params, dims, gather):
 def unquantized(dims):
     """`dims` with the FP8 matrices' left out (None): what the plain gathers take."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, d: None if str(getattr(path[-1], "key", "")) in fp8.MATRICES else d, dims,
-        is_leaf=lambda d: d is None)
+        lambda path, d: None if fp8.is_matrix(path) else d, dims, is_leaf=lambda d: d is None)
 
 
 def layer_gather(dims, model, whole_max):

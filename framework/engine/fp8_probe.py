@@ -52,7 +52,7 @@ def with_probe(params, layout: Layout):
     chunks = fp8.variables(params["chunks"])
 
     def zero(path, w):
-        if str(getattr(path[-1], "key", "")) not in fp8.MATRICES:
+        if not fp8.is_matrix(path):
             return None
         # typed as varying over `tensor` too: each device reports its share of a matmul's
         # tensors (and with context parallelism, `context` is manual already)

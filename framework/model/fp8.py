@@ -217,6 +217,11 @@ _scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
 # layers.py: q/k/v, the attention output, gate/up, down).
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 STAT_PREFIX = "fp8/"
+
+
+def is_matrix(path) -> bool:
+    """Whether a parameter tree's leaf at `path` is one of the layers' FP8 matrices."""
+    return str(getattr(path[-1], "key", "")) in MATRICES
 # Non-finite where an FP8 operand is: the run loop refuses the step (framework/run/loop.py).
 WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activation", "gradient"))
 
@@ -244,7 +249,7 @@ def weight_stats(stages: dict, dtype) -> dict:
     (underflow). Uneven stages' zero padding layers are left out."""
     amaxes, saturated, underflow, elements = [], 0, 0, 0
     for path, w in jax.tree_util.tree_leaves_with_path(stages):
-        if str(getattr(path[-1], "key", "")) not in MATRICES:
+        if not is_matrix(path):
             continue
         per_layer = lambda m: _matrix_stats(m, dtype)  # vmapped, not reshaped: the
         for _ in range(3):  # sharded leading axes stay as they are
