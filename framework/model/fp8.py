@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import CHOICES
+from framework.model.vma import alike
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES = CHOICES["model.fp8"]
@@ -88,11 +89,7 @@ def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
-    return _scaled(eq, *_alike(x, w), whole_max, w_scale)
-
-
-def _varying(a) -> frozenset:
-    return frozenset(jax.typeof(a).manual_axis_type.varying)
+    return _scaled(eq, *alike(x, w), whole_max, w_scale)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
@@ -138,20 +135,12 @@ _scaled.defvjp(_fwd, _bwd)
 
 def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None):
     """tp.gather_matmul(eq, x, w) on FP8 operands: x [b, s/tensor, d] -> [b, s, ...]."""
-    return _gather_mm(eq, tp, *_alike(x, w), w_scale)
+    return _gather_mm(eq, tp, *alike(x, w), w_scale)
 
 
 def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None):
     """tp.matmul_scatter(eq, x, w) on FP8 operands: x [b, s, f] -> [b, s/tensor, d]."""
-    return _scatter_mm(eq, tp, *_alike(x, w), w_scale)
-
-
-def _alike(x, w):
-    """x and w typed as varying over the same mesh axes (as `fp8_einsum`)."""
-    axes = _varying(x) | _varying(w)
-    cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") \
-        if axes - _varying(a) else a
-    return cast(x), cast(w)
+    return _scatter_mm(eq, tp, *alike(x, w), w_scale)
 
 
 def _operands(x, w, whole_max, w_scale):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.model.layers import NO_TP, softcap
+from framework.model.vma import sum_to
 from framework.parallel.tensor import TensorParallel
 
 
@@ -120,27 +121,16 @@ def _chunked_fwd(xs, w, ts, tp, z_loss, cap):
     first = _chunk_grads(xs[0], ts[0], w, tp, z_loss, cap)  # their types (dead code)
     init = (jnp.zeros_like(first[0]), jnp.zeros_like(first[2]))
     (total, dw), dx = jax.lax.scan(one, init, (xs, ts))
-    return total, (_sum_to(dx, xs), _sum_to(dw, w))  # typed like xs and w
+    return total, (sum_to(dx, xs), sum_to(dw, w))  # typed like xs and w
 
 
 def _chunked_bwd(tp, z_loss, cap, res, g):
     """The saved gradients times the cotangent g (a scalar); nothing recomputed. dw is
     rounded to the compute dtype (w's, as x's) once, after the float32 sum."""
     dx, dw = res
-    return (_sum_to(g * dx, dx).astype(dx.dtype), _sum_to(g * dw, dw).astype(dx.dtype), None)
+    return (sum_to(g * dx, dx).astype(dx.dtype), sum_to(g * dw, dw).astype(dx.dtype), None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _varying(x) -> frozenset:
-    """The mesh axes x varies over (inside a shard_map; empty outside)."""
-    return jax.typeof(x).manual_axis_type.varying
-
-
-def _sum_to(ct, primal):
-    """A cotangent summed over the mesh axes it varies over and `primal` does not: the
-    transpose of the implicit broadcast that met `primal` with a varying operand (a
-    vocabulary slice's share of dx is summed over `tensor`, as autodiff would)."""
-    axes = tuple(sorted(_varying(ct) - _varying(primal)))
-    return jax.lax.psum(ct, axes) if axes else ct
