@@ -10,8 +10,6 @@ then cast; Gemma2MLP: `act(gate) * up` with `gelu_pytorch_tanh`).
 
 from __future__ import annotations
 
-from functools import partial
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,6 @@ import jax.numpy as jnp
 from framework.model.prefix import prefix_layers, unit_layers
 from framework.config import ModelConfig
 from framework.model.blockwise import zeros_varying_like
-from framework.model.vma import alike
 from framework.model.weight_ops import gathered_weight_op, scattered_weight_op, weight_op
 from framework.parallel.tensor import TensorParallel
 
@@ -54,8 +51,9 @@ def param(module: nn.Module, name: str, shape, axes, init=init_normal):
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w in float32, then cast back; with `plus_one`, * (1 + w) and w
-    starting at 0 (Gemma 2). The product with w is the norm's weight op, taking x itself
-    (`rms_norm`: what autodiff keeps of it is x and one float32 per row)."""
+    starting at 0 (Gemma 2). Its backward keeps x and x / rms(x) in float32: a norm
+    with its own VJP, or recomputed, kept x alone and passed the float32 parity tests
+    but not the FP8 ones (docs/performance.md, "What a layer keeps")."""
 
     eps: float
     plus_one: bool = False
@@ -64,57 +62,11 @@ class RMSNorm(nn.Module):
     def __call__(self, x):  # x: [..., embed]
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = param(self, "scale", (x.shape[-1],), ("norm",), init)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # (1 + w) in float32, as transformers' Gemma2RMSNorm (w may be stored in bfloat16)
         scale = 1.0 + scale.astype(jnp.float32) if self.plus_one else scale
-        return weight_op(self, "scale", partial(rms_norm, eps=self.eps), x, scale)
-
-
-def rms_norm_reference(x, w, eps: float):
-    """RMSNorm as written (Zhang & Sennrich 2019): x [..., d] / rms(x) * w [d] in
-    float32, cast to x's dtype. Autodiff of it keeps x in float32, the normalized x in
-    float32 and more: `rms_norm` is the same with a backward of its own."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rms_norm(x, w, eps: float):
-    """`rms_norm_reference` whose VJP keeps only x (in its own dtype) and the inverse rms
-    (one float32 per row) and recomputes the normalized x in the backward, as fused
-    RMSNorm kernels do: 10 bytes per element of a bfloat16 x fewer than autodiff keeps
-    (x and x / rms(x) in float32, and more). Inside a shard_map x and w are first typed
-    alike (framework/model/vma.py)."""
-    return _rms_norm(*alike(x, w), eps)
-
-
-def _inverse_rms(x32, eps):
-    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1]
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x, w, eps):
-    return _rms_norm_fwd(x, w, eps)[0]
-
-
-def _rms_norm_fwd(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    r = _inverse_rms(x32, eps)
-    return (x32 * r * w.astype(jnp.float32)).astype(x.dtype), (x, r, w)
-
-
-def _rms_norm_bwd(eps, residuals, dy):
-    """y = x r w with r = (mean(x^2) + eps)^-1/2: dw = sum over rows of dy x r, and with
-    g = dy w, dx = r (g - x r mean(g x r)) (d r / d x = -r^3 x / d)."""
-    x, r, w = residuals
-    normed = x.astype(jnp.float32) * r
-    dy = dy.astype(jnp.float32)
-    dw = jnp.sum(dy * normed, axis=tuple(range(x.ndim - 1)))
-    g = dy * w.astype(jnp.float32)
-    dx = r * (g - normed * jnp.mean(g * normed, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+        return weight_op(self, "scale", "...d,d->...d", x32, scale).astype(x.dtype)
 
 
 def norm(cfg: ModelConfig, name: str) -> RMSNorm:

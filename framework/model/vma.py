@@ -1,6 +1,6 @@
 """Inside a `shard_map` (check_vma) every value is typed by the mesh axes it varies over.
 A custom VJP must hand back cotangents typed like its primals, so the model's custom
-VJPs (FP8 matmuls, the chunked loss, RMSNorm) meet their operands' types here: either
+VJPs (FP8 matmuls, the chunked loss) meet their operands' types here: either
 before the call (`alike`: the operands cast to the axes either varies over, whose
 transpose autodiff sums, as for a plain einsum's implicit broadcast) or in the backward
 (`sum_to`). Outside a shard_map nothing varies and both are identities."""
