@@ -211,6 +211,8 @@ STAT_PREFIX = "fp8/"
 def is_matrix(path) -> bool:
     """Whether a parameter tree's leaf at `path` is one of the layers' FP8 matrices."""
     return str(getattr(path[-1], "key", "")) in MATRICES
+
+
 # Non-finite where an FP8 operand is: the run loop refuses the step (framework/run/loop.py).
 WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activation", "gradient"))
 
