@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import CHOICES
-from framework.model.vma import alike
+from framework.parallel.vma import alike
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES = CHOICES["model.fp8"]

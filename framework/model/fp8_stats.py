@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.model.fp8 import E4M3, E5M2, _largest, quantize
+from framework.parallel import vma
 
 PROBES = "fp8_probes"  # the Flax collection of the probes, one per matrix
 FIELDS = ("amax", "saturated", "underflow", "elements", "nonfinite")
@@ -67,10 +68,7 @@ def _observed_fwd(tp, x_stats, y, probe):
 def _observed_bwd(tp, residuals, dy):
     x_stats, probe = residuals
     stats = jnp.concatenate([x_stats, tensor_stats(dy, E5M2, tp)])
-    want = jax.typeof(probe).manual_axis_type.varying
-    missing = tuple(sorted(set(want) - set(jax.typeof(stats).manual_axis_type.varying)))
-    stats = jax.lax.pcast(stats, missing, to="varying") if missing else stats
-    return jnp.zeros_like(x_stats), dy, stats
+    return jnp.zeros_like(x_stats), dy, vma.like(stats, probe)
 
 
 _observed.defvjp(_observed_fwd, _observed_bwd)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.model.layers import NO_TP, softcap
-from framework.model.vma import sum_to
+from framework.parallel.vma import sum_to
 from framework.parallel.tensor import TensorParallel
 
 

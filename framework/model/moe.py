@@ -66,6 +66,7 @@ from framework.model.router import (BIAS, LOAD, UNTRAINED, balance_scores,  # no
                                     moe_layers, n_stats, route, router_loss_values,
                                     router_losses, router_stats, scores, update_bias)
 from framework.model.weight_ops import weight_op
+from framework.parallel import vma
 from framework.parallel.tensor import TensorParallel
 
 
@@ -191,13 +192,6 @@ def dense_moe(cfg: ModelConfig, x, weights, ids, w_in, w_down, rows: int = 1):
 STATS = "stats"  # the train step's probe of the router statistics (engine/moe_stats.py)
 
 
-def _typed(x, like):
-    """x (not varying more than `like`) typed as varying over the mesh axes `like` does."""
-    want = jax.typeof(like).manual_axis_type.varying
-    missing = tuple(sorted(set(want) - set(jax.typeof(x).manual_axis_type.varying)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 @jax.custom_vjp
 def _report(stats_and_zero, probe):
     """(stats, a zero scalar), the probe -> that zero; the probe's cotangent is `stats`
@@ -206,7 +200,7 @@ def _report(stats_and_zero, probe):
 
 
 def _report_fwd(stats_and_zero, probe):
-    return stats_and_zero[1], _typed(stats_and_zero[0], probe)
+    return stats_and_zero[1], vma.like(stats_and_zero[0], probe)
 
 
 def _report_bwd(stats, g):
@@ -253,7 +247,7 @@ class MoE(nn.Module):
         self.sow("intermediates", LOAD, jnp.sum(jax.nn.one_hot(ids, e), axis=(0, 1)))
         if probe:  # the statistics ride the probe's gradient (`_report`)
             stats = stats.at[e + 2].set(dropped_copies(c, ids, b))
-            zero = _typed(jnp.zeros((), jnp.float32), weights)
+            zero = vma.like(jnp.zeros((), jnp.float32), weights)
             weights = weights + weight_op(self, STATS, _report, (stats, zero),
                                           self.get_variable("params", STATS))
         tokens = xs.reshape(-1, c.d_model)

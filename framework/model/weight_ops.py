@@ -13,10 +13,10 @@ framework/model/llama.py finds such weights).
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from framework.model import fp8, fp8_stats
+from framework.parallel import vma
 
 # Collections of the split backward (`framework/engine/split.py`), read only when present.
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
@@ -102,7 +102,5 @@ def bias_op(module: nn.Module, name: str, y, b):
     pass gives dL/db = the sum of dL/dy over batch and sequence, as autodiff does. The
     ones vary over the mesh axes y varies over (inside a shard_map): the split backward
     stashes them beside y, and the pipeline's branches must agree on their types."""
-    ones = jnp.ones(y.shape[:2], y.dtype)
-    axes = tuple(sorted(jax.typeof(y).manual_axis_type.varying))
-    ones = jax.lax.pcast(ones, axes, to="varying") if axes else ones
+    ones = vma.like(jnp.ones(y.shape[:2], y.dtype), y)
     return y + weight_op(module, name, "bs,...->bs...", ones, b.astype(y.dtype))

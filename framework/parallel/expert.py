@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from framework.parallel import vma
 from framework.parallel.mesh import EXPERT
 
 
@@ -215,6 +216,4 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 def _zeros_like_rows(x, rows: int):
     """Zeros [rows, ...] of x's trailing shape and dtype, varying over the mesh axes x
     does (a ragged exchange's output buffer is typed as its result)."""
-    zeros = jnp.zeros((rows,) + x.shape[1:], x.dtype)
-    varying = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
-    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+    return vma.like(jnp.zeros((rows,) + x.shape[1:], x.dtype), x)

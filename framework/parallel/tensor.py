@@ -61,6 +61,7 @@ from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
 from framework.parallel.context import ContextParallel, ring_shift
 from framework.parallel.expert import ExpertParallel
+from framework.parallel import vma
 from framework.parallel.mesh import TENSOR
 from framework.parallel.rules import param_rules
 
@@ -162,9 +163,7 @@ class TensorParallel:
         splits `split`: the backward's all-reduce of its gradient (f's) then runs on x
         itself rather than where autodiff would place it, on the first larger tensor
         derived from x that meets the split weights (MoE: the dispatched copies)."""
-        if not self.splits(split) or self.axis in jax.typeof(x).manual_axis_type.varying:
-            return x
-        return jax.lax.pcast(x, (self.axis,), to="varying")
+        return vma.cast(x, (self.axis,)) if self.splits(split) else x
 
     def fuses(self, split: str) -> bool:
         """Whether f/g around a block that splits `split` run as collective matmuls."""

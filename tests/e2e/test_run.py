@@ -49,6 +49,10 @@ def test_every_recipe_composes_and_validates(name):
     bubble = make_schedule(parallel.schedule, parallel.pipeline, parallel.microbatches,
                            parallel.virtual_stages).formula_bubble
     assert bubble <= 0.34, (name, bubble)
+    if cfg.devices.platform in ("gpu", "tpu") and parallel.pipeline > 1:
+        # A tick schedule: GPipe and circular keep every microbatch's stash alive
+        # (llama_1b_8gpu shipped GPipe until 2026-11-30: 19.55 GiB against 1F1B's 10.45).
+        assert parallel.schedule not in ("gpipe", "circular"), (name, parallel.schedule)
 
 
 def test_recipes_have_their_promised_shapes():

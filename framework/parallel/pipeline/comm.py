@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from framework.parallel import vma
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.buffers import Channel
 from framework.parallel.pipeline.scopes import send_scope
@@ -44,8 +45,7 @@ def manual_axes(x) -> tuple:
 
 def varying(x, axes=(PIPE,)):
     """Marks x as (possibly) different on each device of `axes` (a shard_map type)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return vma.cast(x, axes)
 
 
 def zeros_typed_like(a, axes=(), also=None):

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import jax
 
+from framework.parallel import vma
 from framework.parallel.pipeline.comm import only_on, zeros_typed_like
 
 
@@ -105,10 +106,8 @@ def skip_unless(real, fn, weights, x, *extra, has_aux: bool = False, scope=None)
     autodiff does not copy, and only the activations are saved. `extra` (uneven
     stages' layer count) are arguments: a custom VJP may not close over traced values.
     `scope`: the named scope of the work (the communication audit weighs it)."""
-    missing = set(jax.typeof(x).manual_axis_type.varying) - set(
-        jax.typeof(real).manual_axis_type.varying)
-    if missing:  # a residual: typed like the activations beside it (the tick stash)
-        real = jax.lax.pcast(real, tuple(sorted(missing)), to="varying")
+    real = vma.cast(real, vma.varying(x))  # a residual: typed like the activations beside
+    # it (the tick stash)
     bound = lambda extra: lambda w, x: fn(w, x, *extra)
     probe = jax.vjp(bound(extra), weights, x, has_aux=has_aux)  # types only (dead code)
     acts_like, treedef, slots = split_vjp(probe[1], weights)
