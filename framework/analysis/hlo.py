@@ -152,15 +152,22 @@ def operands(instr: Instruction) -> list[str]:
     return re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
 
 
-def executed(program: Program):
+def executed(program: Program, skip=frozenset()):
     """(runs per step, its computation's result types by name, instruction) of every
-    instruction of a computation the program runs (`Program.multipliers`)."""
+    instruction of a computation the program runs (`Program.multipliers`), but those of
+    the computations named in `skip`."""
     runs = program.multipliers()
     for comp, instrs in program.computations.items():
-        if runs.get(comp):
+        if runs.get(comp) and comp not in skip:
             types = {i.name: i.result for i in instrs}
             for instr in instrs:
                 yield runs[comp], types, instr
+
+
+def fused(program: Program) -> set[str]:
+    """The computations fusions call (each one kernel of the compiled program)."""
+    return {callee for instrs in program.computations.values() for instr in instrs
+            if instr.opcode == "fusion" for attr, callee in instr.callees if attr == "calls"}
 
 
 def parse(hlo: str) -> Program:

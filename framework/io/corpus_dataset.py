@@ -146,7 +146,7 @@ def _mixture(given) -> tuple[list[str], list[float]]:
         paths.append(entry["path"])
         weights.append(float(weight))
     if sum(weights) <= 0:
-        raise ConfigError(f"data.mixture's weights add up to 0: give some corpus a weight > 0")
+        raise ConfigError("data.mixture's weights add up to 0: give some corpus a weight > 0")
     return paths, weights
 
 

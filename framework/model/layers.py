@@ -37,9 +37,13 @@ def gated(cfg: ModelConfig, gate_up):
     (`jax.checkpoint`: elementwise work on an array the down projection reads anyway),
     so autodiff keeps gate_up, not the gate, the up and the activation's intermediates
     (three [..., f] arrays fewer of six; "selective recomputation", Korthikanti et al.
-    2022)."""
+    2022). Without `prevent_cse`: the layers run inside scans (the layer stack, the tick
+    loop), which keep the recomputation apart from the forward already, and the barrier
+    it would add made the GPU compiler write each layer's gate_up slice out whole before
+    the recomputation read it (llama_1b_1gpu: 14 GiB a step, docs/performance.md)."""
     act = ACTIVATIONS[cfg.mlp_activation]
-    return jax.checkpoint(lambda gu: act(gu[..., 0, :]) * gu[..., 1, :])(gate_up)
+    return jax.checkpoint(lambda gu: act(gu[..., 0, :]) * gu[..., 1, :],
+                          prevent_cse=False)(gate_up)
 
 
 def param(module: nn.Module, name: str, shape, axes, init=init_normal):

@@ -306,7 +306,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
     assert "first=4" in out and "second=0" in out, (out, errs)
     line = errs[0].strip()
     assert "\n" not in line and line.startswith("error: could not save the checkpoint of "
-                                                 f"step "), errs[0]
+                                                 "step "), errs[0]
     assert f" in {mnt / 'ck'}: {reason}; a checkpoint needs about 2.2 MB, " in line
     newest = int(line.split("the newest good checkpoint is step ")[1].split()[0])
     assert newest >= 2 and errs[1] == ""

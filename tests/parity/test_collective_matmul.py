@@ -50,9 +50,9 @@ def _tensor_collectives(cm: bool, target: str = "gpu:h100x8"):
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
     eng = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                        make_mesh(parallel, found))
-    state, tokens = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
+    state, batch = eng.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     with targets.cudnn_of(targets.parse(cfg.target)):  # cuDNN's attention, no library
-        text = eng.step_fn.lower(state, tokens).compile(
+        text = eng.step_fn.lower(state, batch).compile(
             compiler_options=program.compiler_options(platform)).as_text()
     return [c for c in audit.engine_collectives(eng, text)
             if c.axes == ("tensor",) and "/Block/" in c.op_name]

@@ -61,3 +61,42 @@ def test_a_compiled_scan_updates_each_row_once_per_iteration():
     text = jax.jit(fill).lower(jnp.zeros((8, 256)), jnp.ones(256)).compile().as_text()
     assert traffic.moved_bytes(text)["updated"] >= 8 * 256 * 4
     assert traffic.type_bytes("(f32[2,3]{1,0}, bf16[4])") == 2 * 3 * 4 + 4 * 2
+
+
+FUSED = """HloModule jit_step
+
+%fused_slice (p0: f32[8,64], p1: s32[]) -> f32[1,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %s = f32[1,64]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,64}
+  ROOT %c = f32[1,64]{1,0} copy(%s)
+}
+
+%fused_transpose (p0: f32[8,64]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  ROOT %c2 = f32[8,64]{0,1} copy(%p0)
+}
+
+ENTRY %main (a: f32[8,64], i: s32[]) -> (f32[1,64], f32[8,64]) {
+  %a = f32[8,64]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %f = f32[1,64]{1,0} fusion(%a, %i), kind=kCustom, calls=%fused_slice
+  %g = f32[8,64]{0,1} fusion(%a), kind=kLoop, calls=%fused_transpose
+  ROOT %r = (f32[1,64], f32[8,64]) tuple(%f, %g)
+}
+"""
+
+
+def test_a_copy_fused_with_its_slice_is_counted_once_as_the_slice():
+    """The GPU compiler's dynamic_slice_fusion materializes the slice with a copy in the
+    same kernel: its bytes are sliced, not also copied; a copy fusion of its own (a
+    relayout) is copied."""
+    assert traffic.moved_bytes(FUSED) == {"copied": 8 * 64 * 4, "sliced": 64 * 4,
+                                          "updated": 0.0}
+
+
+def test_a_slice_fused_into_the_kernel_that_reads_it_writes_nothing():
+    """A residual's slice fused into the elementwise work on it is read where it lies."""
+    read = FUSED.replace("ROOT %c = f32[1,64]{1,0} copy(%s)",
+                         "ROOT %e = f32[1,64]{1,0} exponential(%s)")
+    assert traffic.moved_bytes(read) == {"copied": 8 * 64 * 4, "sliced": 0.0, "updated": 0.0}
