@@ -23,28 +23,41 @@ from framework.model import fp8
 from framework.parallel import data as data_parallel
 
 
+def _quantize_gather(w, dim: int, axes, dtype, whole_max, stacked: int, out_dtype):
+    """The one body of both gathers: w's shard cast to `dtype` (the use's cast), each of
+    its matrices (the dimensions after the first `stacked`) quantized to E4M3 with the
+    whole matrix's scale (its absolute maximum's max over `axes` where `dim` splits the
+    matrices, else each device holds whole matrices and their scales travel with them;
+    then `whole_max`'s over the tensor devices), gathered over `axes` along `dim` in one
+    byte an element. Returns (the E4M3 values in `out_dtype`, the scales [*stacked
+    dims]). Exactly `fp8.quantize` of each gathered matrix: max and the elementwise
+    scaling commute with the gather."""
+    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
+    inner = tuple(range(stacked, w.ndim))
+    # a statistic, never differentiated
+    amax = jax.lax.stop_gradient(jnp.max(jnp.abs(shard), axis=inner))  # [*stacked dims]
+    if dim >= stacked:
+        amax = jax.lax.pmax(amax, axes)
+    s = fp8.scale_of(whole_max(amax), fp8.E4M3)
+    w8 = fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3)
+    values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True).astype(out_dtype)
+    if dim < stacked:
+        s = jax.lax.all_gather(s, axes, axis=dim, tiled=True)
+    return values, s
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
-    """FSDP's gather of one matrix as FP8: this device's shard w quantized to E4M3 with
-    the whole matrix's scale (its absolute maximum: the shards' maxima's max over
-    `axis_name`, then `whole_max`'s over the tensor devices), gathered over `axis_name`
-    along `axis` in one byte per element, returned as (the whole matrix's E4M3 values in
-    `dtype`, the scale). Exactly `quantize` of the gathered matrix: max and the
-    elementwise scaling commute with the gather. The transpose reduce-scatters the
-    gradient in w's dtype, as FSDP's plain gather (framework/parallel/data.py)."""
-    return _gather_quantized(w, axis_name, axis, dtype, whole_max)
-
-
-def _gather_quantized(w, axis_name, axis, dtype, whole_max):
-    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
-    amax = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(jnp.abs(shard))), axis_name)
-    s = fp8.scale_of(whole_max(amax), fp8.E4M3)
-    w8 = fp8.in_format(shard, s, fp8.E4M3)
-    return jax.lax.all_gather(w8, axis_name, axis=axis, tiled=True).astype(dtype), s
+    """FSDP's gather of one matrix as FP8 (per use): (the whole matrix's E4M3 values in
+    `dtype`, its scale), gathered over `axis_name` along `axis` (`_quantize_gather`
+    with no stacking dimensions). The transpose reduce-scatters the gradient in w's
+    dtype, as FSDP's plain gather (framework/parallel/data.py)."""
+    return _quantize_gather(w, axis, axis_name, dtype, whole_max, 0, dtype)
 
 
 def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
-    return _gather_quantized(w, axis_name, axis, dtype, whole_max), jnp.zeros((), w.dtype)
+    values = _quantize_gather(w, axis, axis_name, dtype, whole_max, 0, dtype)
+    return values, jnp.zeros((), w.dtype)
 
 
 def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
@@ -57,24 +70,12 @@ gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
 
 def gather_layers_quantized(w, dim: int, axes, dtype, whole_max, stacked: int = 3):
     """ZeRO-1's once-a-step gather (and FSDP's with `fsdp_regather=step`) of one stacked
-    matrix w [stage, chunk, layer, ...] as FP8: this device's shard along `dim`, each
-    layer's matrix quantized to E4M3 with its whole scale (as `gather_quantized`; the
-    maximum over `axes` where `dim` splits the layers' matrices, else each device holds
-    whole layers and their scales travel with them), gathered in one byte an element.
-    Returns (the E4M3 values in w's dtype, the scales [stage, chunk, layer]); the step
-    takes its gradients with respect to the values (as the weights: `weight_op` reads
-    the scale given beside them), so nothing here is differentiated."""
-    shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
-    inner = tuple(range(stacked, w.ndim))
-    amax = jnp.max(jnp.abs(shard), axis=inner)  # [stage, chunk, layer]
-    if dim >= stacked:
-        amax = jax.lax.pmax(amax, axes)
-    s = fp8.scale_of(whole_max(amax), fp8.E4M3)  # [stage, chunk, layer]
-    w8 = fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3)
-    values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True).astype(w.dtype)
-    if dim < stacked:
-        s = jax.lax.all_gather(s, axes, axis=dim, tiled=True)
-    return values, s
+    matrix w [stage, chunk, layer, ...] as FP8: each layer's matrix with its own scale
+    (`_quantize_gather`). Returns (the E4M3 values in w's dtype, the scales [stage,
+    chunk, layer]); the step takes its gradients with respect to the values (as the
+    weights: `weight_op` reads the scale given beside them), so nothing here is
+    differentiated."""
+    return _quantize_gather(w, dim, axes, dtype, whole_max, stacked, w.dtype)
 
 
 def quantized_matrices(params, dims, gather):

@@ -29,7 +29,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from framework.model.fp8 import E4M3, E5M2, _largest, quantize
+from framework.model.fp8 import E4M3, E5M2, _largest, in_format, scale_of
 from framework.parallel import vma
 
 PROBES = "fp8_probes"  # the Flax collection of the probes, one per matrix
@@ -42,8 +42,8 @@ def tensor_stats(v, dtype, tp):
     scales it (module docstring): float32 [len(FIELDS)]."""
     v = jax.lax.stop_gradient(v)
     v32 = v.astype(jnp.float32)
-    amax = tp.whole_max(jnp.max(jnp.abs(v32)))  # (quantize's: the compiler may share it)
-    q = quantize(v, dtype, tp.whole_max)[0].astype(jnp.float32)
+    amax = tp.whole_max(jnp.max(jnp.abs(v32)))  # the one `quantize` scales by
+    q = in_format(v32, scale_of(amax, dtype), dtype).astype(jnp.float32)
     count = lambda c: jnp.sum(c, dtype=jnp.float32)
     return jnp.stack([amax, count(jnp.abs(q) == _largest(dtype)),
                       count((v32 != 0) & (q == 0)), count(jnp.ones_like(v32)),
