@@ -184,18 +184,16 @@ def measure(cfg, layouts: list, devices, timing: Timing = Timing(), log=print,
     tokens = tokens_for_step(cfg.train.seed, 0, cfg.train.global_batch_size,
                              cfg.train.seq_len, cfg.model.vocab_size)
     fitting = _fitting(cfg, layouts, limit, log, skipped)
+    if not resident:
+        rows = [_alone(cfg, variant, devices, params, tokens, timing, log, skipped)
+                for variant in fitting + [(REFERENCE, None, None)]]
+        return Measured(rows[:-1], rows[-1], [])
     runners, rows = [], []
     for name, par, model in fitting + [(REFERENCE, None, None)]:
         runner, row = _runner(cfg, (name, par, model), devices, params, tokens)
         rows.append(row)
         log(f"compiled {name} in {runner.compile_s:.1f}s")
-        if resident:
-            runners.append(runner)
-            continue
-        _time_alone(runner, row, timing)
-        del runner  # frees its state before the next runner allocates its own
-    if not resident:
-        return Measured(rows[:-1], rows[-1], [])
+        runners.append(runner)
     _time_interleaved(runners, rows, timing, log)
     return Measured(rows[:-1], rows[-1], _paired(runners[0], runners[-1], timing.pairs))
 
@@ -233,6 +231,27 @@ def _runner(cfg, variant: tuple, devices, params, tokens):
     runner = _EngineRunner(cfg, par, devices, params, tokens, model)
     return runner, Row(name, par, par.n_devices, compile_s=runner.compile_s,
                        peak_bytes=runner.peak_bytes, predicted_bytes=runner.predicted_bytes)
+
+
+def _alone(cfg, variant: tuple, devices, params, tokens, timing: Timing, log,
+           skipped) -> Row:
+    """One runner built, timed and freed (an accelerator's way). One that runs out of
+    device memory (the memory model's prediction was under the limit, or the reference,
+    which it does not predict) is a line in `skipped` and a row without times (the
+    report leaves it out): the rows measured before it are kept."""
+    name, par, _ = variant
+    try:
+        runner, row = _runner(cfg, variant, devices, params, tokens)
+        log(f"compiled {name} in {runner.compile_s:.1f}s")
+        _time_alone(runner, row, timing)
+        return row  # (the runner's state is freed on return)
+    except Exception as err:  # noqa: BLE001 (XLA's runtime errors have no common type)
+        if "RESOURCE_EXHAUSTED" not in str(err) and "out of memory" not in str(err).lower():
+            raise
+        line = f"{name}: out of device memory ({str(err).strip().splitlines()[0][:160]}): not run"
+        log(f"skipped {line}")
+        (skipped if skipped is not None else []).append(line)
+        return Row(name, par, 1 if par is None else par.n_devices)
 
 
 def _time_alone(runner, row: Row, timing: Timing) -> None:
@@ -277,6 +296,10 @@ def reference_ratio(measured: Measured) -> dict:
     changing over time), the median of per-round ratios, the ratio of medians and of
     minima."""
     one, ref, pairs = measured.rows[0], measured.ref, measured.pairs
+    if not ref.times or not one.times:  # the reference (or the first row) did not fit
+        nan = float("nan")
+        return {"paired": nan, "pairs": [], "median_of_rounds": nan, "rounds": [],
+                "of_medians": nan, "of_minima": nan}
     per_round = [a / b for a, b in zip(one.rounds, ref.rounds)]
     per_pair = [a / b for a, b in pairs]
     return {"paired": statistics.median(per_pair) if pairs else float("nan"),

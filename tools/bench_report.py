@@ -26,7 +26,7 @@ def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bo
     out = ["| layout | devices | step ms (median) | min–max ms | tokens/s | model TFLOP/s | MFU "
            "| vs reference | compile s | peak MiB/device (XLA) | planner MiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows + [ref]:
+    for row in [r for r in rows + [ref] if r.times]:  # (one out of memory: not timed)
         rate = tokens / row.step_s
         achieved = per_token * rate
         peak = peak_flops * (row.n_devices if per_device_peak else 1)
@@ -36,9 +36,13 @@ def table(cfg, rows: list[Row], ref: Row, peak_flops: float, per_device_peak: bo
             f"| {row.name}{'' if row.parallel is None else _extras(row.parallel)} "
             f"| {row.n_devices}{kind} | {row.step_s * 1e3:.1f} "
             f"| {min(row.times) * 1e3:.0f}–{max(row.times) * 1e3:.0f} | {rate:,.0f} "
-            f"| {achieved / 1e12:.3f} | {achieved / peak:.1%} | {row.step_s / ref.step_s:.3f} "
+            f"| {achieved / 1e12:.3f} | {achieved / peak:.1%} | {_versus(row, ref)} "
             f"| {row.compile_s:.1f} | {mib(row.peak_bytes)} | {mib(row.predicted_bytes)} |")
     return out
+
+
+def _versus(row: Row, ref: Row) -> str:
+    return f"{row.step_s / ref.step_s:.3f}" if ref.times else "–"
 
 
 def _extras(par) -> str:
@@ -86,6 +90,9 @@ def laptop_lines(laptop: Measured) -> list[str]:
 def headline(ratio: dict, pairs: list) -> str:
     """The framework/reference sentence: from back-to-back pairs (CPU), else from the
     rows' medians (an accelerator runs one runner at a time, with nothing else)."""
+    if ratio["of_medians"] != ratio["of_medians"]:
+        return ("**No framework (1,1,1) / reference ratio**: one of the two did not fit the "
+                "device's memory (the skipped lines below).")
     if not pairs:
         return (f"**Framework (1,1,1) / reference: {ratio['of_medians']:.3f}**, the ratio of "
                 f"median step times (runners timed one after another; of minima "

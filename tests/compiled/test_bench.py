@@ -12,8 +12,8 @@ import pytest
 from framework.errors import ConfigError
 from framework.parallel.mesh import mesh_name
 from tools import bench
-from tools.bench_measure import (Row, Timing, compile_times, host_matmul_peak, measure,
-                                 reference_ratio)
+from tools.bench_measure import (REFERENCE, Row, Timing, compile_times, host_matmul_peak,
+                                 measure, reference_ratio)
 from tools.bench_report import headline, table
 from tools.recipe import compose
 
@@ -154,3 +154,36 @@ def test_mock_gpu_schedules_run_combined_as_asked_or_where_they_can():
     assert off.combined_1f1b and off.virtual_stages == 1
     with pytest.raises(ConfigError, match="/combined"):
         mock_gpu.with_schedule(par, "1f1b/fused")
+
+
+@pytest.mark.slow
+def test_a_runner_out_of_device_memory_is_skipped_and_the_rows_before_it_kept(
+        cfg, monkeypatch):
+    """On an accelerator the reference (whose memory nothing predicts: whole logits) may
+    not fit where the framework's chunked loss does: its row is a skipped line and the
+    framework's rows, timed before it, are still reported."""
+    from tools import bench_measure
+
+    class OutOfMemory(RuntimeError):
+        pass
+
+    def exhausted(*args, **kwargs):
+        raise OutOfMemory("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                          "75.20GiB.\nmore")
+
+    monkeypatch.setattr(bench_measure, "_ReferenceRunner", exhausted)
+    one = bench.layouts_for(cfg, [], False)[:1]
+    skipped = []
+    found = measure(cfg, one, jax.devices(), Timing(steps=2, rounds=1, warmup=1),
+                    log=lambda *_: None, skipped=skipped, resident=False)
+    assert len(found.rows[0].times) == 2 and found.ref.times == []
+    assert len(skipped) == 1 and "out of device memory" in skipped[0] and "75.20GiB" in skipped[0]
+    assert "No framework (1,1,1) / reference ratio" in headline(reference_ratio(found), [])
+    rows = table(cfg, found.rows, found.ref, 1e12, True, False)
+    assert len(rows) == 3 and "| – |" in rows[2] and REFERENCE not in "".join(rows)
+
+    monkeypatch.setattr(bench_measure, "_ReferenceRunner",
+                        lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # anything else is not swallowed
+        measure(cfg, one, jax.devices(), Timing(steps=1, rounds=1, warmup=0),
+                log=lambda *_: None, resident=False)
