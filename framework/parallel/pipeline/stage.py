@@ -106,8 +106,8 @@ def skip_unless(real, fn, weights, x, *extra, has_aux: bool = False, scope=None)
     autodiff does not copy, and only the activations are saved. `extra` (uneven
     stages' layer count) are arguments: a custom VJP may not close over traced values.
     `scope`: the named scope of the work (the communication audit weighs it)."""
-    real = vma.cast(real, vma.varying(x))  # a residual: typed like the activations beside
-    # it (the tick stash)
+    # a residual: typed like the activations beside it (the tick stash)
+    real = vma.cast(real, vma.varying(x))
     bound = lambda extra: lambda w, x: fn(w, x, *extra)
     probe = jax.vjp(bound(extra), weights, x, has_aux=has_aux)  # types only (dead code)
     acts_like, treedef, slots = split_vjp(probe[1], weights)
