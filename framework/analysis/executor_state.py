@@ -84,9 +84,11 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
     found = {}
 
     def measure(fns, params, inputs, targets, docs):  # per device, at trace time only
-        cells = ticks.make_cells(lay.program, fns, params, inputs, targets,
+        compute, like = ticks.compute_weights(fns, params)
+        cells = ticks.make_cells(lay.program, fns, compute, inputs, targets,
                                  jax.lax.axis_index(PIPE))
-        found.update({k: nbytes(v) for k, v in ticks.initial_carry(cells)._asdict().items()})
+        carry = ticks.initial_carry(cells, like)
+        found.update({k: nbytes(v) for k, v in carry._asdict().items()})
         # F's residuals (and the weight ops' inputs a split backward without remat
         # keeps) leave its conditional as one fresh slot only where the compiler copies
         # what a conditional passes through; else each layer's are written in place.

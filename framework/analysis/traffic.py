@@ -18,6 +18,12 @@ conditional count as if run every time: an upper bound where a branch is idle (t
 executor's cells on the ticks they do not run). `framework.compile` reports these
 (`traffic/*`); what they cost on a GPU is the profile's `copies/slices`
 (framework/analysis/device_time.py).
+
+`accessed_bytes` is the whole program's traffic by the same reading: every kernel's
+reads and writes per step (a fusion's inputs and outputs, a library call's operands
+and result, a collective's), with a fused parameter that is only sliced read as its
+slices and a buffer updated in place written as its update; the measure of a change
+that moves no FLOP (docs/performance.md, "Weights made once a step").
 """
 
 from __future__ import annotations
@@ -74,3 +80,78 @@ def _written_out(program: hlo.Program, comp: str) -> set[str]:
         if instr.opcode in ("tuple", "bitcast", "copy"):
             todo += [instrs[n] for n in hlo.operands(instr) if n in instrs]
     return out
+
+
+# Instructions that run no kernel of their own (control flow, views, the second half of
+# an async pair: its start is counted).
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+              "conditional", "call", "after-all", "partition-id", "replica-id",
+              "opt-barrier", "add-dependency"}
+
+
+def accessed_bytes(text: str) -> float:
+    """Bytes every kernel of a compiled program reads and writes, per step."""
+    program = hlo.parse(text)
+    total = 0.0
+    for factor, types, instr in hlo.executed(program, skip=hlo.fused(program)):
+        if instr.opcode in _NO_KERNEL or instr.opcode.endswith("-done"):
+            continue
+        callee = dict(instr.callees).get("calls") if instr.opcode == "fusion" else None
+        total += factor * (_fusion_bytes(program, callee) if callee else
+                           _kernel_bytes(instr, types))
+    return total
+
+
+def _kernel_bytes(instr: hlo.Instruction, types: dict) -> int:
+    """An unfused instruction's reads and writes: its operands and result (a library
+    call's first output, not its workspace; an async start's result less its inputs;
+    a slice or an update: the slice's bytes, read and written)."""
+    args = [type_bytes(types.get(n, "")) for n in hlo.operands(instr)]
+    if instr.opcode == "dynamic-update-slice":
+        return 2 * (args[1] if len(args) > 1 else 0)
+    if instr.opcode == "dynamic-slice":
+        return 2 * type_bytes(instr.result)
+    result = type_bytes(instr.result)
+    if instr.opcode == "custom-call" and _SHAPE.search(instr.result):
+        result = type_bytes(_SHAPE.search(instr.result).group(0))  # (its workspace: not)
+    elif instr.opcode.endswith("-start"):
+        result = max(result - sum(args), 0)
+    return sum(args) + result
+
+
+def _fusion_bytes(program: hlo.Program, comp: str) -> int:
+    """One fusion's reads and writes: each parameter whole, or the slices taken of it
+    where it is only sliced, or nothing where it is only updated in place; each output
+    (a multi-output fusion's parts), or the update written where it is an in-place
+    update of a buffer (through bitcasts and copies)."""
+    instrs = {i.name: i for i in program.computations[comp]}
+    uses: dict = {}
+    for instr in instrs.values():
+        for k, name in enumerate(hlo.operands(instr)):
+            uses.setdefault(name, []).append((instr, k))
+    read = 0
+    for instr in instrs.values():
+        if instr.opcode != "parameter":
+            continue
+        at = uses.get(instr.name, [])
+        if at and all(u.opcode == "dynamic-slice" and k == 0 for u, k in at):
+            read += sum(type_bytes(u.result) for u, _ in at)
+        elif not (at and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in at)):
+            read += type_bytes(instr.result)
+    return read + sum(_written(instrs, name) for name in _outputs(instrs))
+
+
+def _outputs(instrs: dict) -> list[str]:
+    root = next(i for i in instrs.values() if i.line.lstrip().startswith("ROOT "))
+    return hlo.operands(root) if root.opcode == "tuple" else [root.name]
+
+
+def _written(instrs: dict, name: str) -> int:
+    """Bytes an output of a fusion writes: an in-place update's update, else itself."""
+    instr = instrs[name]
+    while instr.opcode in ("bitcast", "copy") and hlo.operands(instr)[0] in instrs:
+        instr = instrs[hlo.operands(instr)[0]]
+    if instr.opcode == "dynamic-update-slice":
+        update = hlo.operands(instr)[1]
+        return type_bytes(instrs[update].result) if update in instrs else 0
+    return type_bytes(instrs[name].result)

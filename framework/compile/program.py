@@ -28,7 +28,7 @@ import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
 from framework.analysis.gemms import fp8_share, matmul_flops
-from framework.analysis.traffic import moved_bytes
+from framework.analysis.traffic import accessed_bytes, moved_bytes
 from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from framework.errors import ConfigError
@@ -164,6 +164,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     text = compiled.as_text()
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
                    for kind, nbytes in moved_bytes(text).items()})
+    report["traffic/accessed_bytes_per_step"] = accessed_bytes(text)  # every kernel's
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
     executed = sum(matmul_flops(text).values())  # every dot the program runs, per step
     report["flops/matmul_executed_per_device_per_step"] = executed

@@ -46,6 +46,9 @@ def lines(report: dict) -> list[str]:
         out.append("moved without computing per device per step: " + ", ".join(
             f"{kind} {_gib(report[f'traffic/{kind}_bytes_per_step'])}"
             for kind in ("copied", "sliced", "updated")))
+    if "traffic/accessed_bytes_per_step" in report:
+        out.append("read and written by the kernels per device per step: "
+                   f"{_gib(report['traffic/accessed_bytes_per_step'])}")
     if report.get("flops/fp8_share_of_layer_matmuls") is not None:
         out.append(f"layers' matmul FLOPs on FP8 operands: "
                    f"{report['flops/fp8_share_of_layer_matmuls']:.0%}")

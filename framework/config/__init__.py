@@ -24,7 +24,7 @@ from typing import Any, Optional
 from framework.errors import ConfigError
 from framework.config.model import (FAMILIES, FAMILY_PRESETS,  # noqa: F401 (the
                                     PRESET_DEFAULTS, ModelConfig,  # package's names)
-                                    MoeConfig, RopeScaling)
+                                    MoeConfig, RopeScaling, cast_at_use)
 from framework.config.ranges import (AT_LEAST_0, AT_LEAST_1, POSITIVE,  # noqa: F401
                                      RANGES, Range, check_ranges, setting_names)
 

@@ -110,6 +110,16 @@ PRESET_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_pl
                                    "embed_scale": False}
 
 
+def cast_at_use(dims_a_use: int) -> bool:
+    """Whether the layers cast a parameter with this many dimensions a use to the
+    compute dtype (`ModelConfig.dtype`) before every use: the matrices (two or more:
+    the weights, q/k/v biases, the router); the vectors (norm scales, the router's
+    bias) are used in float32. FSDP's gathers (framework/parallel/data.py) and the tick
+    executor's once-a-step copy (framework/engine/step_weights.py) cast what it names;
+    tests/parity/test_step_weights.py shows the numbers unchanged."""
+    return dims_a_use >= 2
+
+
 @dataclass(frozen=True)
 class HfFamily:
     """How a family's Hugging Face config.json reads (framework/io/hf/family.py)."""

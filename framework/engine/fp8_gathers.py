@@ -23,23 +23,30 @@ from framework.model import fp8
 from framework.parallel import data as data_parallel
 
 
-def _quantize_gather(w, dim: int, axes, dtype, whole_max, stacked: int, out_dtype):
-    """The one body of both gathers: w's shard cast to `dtype` (the use's cast), each of
-    its matrices (the dimensions after the first `stacked`) quantized to E4M3 with the
-    whole matrix's scale (its absolute maximum's max over `axes` where `dim` splits the
-    matrices, else each device holds whole matrices and their scales travel with them;
-    then `whole_max`'s over the tensor devices), gathered over `axes` along `dim` in one
-    byte an element. Returns (the E4M3 values in `out_dtype`, the scales [*stacked
-    dims]). Exactly `fp8.quantize` of each gathered matrix: max and the elementwise
-    scaling commute with the gather."""
+def quantize_layers(w, dtype, whole_max, stacked: int, axes=None):
+    """Each matrix of w (the dimensions after the first `stacked`) as its use quantizes
+    it: cast to `dtype` (the use's cast), then to E4M3 with the whole matrix's scale
+    (its absolute maximum's max over the mesh `axes` where a shard of it is all w
+    holds, then `whole_max`'s over the tensor devices). Returns (the E4M3 values, the
+    scales [*stacked dims]): exactly `fp8.quantize` of each matrix."""
     shard = w.astype(dtype).astype(jnp.float32)  # the use's cast, then quantize's
     inner = tuple(range(stacked, w.ndim))
     # a statistic, never differentiated
     amax = jax.lax.stop_gradient(jnp.max(jnp.abs(shard), axis=inner))  # [*stacked dims]
-    if dim >= stacked:
+    if axes is not None:
         amax = jax.lax.pmax(amax, axes)
     s = fp8.scale_of(whole_max(amax), fp8.E4M3)
-    w8 = fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3)
+    return fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3), s
+
+
+def _quantize_gather(w, dim: int, axes, dtype, whole_max, stacked: int, out_dtype):
+    """The one body of both gathers: w's shard quantized (`quantize_layers`; the
+    maxima over `axes` where `dim` splits the matrices, else each device holds whole
+    matrices and their scales travel with them), gathered over `axes` along `dim` in
+    one byte an element. Returns (the E4M3 values in `out_dtype`, the scales [*stacked
+    dims]). Exactly `fp8.quantize` of each gathered matrix: max and the elementwise
+    scaling commute with the gather."""
+    w8, s = quantize_layers(w, dtype, whole_max, stacked, axes if dim >= stacked else None)
     values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True).astype(out_dtype)
     if dim < stacked:
         s = jax.lax.all_gather(s, axes, axis=dim, tiled=True)

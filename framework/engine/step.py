@@ -29,7 +29,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
-from framework.engine import fp8_gathers, fp8_probe, moe_stats
+from framework.engine import fp8_gathers, fp8_probe, moe_stats, step_weights
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
@@ -99,6 +99,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=stack_gather) if split else None,
+        weights=step_weights.once_a_step(model, tp.whole_max, per_use is not None),
         pass_through=options.pass_through)
 
 

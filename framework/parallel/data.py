@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from framework.config import cast_at_use
 from framework.parallel.mesh import DATA, EXPERT
 from framework.parallel.rules import is_expert_leaf
 
@@ -112,14 +113,14 @@ def fsdp_dims(shapes, specs, data: int, stacked: dict, expert: int = 1):
 def gather_leaves(tree, dims, offset: int = 0, dtype=None):
     """FSDP: the full leaves of one use from this replica's shards; `offset`: leading
     dimensions the stored leaves have and these do not (a layer's slice of a stack).
-    `dtype`: the matrices (leaves of two or more dimensions a use) are gathered in it
+    `dtype`: the matrices (`config.cast_at_use`) are gathered in it
     where it is narrower than theirs, their gradients reduce-scattered in their own
     dtype (`_gather_as`); bfloat16 parameters travel as stored."""
     def one(x, d):
         if d is None:
             return x
         axes = shard_axes(d)
-        if dtype is not None and x.ndim >= 2 and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
+        if dtype is not None and cast_at_use(x.ndim) and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
             return _gather_as(x, d - offset, jnp.dtype(dtype), axes)
         return jax.lax.all_gather(x, axes, axis=d - offset, tiled=True)
 

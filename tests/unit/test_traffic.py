@@ -100,3 +100,46 @@ def test_a_slice_fused_into_the_kernel_that_reads_it_writes_nothing():
     read = FUSED.replace("ROOT %c = f32[1,64]{1,0} copy(%s)",
                          "ROOT %e = f32[1,64]{1,0} exponential(%s)")
     assert traffic.moved_bytes(read) == {"copied": 8 * 64 * 4, "sliced": 0.0, "updated": 0.0}
+
+
+KERNELS = """HloModule jit_step
+
+%fused_slice (p0: f32[8,64], p1: s32[]) -> f32[1,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %s = f32[1,64]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,64}
+  ROOT %e = f32[1,64]{1,0} exponential(%s)
+}
+
+%fused_update (p0: f32[8,64], p1: f32[1,64], p2: s32[]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = f32[1,64]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  ROOT %u = f32[8,64]{1,0} dynamic-update-slice(%p0, %p1, %p2, %p2)
+}
+
+ENTRY %main (a: f32[8,64], i: s32[]) -> f32[8,64] {
+  %a = f32[8,64]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %row = f32[1,64]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_slice
+  %g = (f32[1,64]{1,0}, s8[4194304]{0}) custom-call(%row, %row), custom_call_target="__cublas$gemm"
+  %y = f32[1,64]{1,0} get-tuple-element(%g), index=0
+  ROOT %new = f32[8,64]{1,0} fusion(%a, %y, %i), kind=kLoop, calls=%fused_update
+}
+"""
+
+
+def test_what_every_kernel_reads_and_writes():
+    """A fused slice reads its slice (and its index), not the buffer; a library call
+    its operands and its output, not its workspace; an update in place reads and
+    writes the update, not the buffer."""
+    row = 64 * 4
+    slice_kernel = (row + 4) + row
+    library = 2 * row + row
+    update_kernel = (row + 4) + row
+    assert traffic.accessed_bytes(KERNELS) == slice_kernel + library + update_kernel
+
+
+def test_an_elementwise_kernel_compiled_here_reads_and_writes_its_arrays_once():
+    text = jax.jit(lambda x: jnp.exp(x) * 2).lower(jnp.ones(1024)).compile().as_text()
+    assert traffic.accessed_bytes(text) == 2 * 1024 * 4

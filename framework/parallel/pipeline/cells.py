@@ -90,10 +90,11 @@ class Cells:
         return jax.tree.map(lambda a: a[0] if v == 1 else a[chunk], self.params["chunks"])
 
     def add_chunk(self, grads, chunk, update, layers=slice(None)):
-        """grads of chunk `chunk` (its `layers`, a static slice) += update."""
+        """grads of chunk `chunk` (its `layers`, a static slice) += update (in the
+        accumulators' dtype: the stored one, `StageFns.weights`)."""
         v = jax.tree.leaves(grads["chunks"])[0].shape[0]
         return dict(grads, chunks=jax.tree.map(
-            lambda a, u: a.at[0, layers].add(u) if v == 1 else a.at[chunk, layers].add(u),
+            lambda a, u: a.at[0 if v == 1 else chunk, layers].add(u.astype(a.dtype)),
             grads["chunks"], update))
 
     @property
@@ -275,4 +276,4 @@ class Cells:
 
 
 def _add(tree, update):
-    return jax.tree.map(jnp.add, tree, update)
+    return jax.tree.map(lambda a, u: a + u.astype(a.dtype), tree, update)

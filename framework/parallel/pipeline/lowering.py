@@ -158,7 +158,7 @@ class Cells(cells.Cells):
             return self.write_kept(state, cell._replace(slot=slot))
         if Field.G_W not in run.writes:
             return run(kind, state, cell)
-        like = jax.tree.map(lambda a: a[0, run.layers], state.grads["chunks"])
+        like = jax.tree.map(lambda a: a[0, run.layers], self.params["chunks"])  # (computed)
         state = run(kind, state._replace(g_w=jax.tree.map(self.zeros, like)), cell)
         grads = self.add_chunk(state.grads, cell.chunk, state.g_w, run.layers)
         return state._replace(grads=grads, g_w=None)
@@ -177,7 +177,7 @@ def run_combined(cells: Cells, fused, state: TickState, f: CellIn, b: CellIn) ->
     work, embed, _ = cells.prog.combined_branches()
     fn = lambda s: cells.combined(s, f, b)
     if cells.apart:
-        like = jax.tree.map(lambda a: a[0], state.grads["chunks"])
+        like = jax.tree.map(lambda a: a[0], cells.params["chunks"])  # (computed)
         state = state._replace(fresh=cells.fresh_zeros(), g_w=jax.tree.map(cells.zeros, like))
         state = cond_fields(work.scopes, fused, fn, state,
                             (Field.FRESH, Field.ACT, Field.G_W, Field.GRAD))

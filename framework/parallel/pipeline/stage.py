@@ -3,8 +3,9 @@ autodiff tools every executor uses on it. Executors (`autodiff.py`, `ticks.py`) 
 execute; the model takes part through `StageFns` alone (it never sees a schedule or a
 mesh), and a new executor needs nothing else from it.
 
-  StageFns        embed, a chunk of layers, head + loss, and (zero-bubble schedules) the
-                  split backward, on one device (tensor-parallel inside)
+  StageFns        embed, a chunk of layers, head + loss, (zero-bubble schedules) the
+                  split backward, on one device (tensor-parallel inside), and the weights
+                  as their uses make them, once a step (`weights`)
   SplitBackward   the backward of a chunk in two halves, B and W (Qi et al. 2024)
   split_vjp,      a VJP function as (its activations, its structure): the tick executor
   join_vjp        stashes the activations and rebuilds the VJP later; the weights are
@@ -61,6 +62,11 @@ class StageFns:
     layers: Callable
     head_loss: Callable  # (head params, embed params, y, targets [mb, seq]) -> loss share
     split: Optional[SplitBackward] = None  # needed by tables with B and W cells
+    # (this rank's params) -> (the params the cells compute with, the tree their
+    # gradients accumulate like): the layers' matrices as their uses make them (cast,
+    # FP8-quantized), once a step (framework/engine/step_weights.py); the tick executor
+    # only. None: the params as they are.
+    weights: Optional[Callable] = None
     # The compiler keeps a buffer that a conditional passes through in place (XLA's CPU
     # and TPU compilers, and its GPU compiler from jaxlib 0.11.2); the GPU compiler of
     # jaxlib 0.10.2 copies it (`ticks.Cells.apart`, `engine.step.passes_through`).

@@ -199,9 +199,17 @@ def make_cells(prog: Program, fns: StageFns, params, inputs, targets, rank,
                  recompute, docs)
 
 
-def initial_carry(cells: Cells) -> Carry:
+def compute_weights(fns: StageFns, params) -> tuple:
+    """(the params the cells compute with, the tree their gradients accumulate like):
+    the layers' matrices as their uses make them, once a step (`StageFns.weights`), the
+    gradients in the stored dtype; without, the params themselves."""
+    return fns.weights(params) if fns.weights else (params, params)
+
+
+def initial_carry(cells: Cells, like=None) -> Carry:
     """The tick loop's state before the first tick: every buffer the buffer plan sizes
-    (the memory model measures these, `framework/analysis/memory_model.py`)."""
+    (the memory model measures these, `framework/analysis/memory_model.py`); the
+    gradients accumulate like `like` (default: the params the cells compute with)."""
     n, t, buffers = cells.prog.buffers.n_slots, cells.types, cells.prog.buffers
     kept = n["stash"] + int(cells.apart)  # `apart`: a spare slot takes the writes not kept
     return Carry(recv={b: cells.zeros(t.x, n[b]) for b in (ACT, GRAD) if n[b]},
@@ -209,7 +217,7 @@ def initial_carry(cells: Cells) -> Carry:
                  saved=[zeros_typed_like(jax.ShapeDtypeStruct((kept, *a.shape), a.dtype),
                                          cells.manual, jax.typeof(a).manual_axis_type.varying)
                         for a in t.saved],
-                 grads=jax.tree.map(cells.zeros, cells.params),
+                 grads=jax.tree.map(cells.zeros, cells.params if like is None else like),
                  loss=cells.zeros(jnp.zeros((), jnp.float32)),
                  pending={ch.buffer: cells.zeros(t.x) for ch in buffers.channels if ch.overlap},
                  held=(cells.held_zeros(), cells.zeros(jnp.zeros((), jnp.int32)),
@@ -218,11 +226,13 @@ def initial_carry(cells: Cells) -> Carry:
 
 def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     """params: {'embed', 'head', 'chunks' [v, Lc, ...] of this rank}, varying over the
-    manual axes. inputs, targets: [microbatches, mb, seq]; docs: their document masks
-    or None. Returns (this rank's loss share, gradients like params)."""
+    manual axes, as stored (`compute_weights` makes what the cells compute with).
+    inputs, targets: [microbatches, mb, seq]; docs: their document masks or None.
+    Returns (this rank's loss share, gradients like params)."""
     rank = jax.lax.axis_index(PIPE)
+    params, like = compute_weights(fns, params)
     cells = make_cells(prog, fns, params, inputs, targets, rank, docs)
-    init = initial_carry(cells)
+    init = initial_carry(cells, like)
     k = prog.schedule.ticks_per_step  # the loop's step: k ticks, [steps, k, ranks]
     xs = jax.tree.map(lambda a: jnp.asarray(a).reshape(-1, k, *a.shape[1:]),
                       prog.scan_inputs())
