@@ -89,6 +89,8 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
                                  jax.lax.axis_index(PIPE))
         carry = ticks.initial_carry(cells, like)
         found.update({k: nbytes(v) for k, v in carry._asdict().items()})
+        stored = {id(a) for a in jax.tree.leaves(params)}  # the copy's own leaves:
+        found["weights"] = nbytes([a for a in jax.tree.leaves(compute) if id(a) not in stored])
         # F's residuals (and the weight ops' inputs a split backward without remat
         # keeps) leave its conditional as one fresh slot only where the compiler copies
         # what a conditional passes through; else each layer's are written in place.

@@ -48,7 +48,9 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
                  place layer by layer, i.e. on the GPU compiler before jaxlib 0.11.2
                  or beside a split backward's weight-op inputs; B's entry of the saved
                  buffers) and, with overlapped sends, the message arriving beside the
-                 cell.
+                 cell; and the layers' weights the executor makes once a step
+                 (`framework/engine/step_weights.py`), all but one chunk's: the cell
+                 held its chunk's casts before (`_tick_kept`).
   transient  the largest of the moments that do not overlap: the LM head + loss (a few
              float32 logits-sized tensors of one microbatch: both executors run the head
              microbatch by microbatch; with `model.loss_chunk` those of one chunk, beside
@@ -227,12 +229,16 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
     return full - (stage_weights * (1 - cast) if cast is not None else 0)
 
 
-def _tick_kept(state: dict) -> float:
+def _tick_kept(state: dict, v: int) -> float:
     """The tick executor's state (`executor_state`: with a split backward and a pair
     of ticks a step, B's douts held for the next tick too) + with overlapped sends the
-    message arriving beside the cell, one per pending one."""
+    message arriving beside the cell, one per pending one + the weights made once a
+    step but one chunk's (`v` chunks a rank): the cell held its chunk's casts before
+    (the GPU compiler's peak, gpu:h100x8, 2026-11-30, copy on against off: llama3_8b
+    +0.25 GiB of its 1.87 GiB copy, one chunk; llama_1b_8gpu zb_v remat=none, two
+    chunks, +0.34 of 0.45; qwen3_30b_a3b at pp4-tp2, six chunks, +3.06 of 6.97)."""
     return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
-        state["held"]
+        state["held"] + state["weights"] * (v - 1) / v
 
 
 def _layer_extras(lay: Layout, backward: float, w: Weights, width: float) -> float:
@@ -306,7 +312,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         backward = _layer_extras(lay, layer_backward + state["slot"], w, width)
         grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
         head = head_bytes(lay, "1f1b", platform)
-        return _tick_kept(state), head, backward, grads
+        return _tick_kept(state, v), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
     res = _layer_residuals(lay, lay.layer_remat)
     ticks = sched.forward_rows().n_ticks

@@ -191,9 +191,7 @@ class TensorParallel:
             block, y = _beside(sent, lambda b=block: product(b, w))
             ys.append(y)
         ys.append(product(block, w))
-        order = (i - jnp.arange(t)) % t  # ys[k] is sequence block (i - k) mod t
-        return jax.tree.map(lambda *blocks: _blocks_to_sequence(jnp.stack(blocks)[order]),
-                            *ys)
+        return jax.tree.map(lambda *blocks: _in_sequence(blocks, i, t), *ys)
 
     def scatter_ring(self, x, w, product):
         """The sum over the tensor devices of product(x's block i, w) for this device's
@@ -232,7 +230,17 @@ def _beside(sent, matmul):
     return jax.lax.optimization_barrier((sent, matmul()))
 
 
-def _blocks_to_sequence(blocks):
-    """[t, b, s/t, ...] in sequence order -> [b, s, ...]."""
-    t, b, n = blocks.shape[:3]
-    return jnp.moveaxis(blocks, 0, 1).reshape((b, t * n) + blocks.shape[3:])
+def _in_sequence(blocks, i, t: int):
+    """A ring's products in sequence order: blocks[k] [b, s/t, ...] is sequence block
+    (i - k) mod t of [b, s, ...], each written in place at its offset. (Stacking them
+    and indexing the stack by that order was a gather, whose transpose in the backward
+    scatter-added every layer's output gradient into a zeroed stack: llama3_8b's
+    gate_up, 333 GiB a step of the GPU program's traffic; here the backward slices the
+    gradient, docs/performance.md.)"""
+    first = blocks[0]
+    n = first.shape[SEQ]
+    shape = first.shape[:SEQ] + (t * n,) + first.shape[SEQ + 1:]
+    out = vma.like(jnp.zeros(shape, first.dtype), first)
+    for k, block in enumerate(blocks):
+        out = jax.lax.dynamic_update_slice_in_dim(out, block, ((i - k) % t) * n, axis=SEQ)
+    return out
