@@ -133,12 +133,21 @@ def _fusion_bytes(program: hlo.Program, comp: str) -> int:
     for instr in instrs.values():
         if instr.opcode != "parameter":
             continue
-        at = uses.get(instr.name, [])
+        at = _uses(uses, instr.name)
         if at and all(u.opcode == "dynamic-slice" and k == 0 for u, k in at):
             read += sum(type_bytes(u.result) for u, _ in at)
         elif not (at and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in at)):
             read += type_bytes(instr.result)
     return read + sum(_written(instrs, name) for name in _outputs(instrs))
+
+
+def _uses(uses: dict, name: str) -> list:
+    """(instruction, operand index) of every use of `name`, looking through bitcasts
+    (a view: the slice of a bitcast stack reads only the slice)."""
+    found = []
+    for instr, k in uses.get(name, []):
+        found += _uses(uses, instr.name) if instr.opcode == "bitcast" else [(instr, k)]
+    return found
 
 
 def _outputs(instrs: dict) -> list[str]:

@@ -143,3 +143,12 @@ def test_what_every_kernel_reads_and_writes():
 def test_an_elementwise_kernel_compiled_here_reads_and_writes_its_arrays_once():
     text = jax.jit(lambda x: jnp.exp(x) * 2).lower(jnp.ones(1024)).compile().as_text()
     assert traffic.accessed_bytes(text) == 2 * 1024 * 4
+
+
+def test_a_slice_of_a_bitcast_stack_reads_only_the_slice():
+    viewed = KERNELS.replace(
+        "  %s = f32[1,64]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,64}",
+        "  %v = f32[8,64]{1,0} bitcast(%p0)\n"
+        "  %s = f32[1,64]{1,0} dynamic-slice(%v, %p1, %p1), dynamic_slice_sizes={1,64}")
+    assert "bitcast(%p0)" in viewed
+    assert traffic.accessed_bytes(viewed) == traffic.accessed_bytes(KERNELS)
