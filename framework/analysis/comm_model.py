@@ -68,7 +68,7 @@ import math
 
 import jax
 
-from framework.config import ModelConfig, ParallelConfig, TrainConfig
+from framework.config import ModelConfig, ParallelConfig, TrainConfig, cast_at_use
 from framework.engine.resolved import Layout, resolved
 from framework.model import fp8
 from framework.model.prefix import DENSE, prefix_layers, stack_layers, unit_layers
@@ -160,6 +160,31 @@ def fp8_matrix_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: 
     """The layers' FP8 matrices' parameters one device holds (`fp8.MATRICES`)."""
     return _layer_leaves_count(model, parallel, rank_layers,
                                lambda name, axes: name in fp8.MATRICES)
+
+
+def cast_matrix_count(model: ModelConfig, parallel: ParallelConfig, rank_layers: int) -> int:
+    """The layers' parameters one device holds that every use casts to the compute dtype
+    (`config.cast_at_use`: two or more dimensions a layer), the experts not split over
+    `expert` (as `local_param_counts`)."""
+    return _layer_leaves_count(model, parallel, rank_layers,
+                               lambda name, axes: cast_at_use(len(axes) - 1))
+
+
+def _gathered_fewer(model: ModelConfig, parallel: ParallelConfig, lay, counts: dict,
+                    grad: int) -> float:
+    """Bytes fewer than the stored dtype's that ZeRO-1's gather (FSDP's once a step)
+    sends of what one device holds: the layers' and the head's matrices in the compute
+    dtype (framework/parallel/data.py `gather_params`), with FP8 gathers the FP8
+    matrices in one byte (framework/engine/fp8_gathers.py)."""
+    rank_layers, e = lay.chunk_layers * lay.chunks_per_rank, parallel.expert
+    matrices = cast_matrix_count(model, parallel, rank_layers) + counts["head"] - \
+        model.d_model  # the head's: its matrix, not its norm's scale
+    if e > 1:  # the experts split over `expert`
+        matrices -= expert_param_count(model, parallel, rank_layers) * (e - 1)
+    fp8_matrices = fp8_matrix_count(model, parallel, rank_layers) \
+        if model.fp8 != "none" and model.fp8_gather else 0
+    narrow = min(dtype_bytes(model.dtype), grad)
+    return (matrices - fp8_matrices) * (grad - narrow) + fp8_matrices * (grad - 1)
 
 
 def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> float:
@@ -343,11 +368,8 @@ def expected_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         expert = expert_bytes(model, parallel, train) + _ring_all_reduce(e) * (
             held - experts) * grad
     data = _ring_all_reduce(dp // e) * held * grad
-    if (parallel.zero1 or parallel.fsdp) and model.fp8 != "none" and model.fp8_gather:
-        # ZeRO-1's once-a-step gather (FSDP's with fsdp_regather=step) sends the layers'
-        # FP8 matrices in one byte (framework/engine/fp8_gathers.py)
-        data -= (dp // e - 1) / (dp // e) * fp8_matrix_count(
-            model, parallel, lay.chunk_layers * lay.chunks_per_rank) * (grad - 1)
+    if parallel.zero1 or parallel.fsdp:  # the once-a-step gather's narrower matrices
+        data -= (dp // e - 1) / (dp // e) * _gathered_fewer(model, parallel, lay, counts, grad)
     if lay.gathers_per_use:
         data = fsdp_bytes(model, parallel, counts, grad,
                           lay.program.schedule.executor == AUTODIFF)

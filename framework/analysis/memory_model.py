@@ -214,11 +214,14 @@ def _layer_backward(lay: Layout, tpu: bool) -> float:
 
 def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
                     v: int) -> float:
-    """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes; the TPU compiler
-    (`cast` not None) casts the layers' weights before their all-gather (llama3_70b_v5p
-    at pp8-dp4-tp2, interleaved: every layer matrix gathered in bfloat16, 2026-11-26),
-    so they are held in the compute dtype. With one chunk a rank they take the place of
-    the stage's cast that the TPU program holds anyway (`_autodiff_kept`'s `fixed`, the
+    """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes. They travel in
+    the compute dtype (framework/parallel/data.py `gather_params`; before 2026-11-30 the
+    TPU compiler alone cast them before the all-gather: llama3_70b_v5p at pp8-dp4-tp2,
+    interleaved, 2026-11-26); where they are held so (`cast` not None: on TPUs, and
+    under the tick executor, whose once-a-step weights are those gathered values:
+    llama3_8b at 4 layers, pp1-dp2, 1F1B, gpu:h100x8: 7.94 -> 6.90 GiB compiled with
+    the copy, predicted 1.25x the compiler until counted so). With one chunk a rank
+    they take the place of the stage's cast that the TPU program holds anyway (`_autodiff_kept`'s `fixed`, the
     tick executor's per-layer residuals): ZeRO-1 adds only the embedding and head
     gathered (compiled, ZeRO-1 on against off, 1F1B: llama3_70b_v5p +0.98 GiB, its
     embedding's float32 shard; llama_1b_8gpu on tpu:v5p-16 +0.50, likewise; 2026-11-27)."""
@@ -342,7 +345,13 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = dtype_bytes(lay.model.dtype) / FP32 if tpu else None
     layer_backward = _layer_backward(lay, tpu)
-    gathered = _zero1_gathered(w.full, w.stored, w.stage, cast, lay.chunks_per_rank)
+    # the tick executor makes its weights from ZeRO-1's gather (in the compute dtype,
+    # framework/parallel/data.py): held as the TPU compiler holds them
+    narrow = dtype_bytes(lay.model.dtype) / FP32
+    once = lay.program.schedule.executor != AUTODIFF and not lay.gathers_per_use and \
+        narrow < stored_width
+    gathered = _zero1_gathered(w.full, w.stored, w.stage, narrow if once else cast,
+                               lay.chunks_per_rank)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one
         # layer's float32 weights gathered at a time, their cast and gradient beside them

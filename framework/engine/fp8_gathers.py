@@ -131,16 +131,18 @@ def step_gather(zero1_dims, model, whole_max):
     """ZeRO-1's gather of the step's parameters (FSDP's with fsdp_regather=step): with
     FP8 gathers the layers' FP8 matrices as E4M3 with a scale per layer
     (`gather_layers_quantized`), the stages then {'params', SCALES} (each layer's
-    variables once sliced); the rest, and everything without, as stored."""
-    plain = partial(data_parallel.gather_params, dims=zero1_dims)
+    variables once sliced); the other matrices in the compute dtype, the rest as
+    stored (`data_parallel.gather_params`)."""
+    dtype = jnp.dtype(model.dtype)
+    plain = partial(data_parallel.gather_params, dims=zero1_dims, dtype=dtype)
     if model.fp8 == "none" or not model.fp8_gather:
         return plain
-    dims, dtype = zero1_dims["stages"], jnp.dtype(model.dtype)
+    dims = zero1_dims["stages"]
     quantized = lambda w, d: gather_layers_quantized(w, d, data_parallel.shard_axes(d),
                                                      dtype, whole_max)
 
     def gather(params):
-        params = data_parallel.gather_params(params, dict(zero1_dims, stages=unquantized(dims)))
+        params = plain(params, dims=dict(zero1_dims, stages=unquantized(dims)))
         return dict(params, stages=quantized_matrices(params["stages"], dims, quantized))
 
     return gather

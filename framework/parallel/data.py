@@ -160,12 +160,26 @@ def add_data_axis(specs, dims):
     return jax.tree.map(one, specs, dims, is_leaf=lambda x: isinstance(x, P) or x is None)
 
 
-def gather_params(params, dims):
-    """ZeRO-1: the full parameters for this step from this replica's shards."""
-    return jax.tree.map(
-        lambda x, d: x if d is None else jax.lax.all_gather(x, shard_axes(d), axis=d,
-                                                            tiled=True),
-        params, dims, is_leaf=lambda x: x is None)
+def gather_params(params, dims, dtype=None):
+    """ZeRO-1: the full parameters for this step from this replica's shards
+    ({'embed', 'head', 'stages' [stage, chunk, layer, ...]}). `dtype`: the layers' and
+    the head's matrices (`config.cast_at_use`) travel in it where it is narrower than
+    theirs, widened back after: every use casts them to it first, so the uses see the
+    same values, for half the bytes of float32 in bfloat16 (the gradients are reduced
+    apart, `reduce_gradients`, in the stored dtype). The embedding travels as stored
+    (a lookup's rows)."""
+    def one(x, d, offset):
+        if d is None:
+            return x
+        axes = shard_axes(d)
+        if offset is not None and dtype is not None and cast_at_use(x.ndim - offset) \
+                and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
+            return jax.lax.all_gather(x.astype(dtype), axes, axis=d, tiled=True).astype(x.dtype)
+        return jax.lax.all_gather(x, axes, axis=d, tiled=True)
+
+    offsets = {"stages": 3, "head": 0}  # the dimensions before one use's
+    return {k: jax.tree.map(lambda x, d: one(x, d, offsets.get(k)), v, dims[k],
+                            is_leaf=lambda x: x is None) for k, v in params.items()}
 
 
 def reduce_gradients(grads, dims=None, reduced: bool = False, also: tuple = (),

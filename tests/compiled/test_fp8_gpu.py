@@ -49,9 +49,10 @@ def test_data_parallel_gathers_send_the_8b_layers_as_fp8_on_the_gpu_compiler(sha
     with FP8 gathers (model.fp8_gather): the measured `data` bytes of the optimized GPU
     program are the communication model's, each within 1%, for FP8 and plain gathers.
     2026-11-28, FSDP: 3,252.4 against 3,668.4 MiB a step (the layers' bfloat16 gathers
-    halve); 2026-11-30, ZeRO-1: 1,522.1 against 1,834.1 (its float32 gather of the
-    layers' matrices to a quarter; the embedding and head, as stored, are most of it at
-    4 layers); the reduce-scatters in float32 the same."""
+    halve); 2026-11-30, ZeRO-1: 1,396.9 against 1,500.9 (its bfloat16 gather of the
+    layers' matrices halved; the float32 embedding and the reduce-scatters in float32
+    are most of it at 4 layers; 1,522.1 against 1,834.1 when the plain gather sent the
+    matrices as stored)."""
     from framework.analysis import comm_model
 
     fsdp = ("model.fp8=tensorwise", "parallel.collective_matmul=false", "parallel.pipeline=1",
@@ -65,4 +66,4 @@ def test_data_parallel_gathers_send_the_8b_layers_as_fp8_on_the_gpu_compiler(sha
                                              param_dtype=cfg.optim.param_dtype)["data"]
         got[gather] = measured["comm/bytes_per_step/data"]
         assert abs(got[gather] / expected - 1) < 0.01, (gather, got[gather], expected)
-    assert got["true"] < 0.9 * got["false"]
+    assert got["true"] < 0.95 * got["false"]

@@ -77,3 +77,23 @@ def test_the_copy_casts_the_matrices_and_keeps_the_rest():
         lambda a: a.dtype, p)
     assert not cast_at_use(1) and cast_at_use(2)
     assert step_weights.once_a_step(eng.model, lambda v: v, per_use=True) is None
+
+
+@pytest.mark.slow  # ~25 s: four engines
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_zero1_gathers_the_matrices_in_the_compute_dtype_changing_no_number(schedule,
+                                                                            monkeypatch):
+    """ZeRO-1's gather sends the layers' and the head's matrices in bfloat16 (every use
+    casts them so first: framework/parallel/data.py `gather_params`): the same loss and
+    gradients as gathering them in float32, under autodiff and the tick executor."""
+    from framework.parallel import data as data_parallel
+
+    layout = dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule=schedule,
+                  zero1=True)
+    narrow = engine_grads(engine(model=BF16, **layout))
+    plain = data_parallel.gather_params
+    monkeypatch.setattr(data_parallel, "gather_params",
+                        lambda params, dims, dtype=None: plain(params, dims))
+    wide = engine_grads(engine(model=BF16, **layout))
+    assert narrow[0] == wide[0]
+    assert worst(max_rel_err(narrow[1], wide[1])) == 0.0
