@@ -221,8 +221,9 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
     under the tick executor, whose once-a-step weights are those gathered values:
     llama3_8b at 4 layers, pp1-dp2, 1F1B, gpu:h100x8: 7.94 -> 6.90 GiB compiled with
     the copy, predicted 1.25x the compiler until counted so). With one chunk a rank
-    they take the place of the stage's cast that the TPU program holds anyway (`_autodiff_kept`'s `fixed`, the
-    tick executor's per-layer residuals): ZeRO-1 adds only the embedding and head
+    they take the place of the stage's cast that the TPU program holds anyway
+    (`_autodiff_kept`'s `fixed`, the tick executor's per-layer residuals and its
+    once-a-step weights, `_tick_kept`): ZeRO-1 adds only the embedding and head
     gathered (compiled, ZeRO-1 on against off, 1F1B: llama3_70b_v5p +0.98 GiB, its
     embedding's float32 shard; llama_1b_8gpu on tpu:v5p-16 +0.50, likewise; 2026-11-27)."""
     if stored == full:
@@ -232,16 +233,18 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
     return full - (stage_weights * (1 - cast) if cast is not None else 0)
 
 
-def _tick_kept(state: dict, v: int) -> float:
+def _tick_kept(state: dict, v: int, gathered: float) -> float:
     """The tick executor's state (`executor_state`: with a split backward and a pair
     of ticks a step, B's douts held for the next tick too) + with overlapped sends the
     message arriving beside the cell, one per pending one + the weights made once a
     step but one chunk's (`v` chunks a rank): the cell held its chunk's casts before
     (the GPU compiler's peak, gpu:h100x8, 2026-11-30, copy on against off: llama3_8b
     +0.25 GiB of its 1.87 GiB copy, one chunk; llama_1b_8gpu zb_v remat=none, two
-    chunks, +0.34 of 0.45; qwen3_30b_a3b at pp4-tp2, six chunks, +3.06 of 6.97)."""
+    chunks, +0.34 of 0.45; qwen3_30b_a3b at pp4-tp2, six chunks, +3.06 of 6.97). With
+    ZeRO-1 (`gathered`) the copy is the gathered values (`_zero1_gathered` counts them)."""
+    weights = 0 if gathered else state["weights"] * (v - 1) / v
     return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
-        state["held"] + state["weights"] * (v - 1) / v
+        state["held"] + weights
 
 
 def _layer_extras(lay: Layout, backward: float, w: Weights, width: float) -> float:
@@ -315,7 +318,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         backward = _layer_extras(lay, layer_backward + state["slot"], w, width)
         grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
         head = head_bytes(lay, "1f1b", platform)
-        return _tick_kept(state, v), head, backward, grads
+        return _tick_kept(state, v, gathered), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
     res = _layer_residuals(lay, lay.layer_remat)
     ticks = sched.forward_rows().n_ticks
