@@ -115,7 +115,7 @@ def cast_at_use(dims_a_use: int) -> bool:
     compute dtype (`ModelConfig.dtype`) before every use: the matrices (two or more:
     the weights, q/k/v biases, the router); the vectors (norm scales, the router's
     bias) are used in float32. FSDP's gathers (framework/parallel/data.py) and the tick
-    executor's once-a-step copy (framework/engine/step_weights.py) cast what it names;
+    executor's once-a-step copy cast what it names (`parallel.data.narrowed`);
     tests/parity/test_step_weights.py shows the numbers unchanged."""
     return dims_a_use >= 2
 

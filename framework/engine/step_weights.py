@@ -16,9 +16,10 @@ computed, and the gradients, taken with respect to the copy, are the same values
 use's cast passed a bfloat16 cotangent through to float32), added into accumulators in
 the stored dtype (`like`; tests/parity/test_step_weights.py: bitwise). One rounding
 apart where XLA had dropped a float32 -> bfloat16 -> float32 round trip of a weight
-gradient under the per-use cast (its excess precision): the experts' `ragged_dot`. The cost is memory: the copy, two bytes an element of the
-rank's matrices, held through the loop (framework/analysis/memory_model.py); under
-`parallel.remat=none` a stash slot no longer keeps its own cast of each matrix.
+gradient under the per-use cast (its excess precision): the experts' `ragged_dot`.
+The cost is memory: the copy, two bytes an element of the rank's matrices, held
+through the loop (framework/analysis/memory_model.py); under `parallel.remat=none` a
+stash slot no longer keeps its own cast of each matrix.
 
 Not made where the uses gather their weights (FSDP per use: each gather casts or
 quantizes its layer, framework/engine/step.py), and not used by the autodiff executor
@@ -31,21 +32,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from framework.config import ModelConfig, cast_at_use
+from framework.config import ModelConfig
 from framework.engine.fp8_gathers import quantize_layers, quantized_matrices
 from framework.model import fp8
+from framework.parallel import data as data_parallel
 
 STACKED = 2  # a rank's chunks [v, Lc, ...]: the dimensions before one use's
 
 
 def _cast(dtype, stacked: int):
-    """A leaf as its uses cast it: the matrices (`cast_at_use`) in `dtype` where it is
-    narrower than theirs; the rest (norm scales, probes, FP8 scales) as they are."""
-    def one(a):
-        narrower = jnp.dtype(dtype).itemsize < a.dtype.itemsize
-        return a.astype(dtype) if cast_at_use(a.ndim - stacked) and narrower else a
-
-    return one
+    """A leaf as its uses cast it: the matrices in `dtype` where it is narrower than
+    theirs (`data_parallel.narrowed`); the rest (norm scales, probes, FP8 scales) as
+    they are."""
+    return lambda a: a.astype(dtype) if data_parallel.narrowed(a, stacked, dtype) else a
 
 
 def _quantized(chunks, model: ModelConfig, whole_max):

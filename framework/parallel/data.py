@@ -110,6 +110,15 @@ def fsdp_dims(shapes, specs, data: int, stacked: dict, expert: int = 1):
             for g in shapes}
 
 
+def narrowed(x, before: int, dtype) -> bool:
+    """Whether every use casts leaf x (`before`: its dimensions before one use's) to
+    the compute dtype `dtype` (None: no cast), narrower than its own: a matrix
+    (`config.cast_at_use`). FSDP's and ZeRO-1's gathers send such leaves cast, and the
+    tick executor's once-a-step weights (framework/engine/step_weights.py) cast them."""
+    return dtype is not None and cast_at_use(x.ndim - before) and \
+        jnp.dtype(dtype).itemsize < x.dtype.itemsize
+
+
 def gather_leaves(tree, dims, offset: int = 0, dtype=None):
     """FSDP: the full leaves of one use from this replica's shards; `offset`: leading
     dimensions the stored leaves have and these do not (a layer's slice of a stack).
@@ -120,7 +129,7 @@ def gather_leaves(tree, dims, offset: int = 0, dtype=None):
         if d is None:
             return x
         axes = shard_axes(d)
-        if dtype is not None and cast_at_use(x.ndim) and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
+        if narrowed(x, 0, dtype):
             return _gather_as(x, d - offset, jnp.dtype(dtype), axes)
         return jax.lax.all_gather(x, axes, axis=d - offset, tiled=True)
 
@@ -172,8 +181,7 @@ def gather_params(params, dims, dtype=None):
         if d is None:
             return x
         axes = shard_axes(d)
-        if offset is not None and dtype is not None and cast_at_use(x.ndim - offset) \
-                and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
+        if offset is not None and narrowed(x, offset, dtype):
             return jax.lax.all_gather(x.astype(dtype), axes, axis=d, tiled=True).astype(x.dtype)
         return jax.lax.all_gather(x, axes, axis=d, tiled=True)
 
