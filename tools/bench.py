@@ -47,8 +47,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from framework.analysis.device_time import ungraphed  # noqa: E402
 from framework.runtime.quiet import import_jax  # noqa: E402
 
+UNGRAPHED = ungraphed(sys.argv)  # --profile: CUDA graphs off (its note, else "")
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 from tools.recipe import compose, user_error  # noqa: E402
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # time real compilations
     peak = peak_for(cfg, devset)
     print(f"{peak.source}: {peak.flops / 1e9:.1f} GFLOP/s", flush=True)
+    if UNGRAPHED:
+        print(UNGRAPHED, flush=True)
     limit = None
     if devset.platform != "cpu":  # simulated CPU devices share the host's memory
         from framework.analysis.memory_check import device_limit

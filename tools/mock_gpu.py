@@ -30,8 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from framework.analysis.device_time import ungraphed  # noqa: E402
 from framework.runtime.quiet import import_jax  # noqa: E402
 
+UNGRAPHED = ungraphed(sys.argv)  # --profile: CUDA graphs off (its note, else "")
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
 
 from tools.recipe import compose, user_error  # noqa: E402
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
     except ConfigError as err:
         return user_error(err)
     print(f"{len(devset)} x {devset.kind} ({jax.local_device_count()} here)", flush=True)
+    if UNGRAPHED:
+        print(UNGRAPHED, flush=True)
     rows = []
     for parallel, stage in [(par, st) for par in layouts for st in stages]:
         row = measure(cfg, parallel, devset, args.steps, stage, args.profile)

@@ -35,43 +35,55 @@ class Measured:
     executor: str  # SINGLE (no pipeline), AUTODIFF (gpipe, circular), TICKS, SPLIT (ZB)
     step_s: float  # the stage's measured step time (median)
     device: str = "h200"
-    date: str = "2026-11-27"
+    date: str = "2026-11-27"  # (the rows of 2026-11-30 say so)
     jax: str = "0.11.2"
 
 
-# the 1B recipe as measured: the loss over whole logits (model.loss_chunk since 2026-11-28)
-_1B, _8B = ("recipe=llama_1b_8gpu", "model.loss_chunk=0"), "recipe=llama3_8b"
-_NONE, _CUDNN = "parallel.remat=none", "model.attention=cudnn"
+# The rows of the program as it is: an H200, jax 0.11.2, 2026-11-30 (tools/device_check.sh;
+# docs/performance.md "On a GPU again"); the GPipe and blockwise rows are 2026-11-27's.
+_1B, _8B = "recipe=llama_1b_8gpu", "recipe=llama3_8b"
+_FULL, _NONE, _DOTS = "parallel.remat=full", "parallel.remat=none", "parallel.remat=save_dots"
 _BLOCKWISE = "model.attention=blockwise"
+_ZB_H1, _ZB_V, _1F1B = ("parallel.schedule=zb_h1", "parallel.schedule=zb_v",
+                        "parallel.schedule=1f1b")
+_NOW = "2026-11-30"
 MEASURED: tuple[Measured, ...] = (
-    # the one-GPU recipe as measured: 9 rows, the loss over the whole batch's logits
-    Measured(("recipe=llama_1b_1gpu", "train.global_batch_size=9", "model.loss_chunk=0"),
-             "cudnn", "none", SINGLE, 0.3113),
-    Measured((*_1B, "parallel.schedule=1f1b"), "cudnn", "full", TICKS, 1.190),
-    Measured((*_1B, "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"),
-             "cudnn", "full", TICKS, 1.214),
-    Measured((*_1B, "parallel.schedule=gpipe"), "cudnn", "full", AUTODIFF, 1.318),
-    Measured((*_1B, "parallel.schedule=zb_h1"), "cudnn", "full", SPLIT, 1.702),
-    Measured((*_1B, "parallel.schedule=1f1b", _NONE), "cudnn", "none", TICKS, 1.527),
-    Measured((*_1B, "parallel.schedule=zb_h1", _NONE), "cudnn", "none", SPLIT, 1.766),
-    Measured((*_1B, "parallel.schedule=zb_v", _NONE), "cudnn", "none", SPLIT, 1.588),
+    Measured(("recipe=llama_1b_1gpu",), "cudnn", "none", SINGLE, 0.4664, date=_NOW),
+    Measured((_1B, _1F1B, _FULL), "cudnn", "full", TICKS, 1.1812, date=_NOW),
+    Measured((_1B, "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", _FULL),
+             "cudnn", "full", TICKS, 1.1647, date=_NOW),
+    Measured((_1B, _ZB_H1, _FULL), "cudnn", "full", SPLIT, 1.6416, date=_NOW),
+    Measured((_1B, _ZB_V, _FULL), "cudnn", "full", SPLIT, 1.4015, date=_NOW),
+    Measured((_1B, _1F1B, _NONE), "cudnn", "none", TICKS, 1.1418, date=_NOW),
+    Measured((_1B, _ZB_V, _NONE), "cudnn", "none", SPLIT, 1.2332, date=_NOW),
+    Measured((_1B, _1F1B, _DOTS), "cudnn", "save_dots", TICKS, 1.0970, date=_NOW),
+    Measured((_1B, _ZB_H1, _DOTS), "cudnn", "save_dots", SPLIT, 1.5007, date=_NOW),
+    Measured((_1B, _ZB_V, _DOTS), "cudnn", "save_dots", SPLIT, 1.2528, date=_NOW),
+    Measured((_8B, _1F1B, _FULL), "cudnn", "full", TICKS, 1.6684, date=_NOW),
+    Measured((_8B, _ZB_V, _FULL), "cudnn", "full", SPLIT, 2.3855, date=_NOW),
+    Measured((_8B, _1F1B, _DOTS), "cudnn", "save_dots", TICKS, 1.5405, date=_NOW),
+    Measured((_8B, _ZB_V, _DOTS), "cudnn", "save_dots", SPLIT, 2.0212, date=_NOW),
+    # 2026-11-27 (GPipe's program has not changed since; the 1B loss then over whole logits)
+    Measured((_1B, "model.loss_chunk=0", "parallel.schedule=gpipe", _FULL), "cudnn", "full",
+             AUTODIFF, 1.318),
     # the 8B recipe as shipped until 2026-11-27 (blockwise attention; auto since)
-    Measured((_8B, "parallel.schedule=1f1b", _BLOCKWISE), "blockwise", "full", TICKS, 3.113),
-    Measured((_8B, "parallel.schedule=zb_h1", _BLOCKWISE), "blockwise", "full", SPLIT, 4.993),
-    Measured((_8B, "parallel.schedule=1f1b", _CUDNN), "cudnn", "full", TICKS, 1.773),
-    Measured((_8B, "parallel.schedule=zb_h1", _CUDNN), "cudnn", "full", SPLIT, 2.703),
-    Measured((_8B, "parallel.schedule=1f1b", _CUDNN, _NONE), "cudnn", "none", TICKS, 2.021),
+    Measured((_8B, _1F1B, _FULL, _BLOCKWISE), "blockwise", "full", TICKS, 3.113),
+    Measured((_8B, _ZB_H1, _FULL, _BLOCKWISE), "blockwise", "full", SPLIT, 4.993),
 )
 
 # (kernel, remat, executor kind) -> share of the peak the planner's FLOPs ran at: the
-# mean over MEASURED's rows of that key (tools/calibrate.py, 2026-11-27).
+# mean over MEASURED's rows of that key (tools/calibrate.py, 2026-11-30). One key holds
+# ZB-H1 and ZB-V, whose planner FLOPs are the same: ZB-H1's stage ran 1.17x ZB-V's
+# (1B, full remat), so each is predicted 8-9% off, on either side.
 RATES: dict[tuple[str, str, str], float] = {
-    ("cudnn", "none", SINGLE): 0.4919,  # 1 row
-    ("cudnn", "full", TICKS): 0.6615,  # 3 rows: 1B 1f1b, 1B interleaved, 8B 1f1b
+    ("cudnn", "none", SINGLE): 0.5108,  # 1 row
+    ("cudnn", "full", TICKS): 0.6862,  # 3 rows: 1B 1f1b, 1B interleaved, 8B 1f1b
+    ("cudnn", "full", SPLIT): 0.7183,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
+    ("cudnn", "none", TICKS): 0.5683,  # 1 row: 1B 1f1b
+    ("cudnn", "none", SPLIT): 0.5262,  # 1 row: 1B zb_v
+    ("cudnn", "save_dots", TICKS): 0.6090,  # 2 rows: 1B and 8B 1f1b
+    ("cudnn", "save_dots", SPLIT): 0.6106,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
     ("cudnn", "full", AUTODIFF): 0.6036,  # 1 row
-    ("cudnn", "full", SPLIT): 0.6352,  # 2 rows: 1B and 8B zb_h1
-    ("cudnn", "none", TICKS): 0.4363,  # 2 rows: 1B and 8B 1f1b (the stash's copies)
-    ("cudnn", "none", SPLIT): 0.3880,  # 2 rows: 1B zb_h1, zb_v
     ("blockwise", "full", TICKS): 0.3763,  # 1 row
     ("blockwise", "full", SPLIT): 0.3414,  # 1 row
 }

@@ -197,7 +197,8 @@ def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
     recipes' programs, not from these): within 15% (gpipe 1.04, zb_h1 1.00 on
     2026-11-26, sixth session; 1.07 and 1.16 before the head constant)."""
     cfg = compose_recipe("llama3_8b", "target=gpu:h100x8", f"parallel.schedule={schedule}",
-                         config="compile")
+                         "parallel.remat=full", config="compile")  # (GPipe: too big with
+    # the recipe's save_dots, which keeps every microbatch's matmul outputs)
     got = program.compile_report(cfg, targets.parse(cfg.target))
     ratio = got["memory/predicted_bytes_per_device"] / got["memory/compiled_bytes_per_device"]
     assert 0.9 <= ratio <= 1.15, ratio

@@ -44,7 +44,7 @@ def _tensor_collectives(cm: bool, target: str = "gpu:h100x8"):
     from tests.helpers import compose_recipe
 
     cfg = compose_recipe("llama_1b_8gpu", f"target={target}", "parallel.schedule=1f1b",
-                         "parallel.sequence_parallel=true",
+                         "parallel.sequence_parallel=true", "parallel.remat=full",
                          f"parallel.collective_matmul={str(cm).lower()}", config="compile")
     found, platform, _ = program.devices_for(cfg, targets.parse(cfg.target))
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
