@@ -6,7 +6,8 @@ device or compiles anything: `tools/plan.py` is the command line.
 Step time (seconds), no overlap of computation and communication assumed, except for
 the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`) and the
 layers' tensor-parallel bytes under a collective matmul (`parallel.collective_matmul`):
-those are hidden behind the compute, up to its length.
+those are hidden behind the compute, up to its length (not the rings a `save_dots`
+recompute runs without their matmuls: `Remat.rings_alone`).
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s, split over data x tensor:
@@ -150,12 +151,15 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         budget -= min(sends, budget)
     if parallel.collective_matmul and lay.sequence_parallel:
         # the layers' rings run beside their blocks' matmuls: hidden where a block's
-        # matmul outlasts the block's transfer, up to the compute left
+        # matmul outlasts the block's transfer, up to the compute left; the rings a
+        # recompute runs without its matmuls (`Remat.rings_alone`) stay exposed
         bw = hw.bandwidth(TENSOR, parallel)
+        alone = comm_model.recomputed_ring_share(model, parallel) \
+            if lay.remat.rings_alone else 0.0
         rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
-        share = ring_hidden_share(model, tp, bw / hw.peak_flops)
-        out["comm_tensor"] -= min(rings * share, budget)
-        budget -= min(rings * share, budget)  # (what combined cells may hide next)
+        hides = ring_hidden_share(model, tp, bw / hw.peak_flops) * (1 - alone)
+        out["comm_tensor"] -= min(rings * hides, budget)
+        budget -= min(rings * hides, budget)  # (what combined cells may hide next)
     if lay.program.combined:
         _combined_hidden(out, lay, budget)
     out["total"] = sum(out.values())
