@@ -87,20 +87,44 @@ RATES: dict[tuple[str, str, str], float] = {
     ("blockwise", "full", TICKS): 0.3763,  # 1 row
     ("blockwise", "full", SPLIT): 0.3414,  # 1 row
 }
+# FP8 (issue 45): the same program with `model.fp8=tensorwise` and without, on the same
+# device and day (tools/device_check.sh steps 1, 4 and 6): (the FP8 row, the bfloat16
+# step time). The FLOPs at the FP8 peak would promise 0.6x; per-tensor current scaling
+# reads each matmul input again for its amax and to quantize (docs/performance.md).
+FP8_MEASURED: tuple[tuple[Measured, float], ...] = (
+    (Measured(("recipe=llama_1b_1gpu", "model.fp8=tensorwise"), "cudnn", "none", SINGLE,
+              0.4152, date=_NOW), 0.4664),  # 0.890
+    (Measured((_8B, _1F1B, _FULL, "model.fp8=tensorwise"), "cudnn", "full", TICKS, 1.5978,
+              date=_NOW), 1.6684),  # 0.958
+)
+# device -> a stage's time with model.fp8=tensorwise over its bfloat16 time: the mean
+# over FP8_MEASURED's rows
+FP8_SLOWDOWN: dict[str, float] = {"h200": 0.924}
 CALIBRATED = ("h200",)  # devices measured
 EXTRAPOLATED = {"h100": "h200"}  # devices whose rates are another's, until measured
+
+
+def _measured_device(device_kind: str | None) -> str | None:
+    """The measured device whose figures stand for `device_kind` (itself, or the one it
+    is extrapolated from), or None."""
+    if device_kind is None:
+        return None
+    kind = device_kind.lower()
+    return next((d for d in CALIBRATED if d in kind), None) or next(
+        (EXTRAPOLATED[d] for d in EXTRAPOLATED if d in kind), None)
+
+
+def fp8_slowdown(device_kind: str | None) -> float | None:
+    """A stage's time with `model.fp8` over its bfloat16 time as measured on this device
+    (`FP8_SLOWDOWN`), or None (not measured)."""
+    return FP8_SLOWDOWN.get(_measured_device(device_kind))
 
 
 def rate(device_kind: str | None, kernel: str, remat: str, executor: str) -> float | None:
     """The measured share of the peak for a stage of this kind on this device, or None
     (not measured: the planner then assumes the peak). A kernel or remat not measured
     with this executor falls back to the same executor's other rows (their mean)."""
-    if device_kind is None:
-        return None
-    kind = device_kind.lower()
-    device = next((d for d in CALIBRATED if d in kind), None) or next(
-        (EXTRAPOLATED[d] for d in EXTRAPOLATED if d in kind), None)
-    if device is None:
+    if _measured_device(device_kind) is None:
         return None
     if (kernel, remat, executor) in RATES:
         return RATES[kernel, remat, executor]

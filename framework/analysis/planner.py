@@ -194,13 +194,18 @@ def format_peak(model: ModelConfig, hw: Hardware) -> float:
 
 def fp8_slowdown(model: ModelConfig, seq_len: int, hw: Hardware) -> float:
     """The layers' compute time with `model.fp8` over the same FLOPs at the compute
-    dtype's peak: the FP8 matmuls' share (`fp8_matmul_share`) at the FP8 peak, the rest
-    (attention's dots) at the compute dtype's. Assumed: what remat recomputes has the
-    same share, and the FP8 GEMMs reach the same fraction of their peak as BF16's
-    (the quantization's elementwise passes are not counted). 1 without FP8."""
+    dtype's peak. Where the device measured FP8 against bfloat16, that ratio
+    (`calibration.fp8_slowdown`: 0.92 on an H200, the quantization's passes included);
+    else the FP8 matmuls' share (`fp8_matmul_share`) at the FP8 peak and the rest
+    (attention's dots) at the compute dtype's, assuming what remat recomputes has the
+    same share and the FP8 GEMMs reach the same fraction of their peak as BF16's (a
+    floor: it would promise the 8B stage 0.6x, which ran 0.96x). 1 without FP8."""
     share = fp8_matmul_share(model, seq_len)
     if not share or not hw.fp8_peak_flops:
         return 1.0
+    measured = calibration.fp8_slowdown(hw.device)
+    if measured is not None:
+        return measured
     return share * hw.peak_flops / hw.fp8_peak_flops + (1 - share)
 
 
