@@ -35,7 +35,7 @@ class Measured:
     executor: str  # SINGLE (no pipeline), AUTODIFF (gpipe, circular), TICKS, SPLIT (ZB)
     step_s: float  # the stage's measured step time (median)
     device: str = "h200"
-    date: str = "2026-11-27"  # (the rows of 2026-11-30 say so)
+    date: str = "2026-11-27"  # the first GPU run's; later rows give theirs
     jax: str = "0.11.2"
 
 
@@ -98,7 +98,7 @@ FP8_MEASURED: tuple[tuple[Measured, float], ...] = (
               date=_NOW), 1.6684),  # 0.958
 )
 # device -> a stage's time with model.fp8=tensorwise over its bfloat16 time: the mean
-# over FP8_MEASURED's rows
+# over FP8_MEASURED's rows (tools/calibrate.py)
 FP8_SLOWDOWN: dict[str, float] = {"h200": 0.924}
 CALIBRATED = ("h200",)  # devices measured
 EXTRAPOLATED = {"h100": "h200"}  # devices whose rates are another's, until measured
