@@ -26,11 +26,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from framework.config import CHOICES
 from framework.parallel.vma import alike
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# The name of an FP8 matmul's output (scaled, in the compute dtype), which `save_dots`
+# keeps in place of the float32 product of its FP8 operands (framework/model/stack.py)
+PRODUCT = "fp8_product"
 MODES = CHOICES["model.fp8"]
 # cuBLASLt's FP8 GEMMs take matrix dimensions that are multiples of 16 (NVIDIA's FP8
 # requirements; XLA's GEMM rewriter leaves other shapes to a slower path).
@@ -89,7 +93,7 @@ def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
-    return _scaled(eq, *alike(x, w), whole_max, w_scale)
+    return checkpoint_name(_scaled(eq, *alike(x, w), whole_max, w_scale), PRODUCT)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
@@ -135,12 +139,12 @@ _scaled.defvjp(_fwd, _bwd)
 
 def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None):
     """tp.gather_matmul(eq, x, w) on FP8 operands: x [b, s/tensor, d] -> [b, s, ...]."""
-    return _gather_mm(eq, tp, *alike(x, w), w_scale)
+    return checkpoint_name(_gather_mm(eq, tp, *alike(x, w), w_scale), PRODUCT)
 
 
 def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None):
     """tp.matmul_scatter(eq, x, w) on FP8 operands: x [b, s, f] -> [b, s/tensor, d]."""
-    return _scatter_mm(eq, tp, *alike(x, w), w_scale)
+    return checkpoint_name(_scatter_mm(eq, tp, *alike(x, w), w_scale), PRODUCT)
 
 
 def _operands(x, w, whole_max, w_scale):

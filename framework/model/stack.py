@@ -22,9 +22,21 @@ from framework.model.prefix import unit_layers
 from framework.parallel.tensor import TensorParallel
 
 
+def _weight_dots(prim, *avals, **params) -> bool:
+    """JAX's `dots_with_no_batch_dims_saveable` (the weight matmuls' outputs), except a
+    product of FP8 operands: its float32 result would be kept at twice the compute
+    dtype's bytes (llama3_8b with model.fp8: 86.2 GiB compiled, 61.8 without FP8); the
+    FP8 matmul's scaled output is kept by name instead (`fp8.PRODUCT`)."""
+    if prim is jax.lax.dot_general_p and any(
+            jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 1 for a in avals):
+        return False
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
+        _weight_dots, jax.checkpoint_policies.save_only_these_names(fp8.PRODUCT)),
 }
 
 

@@ -245,8 +245,8 @@ def test_quantize_at_the_edges_of_the_range(dtype):
 @pytest.mark.slow  # ~50 s: two engines compiled and audited
 def test_fsdp_gathers_the_matrices_as_fp8_with_their_scales():
     """FSDP per use with FP8 (`model.fp8_gather`, on by default): the layers' matrices
-    travel as E4M3 (the lowered program's all-gathers), and the loss and gradients are
-    the plain gathers' exactly (those equal one device: `LAYOUTS`). XLA:CPU widens an
+    travel as E4M3 (the lowered program's all-gathers), and the loss is the plain gathers'
+    exactly, the gradients to float32 rounding (those equal one device: `LAYOUTS`). XLA:CPU widens an
     FP8 all-gather to float16 (its compiled program), so the bytes measured here fall
     to a half of float32's, not the quarter the GPU compiler sends
     (tests/compiled/test_fp8_gpu.py)."""
@@ -272,7 +272,10 @@ def test_fsdp_gathers_the_matrices_as_fp8_with_their_scales():
     # the layers' gathers: 2 x 4 bytes + the gradients' 4 -> 2 x 1 + 4 (model), 2 x 2 + 4 (CPU)
     assert expected / got[False][2] < 0.6 and measured / got[False][1] < 0.75
     assert loss == got[False][3][0]
-    assert worst(max_rel_err(grads, got[False][3][1])) == 0.0
+    # float32 rounding apart: FSDP per use runs as save_dots, which keeps the FP8
+    # products by name (`fp8.PRODUCT`), and the two programs' recomputations fuse
+    # differently (the embedding's gradient 7.7e-8 apart since 2026-11-30; 0 before)
+    assert worst(max_rel_err(grads, got[False][3][1])) <= 1e-6
 
 
 
