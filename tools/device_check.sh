@@ -3,9 +3,9 @@
 # JAX and its CUDA plugin but no hydra-core (carried as pure-Python packages in .pylib:
 # hydra, omegaconf, antlr4, copied from a machine where `pip install -e .` ran).
 # Writes under $OUT (default ./device_out) one log of every step, device_check.log
-# (the XLA:GPU mock topology's "only supports IOTA device assignment" lines left out),
-# and a JSON file per mock_gpu step: seven files, within what a lent machine's call
-# hands back. Each step has its own time limit, so one failure does not cost the others.
+# (tools/mock_gpu.py leaves out XLA:GPU's lines about the mock topology), and a JSON
+# file per mock_gpu step: seven files, within what a lent machine's call hands back.
+# Each step has its own time limit, so one failure does not cost the others.
 # Profiled steps run without CUDA graphs (framework/analysis/device_time.py: the profile
 # would not see inside them), about 2% slower than the same rows unprofiled.
 #   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
@@ -23,8 +23,7 @@ PY=${PY:-python3}
 step() {  # name, seconds, command...: its output into the log, its last lines shown
   local name=$1 secs=$2 t0=$SECONDS; shift 2
   { echo "== $name (limit ${secs} s)"
-    timeout --kill-after=5 "$secs" "$@" 2>&1 | grep -v "only supports IOTA device assignment" \
-      > "$OUT/step.log"; local rc=${PIPESTATUS[0]}
+    timeout --kill-after=5 "$secs" "$@" > "$OUT/step.log" 2>&1; local rc=$?
     cat "$OUT/step.log"; echo "== $name rc=$rc in $((SECONDS - t0)) s"; } >> "$OUT/device_check.log"
   echo "== $name rc=$rc in $((SECONDS - t0)) s"; grep -v "^ " "$OUT/step.log" | tail -n 12
   rm -f "$OUT/step.log"

@@ -264,8 +264,8 @@ def _layer_units(model: ModelConfig, parallel: ParallelConfig, recomputes: bool)
 def recomputed_ring_share(model: ModelConfig, parallel: ParallelConfig) -> float:
     """Of a rematerialised decoder layer's collective-matmul bytes, the share its
     recompute sends again (two gathering rings and a scattering one: `_layer_units`)."""
-    per = 1 / dtype_bytes(model.dtype) if model.fp8 != "none" else 1.0
-    return (2 * per + 1) / 2 / _layer_units(model, parallel, True)
+    again = _layer_units(model, parallel, True)
+    return (again - _layer_units(model, parallel, False)) / again
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
