@@ -25,7 +25,6 @@ files), which is replaced whole; any other folder with files is refused unless
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys

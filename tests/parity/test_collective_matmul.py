@@ -6,8 +6,7 @@ and ZeRO-1; and it really replaces the collectives (the step's own program)."""
 import pytest
 
 from framework.analysis import audit
-from tests.helpers import (engine, engine_grads, max_rel_err, params, reference_grads,
-                           tokens, worst)
+from tests.helpers import engine, engine_grads, max_rel_err, reference_grads, worst
 
 CM = dict(sequence_parallel=True, collective_matmul=True)
 

@@ -23,6 +23,7 @@ from framework.model.prefix import DENSE
 from framework.parallel.mesh import make_mesh
 from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params,
                            reference_losses, worst)
+from tests.isolation import in_own_process
 
 PREFIXED = dataclasses.replace(MODEL, family="qwen3_moe", n_layers=6, moe=MoeConfig(
     experts=4, top_k=2, expert_hidden=32, first_dense=2))
@@ -109,7 +110,9 @@ def test_which_layers_are_moe_and_what_is_refused():
                       combined_1f1b=True, model=dataclasses.replace(UNITS, n_layers=10)),
                  marks=pytest.mark.slow),
 ], ids=lambda kw: kw["schedule"] + ("-every2" if "model" in kw else ""))
-def test_every_layout_trains_like_one_device(kw):
+def test_every_layout_trains_like_one_device(kw, request):
+    if in_own_process(request):  # (XLA:CPU aborted this case's process twice in CI)
+        return
     model = kw.pop("model", PREFIXED)
     ref_losses, ref_params = reference_losses(2, model=model)
     losses, final = engine_losses(engine(model=model, **kw), 2)

@@ -12,8 +12,8 @@ import pytest
 from framework.analysis import audit
 from framework.config import ModelConfig
 from tests.compiled.test_audit import comm_ratio
-from tests.helpers import (MODEL, TRAIN, engine, engine_grads, max_rel_err, params,
-                           reference_grads, tokens, worst)
+from tests.helpers import (MODEL, TRAIN, engine, engine_grads, max_rel_err,
+                           reference_grads, worst)
 
 SLOW = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from framework.io.checkpoint.manager import Checkpointer
-from tests.helpers import (MODEL, OPTIM, engine, engine_losses, max_rel_err, params,
+from tests.helpers import (OPTIM, engine, engine_losses, max_rel_err, params,
                            reference_losses, tokens, worst)
 
 BF16 = dataclasses.replace(OPTIM, param_dtype="bfloat16")

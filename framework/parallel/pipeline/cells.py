@@ -41,7 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 
 from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_typed_like
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
