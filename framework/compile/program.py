@@ -16,6 +16,8 @@ CUDA plugin, or the local backend. From the compiled program:
     flops     the dots the optimized program executes per step (`gemms.matmul_flops`:
               remat's recomputation, a MoE's padded or masked expert rows, attention
               where it is not a library kernel) over the model's FLOPs
+    kernels   the kernels it launches per step by kind (`kernels.kernels_per_step`:
+              GEMMs, attention, collectives, FP8 casts and absolute maxima, other)
 
 and beside them what this project predicts without compiling: the memory model's bytes
 per device and the planner's step time (`framework/analysis/planner.py`), with the
@@ -28,6 +30,7 @@ import time
 
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
 from framework.analysis.gemms import fp8_share, matmul_flops
+from framework.analysis.kernels import kernels_per_step
 from framework.analysis.traffic import accessed_bytes, moved_bytes
 from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -165,6 +168,8 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
                    for kind, nbytes in moved_bytes(text).items()})
     report["traffic/accessed_bytes_per_step"] = accessed_bytes(text)  # every kernel's
+    report.update({f"kernels/{kind}_per_step": n  # launches by kind (analysis/kernels.py)
+                   for kind, n in kernels_per_step(text).items()})
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
     executed = sum(matmul_flops(text).values())  # every dot the program runs, per step
     report["flops/matmul_executed_per_device_per_step"] = executed

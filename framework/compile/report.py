@@ -49,6 +49,8 @@ def lines(report: dict) -> list[str]:
     if "traffic/accessed_bytes_per_step" in report:
         out.append("read and written by the kernels per device per step: "
                    f"{_gib(report['traffic/accessed_bytes_per_step'])}")
+    if "kernels/gemm_per_step" in report:
+        out.append(_kernels_line(report))
     if report.get("flops/fp8_share_of_layer_matmuls") is not None:
         out.append(f"layers' matmul FLOPs on FP8 operands: "
                    f"{report['flops/fp8_share_of_layer_matmuls']:.0%}")
@@ -64,3 +66,18 @@ def lines(report: dict) -> list[str]:
         out.append(f"schedule table: bubble {report['pipeline/bubble_fraction_table']:.1%}"
                    + (f", each BW in {parts} parts" if parts > 1 else ""))
     return out
+
+
+def _kernels_line(report: dict) -> str:
+    """Kernels per step by kind (framework/analysis/kernels.py)."""
+    n = lambda kind: report[f"kernels/{kind}_per_step"]
+    total = sum(v for k, v in report.items() if k.startswith("kernels/")
+                and k != "kernels/scalar_all_reduce_per_step")
+    scalar = n("scalar_all_reduce")
+    parts = [f"GEMMs {n('gemm'):,.0f}", f"attention {n('attention'):,.0f}",
+             f"collectives {n('collective'):,.0f}"
+             + (f" ({scalar:,.0f} of one value)" if scalar else "")]
+    if n("fp8_cast") or n("amax"):
+        parts += [f"FP8 casts {n('fp8_cast'):,.0f}", f"absolute maxima {n('amax'):,.0f}"]
+    parts += [f"other fusions {n('fusion'):,.0f}", f"other {n('other'):,.0f}"]
+    return f"kernels per device per step: {total:,.0f} ({', '.join(parts)})"

@@ -40,6 +40,11 @@ def test_the_8b_layers_run_fp8_gemms_on_the_gpu_compiler():
     tensor = "comm/bytes_per_step/tensor"
     assert fp8[tensor] < 0.8 * bf16[tensor]
     assert fp8["comm/overlapped_fraction/tensor"] > 0.85
+    # FP8's own kernels: casts, absolute maxima, the whole-tensor maxima's scalar
+    # all-reduces over `tensor` (none in bfloat16; framework/analysis/kernels.py)
+    for kind in ("fp8_cast", "amax", "scalar_all_reduce"):
+        assert fp8[f"kernels/{kind}_per_step"] > 0 and bf16[f"kernels/{kind}_per_step"] == 0, kind
+    assert fp8["kernels/gemm_per_step"] > 0 and bf16["kernels/gemm_per_step"] > 0
     # the quantization's temporaries cost a little memory (4 layers, full remat: +4%)
     assert fp8["memory/compiled_bytes_per_device"] < 1.1 * bf16["memory/compiled_bytes_per_device"]
 
