@@ -9,8 +9,8 @@
 # Profiled steps run without CUDA graphs (framework/analysis/device_time.py: the profile
 # would not see inside them), about 2% slower than the same rows unprofiled.
 #   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
-#                              [fp8_8b_s] [fp8_bench_s] [dots_8b_s]
-#   (SKIP_BENCH=1: no 1. and no FP8 bench; FP8_ONLY=1: only 6., e.g. as a second call:
+#                              [fp8_8b_s] [fp8_bench_s] [dots_8b_s] [fp8_nostats_s]
+#   (SKIP_BENCH=1: no 1. and no FP8 bench; FP8_ONLY=1: only 6. and 8., e.g. as a second call:
 #   the limits of 1.-6. add up to more than one device call's 600 s)
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -65,4 +65,9 @@ step mock_8b_fp8 "${7:-90}" $PY tools/mock_gpu.py recipe=llama3_8b model.fp8=ten
 # remat under 1F1B), 1F1B and ZB-V.
 [ -z "${FP8_ONLY:-}" ] && step mock_8b_dots "${9:-80}" $PY tools/mock_gpu.py recipe=llama3_8b \
   parallel.remat=save_dots --schedules 1f1b,zb_v --stage last --steps 2 --json "$OUT/mock_8b_dots.json"
+# 8. What FP8's per-step statistics cost (the fp8/ metrics: 4,811 of the 8B program's
+# 41,674 kernels a step, compiler's count, 2026-11-30): the 8B stage with FP8, without
+# them, against 6.'s first row (log only).
+step mock_8b_fp8_nostats "${10:-70}" $PY tools/mock_gpu.py recipe=llama3_8b \
+  model.fp8=tensorwise model.fp8_stats=false --schedules 1f1b --stage last --steps 2
 exit 0
