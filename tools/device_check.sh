@@ -65,8 +65,8 @@ step mock_8b_fp8 "${7:-90}" $PY tools/mock_gpu.py recipe=llama3_8b model.fp8=ten
 # remat under 1F1B), 1F1B and ZB-V.
 [ -z "${FP8_ONLY:-}" ] && step mock_8b_dots "${9:-80}" $PY tools/mock_gpu.py recipe=llama3_8b \
   parallel.remat=save_dots --schedules 1f1b,zb_v --stage last --steps 2 --json "$OUT/mock_8b_dots.json"
-# 8. What FP8's per-step statistics cost (the fp8/ metrics: 4,811 of the 8B program's
-# 41,674 kernels a step, compiler's count, 2026-11-30): the 8B stage with FP8, without
+# 8. What FP8's per-step statistics cost (the fp8/ metrics: 2,091 of the 8B program's
+# 38,954 kernels a step, compiler's count, 2026-11-30): the 8B stage with FP8, without
 # them, against 6.'s first row (log only).
 step mock_8b_fp8_nostats "${10:-70}" $PY tools/mock_gpu.py recipe=llama3_8b \
   model.fp8=tensorwise model.fp8_stats=false --schedules 1f1b --stage last --steps 2

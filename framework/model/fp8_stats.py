@@ -44,10 +44,19 @@ def tensor_stats(v, dtype, tp):
     v32 = v.astype(jnp.float32)
     amax = tp.whole_max(jnp.max(jnp.abs(v32)))  # the one `quantize` scales by
     q = in_format(v32, scale_of(amax, dtype), dtype).astype(jnp.float32)
-    count = lambda c: jnp.sum(c, dtype=jnp.float32)
-    return jnp.stack([amax, count(jnp.abs(q) == _largest(dtype)),
-                      count((v32 != 0) & (q == 0)), count(jnp.ones_like(v32)),
-                      count(~jnp.isfinite(v32))])
+    saturated, underflow, nonfinite = _counts(
+        jnp.abs(q) == _largest(dtype), (v32 != 0) & (q == 0), ~jnp.isfinite(v32))
+    return jnp.stack([amax, saturated, underflow, jnp.float32(v.size), nonfinite])
+
+
+def _counts(*flags):
+    """How many elements each boolean array of one shape sets (float32), in one
+    reduction: one kernel reads them together where separate sums made one each (the
+    8B FP8 program's statistics, gpu:h100x8: docs/performance.md, FP8 matmuls)."""
+    ones = [f.astype(jnp.float32) for f in flags]
+    add = lambda a, b: tuple(x + y for x, y in zip(a, b))
+    return jax.lax.reduce(tuple(ones), (jnp.float32(0),) * len(ones), add,
+                          tuple(range(flags[0].ndim)))
 
 
 def observed(x, y, probe, tp):
