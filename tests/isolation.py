@@ -22,6 +22,8 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+
 from tests.helpers import REPO
 
 CHILD = "FRAMEWORK_TEST_CHILD"  # set in the child: run the test's body there
@@ -75,8 +77,6 @@ def _tail(proc: subprocess.CompletedProcess, n: int = 6000) -> str:
 
 
 def _fail(proc: subprocess.CompletedProcess, earlier=None) -> None:
-    import pytest
-
     before = "" if earlier is None else (
         f"(after a first run that aborted, exit {earlier.returncode}:\n{_tail(earlier, 3000)})\n")
     pytest.fail(f"the test's own process exited {proc.returncode}:\n{before}{_tail(proc)}",

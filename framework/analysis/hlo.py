@@ -164,6 +164,32 @@ def executed(program: Program, skip=frozenset()):
                 yield runs[comp], types, instr
 
 
+# Instructions that run no kernel of their own (control flow, views, the second half of
+# an async pair: its start is counted).
+NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+             "conditional", "call", "after-all", "partition-id", "replica-id",
+             "opt-barrier", "add-dependency"}
+
+
+def kernels(program: Program):
+    """`executed`'s (runs per step, result types, instruction) of every instruction
+    that launches a kernel: a fusion (its fused computation is part of it) or an unfused
+    instruction that runs one, not those in `NO_KERNEL`, an async pair's `-done`, or the
+    reducers a reduce or all-reduce applies (`to_apply`: part of the kernel)."""
+    reducers = {c for instrs in program.computations.values() for i in instrs
+                for attr, c in i.callees if attr == "to_apply"}
+    for factor, types, instr in executed(program, skip=fused(program) | reducers):
+        if instr.opcode not in NO_KERNEL and not instr.opcode.endswith("-done"):
+            yield factor, types, instr
+
+
+def outputs(instrs: dict) -> list[str]:
+    """The names of a computation's outputs ({name: Instruction}): its root, or a tuple
+    root's operands."""
+    root = next(i for i in instrs.values() if i.line.lstrip().startswith("ROOT "))
+    return operands(root) if root.opcode == "tuple" else [root.name]
+
+
 def fused(program: Program) -> set[str]:
     """The computations fusions call (each one kernel of the compiled program)."""
     return {callee for instrs in program.computations.values() for instr in instrs

@@ -2,11 +2,10 @@
 program: where FP8's casts, absolute maxima and scalar all-reduces show before any GPU
 runs them (docs/performance.md, "FP8's extra kernels, as the compiler builds them").
 
-Each kernel counts once per run of its computation (`hlo.Program.multipliers`: a while
-body x its trip count; both branches of a conditional as if run every time). A kernel
-is an unfused instruction that launches one (not a tuple, a bitcast, a loop, an async
-collective's `-done`), or a fusion; the reducers a reduce or all-reduce applies
-(`to_apply`) are part of it, not kernels of their own. Kinds, first match:
+Each kernel (`hlo.kernels`: a fusion, or an unfused instruction that launches one; the
+reducers a reduce or all-reduce applies are part of it) counts once per run of its
+computation (`hlo.Program.multipliers`: a while body x its trip count; both branches
+of a conditional as if run every time). Kinds, first match:
 
   gemm        a fusion holding a dot (the GPU compiler's cuBLAS(Lt) and Triton GEMMs) or
               a library GEMM call
@@ -30,7 +29,6 @@ from collections import Counter
 
 from framework.analysis import hlo
 from framework.analysis.gemms import FP8
-from framework.analysis.traffic import _NO_KERNEL, _outputs
 
 KINDS = ("gemm", "attention", "collective", "scalar_all_reduce", "fp8_cast", "amax",
          "fusion", "other")
@@ -45,12 +43,8 @@ def kernels_per_step(text: str) -> dict[str, float]:
     """{kind: kernels per step} of a compiled program's text (`compiled.as_text()`),
     every kind of `KINDS` present (0 where none)."""
     program = hlo.parse(text)
-    reducers = {c for instrs in program.computations.values() for i in instrs
-                for attr, c in i.callees if attr == "to_apply"}
     out = Counter({k: 0.0 for k in KINDS})
-    for factor, _types, instr in hlo.executed(program, skip=hlo.fused(program) | reducers):
-        if instr.opcode in _NO_KERNEL or instr.opcode.endswith("-done"):
-            continue
+    for factor, _types, instr in hlo.kernels(program):  # (what a kernel is: hlo.py)
         for kind in _kinds(program, instr):
             out[kind] += factor
     return dict(out)
@@ -78,7 +72,7 @@ def _fusion_kind(program: hlo.Program, comp: str) -> str:
     if any(i.opcode in ("dot", "custom-call") for i in body):
         return "gemm"
     by_name = {i.name: i for i in body}
-    writes_fp8 = any(_WRITES_FP8.search(by_name[name].line) for name in _outputs(by_name))
+    writes_fp8 = any(_WRITES_FP8.search(by_name[name].line) for name in hlo.outputs(by_name))
     if writes_fp8 and any(_WIDER.match(i.result) for i in body if i.opcode == "parameter"):
         return "fp8_cast"
     opcodes = {i.opcode for i in body}

@@ -82,20 +82,11 @@ def _written_out(program: hlo.Program, comp: str) -> set[str]:
     return out
 
 
-# Instructions that run no kernel of their own (control flow, views, the second half of
-# an async pair: its start is counted).
-_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
-              "conditional", "call", "after-all", "partition-id", "replica-id",
-              "opt-barrier", "add-dependency"}
-
-
 def accessed_bytes(text: str) -> float:
     """Bytes every kernel of a compiled program reads and writes, per step."""
     program = hlo.parse(text)
     total = 0.0
-    for factor, types, instr in hlo.executed(program, skip=hlo.fused(program)):
-        if instr.opcode in _NO_KERNEL or instr.opcode.endswith("-done"):
-            continue
+    for factor, types, instr in hlo.kernels(program):
         callee = dict(instr.callees).get("calls") if instr.opcode == "fusion" else None
         total += factor * (_fusion_bytes(program, callee) if callee else
                            _kernel_bytes(instr, types))
@@ -138,7 +129,7 @@ def _fusion_bytes(program: hlo.Program, comp: str) -> int:
             read += sum(type_bytes(u.result) for u, _ in at)
         elif not (at and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in at)):
             read += type_bytes(instr.result)
-    return read + sum(_written(instrs, name) for name in _outputs(instrs))
+    return read + sum(_written(instrs, name) for name in hlo.outputs(instrs))
 
 
 def _uses(uses: dict, name: str) -> list:
@@ -148,11 +139,6 @@ def _uses(uses: dict, name: str) -> list:
     for instr, k in uses.get(name, []):
         found += _uses(uses, instr.name) if instr.opcode == "bitcast" else [(instr, k)]
     return found
-
-
-def _outputs(instrs: dict) -> list[str]:
-    root = next(i for i in instrs.values() if i.line.lstrip().startswith("ROOT "))
-    return hlo.operands(root) if root.opcode == "tuple" else [root.name]
 
 
 def _written(instrs: dict, name: str) -> int:
