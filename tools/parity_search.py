@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from framework.runtime.quiet import import_jax  # noqa: E402
 
 import_jax()  # before anything imports JAX: its plugins' start-up lines stay off stderr
+
+from tools import parity_fp8  # noqa: E402
 
 TOLERANCE = 1e-4
 BF16_TOLERANCE = 2.0 ** -5  # a few bfloat16 roundings of a microbatch's gradient sum
@@ -231,14 +232,16 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
     ref_loss, ref_grads = jax.jit(lambda p, x: reference.loss_and_grads(
         p, x, model, documents=docs, groups=par.data * par.microbatches))(params, tokens)
     optim = OptimConfig(param_dtype=param_dtype)
+    if model.fp8 == "delayed":  # scales from histories: measured first, on one device
+        params = parity_fp8.measured(model, par, train, optim, docs, devices[0])(params, tokens)
     if model.fp8 != "none":  # FP8's reference: the engine on one device (below)
-        ref_loss, ref_grads = _one_device(model, par, train, optim, docs, devices[0])(
+        ref_loss, ref_grads = parity_fp8.one_device(model, par, train, optim, docs, devices[0])(
             params, tokens)
     eng = build_engine(model, par, optim, 1, make_mesh(par, devices), docs)
     tolerance = TOLERANCE if param_dtype == "float32" else BF16_TOLERANCE
     grad_tolerance = FP8_GRAD_TOLERANCE if model.fp8 != "none" else tolerance
     with gpu_dispatch(apart):
-        fn = _loss_and_grads(eng, model)
+        fn = parity_fp8.loss_and_grads(eng, model)
     args = eng.shard_params(params), eng.shard_batch(tokens)
     for attempt in (1, 2):
         loss, grads = fn(*args)
@@ -248,42 +251,6 @@ def run_case(model, par, train, devices, data=None, param_dtype="float32",
             return (f"run {attempt}: loss {float(loss):.6g} (reference "
                     f"{float(ref_loss):.6g}), worst gradient leaf off by {worst:.3g}")
     return None
-
-
-def _loss_and_grads(eng, model):
-    """eng's jitted (params, tokens) -> (loss, grads); FP8 under the suite's XLA level 0
-    compiled at level 1 (level 0's FP8 code is off on AVX512-FP16 CPUs: docs/testing.md)."""
-    fn = eng.loss_and_grads_fn()
-    if model.fp8 == "none" or "optimization_level=0" not in os.environ.get("XLA_FLAGS", ""):
-        return fn
-    compiled = []
-
-    def run(params, tokens):
-        if not compiled:
-            compiled.append(fn.lower(params, tokens).compile(
-                compiler_options={"xla_backend_optimization_level": 1}))
-        return compiled[0](params, tokens)
-    return run
-
-
-def _one_device(model, par, train, optim, docs, device):
-    """(params, tokens) -> (loss, canonical grads) of the engine on one device with the
-    layout's data x microbatches microbatches: what an FP8 layout must compute (FP8's
-    scaling unit is a data replica's microbatch: tests/parity/test_fp8.py)."""
-    from framework.config import ParallelConfig
-    from framework.engine.build import build_engine
-    from framework.engine.validate import validate
-    from framework.parallel.mesh import make_mesh
-
-    one = validate(model, ParallelConfig(microbatches=par.data * par.microbatches,
-                                         remat=par.remat), train, 1)
-    eng = build_engine(model, one, optim, 1, make_mesh(one, [device]), docs)
-    fn = _loss_and_grads(eng, model)
-
-    def run(params, tokens):
-        loss, grads = fn(eng.shard_params(params), eng.shard_batch(tokens))
-        return loss, eng.canonical_params(grads)
-    return run
 
 
 @contextlib.contextmanager
@@ -318,7 +285,8 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         extra += f" dense{m.first_dense}" if m.enabled and m.first_dense else ""
         extra += f" every{m.every}" if m.enabled and m.every > 1 else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
-    extra += " fp8" if model is not None and model.fp8 != "none" else ""
+    extra += {"none": "", "tensorwise": " fp8", "delayed": " fp8-delayed"}[
+        model.fp8 if model is not None else "none"]
     extra += " document_mask" if data is not None and data.document_mask else ""
     extra += "" if par.overlap_sends else " synchronous"
     extra += " combined" if par.combined_1f1b else ""
@@ -334,7 +302,8 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
 def search(seed: int, cases: int, devices, log=print, names: tuple = (),
            fp8_share: float = 0.25) -> list[str]:
     """Draws `cases` configurations; returns one line per failure. `fp8_share`: the
-    share of them with FP8 matmuls (`model.fp8=tensorwise`)."""
+    share of them with FP8 matmuls (`model.fp8=tensorwise`, or `delayed` in half of
+    them)."""
     import warnings
 
     from framework.engine.resolved import resolved
@@ -343,12 +312,15 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
     # the executor's dispatch from a stream of its own: a seed draws the configurations
     # it drew before the dispatch was drawn
     dispatch_rng = np.random.default_rng([seed, 1])
-    fp8_rng, regather_rng = (np.random.default_rng([seed, k]) for k in (2, 3))  # (likewise)
+    fp8_rng, regather_rng, delayed_rng = (np.random.default_rng([seed, k])  # (likewise)
+                                          for k in (2, 3, 4))
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices), names)
         if fp8_rng.random() < fp8_share and not model.moe.enabled:  # (FP8 refuses MoE)
             model = dataclasses.replace(model, fp8="tensorwise")
+            if delayed_rng.integers(2):
+                model = dataclasses.replace(model, fp8="delayed", fp8_history=3)
         if par.fsdp and regather_rng.integers(2):
             par = dataclasses.replace(par, fsdp_regather="step")
         apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,

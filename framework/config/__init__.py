@@ -36,7 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling.rope_type": ("none", "llama3"),
     "model.family": tuple(FAMILIES),  # one record per family: framework/config/model.py
     "model.activation": ("silu", "gelu_tanh"),  # the gated MLP's, framework/model/layers.py
-    "model.fp8": ("none", "tensorwise"),  # framework/model/fp8.py
+    "model.fp8": ("none", "tensorwise", "delayed"),  # framework/model/fp8.py, fp8_delayed.py
     "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py

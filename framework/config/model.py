@@ -226,8 +226,10 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
-    # FP8 matmuls in the layers (framework/model/fp8.py): none, or tensorwise (E4M3
-    # forward, E5M2 gradients, each tensor scaled by its absolute maximum in the step)
+    # FP8 matmuls in the layers (framework/model/fp8.py): none, tensorwise (E4M3
+    # forward, E5M2 gradients, each tensor scaled by its absolute maximum in the step),
+    # or delayed (activations and gradients scaled by the largest absolute maximum of
+    # the last fp8_history steps, powers of two: framework/model/fp8_delayed.py)
     fp8: str = "none"
     # A mixture of experts in place of the gated MLP (MoeConfig; experts 0: none)
     moe: MoeConfig = field(default_factory=MoeConfig)
@@ -237,6 +239,8 @@ class ModelConfig:
     # With FP8: the `fp8/` statistics of the layers' matmul inputs and output gradients
     # (framework/engine/fp8_probe.py), a pass over each per microbatch; false: none
     fp8_stats: bool = True
+    # With model.fp8=delayed: how many steps' absolute maxima a scale is taken from
+    fp8_history: int = 16
 
     def family_setting(self, name: str):
         """A preset setting as given, else the family's preset, else PRESET_DEFAULTS."""

@@ -23,9 +23,9 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig
 from framework.errors import ConfigError
 from framework.engine.optim import lr_schedule, make_optimizer
 from framework.engine.state import StateLayout, param_specs
-from framework.engine.step import (build_loss_and_grads, fp8_metrics, moe_balance, probe_metrics,
-                                   train_step)
-from framework.model import attention
+from framework.engine.step import (build_loss_and_grads, fp8_metrics, probe_metrics,
+                                   stats_update, train_step)
+from framework.model import attention, fp8_delayed
 from framework.model.documents import DocumentMask
 from framework.parallel.mesh import batch_axes
 from framework.parallel.pipeline import layout
@@ -46,12 +46,22 @@ class Engine:
     step_fn: object = None  # jitted (state, tokens) -> (state, metrics)
     compiled: object = None  # step_fn compiled for the run's shapes (see `compile`)
     compile_s: float = 0.0  # the seconds that took
+    # model.fp8=delayed: the step that fills empty histories (current scaling), and
+    # whether `step` still has to look at the state's (framework/model/fp8_delayed.py)
+    filling_fn: object = None
+    histories_unseen: bool = False
 
     def __post_init__(self):
-        self.step_fn = jax.jit(
-            train_step(self._loss_and_grads(stats=True), self.optimizer, self.lr,
-                       fp8_metrics(self.layout.resolved), probe_metrics(self.layout.resolved),
-                       moe_balance(self.layout.resolved)),
+        self.step_fn = self._jitted_step()
+        if self.model.fp8 == "delayed":
+            self.filling_fn, self.histories_unseen = self._jitted_step(current=True), True
+
+    def _jitted_step(self, current: bool = False):
+        lay = self.layout.resolved
+        return jax.jit(
+            train_step(self._loss_and_grads(probes="filling" if current else "step"),
+                       self.optimizer,
+                       self.lr, fp8_metrics(lay), probe_metrics(lay), stats_update(lay)),
             in_shardings=(self.state_shardings, self.batch_sharding()),
             out_shardings=(self.state_shardings, None), donate_argnums=0)
 
@@ -70,11 +80,11 @@ class Engine:
         """The program's table."""
         return self.program.schedule
 
-    def _loss_and_grads(self, forward_only: bool = False, stats: bool = False):
+    def _loss_and_grads(self, forward_only: bool = False, probes: str = "none"):
         return build_loss_and_grads(self.layout.resolved, self.mesh, self.param_specs,
                                     self.zero1_dims, forward_only,
                                     0.0 if forward_only else self.z_loss, self.documents,
-                                    stats)
+                                    probes)
 
     def shard_params(self, canonical):
         """Canonical params (host or device) -> train layout, placed on the mesh."""
@@ -131,7 +141,13 @@ class Engine:
         return self.compile_s
 
     def step(self, state, tokens):
-        """One optimizer step; metrics stay on device (call `host_metrics` to read)."""
+        """One optimizer step; metrics stay on device (call `host_metrics` to read).
+        With `model.fp8=delayed`, the first step of a state whose histories are empty
+        (fresh, or restored from a run without them) scales currently and fills them."""
+        if self.histories_unseen:
+            self.histories_unseen = False
+            if fp8_delayed.empty(state["params"]["stages"]):
+                return self.filling_fn(state, tokens)
         fn = self.compiled if self.compiled is not None else self.step_fn
         return fn(state, tokens)
 

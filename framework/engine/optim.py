@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework.model import fp8_delayed
 from framework.model.prefix import DENSE
 from framework.config import OptimConfig
 
@@ -92,11 +93,13 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def decay_mask(params, decay_embeddings: bool = True, no_decay: tuple[str, ...] = ()):
     """True for the parameters AdamW decays: not the norm scales (`*_norm/scale`,
     `head/norm/scale`), not the biases (`*_bias`, as Megatron-LM and nanoGPT), not
+    delayed FP8 scaling's histories (`*_fp8_history`, moved by the step only), not
     `embed/table` unless decay_embeddings, and not the paths `no_decay`'s shell
     patterns match (the train layout's `stages` read as `layers`)."""
     def decayed(path, _):
         names = [str(getattr(k, "key", k)) for k in path]
-        if any(n == "norm" or n.endswith(("_norm", "_bias")) for n in names):
+        if any(n == "norm" or n.endswith(("_norm", "_bias")) for n in names) or \
+                fp8_delayed.is_history(path):  # (FP8 scaling's statistics: no weights)
             return False
         name = "/".join(["layers" if names[0] == "stages" else names[0]] + names[1:])
         if any(fnmatchcase(name, pattern) for pattern in no_decay):

@@ -33,7 +33,7 @@ from framework.engine import fp8_gathers, fp8_probe, moe_stats, step_weights
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
-from framework.model import fp8
+from framework.model import fp8, fp8_delayed
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.prefix import DENSE, embed_piece
 from framework.model.registry import spec_of
@@ -224,14 +224,17 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
 
 def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_only=False,
                          z_loss: float = 0.0, documents: DocumentMask | None = None,
-                         stats: bool = False):
+                         probes: str = "none"):
     """(params, tokens) -> (mean loss, gradients), or with `forward_only` the mean loss
     (the cross-entropy alone: `z_loss` weighs the training loss's z-loss term).
-    `documents`: attention within each row's documents (data.document_mask). `stats`:
-    a third output where statistics ride a probe (`_probes`: a mixture of experts'
-    routers, FP8's matmuls), the step's in the stage layout [stages, v, Lc, ...]."""
+    `documents`: attention within each row's documents (data.document_mask).
+    `probes`: "step", a third output where statistics ride a probe (`_probes`: a
+    mixture of experts' routers, FP8's matmuls), the step's in the stage layout
+    [stages, v, Lc, ...]; "filling", the same in the step that fills empty delayed-FP8
+    histories (its matmuls scale currently, framework/model/fp8_delayed.py); "none"."""
     prog = layout.program
-    probe = _probes(layout) if stats and not forward_only else None
+    probe = _probes(layout) if probes != "none" and not forward_only else None
+    current = {"current": True} if probes == "filling" else {}
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -250,7 +253,7 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
         if probe:
-            params = probe.with_probe(params, layout)
+            params = probe.with_probe(params, layout, **current)
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
         if probe:
             grads, found = probe.take_probe(grads)
@@ -298,20 +301,26 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
 
 
 def fp8_metrics(layout: Layout):
-    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8.py), or None
-    without FP8."""
+    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8.py), and with
+    `model.fp8=delayed` of the scales the histories give, or None without FP8."""
     model = layout.model
     if model.fp8 == "none":
         return None
+    if model.fp8 == "delayed":
+        return lambda params: {**fp8.weight_stats(params["stages"], jnp.dtype(model.dtype)),
+                               **fp8_delayed.scale_metrics(params["stages"])}
     return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))
 
 
-def moe_balance(layout: Layout):
-    """The balancing bias's move after each step (framework/model/router.py), or None
-    without it (model.moe.bias_update_rate 0)."""
-    if not moe_stats.enabled(layout) or not layout.model.moe.bias_update_rate:
-        return None
-    return partial(moe_stats.balance, layout=layout)
+def stats_update(layout: Layout):
+    """What the step's probe statistics move in the parameters after each step: the MoE
+    balancing bias (framework/model/router.py; model.moe.bias_update_rate), FP8's
+    delayed-scaling histories (framework/model/fp8_delayed.py), or None."""
+    if moe_stats.enabled(layout) and layout.model.moe.bias_update_rate:
+        return partial(moe_stats.balance, layout=layout)
+    if layout.model.fp8 == "delayed":
+        return partial(fp8_probe.update, layout=layout)
+    return None
 
 
 def _probes(layout: Layout):

@@ -16,7 +16,9 @@ an FP8 run on any layout computes what it computes on one device with the same
 microbatches. The backward: dx = dy8 @ w8^T and dw = x8^T @ dy8, from the forward's
 quantized x8 and w8 (kept as the residuals: a quarter of float32's bytes) and dy8 at its
 own scale. Norms, the embedding, the head and the loss stay in the compute dtype
-(`framework/model/weight_ops.py` applies this to the layers' matrices only).
+(`framework/model/weight_ops.py` applies this to the layers' matrices only). With
+`model.fp8=delayed` the scales of x and dy are given (`given`), from earlier steps'
+maxima (framework/model/fp8_delayed.py); the weights keep their current scale.
 """
 
 from __future__ import annotations
@@ -85,30 +87,46 @@ def _dot(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def fp8_einsum(eq: str, x, w, whole_max, w_scale=None):
+def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None):
     """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
     accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
     docstring). `w_scale`: w arrived quantized (FSDP's FP8 gather, `gather_quantized`):
-    its values are E4M3's and this is its scale. Inside a shard_map both operands are
+    its values are E4M3's and this is its scale. `given`: float32 [2], the scales of x
+    and of the output gradient from earlier steps (`model.fp8=delayed`,
+    framework/model/fp8_delayed.py) in place of their current ones: no maximum, no
+    collective before the casts. Inside a shard_map both operands are
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
-    return checkpoint_name(_scaled(eq, *alike(x, w), whole_max, w_scale), PRODUCT)
+    return checkpoint_name(_scaled(eq, *alike(x, w), whole_max, w_scale, given), PRODUCT)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _scaled(eq: str, x, w, whole_max, w_scale):
-    return _forward(eq, x, w, whole_max, w_scale)[0]
+def _scaled(eq: str, x, w, whole_max, w_scale, given):
+    return _forward(eq, x, w, whole_max, w_scale, given)[0]
 
 
-def _forward(eq, x, w, whole_max, w_scale):
-    x8, sx, w8, sw = _operands(x, w, whole_max, w_scale)  # (w_scale: w is E4M3's values)
+def _forward(eq, x, w, whole_max, w_scale, given):
+    # (w_scale: w is E4M3's values; given: x's and dy's scales from the history)
+    x8, sx, w8, sw = _operands(x, w, whole_max, w_scale, given)
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
-    return y, (x8, sx, w8, sw, w_scale)
+    return y, (x8, sx, w8, sw, w_scale, given)
 
 
-def _fwd(eq, x, w, whole_max, w_scale):
-    return _forward(eq, x, w, whole_max, w_scale)
+def _fwd(eq, x, w, whole_max, w_scale, given):
+    return _forward(eq, x, w, whole_max, w_scale, given)
+
+
+def _zeros(*given):
+    """The (zero) cotangents of given scales, None where none was given."""
+    return tuple(None if g is None else jnp.zeros_like(g) for g in given)
+
+
+def _gradient(dy, whole_max, given):
+    """dy in E5M2 and its scale: the current one, or the history's (`given`)."""
+    if given is None:
+        return quantize(dy, E5M2, whole_max)
+    return in_format(dy.astype(jnp.float32), given[1], E5M2), given[1]
 
 
 def _bwd(eq, whole_max, residuals, dy):
@@ -116,12 +134,12 @@ def _bwd(eq, whole_max, residuals, dy):
     before their matmuls (framework/model/llama.py), so x, w and y share it. dw is the
     gradient of the weight itself (w8 x its scale), also where w arrived quantized; a
     given scale is a statistic (zero gradient)."""
-    x8, sx, w8, sw, w_scale = residuals
-    dy8, sdy = quantize(dy, E5M2, whole_max)
+    x8, sx, w8, sw, w_scale, given = residuals
+    dy8, sdy = _gradient(dy, whole_max, given)
     for_x, for_w = _transposed(eq)
     dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
     dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
-    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
+    return (dx, dw) + _zeros(w_scale, given)
 
 
 _scaled.defvjp(_fwd, _bwd)
@@ -137,18 +155,19 @@ _scaled.defvjp(_fwd, _bwd)
 # that gathers dy8's blocks (E5M2) and multiplies each as it passes; dw = x8^T @ dy8 on
 # the whole sequence, from the gathered blocks.
 
-def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None):
+def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None, given=None):
     """tp.gather_matmul(eq, x, w) on FP8 operands: x [b, s/tensor, d] -> [b, s, ...]."""
-    return checkpoint_name(_gather_mm(eq, tp, *alike(x, w), w_scale), PRODUCT)
+    return checkpoint_name(_gather_mm(eq, tp, *alike(x, w), w_scale, given), PRODUCT)
 
 
-def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None):
+def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None, given=None):
     """tp.matmul_scatter(eq, x, w) on FP8 operands: x [b, s, f] -> [b, s/tensor, d]."""
-    return checkpoint_name(_scatter_mm(eq, tp, *alike(x, w), w_scale), PRODUCT)
+    return checkpoint_name(_scatter_mm(eq, tp, *alike(x, w), w_scale, given), PRODUCT)
 
 
-def _operands(x, w, whole_max, w_scale):
-    x8, sx = quantize(x, E4M3, whole_max)
+def _operands(x, w, whole_max, w_scale, given=None):
+    x8, sx = quantize(x, E4M3, whole_max) if given is None else \
+        (in_format(x.astype(jnp.float32), given[0], E4M3), given[0])
     w8, sw = quantize(w, E4M3, whole_max) if w_scale is None else (w.astype(E4M3), w_scale)
     return x8, sx, w8, sw
 
@@ -159,48 +178,48 @@ def _scaled_dot(eq, scale, dtype):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gather_mm(eq, tp, x, w, w_scale):
-    return _gather_mm_fwd(eq, tp, x, w, w_scale)[0]
+def _gather_mm(eq, tp, x, w, w_scale, given):
+    return _gather_mm_fwd(eq, tp, x, w, w_scale, given)[0]
 
 
-def _gather_mm_fwd(eq, tp, x, w, w_scale):
-    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale)
+def _gather_mm_fwd(eq, tp, x, w, w_scale, given):
+    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale, given)
     product = _scaled_dot(eq, sx * sw, x.dtype)
     y, x8_all = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
-    return y, (x8_all, sx, w8, sw, w_scale)
+    return y, (x8_all, sx, w8, sw, w_scale, given)
 
 
 def _gather_mm_bwd(eq, tp, residuals, dy):  # dy [b, s, ...]
-    x8_all, sx, w8, sw, w_scale = residuals
-    dy8, sdy = quantize(dy, E5M2, tp.whole_max)
+    x8_all, sx, w8, sw, w_scale, given = residuals
+    dy8, sdy = _gradient(dy, tp.whole_max, given)
     for_x, for_w = _transposed(eq)
     dx = tp.scatter_ring(dy8, w8, _scaled_dot(for_x, sdy * sw, dy.dtype))
     dw = (_dot(for_w, x8_all, dy8) * (sx * sdy)).astype(dy.dtype)
-    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
+    return (dx, dw) + _zeros(w_scale, given)
 
 
 _gather_mm.defvjp(_gather_mm_fwd, _gather_mm_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scatter_mm(eq, tp, x, w, w_scale):
-    return _scatter_mm_fwd(eq, tp, x, w, w_scale)[0]
+def _scatter_mm(eq, tp, x, w, w_scale, given):
+    return _scatter_mm_fwd(eq, tp, x, w, w_scale, given)[0]
 
 
-def _scatter_mm_fwd(eq, tp, x, w, w_scale):
-    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale)
+def _scatter_mm_fwd(eq, tp, x, w, w_scale, given):
+    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale, given)
     y = tp.scatter_ring(x8, w8, _scaled_dot(eq, sx * sw, x.dtype))
-    return y, (x8, sx, w8, sw, w_scale)
+    return y, (x8, sx, w8, sw, w_scale, given)
 
 
 def _scatter_mm_bwd(eq, tp, residuals, dy):  # dy [b, s/tensor, d]
-    x8, sx, w8, sw, w_scale = residuals
-    dy8, sdy = quantize(dy, E5M2, tp.whole_max)  # the whole dy's scale (max over tensor)
+    x8, sx, w8, sw, w_scale, given = residuals
+    dy8, sdy = _gradient(dy, tp.whole_max, given)  # the whole dy's scale (max over tensor)
     for_x, for_w = _transposed(eq)
     product = _scaled_dot(for_x, sdy * sw, dy.dtype)
     dx, dy8_all = tp.gather_ring(dy8, w8, lambda block, w8: (product(block, w8), block))
     dw = (_dot(for_w, x8, dy8_all) * (sx * sdy)).astype(dy.dtype)
-    return dx, dw, None if w_scale is None else jnp.zeros_like(w_scale)
+    return (dx, dw) + _zeros(w_scale, given)
 
 
 _scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
@@ -297,6 +316,10 @@ def check_settings(model) -> list[str]:
     mode = getattr(model, "fp8", "none")
     if mode not in MODES:
         return [f"model.fp8={mode!r} is not one of {', '.join(MODES)}"]
+    history = getattr(model, "fp8_history", 1)
+    if mode == "delayed" and not (isinstance(history, int) and history >= 1):
+        return [f"model.fp8_history={history!r}: the steps a delayed scale is taken from, "
+                f"a whole number >= 1"]
     return []
 
 
@@ -306,16 +329,17 @@ def check_platform(model, platform: str) -> None:
     matrices' dimensions in multiples of GEMM_MULTIPLE. CPUs emulate FP8 (slowly)."""
     from framework.errors import ConfigError
 
-    if getattr(model, "fp8", "none") == "none":
+    mode = getattr(model, "fp8", "none")
+    if mode == "none":
         return
     if platform == "tpu":
-        raise ConfigError("model.fp8=tensorwise needs FP8 matrix units (NVIDIA Hopper or "
+        raise ConfigError(f"model.fp8={mode} needs FP8 matrix units (NVIDIA Hopper or "
                           "later); TPU v5p has none: use model.fp8=none")
     if platform in ("gpu", "cuda"):
         dims = {"model.d_model": model.d_model, "model.d_ff": model.d_ff,
                 "model.n_heads * head_dim": model.n_heads * model.head_dim}
         bad = [f"{k}={v}" for k, v in dims.items() if v % GEMM_MULTIPLE]
         if bad:
-            raise ConfigError(f"model.fp8=tensorwise needs matrix dimensions that are "
+            raise ConfigError(f"model.fp8={mode} needs matrix dimensions that are "
                               f"multiples of {GEMM_MULTIPLE} (cuBLASLt's FP8 GEMMs): "
                               f"{', '.join(bad)}")

@@ -37,13 +37,15 @@ FIELDS = ("amax", "saturated", "underflow", "elements", "nonfinite")
 N_STATS = 2 * len(FIELDS)  # the input's (E4M3), then the output gradient's (E5M2)
 
 
-def tensor_stats(v, dtype, tp):
+def tensor_stats(v, dtype, tp, scale=None):
     """[amax, saturated, underflow, elements, nonfinite] of v as `quantize(v, dtype)`
-    scales it (module docstring): float32 [len(FIELDS)]."""
+    scales it, or as its matmul does at `scale` (delayed scaling's, from the history)
+    (module docstring): float32 [len(FIELDS)]."""
     v = jax.lax.stop_gradient(v)
     v32 = v.astype(jnp.float32)
     amax = tp.whole_max(jnp.max(jnp.abs(v32)))  # the one `quantize` scales by
-    q = in_format(v32, scale_of(amax, dtype), dtype).astype(jnp.float32)
+    scale = scale_of(amax, dtype) if scale is None else jax.lax.stop_gradient(scale)
+    q = in_format(v32, scale, dtype).astype(jnp.float32)
     saturated, underflow, nonfinite = _counts(
         jnp.abs(q) == _largest(dtype), (v32 != 0) & (q == 0), ~jnp.isfinite(v32))
     return jnp.stack([amax, saturated, underflow, jnp.float32(v.size), nonfinite])
@@ -59,25 +61,29 @@ def _counts(*flags):
                           tuple(range(flags[0].ndim)))
 
 
-def observed(x, y, probe, tp):
+def observed(x, y, probe, tp, given=None):
     """y, with the statistics of x (E4M3) and of y's cotangent (E5M2) as the probe's
-    cotangent (module docstring)."""
-    return _observed(tp, tensor_stats(x, E4M3, tp), y, probe)
+    cotangent (module docstring); `given`: the scales [2] the matmul used in place of
+    their current ones (`model.fp8=delayed`)."""
+    x_scale = None if given is None else given[0]
+    return _observed(tp, tensor_stats(x, E4M3, tp, x_scale), y, probe, given)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _observed(tp, x_stats, y, probe):
+def _observed(tp, x_stats, y, probe, given):
     return y
 
 
-def _observed_fwd(tp, x_stats, y, probe):
-    return y, (x_stats, probe)
+def _observed_fwd(tp, x_stats, y, probe, given):
+    return y, (x_stats, probe, given)
 
 
 def _observed_bwd(tp, residuals, dy):
-    x_stats, probe = residuals
-    stats = jnp.concatenate([x_stats, tensor_stats(dy, E5M2, tp)])
-    return jnp.zeros_like(x_stats), dy, vma.like(stats, probe)
+    x_stats, probe, given = residuals
+    stats = jnp.concatenate([x_stats, tensor_stats(dy, E5M2, tp,
+                                                   None if given is None else given[1])])
+    return (jnp.zeros_like(x_stats), dy, vma.like(stats, probe),
+            None if given is None else jnp.zeros_like(given))
 
 
 _observed.defvjp(_observed_fwd, _observed_bwd)

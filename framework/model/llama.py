@@ -52,6 +52,7 @@ from framework.model.sizes import (count_params, keys_per_query,  # noqa: F401 (
                                    layer_matrix_params)
 from framework.model.prefix import (DENSE, UNIT_DENSE, dense_config, prefix_layers,
                                     stack_layers, unit_layers)
+from framework.model.fp8_delayed import is_history
 from framework.model.router import UNTRAINED
 from framework.model.ring_attention import ring_attention
 from framework.model.rope import check_rope_scaling, rotary
@@ -88,7 +89,7 @@ def weights_outside_weight_op(cfg: ModelConfig) -> list[str]:
     path = lambda keys: "/".join(str(k.key) for k in keys)
     leaves = lambda tree: jax.tree_util.tree_leaves_with_path(nn.meta.unbox(tree))
     tapped = {path(keys) for keys, _ in leaves(variables.get(TAPS, {}))}
-    untrained = lambda keys: str(keys[-1].key) in UNTRAINED  # no gradient by design
+    untrained = lambda keys: str(keys[-1].key) in UNTRAINED or is_history(keys)  # by design
     return [path(keys) for keys, _ in leaves(variables["params"])
             if path(keys) not in tapped and not untrained(keys)]
 

@@ -13,9 +13,10 @@ framework/model/llama.py finds such weights).
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from framework.model import fp8, fp8_stats
+from framework.model import fp8, fp8_delayed, fp8_stats
 from framework.parallel import vma
 
 # Collections of the split backward (`framework/engine/split.py`), read only when present.
@@ -35,8 +36,9 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w):
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
     elif _fp8(module, eq, w):  # model.fp8
-        y = _observe(module, name, x,
-                     fp8.fp8_einsum(eq, x, w, module.tp.whole_max, _given_scale(module, name)))
+        given = _delayed(module, name)
+        y = _observe(module, name, x, fp8.fp8_einsum(
+            eq, x, w, module.tp.whole_max, _given_scale(module, name), given), given)
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
@@ -49,12 +51,31 @@ def _fp8(module: nn.Module, eq, w) -> bool:
     return getattr(getattr(module, "cfg", None), "fp8", "none") != "none" and fp8.is_matmul(eq, w)
 
 
-def _observe(module: nn.Module, name: str, x, y):
-    """y, with the FP8 statistics of x and dy riding the probe's gradient where the
-    train step handed one (framework/model/fp8_stats.py)."""
+def _observe(module: nn.Module, name: str, x, y, given=None):
+    """y, with the FP8 statistics of x and dy (at their scales: `given`, else their
+    current ones) riding the probe's gradient where the train step handed one
+    (framework/model/fp8_stats.py), and with `model.fp8=delayed` their exponents
+    (framework/model/fp8_delayed.py)."""
+    if module.has_variable(fp8_delayed.EXPONENTS, name):
+        y = fp8_delayed.observed(x, y, module.get_variable(fp8_delayed.EXPONENTS, name))
     if not module.has_variable(fp8_stats.PROBES, name):
         return y
-    return fp8_stats.observed(x, y, module.get_variable(fp8_stats.PROBES, name), module.tp)
+    return fp8_stats.observed(x, y, module.get_variable(fp8_stats.PROBES, name), module.tp,
+                              given)
+
+
+def _delayed(module: nn.Module, name: str):
+    """With `model.fp8=delayed`: the scales [2] of this matmul's x and dy from its
+    history parameter (created here: [2, fp8_history], zeros), or None where the step
+    scales currently (its first: collection CURRENT); None without delayed scaling."""
+    cfg = module.cfg
+    if cfg.fp8 != "delayed":
+        return None
+    history = module.param(fp8_delayed.history_name(name), nn.with_logical_partitioning(
+        nn.initializers.zeros, (None, None)), (2, cfg.fp8_history), jnp.float32)
+    if module.has_variable(fp8_delayed.CURRENT, name):
+        return None
+    return fp8_delayed.scales(jax.lax.stop_gradient(history))
 
 
 def _given_scale(module: nn.Module, name: str):
@@ -77,8 +98,9 @@ def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            return _observe(module, name, x,
-                            fp8.fp8_gather_matmul(eq, x, w, tp, _given_scale(module, name)))
+            given = _delayed(module, name)
+            return _observe(module, name, x, fp8.fp8_gather_matmul(
+                eq, x, w, tp, _given_scale(module, name), given), given)
         return tp.gather_matmul(eq, x, w)
     return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
 
@@ -89,8 +111,9 @@ def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            return _observe(module, name, x,
-                            fp8.fp8_matmul_scatter(eq, x, w, tp, _given_scale(module, name)))
+            given = _delayed(module, name)
+            return _observe(module, name, x, fp8.fp8_matmul_scatter(
+                eq, x, w, tp, _given_scale(module, name), given), given)
         return tp.matmul_scatter(eq, x, w)
     return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
 

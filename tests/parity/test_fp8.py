@@ -126,9 +126,12 @@ def test_the_cotangent_einsums():
 
 
 def test_what_fp8_does_not_run_with_is_one_line():
-    bad = dataclasses.replace(MODEL, fp8="delayed")
-    assert any("model.fp8='delayed' is not one of none, tensorwise" in e
+    bad = dataclasses.replace(MODEL, fp8="rowwise")
+    assert any("model.fp8='rowwise' is not one of none, tensorwise, delayed" in e
                for e in check(bad, ParallelConfig(), TRAIN, 1))
+    short = dataclasses.replace(MODEL, fp8="delayed", fp8_history=0)
+    assert any("model.fp8_history=0: the steps a delayed scale is taken from" in e
+               for e in check(short, ParallelConfig(), TRAIN, 1))
     with pytest.raises(ConfigError, match="TPU v5p has none"):
         check_platform(FP8, "tpu")
     narrow = dataclasses.replace(FP8, d_model=72, n_heads=8, n_kv_heads=4, d_ff=120)

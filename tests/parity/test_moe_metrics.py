@@ -131,9 +131,9 @@ def test_a_dense_step_is_built_without_the_probe():
     """model.moe off: asking for the statistics changes nothing in the lowered program."""
     eng = engine(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1")
     state, batch = eng.abstract_inputs(16, 16)
-    lowered = lambda stats: jax.jit(eng._loss_and_grads(stats=stats)).lower(
+    lowered = lambda probes: jax.jit(eng._loss_and_grads(probes=probes)).lower(
         state["params"], batch).as_text()
-    assert lowered(True) == lowered(False)
+    assert lowered("step") == lowered("none")
 
 
 @pytest.mark.slow  # 20-30 s on 2 shared cores

@@ -172,3 +172,28 @@ def short_reason(err: BaseException, limit: int = 200) -> str:
     if len(first) > limit:
         first = first[:limit] + "..."
     return f"{type(err).__name__}: {first}"
+
+
+def without(nested: dict, keys: list[str]) -> dict:
+    """A nested dict without the arrays `keys` name ('params/layers/...')."""
+    out = jax.tree.map(lambda x: x, nested)
+    for key in keys:
+        *parents, last = key.split("/")
+        node = out
+        for name in parents:
+            node = node[name]
+        del node[last]
+    return out
+
+
+def with_zeros(restored: dict, abstract: dict, keys: list[str]) -> dict:
+    """`restored` with zeros for the arrays `keys` name, shaped, typed and sharded as
+    `abstract` (nested ShapeDtypeStructs) says."""
+    for key in keys:
+        *parents, last = key.split("/")
+        node, like = restored, abstract
+        for name in parents:
+            node, like = node.setdefault(name, {}), like[name]
+        s = like[last]
+        node[last] = jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()
+    return restored

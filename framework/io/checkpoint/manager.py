@@ -36,11 +36,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
 from etils import epath
 
 from framework.errors import DamagedCheckpoint, NonFiniteStateError, StorageError
 from framework.io.checkpoint import integrity
 from framework.io.checkpoint.paths import COMPLETE_MARKERS, METADATA, STATE
+from framework.model import fp8_delayed
 from framework.runtime import distributed
 
 
@@ -266,16 +268,25 @@ class Checkpointer:
         step = self.pick(step)
         abstract = layout.abstract_canonical()
         expected = integrity.array_keys(to_nested(abstract))
-        restored, saved, error = None, None, None
+        restored, saved, error, fresh = None, None, None, []
         try:
             saved = self.metadata(step).get("fingerprints")
             gone = integrity.missing(saved, expected)
-            if gone:
+            # delayed FP8 scaling's histories, from a run without them: they start empty
+            fresh = [k for k in gone if k.endswith(fp8_delayed.HISTORY)]
+            if len(gone) > len(fresh):
+                gone = [k for k in gone if k not in fresh]
                 error = f"it holds no array {gone[0]} ({len(gone)} missing)"
             else:  # read as saved; `to_train` casts to this layout's dtypes
-                reading = integrity.as_saved(to_nested(abstract), self.saved_dtypes(step))
-                restored = self.manager.restore(step, args=ocp.args.Composite(**{
-                    STATE: ocp.args.StandardRestore(reading)}))[STATE]
+                # (and histories this run keeps none of: read, then left out)
+                extra = [k for k in (saved or {}) if k not in expected
+                         and k.endswith(fp8_delayed.HISTORY)]
+                reading = integrity.as_saved(integrity.without(to_nested(abstract), fresh),
+                                             self.saved_dtypes(step))
+                reading = self._also(reading, step, extra, layout.mesh)
+                restored = integrity.with_zeros(integrity.without(self.manager.restore(
+                    step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(reading)})
+                )[STATE], extra), to_nested(abstract), fresh)
         except Exception as err:  # what Orbax/TensorStore say about unreadable files
             DETAILS.info("restoring step %s of %s failed", step, self.directory, exc_info=err)
             error = integrity.short_reason(err)
@@ -290,6 +301,21 @@ class Checkpointer:
                                     f"what was saved ({', '.join(differ[:3])}"
                                     f"{', ...' if len(differ) > 3 else ''})")
         return self._jitted(layout)[1](canonical)
+
+    def _also(self, reading: dict, step: int, keys: list[str], mesh) -> dict:
+        """`reading` with the saved arrays `keys` added as the checkpoint's metadata
+        describes them (replicated on `mesh`)."""
+        if not keys:
+            return reading
+        meta = self.manager.item_metadata(step)[STATE]
+        for key in keys:
+            *parents, last = key.split("/")
+            node, info = reading, meta
+            for name in parents:
+                node, info = node.setdefault(name, {}), info[name]
+            node[last] = jax.ShapeDtypeStruct(tuple(info[last].shape), info[last].dtype,
+                                              sharding=NamedSharding(mesh, P()))
+        return reading
 
     def restore_params(self, step: int, abstract_params):
         """Only the canonical parameters of `step` (not the optimizer state), with the

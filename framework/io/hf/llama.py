@@ -45,11 +45,13 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from framework.errors import ConfigError
 from framework.config import ModelConfig
+from framework.model import fp8_delayed
 from framework.model.llama import init_params
 from framework.model.prefix import is_moe_layer, unit_stacks
 from framework.io.hf.family import (CONFIG_FILE, GENERATION_FILE,  # noqa: F401 (re-export)
@@ -246,6 +248,8 @@ def load_params(folder: str | Path, cfg: ModelConfig, shardings, tensors: Tensor
     readers = leaf_readers(tensors, cfg)
 
     def place(path, shape, sharding):
+        if fp8_delayed.is_history(path):  # (delayed FP8 scaling's: empty, not weights)
+            return jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=sharding)()
         name = tuple(getattr(k, "key", k) for k in path)
         blocks = read_shards(readers[name], shape.shape, sharding, sharding.addressable_devices)
         if not all(np.isfinite(block).all() for block in blocks.values()):
