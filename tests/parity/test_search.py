@@ -80,7 +80,8 @@ def test_an_fp8_case_is_checked_against_the_fp8_engine_on_one_device():
     assert search.run_case(model, par, train, devices) is None
     params = jax.jit(lambda k: init_params(model, k))(jax.random.key(train.seed))
     tokens = reference.tokens_for_step(train.seed, 0, 8, 16, model.vocab_size)
-    _, fp8_grads = search._one_device(model, par, train, OptimConfig(), None, devices[0])(
+    _, fp8_grads = search.parity_fp8.one_device(model, par, train, OptimConfig(), None,
+                                                 devices[0])(
         params, tokens)
     _, full = reference.loss_and_grads(params, tokens, dataclasses.replace(model, fp8="none"),
                                        groups=4)
