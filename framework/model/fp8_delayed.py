@@ -16,7 +16,8 @@ Scales are powers of two: dividing by one is exact, and a scale depends on a max
 only through its exponent, which travels exactly (below).
 
 The history is a layer parameter per FP8 matrix, `<name>_fp8_history` float32 [2, H]
-(x's row, then dy's; 0: no step measured), which no gradient moves (`UNTRAINED`): it
+(x's row, then dy's; 0: no step measured), which no gradient moves (`is_history`:
+no weight decay, not a weight the split backward's W pass must reach): it
 is laid out, sharded, gathered and checkpointed as the layer's weights are. The step
 measures each matmul's exponents per microbatch on a zero probe (collection
 `EXPONENTS`, one [2 * BINS] per matrix), its cotangent a one-hot of x's exponent and
@@ -26,7 +27,7 @@ whole step's exponent, the same on every layout. `rolled` then shifts the histor
 enters `largest * 2^e` (engine: framework/engine/fp8_probe.py).
 
 The first step has no history: it runs with current scaling and fills it (the engine's
-calibrating program, marked by collection `CURRENT`), as does the first step after
+filling program, marked by collection `CURRENT`), as does the first step after
 resuming from a checkpoint without one. A history all zeros otherwise scales by 1.
 """
 
@@ -40,7 +41,7 @@ from framework.parallel import vma
 
 HISTORY = "_fp8_history"  # a matrix's history parameter: f"{name}{HISTORY}" [2, H]
 EXPONENTS = "fp8_exponents"  # the Flax collection of the exponent probes
-CURRENT = "fp8_current"  # present: this step scales currently (the calibrating step)
+CURRENT = "fp8_current"  # present: this step scales currently (the filling step)
 FORMATS = (E4M3, E5M2)  # x's, then dy's
 LOWEST, BINS = -96, 128  # the exponents a probe counts: LOWEST .. LOWEST + BINS - 1
 
@@ -93,8 +94,7 @@ def rolled(history, counts):
     counted = jnp.any(counts > 0, axis=-1)
     e = jnp.max(jnp.where(counts > 0, bins, LOWEST), axis=-1)  # [..., 2]
     bound = jnp.where(counted, jnp.ldexp(_largests(), e), 0.0)
-    new = jnp.concatenate([bound[..., None].astype(history.dtype), history[..., :-1]], -1)
-    return new
+    return jnp.concatenate([bound[..., None].astype(history.dtype), history[..., :-1]], -1)
 
 
 def observed(x, y, probe):

@@ -174,14 +174,20 @@ def short_reason(err: BaseException, limit: int = 200) -> str:
     return f"{type(err).__name__}: {first}"
 
 
+def at(nested: dict, key: str, make: bool = False) -> tuple[dict, str]:
+    """(the dict holding the array `key` names ('params/layers/...'), its last name);
+    `make`: the dicts on the way are made where missing."""
+    *parents, last = key.split("/")
+    for name in parents:
+        nested = nested.setdefault(name, {}) if make else nested[name]
+    return nested, last
+
+
 def without(nested: dict, keys: list[str]) -> dict:
-    """A nested dict without the arrays `keys` name ('params/layers/...')."""
+    """A nested dict without the arrays `keys` name."""
     out = jax.tree.map(lambda x: x, nested)
     for key in keys:
-        *parents, last = key.split("/")
-        node = out
-        for name in parents:
-            node = node[name]
+        node, last = at(out, key)
         del node[last]
     return out
 
@@ -190,10 +196,7 @@ def with_zeros(restored: dict, abstract: dict, keys: list[str]) -> dict:
     """`restored` with zeros for the arrays `keys` name, shaped, typed and sharded as
     `abstract` (nested ShapeDtypeStructs) says."""
     for key in keys:
-        *parents, last = key.split("/")
-        node, like = restored, abstract
-        for name in parents:
-            node, like = node.setdefault(name, {}), like[name]
-        s = like[last]
+        node, last = at(restored, key, make=True)
+        s = at(abstract, key)[0][last]
         node[last] = jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()
     return restored

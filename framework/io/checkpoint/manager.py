@@ -309,11 +309,9 @@ class Checkpointer:
             return reading
         meta = self.manager.item_metadata(step)[STATE]
         for key in keys:
-            *parents, last = key.split("/")
-            node, info = reading, meta
-            for name in parents:
-                node, info = node.setdefault(name, {}), info[name]
-            node[last] = jax.ShapeDtypeStruct(tuple(info[last].shape), info[last].dtype,
+            node, last = integrity.at(reading, key, make=True)
+            info = integrity.at(meta, key)[0][last]
+            node[last] = jax.ShapeDtypeStruct(tuple(info.shape), info.dtype,
                                               sharding=NamedSharding(mesh, P()))
         return reading
 
