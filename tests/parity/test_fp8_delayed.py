@@ -159,14 +159,22 @@ def test_a_run_resumes_as_delayed_and_back(tmp_path):
     state, _ = engines["tensorwise"].step(state, engines["tensorwise"].shard_batch(tokens(0)))
 
     def through_checkpoint(before, after, state, step):
+        """The full state restored, after checking that the parameters alone (what
+        train.reset_optimizer, generation and export read) restore the same."""
         ckpt = Checkpointer(str(tmp_path / before), keep=1, async_save=False)
         ckpt.save(step, engines[before].layout, state,
                   {"model": dataclasses.asdict(engines[before].model)})
         restored = ckpt.restore(engines[after].layout)
+        alone = ckpt.restore_params(step, engines[after].layout.abstract_canonical()["params"])
         ckpt.close()
+        canonical = _leaves(engines[after].layout.to_canonical(restored)["params"])
+        assert canonical.keys() == _leaves(alone).keys()
+        for k, v in _leaves(alone).items():
+            assert np.array_equal(np.asarray(v), np.asarray(canonical[k])), k
         return restored
 
     restored = through_checkpoint("tensorwise", "delayed", state, 1)
+    assert _histories(restored["params"])
     assert not any(h.any() for h in _histories(restored["params"]).values())
     batch = engines["delayed"].shard_batch(tokens(1))
     delayed, metrics = engines["delayed"].step(restored, batch)

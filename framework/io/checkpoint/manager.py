@@ -79,6 +79,14 @@ def from_nested(nested: dict, like):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _missing(saved: dict | None, expected: list[str]) -> tuple[list[str], list[str]]:
+    """(the arrays `expected` that the checkpoint lacks, the delayed FP8 scaling
+    histories it lacks): a run without histories saved none, and they start empty."""
+    gone = integrity.missing(saved, expected)
+    fresh = [k for k in gone if k.endswith(fp8_delayed.HISTORY)]
+    return [k for k in gone if k not in fresh], fresh
+
+
 def all_finite(tree) -> jax.Array:
     """True iff every floating-point value in `tree` is finite (one device reduction)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
@@ -271,11 +279,8 @@ class Checkpointer:
         restored, saved, error, fresh = None, None, None, []
         try:
             saved = self.metadata(step).get("fingerprints")
-            gone = integrity.missing(saved, expected)
-            # delayed FP8 scaling's histories, from a run without them: they start empty
-            fresh = [k for k in gone if k.endswith(fp8_delayed.HISTORY)]
-            if len(gone) > len(fresh):
-                gone = [k for k in gone if k not in fresh]
+            gone, fresh = _missing(saved, expected)
+            if gone:
                 error = f"it holds no array {gone[0]} ({len(gone)} missing)"
             else:  # read as saved; `to_train` casts to this layout's dtypes
                 # (and histories this run keeps none of: read, then left out)
@@ -324,16 +329,17 @@ class Checkpointer:
         path = epath.Path(self.directory) / str(step) / STATE
         try:
             saved = self.metadata(step).get("fingerprints")  # read as saved, cast once checked
-            item = integrity.as_saved({"params": to_nested(abstract_params)},
-                                      self.saved_dtypes(step))
-            args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding,
-                                                               dtype=s.dtype), item)
-            gone = integrity.missing(saved, integrity.array_keys(item))
+            wanted = {"params": to_nested(abstract_params)}
+            gone, fresh = _missing(saved, integrity.array_keys(wanted))
             if gone:
                 raise DamagedCheckpoint(self.directory, step, f"it holds no array {gone[0]} "
                                                               f"({len(gone)} missing)")
-            restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True))
+            item = integrity.as_saved(integrity.without(wanted, fresh), self.saved_dtypes(step))
+            args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding,
+                                                               dtype=s.dtype), item)
+            restored = integrity.with_zeros(ocp.PyTreeCheckpointer().restore(
+                path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                  partial_restore=True)), wanted, fresh)
         except DamagedCheckpoint:
             raise
         except Exception as err:  # what Orbax/TensorStore say about unreadable files
