@@ -44,7 +44,7 @@ def measured(model, par, train, optim, docs, device):
     fills them, without its update): the case's step then scales by them."""
     import jax
 
-    from framework.engine import fp8_probe
+    from framework.engine import probes
 
     eng = _one_device_engine(model, par, train, optim, docs, device)
     fn = jax.jit(eng._loss_and_grads(probes="filling"))
@@ -52,7 +52,7 @@ def measured(model, par, train, optim, docs, device):
     def run(params, tokens):
         placed = eng.shard_params(params)
         found = fn(placed, eng.shard_batch(tokens))[2]
-        return eng.canonical_params(fp8_probe.update(placed, found, eng.layout.resolved))
+        return eng.canonical_params(probes.update(placed, found, eng.layout.resolved))
     return run
 
 

@@ -54,20 +54,29 @@ def enabled(layout: Layout) -> bool:
     return layout.model.moe.enabled
 
 
+def _moe_of(chunks) -> tuple[dict, object]:
+    """(the chunks' MoE layer params, chunks with other ones in their place): the chunks
+    are the params, or Flax variables {'params', ...} (FP8's collections beside them)."""
+    if "params" in chunks:
+        inner, rebuild = _moe_of(chunks["params"])
+        return inner, lambda moe: dict(chunks, params=rebuild(moe))
+    return chunks["moe"], lambda moe: dict(chunks, moe=moe)
+
+
 def with_probe(params, layout: Layout):
     """This device's params {'embed', 'head', 'chunks'} with a zero probe in each MoE
     layer's params: chunks['moe'][STATS] [v, Lc, n_stats] float32, typed like them."""
-    chunks = params["chunks"]
-    v, lc = jax.tree.leaves(chunks)[0].shape[:2]
+    moe, rebuild = _moe_of(params["chunks"])
+    v, lc = jax.tree.leaves(moe)[0].shape[:2]
     probe = varying(jnp.zeros((v, lc, n_stats(layout.model)), jnp.float32), layout.vary_over)
-    return dict(params, chunks=dict(chunks, moe=dict(chunks["moe"], **{STATS: probe})))
+    return dict(params, chunks=rebuild(dict(moe, **{STATS: probe})))
 
 
 def take_probe(grads):
     """(gradients without the probe's, the probe's: this device's [v, Lc, n_stats])."""
-    chunks = grads["chunks"]
-    rest = {k: v for k, v in chunks["moe"].items() if k != STATS}
-    return dict(grads, chunks=dict(chunks, moe=rest)), chunks["moe"][STATS]
+    moe, rebuild = _moe_of(grads["chunks"])
+    rest = {k: v for k, v in moe.items() if k != STATS}
+    return dict(grads, chunks=rebuild(rest)), moe[STATS]
 
 
 def without_probe(gather):
@@ -79,8 +88,8 @@ def without_probe(gather):
         if STATS not in layer.get("moe", {}):
             return gather(layer)
         moe = {k: v for k, v in layer["moe"].items() if k != STATS}
-        out = gather(dict(layer, moe=moe))
-        return dict(out, moe=dict(out["moe"], **{STATS: layer["moe"][STATS]}))
+        gathered, rebuild = _moe_of(gather(dict(layer, moe=moe)))  # (FP8's: variables)
+        return rebuild(dict(gathered, **{STATS: layer["moe"][STATS]}))
 
     return run
 

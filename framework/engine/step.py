@@ -29,7 +29,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
-from framework.engine import fp8_gathers, fp8_probe, moe_stats, step_weights
+from framework.engine import fp8_gathers, moe_stats, step_weights
+from framework.engine import probes as probe_kinds
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
@@ -72,11 +73,12 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     weights arrive whole."""
     model, z_loss, spec = layout.model, options.z_loss, spec_of(layout.model)
     gather = _per_use_gathers(per_use, model.dtype)
+    # the layers (the stack and the split backward's passes) gather matrices as FP8
+    layer = fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"]
     if model.moe.enabled:  # the layers' statistics probe passes FSDP's gathers by
         gather = dict(gather, layer=moe_stats.without_probe(gather["layer"]))
-    # the layers (the stack and the split backward's passes) gather matrices as FP8
-    stack_gather = fp8_gathers.on_params(
-        fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"])
+        layer = moe_stats.without_probe(layer)
+    stack_gather = fp8_gathers.on_params(layer)
 
     def head_loss(head, embed, y, targets):
         return spec.head_loss(model, tp, head, embed["table"], y, targets, z_loss) \
@@ -233,8 +235,8 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     [stages, v, Lc, ...]; "filling", the same in the step that fills empty delayed-FP8
     histories (its matmuls scale currently, framework/model/fp8_delayed.py); "none"."""
     prog = layout.program
-    probe = _probes(layout) if probes != "none" and not forward_only else None
-    current = {"current": True} if probes == "filling" else {}
+    probe = probes != "none" and not forward_only and bool(probe_kinds.kinds(layout))
+    current = probes == "filling"
     # Parameters not sharded over `tensor` (norm scales). Without sequence parallelism
     # every tensor device computes their full gradient from identical activations; with
     # it each device sees its slice of the sequence, so they are summed over `tensor`.
@@ -253,15 +255,15 @@ def build_loss_and_grads(layout: Layout, mesh, param_specs, zero1_dims, forward_
     def train(fns, params, inputs, targets, docs):
         executor = autodiff if prog.autodiff else ticks
         if probe:
-            params = probe.with_probe(params, layout, **current)
+            params = probe_kinds.with_probes(params, layout, current)
         loss, grads = executor.loss_and_grads(prog, fns, params, inputs, targets, docs)
         if probe:
-            grads, found = probe.take_probe(grads)
+            grads, found = probe_kinds.take_probes(grads, layout)
         grads = reduce_gradients(grads, tensor_replicated, layout.sequence_parallel,
                                  zero1_dims, layout.gathers_per_use, layout.parallel.context,
                                  expert_leaves)
         loss = jax.lax.psum(loss, layout.manual)
-        return (loss, grads, probe.reduce(found, layout)) if probe else (loss, grads)
+        return (loss, grads, probe_kinds.reduce(found, layout)) if probe else (loss, grads)
 
     platform = mesh.devices.flat[0].platform
     cpu = platform == "cpu"
@@ -313,25 +315,13 @@ def fp8_metrics(layout: Layout):
 
 
 def stats_update(layout: Layout):
-    """What the step's probe statistics move in the parameters after each step: the MoE
-    balancing bias (framework/model/router.py; model.moe.bias_update_rate), FP8's
-    delayed-scaling histories (framework/model/fp8_delayed.py), or None."""
-    if moe_stats.enabled(layout) and layout.model.moe.bias_update_rate:
-        return partial(moe_stats.balance, layout=layout)
-    if layout.model.fp8 == "delayed":
-        return partial(fp8_probe.update, layout=layout)
-    return None
-
-
-def _probes(layout: Layout):
-    """What rides a zero probe's gradient in this layout's step: the MoE routers'
-    statistics (framework/engine/moe_stats.py), FP8's of the layers' matmul inputs and
-    output gradients (framework/engine/fp8_probe.py; FP8 refuses MoE), or None."""
-    return next((m for m in (moe_stats, fp8_probe) if m.enabled(layout)), None)
+    """What the step's probe statistics move in the parameters after each step (the MoE
+    balancing bias, FP8's delayed-scaling histories: framework/engine/probes.py), or
+    None."""
+    return probe_kinds.stats_update(layout)
 
 
 def probe_metrics(layout: Layout):
     """The metrics of the step's probe statistics (`moe/` of the routers, `fp8/` of the
     activations and gradients), or None where nothing rides a probe."""
-    probe = _probes(layout)
-    return None if probe is None else partial(probe.metrics, layout=layout)
+    return partial(probe_kinds.metrics, layout=layout) if probe_kinds.kinds(layout) else None

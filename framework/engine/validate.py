@@ -110,6 +110,10 @@ def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]
     if e == 1:
         return []
+    if model.fp8 != "none":  # (a slot buffer after the exchange mixes the replicas' tokens)
+        return [f"model.fp8={model.fp8} does not run with parallel.expert={e} yet (FP8 "
+                f"experts are scaled per data replica's microbatch, which the exchange "
+                f"mixes): use parallel.expert=1 or model.fp8=none"]
     if not model.moe.enabled:
         return [f"parallel.expert={e} needs a mixture-of-experts model (model.moe.experts "
                 f">= 1, e.g. model.family=qwen3_moe): use parallel.expert=1"]
@@ -229,7 +233,7 @@ def check_platform(model: ModelConfig, platform: str) -> None:
     kernel, FP8), checked once the devices are known, before anything is compiled. FP8
     on CPUs runs emulated, slowly: said once."""
     attention.check_platform(model, platform)
-    fp8.check_platform(model, platform)
+    fp8.check_platform(model, platform, moe.fp8_dims(model))
     if model.fp8 != "none" and platform == "cpu":
         warnings.warn("model.fp8 on CPUs is emulated (slow): its numbers are those of a "
                       "GPU's FP8 GEMMs, its speed is not", stacklevel=2)

@@ -227,7 +227,8 @@ _scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
 
 # The layers' matrices whose every use is an FP8 matmul (framework/model/llama.py,
 # layers.py: q/k/v, the attention output, gate/up, down).
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down",  # (a MoE's experts' too: the same names)
+            "shared_gate_up", "shared_down")  # a MoE's shared experts
 STAT_PREFIX = "fp8/"
 
 
@@ -323,7 +324,7 @@ def check_settings(model) -> list[str]:
     return []
 
 
-def check_platform(model, platform: str) -> None:
+def check_platform(model, platform: str, more_dims: dict | None = None) -> None:
     """A one-line ConfigError where FP8 cannot run on `platform`: TPU v5p has no FP8
     matrix units (its MXUs take bfloat16 and int8), and cuBLASLt's FP8 GEMMs need the
     matrices' dimensions in multiples of GEMM_MULTIPLE. CPUs emulate FP8 (slowly)."""
@@ -338,6 +339,7 @@ def check_platform(model, platform: str) -> None:
     if platform in ("gpu", "cuda"):
         dims = {"model.d_model": model.d_model, "model.d_ff": model.d_ff,
                 "model.n_heads * head_dim": model.n_heads * model.head_dim}
+        dims.update(more_dims or {})  # (a MoE's experts' widths: framework/engine/validate.py)
         bad = [f"{k}={v}" for k, v in dims.items() if v % GEMM_MULTIPLE]
         if bad:
             raise ConfigError(f"model.fp8={mode} needs matrix dimensions that are "

@@ -77,6 +77,17 @@ def expert_hidden(cfg: ModelConfig) -> int:
     return cfg.moe.expert_hidden or cfg.d_ff
 
 
+def fp8_dims(cfg: ModelConfig) -> dict:
+    """The widths of a MoE's FP8 matrices beside the dense layers' ({} for a dense
+    model): what FP8 GEMMs need in multiples of 16 (framework/model/fp8.py)."""
+    if not cfg.moe.enabled:
+        return {}
+    dims = {"the experts' width": expert_hidden(cfg)}
+    if cfg.moe.shared_experts:
+        dims["the shared experts' width"] = shared_hidden(cfg)
+    return dims
+
+
 def shared_hidden(cfg: ModelConfig) -> int:
     """The shared expert's hidden width (0: none): shared_hidden, else shared_experts
     experts' widths side by side (DeepSeek-V2/V3's n_shared_experts x
@@ -172,7 +183,8 @@ def shared_expert(module, cfg: ModelConfig, x):
     if not cfg.moe.shared_gate:
         return out
     w_gate = param(module, "shared_gate", (cfg.d_model, 1), ("embed", "shared_gate"))
-    logit = weight_op(module, "shared_gate", "td,do->to", x, w_gate.astype(dt))  # [T, 1]
+    logit = weight_op(module, "shared_gate", "td,do->to", x, w_gate.astype(dt),
+                      quantized=False)  # [T, 1]: a gate, in the compute dtype
     return out * jax.nn.sigmoid(logit.astype(jnp.float32)).astype(dt)
 
 
@@ -233,7 +245,8 @@ class MoE(nn.Module):
         # the auxiliary-loss-free balancing bias [E] (router.py): no gradient
         bias = param(self, BIAS, (e,), ("router_experts",), nn.initializers.zeros) \
             if c.moe.bias_update_rate else None
-        logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt))
+        logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt),
+                           quantized=False)  # (the router stays in the compute dtype)
         b, s_local = logits.shape[:2]
         logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp,
                                bias)
@@ -343,7 +356,9 @@ def check_moe(model: ModelConfig) -> list[str]:
     if m.bias_update_rate < 0:
         errs.append(f"model.moe.bias_update_rate={m.bias_update_rate} must be >= 0 (0: no "
                     f"balancing bias)")
-    if model.fp8 != "none":
-        errs.append(f"model.fp8={model.fp8} does not run with model.moe (the router and "
-                    f"the grouped expert matmuls stay in model.dtype): use model.fp8=none")
+    if model.fp8 != "none" and m.capacity_factor is None:
+        errs.append(f"model.fp8={model.fp8} with model.moe needs a capacity factor (its "
+                    f"slots' batched matmuls run in FP8; the dropless experts' ragged_dot "
+                    f"has no FP8 path): set model.moe.capacity_factor (e.g. 1.25) or use "
+                    f"model.fp8=none")
     return errs

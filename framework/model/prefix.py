@@ -90,8 +90,10 @@ def moe_layer_index(cfg: ModelConfig, unit: int) -> int:
 
 
 def dense_config(cfg: ModelConfig) -> ModelConfig:
-    """The model as its dense prefix's layers see it: the gated MLP model.d_ff wide."""
-    return dataclasses.replace(cfg, moe=MoeConfig(), n_layers=prefix_layers(cfg))
+    """The model as its dense prefix's layers see it: the gated MLP model.d_ff wide, in
+    the compute dtype with `model.fp8` (like the embedding it runs beside: the prefix
+    has no FP8 probes, so delayed scaling's histories could not fill there)."""
+    return dataclasses.replace(cfg, moe=MoeConfig(), n_layers=prefix_layers(cfg), fp8="none")
 
 
 def table_of(embed) -> dict:

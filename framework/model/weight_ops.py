@@ -23,19 +23,21 @@ from framework.parallel import vma
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
 
 
-def weight_op(module: nn.Module, name: str, eq: str, x, w):
+def weight_op(module: nn.Module, name: str, eq: str, x, w, quantized: bool = True):
     """y = einsum(eq, x, w) (or eq(x, w) where eq is a function, x then any pytree):
     every use of a layer weight goes through here. Normally just
     that; for the zero-bubble split backward (framework/engine/split.py) it records x
     (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
-    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS)."""
+    weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS). With
+    `model.fp8` a matmul runs on FP8 operands unless `quantized` is False (a MoE's
+    router and shared-expert gate stay in the compute dtype)."""
     if module.has_variable(GIVEN, name):
         x = module.get_variable(GIVEN, name)
     if module.is_mutable_collection(SAVED):
         module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
-    elif _fp8(module, eq, w):  # model.fp8
+    elif quantized and _fp8(module, eq, w):  # model.fp8
         given = _delayed(module, name)
         y = _observe(module, name, x, fp8.fp8_einsum(
             eq, x, w, module.tp.whole_max, _given_scale(module, name), given), given)
