@@ -299,10 +299,12 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
             f"mb{par.microbatches}{v} remat={par.remat}{extra}")
 
 
-def _fp8_runs(model, par) -> bool:
-    """Whether `model.fp8` runs with the drawn case: a MoE's experts only in capacity
-    slots, and not split over `expert` (framework/engine/validate.py)."""
-    return not model.moe.enabled or (model.moe.capacity_factor is not None and par.expert == 1)
+def _fp8_runs(model, par, train) -> bool:
+    """Whether `model.fp8` runs with the drawn case, as the validation says (a MoE's
+    experts: capacity slots, not split over `expert`)."""
+    from framework.engine.validate import check
+
+    return not check(dataclasses.replace(model, fp8="tensorwise"), par, train, par.n_devices)
 
 
 def search(seed: int, cases: int, devices, log=print, names: tuple = (),
@@ -323,7 +325,7 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices), names)
-        if fp8_rng.random() < fp8_share and _fp8_runs(model, par):
+        if fp8_rng.random() < fp8_share and _fp8_runs(model, par, train):
             model = dataclasses.replace(model, fp8="tensorwise")
             if delayed_rng.integers(2):
                 model = dataclasses.replace(model, fp8="delayed", fp8_history=3)

@@ -121,6 +121,11 @@ def reduce(probe_grad, layout: Layout):
     return out
 
 
+def mover(layout: Layout):
+    """What the statistics move after the update: delayed scaling's histories, or None."""
+    return update if _delayed(layout) else None
+
+
 def update(params, found, layout: Layout):
     """The train layout's params with each delayed-scaling history rolled by the step's
     exponents (`found['exponents']`, [stages, v, Lc, 2 * BINS] per matrix)."""

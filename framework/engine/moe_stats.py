@@ -63,9 +63,10 @@ def _moe_of(chunks) -> tuple[dict, object]:
     return chunks["moe"], lambda moe: dict(chunks, moe=moe)
 
 
-def with_probe(params, layout: Layout):
+def with_probe(params, layout: Layout, current: bool = False):
     """This device's params {'embed', 'head', 'chunks'} with a zero probe in each MoE
-    layer's params: chunks['moe'][STATS] [v, Lc, n_stats] float32, typed like them."""
+    layer's params: chunks['moe'][STATS] [v, Lc, n_stats] float32, typed like them
+    (`current`: FP8's filling step, nothing to the routers)."""
     moe, rebuild = _moe_of(params["chunks"])
     v, lc = jax.tree.leaves(moe)[0].shape[:2]
     probe = varying(jnp.zeros((v, lc, n_stats(layout.model)), jnp.float32), layout.vary_over)
@@ -120,6 +121,11 @@ def metrics(stats, layout: Layout) -> dict:
     out[f"{PREFIX}aux_loss"] = jnp.sum(per_layer[:, e]) / (groups * layers)
     out[f"{PREFIX}z_loss"] = jnp.sum(per_layer[:, e + 1]) / (groups * layers)
     return out
+
+
+def mover(layout: Layout):
+    """What the statistics move after the update: the balancing bias, or None."""
+    return balance if layout.model.moe.bias_update_rate else None
 
 
 def balance(params, stats, layout: Layout):

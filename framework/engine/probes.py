@@ -29,8 +29,7 @@ def with_probes(params, layout: Layout, current: bool = False):
     """This device's params with every kind's zero probes (`current`: FP8's filling
     step, framework/model/fp8_delayed.py)."""
     for kind in kinds(layout):
-        params = fp8_probe.with_probe(params, layout, current) if kind == "fp8" else \
-            KINDS[kind].with_probe(params, layout)
+        params = KINDS[kind].with_probe(params, layout, current)
     return params
 
 
@@ -55,12 +54,8 @@ def metrics(found: dict, layout: Layout) -> dict:
 
 
 def _updates(layout: Layout) -> list:
-    moves = []
-    if moe_stats.enabled(layout) and layout.model.moe.bias_update_rate:
-        moves.append(("moe", moe_stats.balance))
-    if layout.model.fp8 == "delayed":
-        moves.append(("fp8", fp8_probe.update))
-    return moves
+    """(kind, its `mover`) of each kind whose statistics move parameters."""
+    return [(k, KINDS[k].mover(layout)) for k in kinds(layout) if KINDS[k].mover(layout)]
 
 
 def update(params, found: dict, layout: Layout):

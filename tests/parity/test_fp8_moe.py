@@ -42,7 +42,8 @@ def _one_device(model, microbatches: int):
 E5M2_STEP = 0.25
 LAYOUTS = [
     pytest.param(_fp8(QWEN3_MOE), dict(pipeline=2, data=2, tensor=1, microbatches=2,
-                                       schedule="1f1b"), 5e-5, id="qwen3_moe-1f1b"),
+                                       schedule="1f1b"), 5e-5, id="qwen3_moe-1f1b",
+                 marks=pytest.mark.slow),  # (the fast tier: the program's FP8 dots below)
     # the shared expert's matrices FP8 too, its gate not; the split backward
     pytest.param(_fp8(SHARED_SIGMOID), dict(pipeline=2, data=2, tensor=2, microbatches=2,
                                             schedule="zb_h1", sequence_parallel=True),
