@@ -74,7 +74,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
     model, z_loss, spec = layout.model, options.z_loss, spec_of(layout.model)
     gather = _per_use_gathers(per_use, model.dtype)
     # the layers (the stack and the split backward's passes) gather matrices as FP8
-    layer = fp8_gathers.layer_gather(per_use, model, tp.whole_max) or gather["layer"]
+    layer = fp8_gathers.layer_gather(per_use, model, tp.weight_max) or gather["layer"]
     if model.moe.enabled:  # the layers' statistics probe passes FSDP's gathers by
         gather = dict(gather, layer=moe_stats.without_probe(gather["layer"]))
         layer = moe_stats.without_probe(layer)
@@ -101,7 +101,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=stack_gather) if split else None,
-        weights=step_weights.once_a_step(model, tp.whole_max, per_use is not None),
+        weights=step_weights.once_a_step(model, tp.weight_max, per_use is not None),
         pass_through=options.pass_through)
 
 
@@ -212,7 +212,7 @@ def device_fn(layout: Layout, zero1_dims, run, split: bool,
 
     per_use = zero1_dims if layout.gathers_per_use else None
     gather = None if zero1_dims is None or per_use is not None else \
-        fp8_gathers.step_gather(zero1_dims, layout.model, tp.whole_max)
+        fp8_gathers.step_gather(zero1_dims, layout.model, tp.weight_max)
 
     def body(params, tokens):
         """Runs on each device: params are its shards, tokens its data replica's rows."""

@@ -110,10 +110,12 @@ def _check_expert(model: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"parallel.expert={e} must be >= 1 (1: no expert parallelism)"]
     if e == 1:
         return []
-    if model.fp8 != "none":  # (a slot buffer after the exchange mixes the replicas' tokens)
-        return [f"model.fp8={model.fp8} does not run with parallel.expert={e} yet (FP8 "
-                f"experts are scaled per data replica's microbatch, which the exchange "
-                f"mixes): use parallel.expert=1 or model.fp8=none"]
+    if model.fp8 == "tensorwise":  # (a device's slots after the exchange mix the data
+        # replicas' tokens: their current scale would not be one replica's microbatch's)
+        return [f"model.fp8=tensorwise does not run with parallel.expert={e} (the "
+                f"experts' inputs, exchanged, mix the data replicas' tokens, so their "
+                f"current scale would depend on the layout): use model.fp8=delayed "
+                f"(scales from earlier steps') or parallel.expert=1"]
     if not model.moe.enabled:
         return [f"parallel.expert={e} needs a mixture-of-experts model (model.moe.experts "
                 f">= 1, e.g. model.family=qwen3_moe): use parallel.expert=1"]

@@ -13,9 +13,11 @@ Megatron-LM/TransformerEngine's `Float8CurrentScaling`):
 The absolute maximum is the whole tensor's, not a device's shard: the tensor-parallel
 plan reduces it over the axes the tensor is split over (`TensorParallel.whole_max`), so
 an FP8 run on any layout computes what it computes on one device with the same
-microbatches. The backward: dx = dy8 @ w8^T and dw = x8^T @ dy8, from the forward's
-quantized x8 and w8 (kept as the residuals: a quarter of float32's bytes) and dy8 at its
-own scale. Norms, the embedding, the head and the loss stay in the compute dtype
+microbatches; a weight's maximum also over the expert devices a MoE's experts are split
+over (`TensorParallel.weight_max`: one scale for all of a layer's experts). The
+backward: dx = dy8 @ w8^T and dw = x8^T @ dy8, from the forward's quantized x8 and w8
+(kept as the residuals: a quarter of float32's bytes) and dy8 at its own scale. Norms,
+the embedding, the head and the loss stay in the compute dtype
 (`framework/model/weight_ops.py` applies this to the layers' matrices only). With
 `model.fp8=delayed` the scales of x and dy are given (`given`), from earlier steps'
 maxima (framework/model/fp8_delayed.py); the weights keep their current scale.
@@ -87,10 +89,12 @@ def _dot(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None):
+def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None, weight_max=None):
     """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
     accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
-    docstring). `w_scale`: w arrived quantized (FSDP's FP8 gather, `gather_quantized`):
+    docstring). `weight_max` reduces w's maximum (default `whole_max`: the tensor
+    plan's `weight_max` also over the expert devices a MoE's experts are split over).
+    `w_scale`: w arrived quantized (FSDP's FP8 gather, `gather_quantized`):
     its values are E4M3's and this is its scale. `given`: float32 [2], the scales of x
     and of the output gradient from earlier steps (`model.fp8=delayed`,
     framework/model/fp8_delayed.py) in place of their current ones: no maximum, no
@@ -98,23 +102,24 @@ def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None):
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
-    return checkpoint_name(_scaled(eq, *alike(x, w), whole_max, w_scale, given), PRODUCT)
+    maxes = (whole_max, weight_max or whole_max)  # (x's and dy's, w's)
+    return checkpoint_name(_scaled(eq, *alike(x, w), maxes, w_scale, given), PRODUCT)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _scaled(eq: str, x, w, whole_max, w_scale, given):
-    return _forward(eq, x, w, whole_max, w_scale, given)[0]
+def _scaled(eq: str, x, w, maxes, w_scale, given):
+    return _forward(eq, x, w, maxes, w_scale, given)[0]
 
 
-def _forward(eq, x, w, whole_max, w_scale, given):
+def _forward(eq, x, w, maxes, w_scale, given):
     # (w_scale: w is E4M3's values; given: x's and dy's scales from the history)
-    x8, sx, w8, sw = _operands(x, w, whole_max, w_scale, given)
+    x8, sx, w8, sw = _operands(x, w, maxes, w_scale, given)
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
     return y, (x8, sx, w8, sw, w_scale, given)
 
 
-def _fwd(eq, x, w, whole_max, w_scale, given):
-    return _forward(eq, x, w, whole_max, w_scale, given)
+def _fwd(eq, x, w, maxes, w_scale, given):
+    return _forward(eq, x, w, maxes, w_scale, given)
 
 
 def _zeros(*given):
@@ -129,13 +134,13 @@ def _gradient(dy, whole_max, given):
     return in_format(dy.astype(jnp.float32), given[1], E5M2), given[1]
 
 
-def _bwd(eq, whole_max, residuals, dy):
+def _bwd(eq, maxes, residuals, dy):
     """The gradients in dy's dtype: the layers cast both operands to the compute dtype
     before their matmuls (framework/model/llama.py), so x, w and y share it. dw is the
     gradient of the weight itself (w8 x its scale), also where w arrived quantized; a
     given scale is a statistic (zero gradient)."""
     x8, sx, w8, sw, w_scale, given = residuals
-    dy8, sdy = _gradient(dy, whole_max, given)
+    dy8, sdy = _gradient(dy, maxes[0], given)
     for_x, for_w = _transposed(eq)
     dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
     dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
@@ -165,11 +170,38 @@ def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None, given=None):
     return checkpoint_name(_scatter_mm(eq, tp, *alike(x, w), w_scale, given), PRODUCT)
 
 
-def _operands(x, w, whole_max, w_scale, given=None):
-    x8, sx = quantize(x, E4M3, whole_max) if given is None else \
+def _operands(x, w, maxes, w_scale, given=None):
+    """(x8, its scale, w8, its scale); maxes: (x's reduction, w's)."""
+    x8, sx = quantize(x, E4M3, maxes[0]) if given is None else \
         (in_format(x.astype(jnp.float32), given[0], E4M3), given[0])
-    w8, sw = quantize(w, E4M3, whole_max) if w_scale is None else (w.astype(E4M3), w_scale)
+    w8, sw = quantize(w, E4M3, maxes[1]) if w_scale is None else (w.astype(E4M3), w_scale)
     return x8, sx, w8, sw
+
+
+def fp8_weight(w, weight_max, w_scale=None):
+    """w as the FP8 matmuls take it, back in w's dtype: its E4M3 values (quantized here
+    with the whole matrix's scale, reduced by `weight_max`, or given so: `w_scale`)
+    times the scale. For a matmul whose input stays in the compute dtype (delayed
+    scaling's filling step, framework/model/weight_ops.py); the gradient passes
+    straight through to w, as `fp8_einsum`'s dw does."""
+    return _fp8_weight(w, weight_max, w_scale)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fp8_weight(w, weight_max, w_scale):
+    w8, sw = quantize(w, E4M3, weight_max) if w_scale is None else (w.astype(E4M3), w_scale)
+    return (w8.astype(jnp.float32) * sw).astype(w.dtype)
+
+
+def _fp8_weight_fwd(w, weight_max, w_scale):
+    return _fp8_weight(w, weight_max, w_scale), w_scale
+
+
+def _fp8_weight_bwd(weight_max, w_scale, g):
+    return (g,) + _zeros(w_scale)
+
+
+_fp8_weight.defvjp(_fp8_weight_fwd, _fp8_weight_bwd)
 
 
 def _scaled_dot(eq, scale, dtype):
@@ -183,7 +215,7 @@ def _gather_mm(eq, tp, x, w, w_scale, given):
 
 
 def _gather_mm_fwd(eq, tp, x, w, w_scale, given):
-    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale, given)
+    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given)
     product = _scaled_dot(eq, sx * sw, x.dtype)
     y, x8_all = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
     return y, (x8_all, sx, w8, sw, w_scale, given)
@@ -207,7 +239,7 @@ def _scatter_mm(eq, tp, x, w, w_scale, given):
 
 
 def _scatter_mm_fwd(eq, tp, x, w, w_scale, given):
-    x8, sx, w8, sw = _operands(x, w, tp.whole_max, w_scale, given)
+    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given)
     y = tp.scatter_ring(x8, w8, _scaled_dot(eq, sx * sw, x.dtype))
     return y, (x8, sx, w8, sw, w_scale, given)
 

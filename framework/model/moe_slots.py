@@ -70,9 +70,14 @@ def _slot_experts(module, cfg: ModelConfig, buf, w_in, w_down, part: int):
     dispatch and the last combine of a layer have nothing of the layer to hide behind."""
     ep, tag = module.tp.expert, f"_{part}" if part else ""
     local = ep.exchange(buf) if ep.runs else buf  # [E/P, P n, d]: this device's experts
-    gate_up = weight_op(module, "w_gate_up" + tag, "ecd,edgf->ecgf", local, w_in)
+    # (current=False: under expert parallelism a device's slots mix the data replicas'
+    # tokens, so a current FP8 scale of them would depend on the layout; every part's
+    # op reads its matrix's FP8 state)
+    gate_up = weight_op(module, "w_gate_up" + tag, "ecd,edgf->ecgf", local, w_in,
+                        current=False, matrix="w_gate_up")
     hidden = gated(cfg, gate_up)  # [E/P, P n, f]
-    out = weight_op(module, "w_down" + tag, "ecf,efd->ecd", hidden, w_down)  # [E/P, P n, d]
+    out = weight_op(module, "w_down" + tag, "ecf,efd->ecd", hidden, w_down,
+                    current=False, matrix="w_down")  # [E/P, P n, d]
     return ep.exchange_back(out) if ep.runs else out  # [E, n, d]
 
 

@@ -23,14 +23,21 @@ from framework.parallel import vma
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
 
 
-def weight_op(module: nn.Module, name: str, eq: str, x, w, quantized: bool = True):
+def weight_op(module: nn.Module, name: str, eq: str, x, w, quantized: bool = True,
+              current: bool = True, matrix: str | None = None):
     """y = einsum(eq, x, w) (or eq(x, w) where eq is a function, x then any pytree):
     every use of a layer weight goes through here. Normally just
     that; for the zero-bubble split backward (framework/engine/split.py) it records x
     (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
     weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS). With
     `model.fp8` a matmul runs on FP8 operands unless `quantized` is False (a MoE's
-    router and shared-expert gate stay in the compute dtype)."""
+    router and shared-expert gate stay in the compute dtype). `current` False: x's
+    current scale would depend on the layout (a MoE's slots, which mix the data
+    replicas' tokens under expert parallelism), so where delayed scaling's filling step
+    would scale x currently, x stays in the compute dtype (w as its FP8 matmuls take
+    it: `fp8.fp8_weight`), its exponents counted (framework/model/fp8_delayed.py).
+    `matrix`: the parameter whose FP8 state (history, probes, gathered scale) the op
+    uses, where it is not `name` (a MoE's slots in parts, one op per part)."""
     if module.has_variable(GIVEN, name):
         x = module.get_variable(GIVEN, name)
     if module.is_mutable_collection(SAVED):
@@ -38,9 +45,14 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w, quantized: bool = Tru
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
     elif quantized and _fp8(module, eq, w):  # model.fp8
-        given = _delayed(module, name)
-        y = _observe(module, name, x, fp8.fp8_einsum(
-            eq, x, w, module.tp.whole_max, _given_scale(module, name), given), given)
+        matrix = matrix or name
+        given, w_scale = _delayed(module, matrix), _given_scale(module, matrix)
+        if given is None and not current and module.cfg.fp8 == "delayed":  # filling:
+            w = fp8.fp8_weight(w, module.tp.weight_max, w_scale)
+            y = _observe(module, matrix, x, jnp.einsum(eq, x, w))  # x in the compute dtype
+        else:
+            y = _observe(module, matrix, x, fp8.fp8_einsum(
+                eq, x, w, module.tp.whole_max, w_scale, given, module.tp.weight_max), given)
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
@@ -68,13 +80,15 @@ def _observe(module: nn.Module, name: str, x, y, given=None):
 
 def _delayed(module: nn.Module, name: str):
     """With `model.fp8=delayed`: the scales [2] of this matmul's x and dy from its
-    history parameter (created here: [2, fp8_history], zeros), or None where the step
-    scales currently (its first: collection CURRENT); None without delayed scaling."""
-    cfg = module.cfg
+    history parameter (created here: [2, fp8_history], zeros; read where another op of
+    the same matrix made it), or None where the step scales currently (its first:
+    collection CURRENT); None without delayed scaling."""
+    cfg, key = module.cfg, fp8_delayed.history_name(name)
     if cfg.fp8 != "delayed":
         return None
-    history = module.param(fp8_delayed.history_name(name), nn.with_logical_partitioning(
-        nn.initializers.zeros, (None, None)), (2, cfg.fp8_history), jnp.float32)
+    history = nn.meta.unbox(module.get_variable("params", key)) \
+        if module.has_variable("params", key) else module.param(key, nn.with_logical_partitioning(
+            nn.initializers.zeros, (None, None)), (2, cfg.fp8_history), jnp.float32)
     if module.has_variable(fp8_delayed.CURRENT, name):
         return None
     return fp8_delayed.scales(jax.lax.stop_gradient(history))

@@ -110,6 +110,16 @@ class TensorParallel:
         axes = tuple(a for a in self.stat_axes if a in varying)
         return jax.lax.pmax(v, axes) if axes else v
 
+    def weight_max(self, v):
+        """A per-device maximum of a weight (a scalar, or one per stacked layer) as the
+        whole matrix's: as `whole_max`, and over `expert` too where the value varies
+        over it (a MoE's experts, split over the expert devices, take one scale for all
+        of them, as on one device; a dense weight is the same on each expert device)."""
+        varying = jax.typeof(v).manual_axis_type.varying
+        own = (self.expert.axis,) if self.expert.runs else ()
+        axes = tuple(a for a in self.stat_axes + own if a in varying)
+        return jax.lax.pmax(v, axes) if axes else v
+
     def whole_sum(self, v):
         """A per-device sum as the whole microbatch's: summed over the `stat_axes` the
         value varies over (where it is replicated, each device already has the whole)."""

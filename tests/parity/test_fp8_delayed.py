@@ -97,7 +97,8 @@ def _grads(eng, canonical):
 E5M2_STEP = 0.25  # (tools/parity_search.py's FP8_GRAD_TOLERANCE)
 LAYOUTS = [
     (dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="zb_h1", fsdp=True), 5e-5),
-    (dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"), E5M2_STEP),
+    pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b"),
+                 E5M2_STEP, marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=1, sequence_parallel=True,
                       collective_matmul=True), E5M2_STEP, marks=pytest.mark.slow),
 ]
@@ -138,6 +139,7 @@ def test_the_histories_are_the_same_on_a_layout_to_the_bit(layout, steps):
     assert np.allclose(losses, ref_losses, rtol=1e-5)
 
 
+@pytest.mark.slow  # ~16 s: three steps twice
 def test_delayed_scaling_trains_like_current_scaling():
     """Three steps: the first the same (it scales currently), the next within a
     thousandth (E4M3's scales a power of two coarser at most)."""
