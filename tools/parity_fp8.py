@@ -41,7 +41,9 @@ def _one_device_engine(model, par, train, optim, docs, device):
 def measured(model, par, train, optim, docs, device):
     """(canonical params, tokens) -> the params with `model.fp8=delayed`'s histories
     filled by one current-scaling pass on one device over the tokens (the step that
-    fills them, without its update): the case's step then scales by them."""
+    fills them, without the optimizer's update): the case's step then scales by them.
+    Every probe kind's post-update move applies (`probes.update`): with a MoE's
+    balancing bias on, the bias moves too, for the case and its reference alike."""
     import jax
 
     from framework.engine import probes

@@ -224,7 +224,7 @@ class Block(nn.Module):
         for j in range(k):
             one = None if cache is None else KVCache(*(a[j] for a in cache))
             layer = (lambda *a: decoder_layer(self, c, *a)) if j == k - 1 else \
-                DenseLayer(dense_config(c), self.tp, name=UNIT_DENSE.format(j))
+                DenseLayer(dense_config(c, in_unit=True), self.tp, name=UNIT_DENSE.format(j))
             x = layer(x, one, start, docs, window)
             if cache is not None:
                 x, one = x

@@ -73,7 +73,8 @@ def unit_stacks(cfg: ModelConfig) -> list[tuple[tuple[str, ...], ModelConfig, in
     export read it."""
     k, every, n = prefix_layers(cfg), unit_layers(cfg), stack_layers(cfg)
     out = [(("layers",), cfg, n, k + every - 1, every)]
-    out += [(("layers", UNIT_DENSE.format(j)), dense_config(cfg), n, k + j, every)
+    out += [(("layers", UNIT_DENSE.format(j)), dense_config(cfg, in_unit=True), n, k + j,
+             every)
             for j in range(every - 1)]
     return out + ([(("embed", DENSE), dense_config(cfg), k, 0, 1)] if k else [])
 
@@ -89,11 +90,14 @@ def moe_layer_index(cfg: ModelConfig, unit: int) -> int:
     return prefix_layers(cfg) + (unit + 1) * unit_layers(cfg) - 1
 
 
-def dense_config(cfg: ModelConfig) -> ModelConfig:
-    """The model as its dense prefix's layers see it: the gated MLP model.d_ff wide, in
-    the compute dtype with `model.fp8` (like the embedding it runs beside: the prefix
-    has no FP8 probes, so delayed scaling's histories could not fill there)."""
-    return dataclasses.replace(cfg, moe=MoeConfig(), n_layers=prefix_layers(cfg), fp8="none")
+def dense_config(cfg: ModelConfig, in_unit: bool = False) -> ModelConfig:
+    """The model as its dense layers see it: the gated MLP model.d_ff wide. The dense
+    prefix's in the compute dtype with `model.fp8` (like the embedding it runs beside:
+    the prefix has no FP8 probes, so delayed scaling's histories could not fill there);
+    a unit's (`in_unit`: model.moe.every) with the model's FP8, as the stacked layers
+    they are (quantized once a step and gathered as E4M3 with them, probed with them)."""
+    return dataclasses.replace(cfg, moe=MoeConfig(), n_layers=prefix_layers(cfg),
+                               fp8=cfg.fp8 if in_unit else "none")
 
 
 def table_of(embed) -> dict:
