@@ -120,7 +120,7 @@ EXPERT_LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # ~50 s each: one device's filling pass, then both sides' step
+@pytest.mark.slow  # ~30 s each: one device's filling pass, then both sides' step
 @pytest.mark.parametrize("model,layout", EXPERT_LAYOUTS)
 def test_fp8_experts_split_over_expert_devices_equal_one_device(model, layout):
     microbatches = layout["data"] * layout["microbatches"]
@@ -141,7 +141,7 @@ def test_fp8_experts_split_over_expert_devices_equal_one_device(model, layout):
     assert worst(max_rel_err(grads, ref_grads)) < 5e-5
 
 
-@pytest.mark.slow  # ~40 s: two engines, two steps each
+@pytest.mark.slow  # ~100 s: two engines, two steps each, then the train step
 def test_delayed_histories_fill_beside_the_routers_statistics():
     """Delayed scaling with MoE: the step carries both probes (the routers'
     statistics and the exponents), so the experts' histories fill, equal to the bit
