@@ -55,7 +55,8 @@ def metrics(found: dict, layout: Layout) -> dict:
 
 def _updates(layout: Layout) -> list:
     """(kind, its `mover`) of each kind whose statistics move parameters."""
-    return [(k, KINDS[k].mover(layout)) for k in kinds(layout) if KINDS[k].mover(layout)]
+    moves = [(k, KINDS[k].mover(layout)) for k in kinds(layout)]
+    return [(k, move) for k, move in moves if move]
 
 
 def update(params, found: dict, layout: Layout):

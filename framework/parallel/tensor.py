@@ -71,6 +71,12 @@ SEQ = 1  # activations are [batch, seq, ...]
 SPLIT_TOGETHER = (("heads", "kv_heads"),)
 
 
+def _varied(v, axes: tuple) -> tuple:
+    """The mesh axes of `axes` that the value v varies over (inside a shard_map)."""
+    varying = jax.typeof(v).manual_axis_type.varying
+    return tuple(a for a in axes if a in varying)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     axis: str | None = None  # the mesh axis, inside a shard_map that is manual over it
@@ -106,8 +112,7 @@ class TensorParallel:
         """A per-device maximum (a scalar) as the whole tensor's: the max over the
         `stat_axes` the value varies over (a tensor replicated over one is the same
         on each device, and the max changes nothing)."""
-        varying = jax.typeof(v).manual_axis_type.varying
-        axes = tuple(a for a in self.stat_axes if a in varying)
+        axes = _varied(v, self.stat_axes)
         return jax.lax.pmax(v, axes) if axes else v
 
     def weight_max(self, v):
@@ -115,16 +120,14 @@ class TensorParallel:
         whole matrix's: as `whole_max`, and over `expert` too where the value varies
         over it (a MoE's experts, split over the expert devices, take one scale for all
         of them, as on one device; a dense weight is the same on each expert device)."""
-        varying = jax.typeof(v).manual_axis_type.varying
         own = (self.expert.axis,) if self.expert.runs else ()
-        axes = tuple(a for a in self.stat_axes + own if a in varying)
+        axes = _varied(v, self.stat_axes + own)
         return jax.lax.pmax(v, axes) if axes else v
 
     def whole_sum(self, v):
         """A per-device sum as the whole microbatch's: summed over the `stat_axes` the
         value varies over (where it is replicated, each device already has the whole)."""
-        varying = jax.typeof(v).manual_axis_type.varying
-        axes = tuple(a for a in self.stat_axes if a in varying)
+        axes = _varied(v, self.stat_axes)
         return jax.lax.psum(v, axes) if axes else v
 
     def splits(self, logical: str) -> bool:
