@@ -204,28 +204,6 @@ def test_the_memory_model_is_near_the_gpu_compiler_at_8b(schedule):
     assert 0.9 <= ratio <= 1.15, ratio
 
 
-@pytest.mark.slow  # 50 s: one 8B program on the TPU compiler
-def test_a_tpu_program_fits_by_the_compilers_peak_not_its_summed_temporaries():
-    """The TPU compiler's temporaries count the tiles' padding twice; its peak is what
-    it checks against HBM (framework/analysis/memory_check.py, `compiled_bytes`). Four
-    Llama-3-8B layers, ZB-H1, 1,024 sequences on tpu:v5p-32: arguments + outputs +
-    temporaries - aliased over the chip's 95.74 GiB, yet the compiler accepts the
-    program at a lower peak; the report says it fits. (2026-11-29: 100.6 GiB summed,
-    peak 74.8 GiB, predicted 0.950x; eight layers and 832 sequences compiled 15% slower.
-    768 sequences of eight layers: 99.6 GiB summed, peak 73.3 GiB on 2026-11-26; 90.8
-    summed once the stash was written in place layer by layer, 2026-11-28.)"""
-    got = report("tpu:v5p-32", "parallel.schedule=zb_h1", "model.n_layers=4",
-                 "train.global_batch_size=1024", recipe="llama3_8b_v5p")
-    summed = sum(got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp"))
-    assert summed - got["memory/alias_bytes_per_device"] > got["memory/device_bytes"]
-    assert got["fits"] and got["memory/compiled_bytes_per_device"] < 0.85 * got[
-        "memory/device_bytes"]
-    # and the memory model, whose TPU terms were read from the 1B recipe's programs,
-    # against the peak (1.065 on 2026-11-26)
-    ratio = got["memory/predicted_bytes_per_device"] / got["memory/compiled_bytes_per_device"]
-    assert 0.9 <= ratio <= 1.1, ratio
-
-
 @pytest.mark.slow
 def test_bfloat16_parameters_save_memory_and_data_bytes_on_the_gpu_compiler():
     """optim.param_dtype=bfloat16 on the 1B recipe (gpu:h100x8): the compiler's memory
@@ -249,19 +227,31 @@ def test_bfloat16_parameters_save_memory_and_data_bytes_on_the_gpu_compiler():
     assert abs(expected / data["bfloat16"] - 1) <= 0.02
 
 
-@pytest.mark.slow  # 20 s
+@pytest.mark.slow  # 65 s alone (2026-12-01)
 def test_the_memory_model_counts_zero1_gathers_on_the_tpu_compiler():
     """ZeRO-1 with one chunk a rank on the TPU compiler: the layers' weights gathered in
     bfloat16 take the place of the stage's cast the program holds anyway, only the
     embedding is extra (llama_1b_8gpu on tpu:v5p-16, 1F1B: predicted 1.09x the
-    compiler's peak when the gathered layers were counted too, 1.03x now; llama3_70b_v5p
-    1.11 -> 1.03, 2026-11-27). The loss over the whole microbatch, as then: with the
-    recipe's 2048-token chunks (2026-11-28) the prediction is 0.949x, the chunk's head
-    term being fitted on the GPU compiler (fitted.py `logit_copies/chunk`)."""
+    compiler's peak when the gathered layers were counted too, 1.03x now (1.019x on
+    2026-12-01); llama3_70b_v5p 1.11 -> 1.03, 2026-11-27). The loss over the whole
+    microbatch, as then: with the recipe's 2048-token chunks (2026-11-28) the prediction
+    is 0.949x, the chunk's head term being fitted on the GPU compiler (fitted.py
+    `logit_copies/chunk`).
+
+    And the figure the report (and `fits`) reads on a TPU is the compiler's peak, not
+    arguments + outputs + temporaries - aliased: the TPU compiler's temporaries count
+    the tiles' padding twice (framework/analysis/memory_check.py, `compiled_bytes`;
+    here 19.51 GiB summed against a peak of 17.14 on 2026-12-01). Until then a test of
+    its own compiled four 8B layers, ZB-H1, 1,024 sequences on tpu:v5p-32, whose sum
+    (100.6 GiB) is over the chip's 95.74 GiB and whose peak (74.8) fits: 2-3 minutes
+    of the suite for the same reading."""
     got = report("tpu:v5p-16", "parallel.schedule=1f1b", "parallel.zero1=true",
                  "model.loss_chunk=0", recipe="llama_1b_8gpu")
     ratio = got["memory/predicted_bytes_per_device"] / got["memory/compiled_bytes_per_device"]
     assert 0.95 <= ratio <= 1.06, ratio
+    summed = sum(got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp"))
+    assert summed - got["memory/alias_bytes_per_device"] > 1.1 * got[
+        "memory/compiled_bytes_per_device"]
 
 
 @pytest.mark.slow
