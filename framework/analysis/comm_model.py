@@ -57,7 +57,9 @@ hidden states of one data replica's batch (in the compute dtype):
           first ([E, E_total] int32, and the transposes' offsets) are left out.
           Emulated (CPU): the dense buffers without the ids. With a
           capacity factor the buffers are the slots [E_total, rows x C, d] and no ids
-          travel (`model.moe.capacity_factor`: c x the copies' bytes).
+          travel (`model.moe.capacity_factor`: c x the copies' bytes); with delayed FP8
+          the forward's dispatch of them (and its recomputation) one byte an element
+          (`model.fp8_dispatch`, framework/model/moe_slots.py).
 With context parallelism A is one device's tokens: s/c of each sequence.
 """
 
@@ -70,7 +72,7 @@ import jax
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig, cast_at_use
 from framework.engine.resolved import Layout, resolved
-from framework.model import fp8
+from framework.model import fp8, fp8_delayed
 from framework.model.prefix import DENSE, prefix_layers, stack_layers, unit_layers
 from framework.model.registry import spec_of
 from framework.model.moe_slots import capacity
@@ -201,7 +203,10 @@ def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     else:  # the slots (framework/model/moe.py), no ids: (E-1)/E of [E_total, rows C, d]
         slots = model.moe.experts * lay.rows_per_microbatch * capacity(model, train.seq_len)
         rows, ids = (e - 1) * slots * width / e, 0
-    forward = 2 * rows + ids  # copies (and ids) out, outputs back
+    there = rows  # the dispatch; with delayed FP8 the slots go as E4M3 (moe_slots.py)
+    if model.moe.capacity_factor is not None and fp8_delayed.sends_e4m3(model):
+        there = rows / dtype_bytes(model.dtype)
+    forward = there + rows + ids  # copies (and ids) out, outputs back
     per_layer = forward + 2 * rows + (forward if lay.recomputes else 0)
     if lay.program.schedule.split_backward and lay.remat.keeps_inputs_only:
         # B and W each recompute the forward from the layer's input and each runs both

@@ -236,6 +236,10 @@ class ModelConfig:
     # With FP8 and FSDP gathering per use: the layers' matrices gathered as E4M3 with
     # their scales (half bfloat16's bytes), else in the compute dtype
     fp8_gather: bool = True
+    # With model.fp8=delayed and parallel.expert > 1: a MoE's slots sent to their experts'
+    # devices as E4M3 at their matmul's delayed scale (half the dispatch's bytes, the
+    # same numbers: framework/model/moe_slots.py), else in the compute dtype
+    fp8_dispatch: bool = True
     # With FP8: the `fp8/` statistics of the layers' matmul inputs and output gradients
     # (framework/engine/fp8_probe.py), a pass over each per microbatch; false: none
     fp8_stats: bool = True

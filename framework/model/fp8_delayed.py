@@ -33,10 +33,12 @@ resuming from a checkpoint without one. A history all zeros otherwise scales by 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-from framework.model.fp8 import E4M3, E5M2, _largest
+from framework.model.fp8 import E4M3, E5M2, _largest, in_format
 from framework.parallel import vma
 
 HISTORY = "_fp8_history"  # a matrix's history parameter: f"{name}{HISTORY}" [2, H]
@@ -124,6 +126,47 @@ def _observed_bwd(residuals, dy):
 
 
 _observed.defvjp(_observed_fwd, _observed_bwd)
+
+
+def sends_e4m3(model) -> bool:
+    """Whether a tensor on its way to a matmul travels as E4M3 at its delayed scale
+    (`sent_in_e4m3`; a MoE's slots under expert parallelism): `model.fp8=delayed` and
+    `model.fp8_dispatch`, past the filling step."""
+    return getattr(model, "fp8", "none") == "delayed" and bool(model.fp8_dispatch)
+
+
+def sent_in_e4m3(send, back, x, scale):
+    """send(x), x travelling as E4M3 (one byte an element): cast at `scale`, the delayed
+    scale of the matmul x goes to (a power of two, known before x exists), sent, and
+    multiplied back by it in x's dtype, which holds E4M3 values times a power of two
+    exactly; that matmul's own cast at the same scale then recovers the values sent. So
+    the numbers are those of sending x itself (a MoE's slots on their way to their
+    experts' devices: framework/model/moe_slots.py). The gradient passes straight
+    through, in x's dtype: back(dy), `back` the transpose of `send` (a permutation).
+    x's exponent must be counted before the cast (after it no value can exceed the
+    scale): the caller observes x, not what arrives."""
+    return _sent(send, back, x, scale)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sent(send, back, x, scale):
+    # E4M3's bits as uint8 on the wire: XLA:CPU widens a float8 collective to float16
+    # (2026-12-01: an all-to-all of f16 in the compiled program); integers go as they are
+    bits = jax.lax.bitcast_convert_type(in_format(x.astype(jnp.float32), scale, E4M3),
+                                        jnp.uint8)
+    got = jax.lax.bitcast_convert_type(send(bits), E4M3)
+    return (got.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _sent_fwd(send, back, x, scale):
+    return _sent(send, back, x, scale), scale
+
+
+def _sent_bwd(send, back, scale, dy):
+    return back(dy), jnp.zeros_like(scale)
+
+
+_sent.defvjp(_sent_fwd, _sent_bwd)
 
 
 def _histories(stages):

@@ -65,7 +65,7 @@ from framework.model.moe_slots import capacity, capacity_experts, dropped_copies
 from framework.model.router import (BIAS, LOAD, UNTRAINED, balance_scores,  # noqa: F401 (re-export)
                                     moe_layers, n_stats, route, router_loss_values,
                                     router_losses, router_stats, scores, update_bias)
-from framework.model.weight_ops import weight_op
+from framework.model.weight_ops import IN_COMPUTE_DTYPE, weight_op
 from framework.parallel import vma
 from framework.parallel.tensor import TensorParallel
 
@@ -184,7 +184,7 @@ def shared_expert(module, cfg: ModelConfig, x):
         return out
     w_gate = param(module, "shared_gate", (cfg.d_model, 1), ("embed", "shared_gate"))
     logit = weight_op(module, "shared_gate", "td,do->to", x, w_gate.astype(dt),
-                      quantized=False)  # [T, 1]: a gate, in the compute dtype
+                      IN_COMPUTE_DTYPE)  # [T, 1]: a gate, in the compute dtype
     return out * jax.nn.sigmoid(logit.astype(jnp.float32)).astype(dt)
 
 
@@ -246,7 +246,7 @@ class MoE(nn.Module):
         bias = param(self, BIAS, (e,), ("router_experts",), nn.initializers.zeros) \
             if c.moe.bias_update_rate else None
         logits = weight_op(self, "router", "bsd,de->bse", x.astype(dt), w_router.astype(dt),
-                           quantized=False)  # (the router stays in the compute dtype)
+                           IN_COMPUTE_DTYPE)  # (the router stays in the compute dtype)
         b, s_local = logits.shape[:2]
         logits = router_losses(c, logits.astype(jnp.float32).reshape(b * s_local, e), self.tp,
                                bias)

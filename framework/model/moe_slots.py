@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from framework.config import ModelConfig
 from framework.model.layers import gated
-from framework.model.weight_ops import weight_op
+from framework.model.fp8_delayed import sent_in_e4m3
+from framework.model.weight_ops import Fp8Use, sent_scale, weight_op
 
 
 def capacity(cfg: ModelConfig, seq: int) -> int:
@@ -69,16 +70,32 @@ def _slot_experts(module, cfg: ModelConfig, buf, w_in, w_down, part: int):
     overlapped share of the `expert` bytes from 50% to 59%, 4 parts to 61%: the first
     dispatch and the last combine of a layer have nothing of the layer to hide behind."""
     ep, tag = module.tp.expert, f"_{part}" if part else ""
-    local = ep.exchange(buf) if ep.runs else buf  # [E/P, P n, d]: this device's experts
+    local, seen = _dispatched(module, ep, buf)  # [E/P, P n, d]: this device's experts
     # (current=False: under expert parallelism a device's slots mix the data replicas'
     # tokens, so a current FP8 scale of them would depend on the layout; every part's
     # op reads its matrix's FP8 state)
     gate_up = weight_op(module, "w_gate_up" + tag, "ecd,edgf->ecgf", local, w_in,
-                        current=False, matrix="w_gate_up")
+                        Fp8Use(current=False, matrix="w_gate_up", seen=seen))
     hidden = gated(cfg, gate_up)  # [E/P, P n, f]
     out = weight_op(module, "w_down" + tag, "ecf,efd->ecd", hidden, w_down,
-                    current=False, matrix="w_down")  # [E/P, P n, d]
+                    Fp8Use(current=False, matrix="w_down"))  # [E/P, P n, d]
     return ep.exchange_back(out) if ep.runs else out  # [E, n, d]
+
+
+def _dispatched(module, ep, buf):
+    """buf [E, n, d] -> (this device's experts' slots [E/P, P n, d], the tensor their
+    FP8 statistics are taken from: None where they are those slots). Under expert
+    parallelism with delayed FP8 (`model.fp8_dispatch`) the slots travel as E4M3 at
+    their matmul's delayed scale, which casts them there anyway (half of bfloat16's
+    bytes, the same numbers: `fp8_delayed.sent_in_e4m3`); their exponents are counted
+    on the sender's slots, before the cast. The way back stays in the compute dtype
+    (no scale of the experts' outputs is known before them)."""
+    if not ep.runs:
+        return buf, None
+    scale = sent_scale(module, "w_gate_up")
+    if scale is None:
+        return ep.exchange(buf), None
+    return sent_in_e4m3(ep.exchange, ep.exchange_back, buf, scale), buf
 
 
 def dropped_copies(cfg: ModelConfig, ids, rows: int):

@@ -12,6 +12,9 @@ framework/model/llama.py finds such weights).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,35 +26,52 @@ from framework.parallel import vma
 TAPS, SAVED, GIVEN, PRODUCTS = "taps", "matmul_inputs", "given_inputs", "matmul_outputs"
 
 
-def weight_op(module: nn.Module, name: str, eq: str, x, w, quantized: bool = True,
-              current: bool = True, matrix: str | None = None):
+@dataclass(frozen=True)
+class Fp8Use:
+    """How a weight op's matmul takes part in `model.fp8` (`weight_op`).
+
+    quantized  on FP8 operands (False: a MoE's router and shared-expert gate stay in
+               the compute dtype);
+    current    False where x's current scale would depend on the layout (a MoE's slots,
+               which mix the data replicas' tokens under expert parallelism): where
+               delayed scaling's filling step would scale x currently, x stays in the
+               compute dtype (w as its FP8 matmuls take it: `fp8.fp8_weight`), its
+               exponents counted (framework/model/fp8_delayed.py);
+    matrix     the parameter whose FP8 state (history, probes, gathered scale) the op
+               uses, where it is not the op's name (a MoE's slots in parts);
+    seen       the tensor x's statistics and exponents are taken from, where x arrived
+               cast to E4M3 at its delayed scale (`fp8_delayed.sent_in_e4m3`: a MoE's
+               slots before their exchange); x itself where None."""
+    quantized: bool = True
+    current: bool = True
+    matrix: str | None = None
+    seen: Any = None
+
+
+PLAIN, IN_COMPUTE_DTYPE = Fp8Use(), Fp8Use(quantized=False)
+
+
+def weight_op(module: nn.Module, name: str, eq: str, x, w, use: Fp8Use = PLAIN):
     """y = einsum(eq, x, w) (or eq(x, w) where eq is a function, x then any pytree):
     every use of a layer weight goes through here. Normally just
     that; for the zero-bubble split backward (framework/engine/split.py) it records x
     (collection SAVED), adds a zero tap whose gradient is dL/dy (TAPS), or, in the
     weight-gradient pass, reads x back (GIVEN) and records y (PRODUCTS). With
-    `model.fp8` a matmul runs on FP8 operands unless `quantized` is False (a MoE's
-    router and shared-expert gate stay in the compute dtype). `current` False: x's
-    current scale would depend on the layout (a MoE's slots, which mix the data
-    replicas' tokens under expert parallelism), so where delayed scaling's filling step
-    would scale x currently, x stays in the compute dtype (w as its FP8 matmuls take
-    it: `fp8.fp8_weight`), its exponents counted (framework/model/fp8_delayed.py).
-    `matrix`: the parameter whose FP8 state (history, probes, gathered scale) the op
-    uses, where it is not `name` (a MoE's slots in parts, one op per part)."""
+    `model.fp8` a matmul runs on FP8 operands as `use` says (`Fp8Use`)."""
     if module.has_variable(GIVEN, name):
         x = module.get_variable(GIVEN, name)
     if module.is_mutable_collection(SAVED):
         module.sow(SAVED, name, x, init_fn=lambda: None, reduce_fn=lambda _, v: v)
     if callable(eq):  # another product, y = eq(x, w) (the experts' grouped matmul)
         y = eq(x, w)
-    elif quantized and _fp8(module, eq, w):  # model.fp8
-        matrix = matrix or name
+    elif use.quantized and _fp8(module, eq, w):  # model.fp8
+        matrix, seen = use.matrix or name, x if use.seen is None else use.seen
         given, w_scale = _delayed(module, matrix), _given_scale(module, matrix)
-        if given is None and not current and module.cfg.fp8 == "delayed":  # filling:
+        if given is None and not use.current and module.cfg.fp8 == "delayed":  # filling:
             w = fp8.fp8_weight(w, module.tp.weight_max, w_scale)
-            y = _observe(module, matrix, x, jnp.einsum(eq, x, w))  # x in the compute dtype
+            y = _observe(module, matrix, seen, jnp.einsum(eq, x, w))  # x: compute dtype
         else:
-            y = _observe(module, matrix, x, fp8.fp8_einsum(
+            y = _observe(module, matrix, seen, fp8.fp8_einsum(
                 eq, x, w, module.tp.whole_max, w_scale, given, module.tp.weight_max), given)
     else:
         y = jnp.einsum(eq, x, w)
@@ -92,6 +112,17 @@ def _delayed(module: nn.Module, name: str):
     if module.has_variable(fp8_delayed.CURRENT, name):
         return None
     return fp8_delayed.scales(jax.lax.stop_gradient(history))
+
+
+def sent_scale(module: nn.Module, matrix: str):
+    """The scale x can travel at as E4M3 on its way to `matrix`'s matmul
+    (`fp8_delayed.sent_in_e4m3`): its delayed scale, with `model.fp8=delayed` and
+    `model.fp8_dispatch`, past the filling step; else None (x travels as it is)."""
+    cfg = getattr(module, "cfg", None)
+    if cfg is None or not fp8_delayed.sends_e4m3(cfg):
+        return None
+    given = _delayed(module, matrix)
+    return None if given is None else given[0]
 
 
 def _given_scale(module: nn.Module, name: str):

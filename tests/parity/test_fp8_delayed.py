@@ -43,6 +43,24 @@ def test_the_exponent_against_a_float64_reference(dtype):
     assert got.tolist() == want
 
 
+def test_a_tensor_sent_as_e4m3_arrives_as_its_matmul_casts_it():
+    """`sent_in_e4m3` at a power-of-two scale: E4M3 on the wire (its bits as uint8);
+    what arrives, cast at
+    the same scale (as its matmul does), is the cast of x itself, the saturated values
+    too (beyond 448 s); the gradient is `back` of dy, in x's dtype."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 64)) * 4, jnp.bfloat16)
+    scale, wire = jnp.float32(2.0 ** -6), []  # 448 s = 7: a few saturate
+    send = lambda v: wire.append(v.dtype) or v[::-1]  # a permutation, its own transpose
+    cast = lambda v: np.asarray(fp8.in_format(v.astype(jnp.float32), scale, fp8.E4M3),
+                                np.float32)
+    got, pull = jax.vjp(lambda v: fp8_delayed.sent_in_e4m3(send, send, v, scale), x)
+    assert wire == [jnp.uint8] and got.dtype == x.dtype  # (E4M3's bits)
+    assert np.array_equal(cast(got), cast(x[::-1])) and (np.abs(cast(x)) == 448).any()
+    dy = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
+    assert np.array_equal(np.asarray(pull(dy)[0], np.float32), np.asarray(dy[::-1], np.float32))
+
+
 def test_the_history_rolls_the_largest_counted_exponent():
     one = lambda a, d: fp8_delayed.one_hot(jnp.float32(a), d)
     # two microbatches' x (3.0 and 10.0: 10 <= 448 / 32) and one dy; nothing counted

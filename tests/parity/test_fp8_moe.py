@@ -73,16 +73,16 @@ def test_fp8_experts_on_a_layout_equal_one_device(model, layout, tolerance):
     assert worst(max_rel_err(grads, ref_grads)) < tolerance
 
 
-def _dots(jaxpr):
-    """The operand shapes and dtypes of every dot_general in a jaxpr, its inner ones too."""
+def _dots(jaxpr, primitive="dot_general"):
+    """The operand shapes and dtypes of every `primitive` in a jaxpr, its inner ones too."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == primitive:
             yield [(tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars]
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(inner, "jaxpr", inner)
                 if hasattr(inner, "eqns"):
-                    yield from _dots(inner)
+                    yield from _dots(inner, primitive)
 
 
 def test_the_experts_run_on_fp8_and_the_router_does_not():
@@ -118,6 +118,25 @@ EXPERT_LAYOUTS = [
                                                 microbatches=2, fsdp=True),
                  id="mixtral-ep2-fsdp"),
 ]
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_the_slots_travel_as_e4m3_past_the_filling_step(dispatch):
+    """Under expert parallelism with delayed scaling the dispatch's all-to-all carries
+    the slots as E4M3 (`model.fp8_dispatch`; their bits as uint8), the way back and the
+    filling step's in the compute dtype; with `model.fp8_dispatch=false` none in E4M3."""
+    model = dataclasses.replace(_fp8(QWEN3_MOE, "delayed"), fp8_dispatch=dispatch)
+    eng = engine(pipeline=1, data=2, tensor=1, expert=2, microbatches=1, model=model)
+    placed = eng.shard_params(params(model))
+
+    def exchanged(probes):
+        step = eng._loss_and_grads(probes=probes)
+        jaxpr = jax.make_jaxpr(step)(placed, eng.shard_batch(tokens(0))).jaxpr
+        return [ops[0][1] for ops in _dots(jaxpr, "all_to_all")]
+
+    steady, filling = exchanged("none"), exchanged("filling")
+    assert ("uint8" in steady) == dispatch and "uint8" not in filling  # (E4M3's bits)
+    assert steady.count("float32") >= 3  # (the way back, the backward's two)
 
 
 @pytest.mark.slow  # ~30 s each: one device's filling pass, then both sides' step
