@@ -112,6 +112,7 @@ def test_the_time_of_each_layout_counts_its_own_bytes():
     assert fsdp["comm_data"] > 2 * zero1["comm_data"]
 
 
+@pytest.mark.slow  # ~11 s
 def test_plan_command_line(capsys):
     from tools import plan
 

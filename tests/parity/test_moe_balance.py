@@ -26,6 +26,7 @@ BALANCED = dataclasses.replace(MODEL, family="qwen3_moe", n_layers=4, moe=MoeCon
     bias_update_rate=0.05, expert_groups=4, top_groups=2))
 
 
+@pytest.mark.slow  # ~7 s (the fast tier keeps the folder's bias check)
 def test_the_reference_bias_moves_and_changes_the_loss():
     losses, final = reference_losses(3, model=BALANCED)
     off = dataclasses.replace(BALANCED, moe=dataclasses.replace(BALANCED.moe,

@@ -24,7 +24,8 @@ MOE = dataclasses.replace(BF16, family="qwen3_moe", moe=MoeConfig(
     shared_gate=True, router="sigmoid", bias_update_rate=0.001))
 GEMMA = dataclasses.replace(BF16, family="gemma2")
 CASES = [
-    (FAMILY, dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="1f1b")),
+    pytest.param(FAMILY, dict(pipeline=2, data=1, tensor=2, microbatches=4,
+                              schedule="1f1b"), marks=pytest.mark.slow),  # (~13 s)
     pytest.param(MOE, dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="1f1b"),
                  marks=pytest.mark.slow),
     pytest.param(GEMMA, dict(pipeline=2, data=1, tensor=1, microbatches=4,

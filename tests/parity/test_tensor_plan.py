@@ -30,7 +30,8 @@ def test_local_shapes_come_from_the_rules():
 
 
 @pytest.mark.parametrize("split,sp", [
-    (("heads", "kv_heads", "vocab"), True),  # MLP replicated: runs on its sequence slice
+    pytest.param(("heads", "kv_heads", "vocab"), True,  # MLP replicated: on its
+                 marks=pytest.mark.slow),  # sequence slice (~5 s)
     (("mlp", "vocab"), True),  # attention replicated: gathers the sequence, keeps its slice
     (("heads", "kv_heads", "mlp"), False),  # vocabulary replicated: plain embedding and head
 ], ids=["no-mlp", "no-heads", "no-vocab"])
