@@ -156,8 +156,8 @@ def _early_sigint(signum, frame) -> None:
 def install_early_handlers() -> None:
     """SIGTERM and SIGINT handling for the whole process, installed before anything
     slow is imported (see the module docstring for what each does when)."""
-    signal.signal(signal.SIGTERM, _early_sigterm)
     signal.signal(signal.SIGINT, _early_sigint)
+    signal.signal(signal.SIGTERM, _early_sigterm)  # last: SIGTERM caught = both installed
     _PROCESS.installed = True
 
 
