@@ -60,11 +60,25 @@ _PARAMS = {}
 
 
 def params(model: ModelConfig = MODEL):
-    """Initial canonical parameters (jitted init, cached per model: eager Flax init
-    of a stacked model takes seconds on CPU)."""
+    """Initial canonical parameters as host (numpy) arrays (jitted init, cached per
+    model: eager Flax init of a stacked model takes seconds on CPU). On the host, an
+    engine's relayout of them (`shard_params`) is numpy indexing, not one small XLA
+    program compiled per leaf shape: those took ~15% of a parity test's time."""
     if repr(model) not in _PARAMS:
-        _PARAMS[repr(model)] = jax.jit(lambda key: init_params(model, key))(jax.random.key(0))
+        _PARAMS[repr(model)] = host(jax.jit(lambda key: init_params(model, key))(
+            jax.random.key(0)))
     return _PARAMS[repr(model)]
+
+
+def host(tree):
+    """Every array of `tree` as a numpy array (a device array is fetched whole)."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def canonical_of(eng, train_params):
+    """An engine's train-layout tree (parameters or gradients) in the canonical layout,
+    relaid out on the host (see `params`)."""
+    return eng.canonical_params(host(train_params))
 
 
 def engine(pipeline=1, data=1, tensor=1, microbatches=1, model=MODEL, train=TRAIN,
@@ -131,7 +145,7 @@ def engine_grads(eng, step=0, optimization_level=None):
         fn = fn.lower(*args).compile(
             compiler_options={"xla_backend_optimization_level": optimization_level})
     loss, grads = fn(*args)
-    return float(loss), eng.canonical_params(grads)
+    return float(loss), canonical_of(eng, grads)
 
 
 def engine_losses(eng, n_steps):
@@ -140,7 +154,7 @@ def engine_losses(eng, n_steps):
     for i in range(n_steps):
         state, metrics = eng.step(state, eng.shard_batch(tokens(i)))
         losses.append(float(metrics["train/loss"]))
-    return losses, eng.canonical_params(state["params"])
+    return losses, canonical_of(eng, state["params"])
 
 
 def max_rel_err(tree, ref_tree) -> dict:

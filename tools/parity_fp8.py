@@ -54,17 +54,20 @@ def measured(model, par, train, optim, docs, device):
     def run(params, tokens):
         placed = eng.shard_params(params)
         found = fn(placed, eng.shard_batch(tokens))[2]
-        return eng.canonical_params(probes.update(placed, found, eng.layout.resolved))
+        return eng.canonical_params(jax.device_get(  # on the host, as the search's
+            probes.update(placed, found, eng.layout.resolved)))
     return run
 
 
 def one_device(model, par, train, optim, docs, device):
     """(params, tokens) -> (loss, canonical grads) of the engine on one device with the
     layout's data x microbatches microbatches: what an FP8 layout must compute."""
+    import jax
+
     eng = _one_device_engine(model, par, train, optim, docs, device)
     fn = loss_and_grads(eng, model)
 
     def run(params, tokens):
         loss, grads = fn(eng.shard_params(params), eng.shard_batch(tokens))
-        return loss, eng.canonical_params(grads)
+        return loss, eng.canonical_params(jax.device_get(grads))
     return run

@@ -14,7 +14,8 @@ from framework.errors import ConfigError
 from framework.parallel.pipeline import buffers
 from framework.parallel.pipeline.program import program
 from framework.parallel.pipeline.schedule import make_schedule
-from tests.helpers import (engine, max_rel_err, params, reference_grads, tokens, worst)
+from tests.helpers import (canonical_of, engine, max_rel_err, params, reference_grads, tokens,
+                           worst)
 from tests.parity.test_expert_parallel import model_of
 from tests.parity.test_moe import check as check_moe
 
@@ -30,19 +31,19 @@ def check(ref, pp, dp, tp, mb, **kw):
     eng = engine(pp, dp, tp, mb, **COMBINED, **kw)
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
     assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
-    assert worst(max_rel_err(eng.canonical_params(grads), ref[1])) <= 1e-4
+    assert worst(max_rel_err(canonical_of(eng, grads), ref[1])) <= 1e-4
 
 
 def test_combined_1f1b_on_pp2_dp2_tp2_equals_one_device(ref):
     check(ref, 2, 2, 2, 4, schedule="1f1b")
 
 
+# (until 2026-12-01 also four stages with remat and interleaved with context 2: the
+# parity search draws the combined cells on every layout they run on)
 DENSE = {
     "interleaved_zero1_sp": (2, 2, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2,
                                               zero1=True, sequence_parallel=True)),
-    "pp4_remat": (4, 1, 1, 8, dict(schedule="1f1b", remat="full")),
     "uneven_fsdp": (2, 2, 1, 4, dict(schedule="1f1b", stage_layers=[3, 5], fsdp=True)),
-    "context": (2, 1, 2, 4, dict(schedule="interleaved_1f1b", virtual_stages=2, context=2)),
     "pp1": (1, 2, 2, 4, dict(schedule="1f1b")),  # no sends: F(i+1) beside BW(i) alone
 }
 

@@ -18,7 +18,8 @@ from framework.io.data import Dataset, document_mask
 from framework.model import attention, reference
 from framework.model.documents import DocumentMask, positions_in_document, segment_ids
 from framework.model.llama import cross_entropy_sum
-from tests.helpers import MODEL, engine, max_rel_err, params, stub_cudnn_checks, tokens, worst
+from tests.helpers import (canonical_of, MODEL, engine, max_rel_err, params, stub_cudnn_checks,
+                           tokens, worst)
 
 SEP = 0  # the end-of-document token of these tests
 
@@ -92,7 +93,7 @@ def _engine_vs_reference(mask: DocumentMask, model=MODEL, **layout):
     ref_loss, ref_grads = jax.jit(lambda p, t: reference.loss_and_grads(
         p, t, model, documents=mask))(params(model), packed())
     assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    assert worst(max_rel_err(eng.canonical_params(grads), ref_grads)) < 1e-4
+    assert worst(max_rel_err(canonical_of(eng, grads), ref_grads)) < 1e-4
 
 
 def test_masked_1f1b_with_tensor_and_sequence_parallelism_is_the_reference():

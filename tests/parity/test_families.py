@@ -13,7 +13,8 @@ from framework.analysis import audit, comm_model, memory_model
 from framework.model import flops
 from framework.model import reference
 from framework.model.llama import count_params, init_params
-from tests.helpers import MODEL, TRAIN, engine, max_rel_err, params, tokens, worst
+from tests.helpers import (canonical_of, MODEL, TRAIN, engine, host, max_rel_err, params, tokens,
+                           worst)
 
 # Qwen2's biases and Qwen3's q/k norm at once, with 8 heads of 12 (d_model 64).
 FAMILY = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True, explicit_head_dim=12)
@@ -29,7 +30,7 @@ def family_params():
     for key, name in ((k2, "q_norm"), (k3, "k_norm")):
         scale = attn[name]["scale"]
         attn[name] = {"scale": 1 + 0.3 * jax.random.normal(key, scale.shape)}
-    return {**p, "layers": {**p["layers"], "attn": attn}}
+    return host({**p, "layers": {**p["layers"], "attn": attn}})
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def ref():
 def grads_on(eng):
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(family_params()),
                                           eng.shard_batch(tokens(0)))
-    return float(loss), eng.canonical_params(grads)
+    return float(loss), canonical_of(eng, grads)
 
 
 def check(eng, ref):
@@ -59,13 +60,13 @@ def test_biases_and_qk_norm_train_exactly_on_pp2_dp2_tp2_1f1b(ref):
     check(engine(2, 2, 2, 4, model=FAMILY, schedule="1f1b"), ref)
 
 
+# (until 2026-12-01 also FSDP and interleaved stages with remat, here and for Gemma 2
+# below FSDP and ZB-H1 (ZB-V's case runs the split backward): the parity search draws
+# the families on every path)
 LAYOUTS = {  # (pipeline, data, tensor, microbatches), settings
     "zb_h1": ((2, 1, 2, 4), dict(schedule="zb_h1")),  # the split backward's bias op
     "sp+collective+zero1": ((2, 2, 2, 2), dict(sequence_parallel=True,
                                                collective_matmul=True, zero1=True)),
-    "fsdp": ((1, 4, 2, 2), dict(fsdp=True)),
-    "remat": ((2, 2, 2, 2), dict(remat="full", schedule="interleaved_1f1b",
-                                 virtual_stages=2)),
     "context": ((1, 2, 2, 1), dict(context=2)),
     "blockwise": ((2, 1, 4, 2), dict()),
 }
@@ -83,7 +84,7 @@ def test_biases_and_qk_norm_train_exactly_on_every_path(name, ref):
 
 
 def test_count_params_and_flops_count_biases_norms_and_head_width():
-    leaves = jax.eval_shape(lambda: params(FAMILY))
+    leaves = jax.eval_shape(lambda: init_params(FAMILY, jax.random.key(0)))
     assert count_params(FAMILY) == sum(x.size for x in jax.tree.leaves(leaves))
     attention = 12 * FAMILY.n_layers * FAMILY.n_heads * 12 * 16  # PaLM's 12 L H Q T, Q = 12
     assert flops.model_flops_per_token(FAMILY, 16) == 6 * flops.matmul_params(FAMILY) + attention
@@ -170,7 +171,7 @@ def gemma_params():
     keys = jax.random.split(jax.random.key(2), len(leaves))
     scaled = [0.3 * jax.random.normal(k, x.shape) if "scale" in jax.tree_util.keystr(path)
               else x for k, (path, x) in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, scaled)
+    return host(jax.tree.unflatten(tree, scaled))
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,7 @@ def gemma_check(eng, ref):
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(gemma_params()),
                                           eng.shard_batch(tokens(0)))
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    errs = max_rel_err(eng.canonical_params(grads), ref_grads)
+    errs = max_rel_err(canonical_of(eng, grads), ref_grads)
     assert worst(errs) <= 1e-4, errs
 
 
@@ -202,14 +203,12 @@ def test_gemma_settings_matter_and_train_exactly_on_pp2_dp2_tp2_1f1b_sp(gemma_re
 
 
 GEMMA_LAYOUTS = {  # (pipeline, data, tensor, microbatches), settings
-    "zb_h1": ((2, 1, 2, 4), dict(schedule="zb_h1")),
     # 4 global stages of 1, 3, 2, 2 layers over 2 ranks: layer 1 opens stage 1 on rank 1
     "interleaved_uneven": ((2, 2, 1, 4), dict(schedule="interleaved_1f1b", virtual_stages=2,
                                               stage_layers=(1, 3, 2, 2), remat="full")),
     # stages 0..3 (layers from 0, 1, 3, 6) on ranks 0, 1, 1, 0
     "zb_v": ((2, 1, 1, 4), dict(schedule="zb_v", stage_layers=(1, 2, 3, 2))),
     "context_blockwise": ((1, 2, 2, 1), dict(context=2)),
-    "fsdp": ((1, 4, 2, 2), dict(fsdp=True)),
     "blockwise_save_dots": ((2, 1, 2, 2), dict(remat="save_dots")),
 }
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from framework.model import fp8, fp8_delayed
-from tests.helpers import (MODEL, engine, engine_losses, max_rel_err, params, tokens,
-                           worst)
+from tests.helpers import (canonical_of, MODEL, engine, engine_losses, max_rel_err, params,
+                           tokens, worst)
 
 DELAYED = dataclasses.replace(MODEL, fp8="delayed", fp8_history=4)
 TENSORWISE = dataclasses.replace(MODEL, fp8="tensorwise")
@@ -104,7 +104,7 @@ def _measured():
 
 def _grads(eng, canonical):
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(canonical), eng.shard_batch(tokens(5)))
-    return float(loss), eng.canonical_params(grads)
+    return float(loss), canonical_of(eng, grads)
 
 
 # Without tensor parallelism a step's numbers are one device's to 5e-5. With it, the
