@@ -15,6 +15,10 @@ LAYOUTS = [  # (pipeline, data, tensor, microbatches)
 FAST = {(1, 1, 1, 1), (1, 1, 4, 1), (2, 2, 2, 4), (1, 2, 4, 2)}  # fast tier
 ONE_STEP = [layout if layout in FAST else pytest.param(*layout, marks=pytest.mark.slow)
             for layout in LAYOUTS]
+# five optimizer steps on each axis alone and on the three mixed (until 2026-12-01 on all
+# eleven: the others' one step above is exact, the optimizer's state is per leaf)
+ADAMW = [(1, 1, 1, 1), (4, 1, 1, 4), (1, 8, 1, 2), (1, 1, 4, 1), (2, 2, 2, 4), (2, 1, 4, 2),
+         (4, 2, 1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def test_one_step_loss_and_gradients_match_reference(pp, dp, tp, mb, ref_grads):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,dp,tp,mb", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("pp,dp,tp,mb", ADAMW, ids=lambda v: str(v))
 def test_five_adamw_steps_match_reference(pp, dp, tp, mb, ref_losses):
     losses, _ = engine_losses(engine(pp, dp, tp, mb), 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -85,12 +85,10 @@ def check(model, **layout):
 @pytest.mark.slow  # 20-25 s each on 2 shared cores
 @pytest.mark.parametrize("layout", [
     dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b", expert=2),
-    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="zb_h1",
-         sequence_parallel=True),
-    dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="interleaved_1f1b",
-         virtual_stages=2, fsdp=True),
     dict(pipeline=2, data=1, tensor=2, microbatches=2, context=2, stage_layers=(3, 5)),
-], ids=["1f1b_expert", "zb_h1_sp", "interleaved_fsdp", "gpipe_context_uneven"])
+], ids=["1f1b_expert", "gpipe_context_uneven"])  # (until 2026-12-01 also ZB-H1 with SP and
+# interleaved FSDP: the split backward's probe is tested below, the statistics are the
+# tokens' whatever the schedule)
 def test_metrics_on_pipelined_layouts_equal_a_recount(layout):
     check(DEEP, **layout)
 

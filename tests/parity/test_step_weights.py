@@ -22,14 +22,10 @@ FAMILY = dataclasses.replace(BF16, qkv_bias=True, qk_norm=True)
 MOE = dataclasses.replace(BF16, family="qwen3_moe", moe=MoeConfig(
     experts=4, top_k=2, expert_hidden=32, renormalize=True, shared_experts=1,
     shared_gate=True, router="sigmoid", bias_update_rate=0.001))
-GEMMA = dataclasses.replace(BF16, family="gemma2")
+# (until 2026-12-01 also Qwen's biases and QK norms on 1F1B with tensor 2 and Gemma 2
+# on interleaved stages: the parity search draws the families on every schedule)
 CASES = [
-    pytest.param(FAMILY, dict(pipeline=2, data=1, tensor=2, microbatches=4,
-                              schedule="1f1b"), marks=pytest.mark.slow),  # (~13 s)
     pytest.param(MOE, dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="1f1b"),
-                 marks=pytest.mark.slow),
-    pytest.param(GEMMA, dict(pipeline=2, data=1, tensor=1, microbatches=4,
-                             schedule="interleaved_1f1b", virtual_stages=2),
                  marks=pytest.mark.slow),
     pytest.param(BF16, dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1",
                             sequence_parallel=True), marks=pytest.mark.slow),
@@ -39,8 +35,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("model,layout", CASES,
-                         ids=["family-tp", "moe-dp", "gemma-interleaved", "zb_h1-sp",
-                              "combined-none"])
+                         ids=["moe-dp", "zb_h1-sp", "combined-none"])
 def test_the_weights_made_once_a_step_change_no_number(model, layout, monkeypatch):
     once = engine_grads(engine(model=model, **layout))
     monkeypatch.setattr(step_weights, "once_a_step", lambda *args, **kw: None)
