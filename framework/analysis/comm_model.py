@@ -197,15 +197,16 @@ def expert_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     n = lay.rows_per_microbatch * lay.seq_per_device * model.moe.top_k  # copies N
     if model.moe.capacity_factor is None and parallel.expert_exchange == "ragged":
         rows, ids = (e - 1) * n * width / e, 0  # the balanced expectation: (E-1)/E of N
+        there = rows  # the dispatch's bytes
     elif model.moe.capacity_factor is None:  # worst-case buffers (and the dense's ids)
         rows = (e - 1) * n * width  # (E-1)/E of [E, N, d]
         ids = (e - 1) * n * 4 if parallel.expert_exchange != "emulated" else 0
+        there = rows
     else:  # the slots (framework/model/moe.py), no ids: (E-1)/E of [E_total, rows C, d]
         slots = model.moe.experts * lay.rows_per_microbatch * capacity(model, train.seq_len)
         rows, ids = (e - 1) * slots * width / e, 0
-    there = rows  # the dispatch; with delayed FP8 the slots go as E4M3 (moe_slots.py)
-    if model.moe.capacity_factor is not None and fp8_delayed.sends_e4m3(model):
-        there = rows / dtype_bytes(model.dtype)
+        # with delayed FP8 the slots go out as E4M3, one byte an element (moe_slots.py)
+        there = rows / dtype_bytes(model.dtype) if fp8_delayed.sends_e4m3(model) else rows
     forward = there + rows + ids  # copies (and ids) out, outputs back
     per_layer = forward + 2 * rows + (forward if lay.recomputes else 0)
     if lay.program.schedule.split_backward and lay.remat.keeps_inputs_only:

@@ -131,7 +131,8 @@ _observed.defvjp(_observed_fwd, _observed_bwd)
 def sends_e4m3(model) -> bool:
     """Whether a tensor on its way to a matmul travels as E4M3 at its delayed scale
     (`sent_in_e4m3`; a MoE's slots under expert parallelism): `model.fp8=delayed` and
-    `model.fp8_dispatch`, past the filling step."""
+    `model.fp8_dispatch` (the filling step, whose scales are not yet measured, sends
+    them in the compute dtype: the caller's `weight_ops.sent_scale` says when)."""
     return getattr(model, "fp8", "none") == "delayed" and bool(model.fp8_dispatch)
 
 

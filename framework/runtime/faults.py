@@ -125,9 +125,12 @@ _PROCESS = _ProcessState()
 
 
 def _say_and_exit(message: str, status: int) -> None:
-    from framework.runtime.quiet import terminal_fd
-
-    os.write(terminal_fd(), (message + "\n").encode())
+    # Nothing imported here: the signal may arrive while the main thread imports the
+    # module (an import from the handler then failed on the partly made module, a
+    # traceback and exit 1, in CI on 2026-12-01). Before quiet.py has redirected fd 2
+    # (its `terminal_fd` defined and called), fd 2 is the terminal.
+    terminal_fd = getattr(sys.modules.get("framework.runtime.quiet"), "terminal_fd", None)
+    os.write(terminal_fd() if terminal_fd else 2, (message + "\n").encode())
     os._exit(status)  # nothing of the run exists yet: no cleanup to do
 
 

@@ -390,3 +390,17 @@ def test_a_lock_folder_that_is_a_file_is_named_in_one_line(tmp_path):
     for folder in (tmp_path / "afile", tmp_path / "afile" / "sub"):
         with pytest.raises(errors.ConfigError, match=f"{tmp_path / 'afile'} is a file, not a folder"):
             runlock.acquire(folder)
+
+
+def test_a_signal_during_an_import_still_ends_in_one_line():
+    """The early handlers' message, with the module that knows the terminal only partly
+    imported (the signal arrived while the main thread imported it): the line and the
+    status, not an ImportError from the handler (CI, 2026-12-01: Ctrl-C in the first
+    instant gave a traceback and exit 1)."""
+    code = ("import sys, types\n"
+            "sys.modules['framework.runtime.quiet'] = types.ModuleType('partly made')\n"
+            "from framework.runtime import faults\n"
+            "faults._say_and_exit('error: interrupted', faults.INTERRUPTED_EXIT)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (130, "error: interrupted\n", "")
