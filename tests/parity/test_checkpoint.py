@@ -23,7 +23,7 @@ from framework.io.checkpoint import manager as checkpoint
 from framework.io.checkpoint import paths
 from framework.io.checkpoint.manager import Checkpointer
 from framework.run import start
-from tests.helpers import canonical_of, MODEL, TRAIN, engine, max_rel_err, params, worst
+from tests.helpers import canonical_of, MODEL, TRAIN, engine, host, max_rel_err, params, worst
 
 pytestmark = pytest.mark.slow  # every test shares two 10-step training runs
 
@@ -51,10 +51,6 @@ def initial_params():
     return params()
 
 
-def host(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
 def canonical_host(eng, state):
     return host(eng.layout.to_canonical(state))
 
@@ -67,7 +63,7 @@ def rel(a, b):
 def uninterrupted():
     eng = engine(*LAYOUT)
     state, losses = run(eng, eng.init_state(initial_params()), 0, STEPS)
-    return eng, losses, host(canonical_of(eng, state["params"]))
+    return eng, losses, canonical_of(eng, state["params"])
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +105,7 @@ def test_resume_equals_uninterrupted_run(uninterrupted, saved):
     assert jax.tree.map(lambda a: a.sharding, state) == fresh.state_shardings
     state, losses = run(fresh, state, SAVE_AT, STEPS)
     assert np.max(rel(losses, ref_losses[SAVE_AT:])) <= 1e-6, (losses, ref_losses)
-    final = host(canonical_of(fresh, state["params"]))
+    final = canonical_of(fresh, state["params"])
     assert jax.tree.all(jax.tree.map(np.array_equal, final, ref_params))
 
 
@@ -129,7 +125,7 @@ def test_restore_under_another_layout_continues_the_same_run(layout, kw, uninter
     assert jax.tree.map(lambda a: a.sharding, state) == eng.state_shardings
     state, losses = run(eng, state, SAVE_AT, STEPS)
     assert np.max(rel(losses, ref_losses[SAVE_AT:])) <= 1e-5, (losses, ref_losses)
-    assert worst(max_rel_err(host(canonical_of(eng, state["params"])), ref_params)) <= 1e-4
+    assert worst(max_rel_err(canonical_of(eng, state["params"]), ref_params)) <= 1e-4
 
 
 @pytest.mark.parametrize("kw", [
