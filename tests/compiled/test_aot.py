@@ -45,11 +45,13 @@ def cpu_bytes(schedule: str, *overrides: str) -> dict:
             if k.startswith("comm/bytes_per_step/")}
 
 
-# The tick loop with a fused and a split backward and the V on the TPU compiler, the
-# autodiff executor too on the GPU compiler: the suite stays within its time (circular
-# and interleaved_1f1b add no kind of collective or loop to these).
+# The tick loop with a fused and a split backward and the V on the GPU compiler, a
+# fused backward and the V on the TPU's: the suite stays within its time (circular
+# and interleaved_1f1b add no kind of collective or loop to these; GPipe's autodiff
+# executor on the GPU compiler until 2026-12-01: it is compiled for the 8B recipe's
+# memory below).
 TPU_SCHEDULES = {"1f1b", "zb_v"}
-GPU_SCHEDULES = {"gpipe", "1f1b", "zb_h1", "zb_v"}
+GPU_SCHEDULES = {"1f1b", "zb_h1", "zb_v"}
 
 
 def every_schedule():
@@ -227,7 +229,7 @@ def test_bfloat16_parameters_save_memory_and_data_bytes_on_the_gpu_compiler():
     assert abs(expected / data["bfloat16"] - 1) <= 0.02
 
 
-@pytest.mark.slow  # 65 s alone (2026-12-01)
+@pytest.mark.slow  # 44 s alone (65 s with the recipe's 16 layers; 2026-12-01)
 def test_the_memory_model_counts_zero1_gathers_on_the_tpu_compiler():
     """ZeRO-1 with one chunk a rank on the TPU compiler: the layers' weights gathered in
     bfloat16 take the place of the stage's cast the program holds anyway, only the
@@ -244,9 +246,11 @@ def test_the_memory_model_counts_zero1_gathers_on_the_tpu_compiler():
     here 19.51 GiB summed against a peak of 17.14 on 2026-12-01). Until then a test of
     its own compiled four 8B layers, ZB-H1, 1,024 sequences on tpu:v5p-32, whose sum
     (100.6 GiB) is over the chip's 95.74 GiB and whose peak (74.8) fits: 2-3 minutes
-    of the suite for the same reading."""
+    of the suite for the same reading. Four layers since 2026-12-01 (predicted 0.998x
+    the peak, the sum 1.31x it; 16 layers 1.019x and 1.14x): the layers' scan compiles
+    in the same time whatever their count, the rest a third faster."""
     got = report("tpu:v5p-16", "parallel.schedule=1f1b", "parallel.zero1=true",
-                 "model.loss_chunk=0", recipe="llama_1b_8gpu")
+                 "model.loss_chunk=0", "model.n_layers=4", recipe="llama_1b_8gpu")
     ratio = got["memory/predicted_bytes_per_device"] / got["memory/compiled_bytes_per_device"]
     assert 0.95 <= ratio <= 1.06, ratio
     summed = sum(got[f"memory/{p}_bytes_per_device"] for p in ("argument", "output", "temp"))

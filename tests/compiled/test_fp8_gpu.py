@@ -72,13 +72,14 @@ def test_data_parallel_gathers_send_the_8b_layers_as_fp8_on_the_gpu_compiler(sha
     halve); 2026-11-30, ZeRO-1: 1,396.9 against 1,500.9 (its bfloat16 gather of the
     layers' matrices halved; the float32 embedding and the reduce-scatters in float32
     are most of it at 4 layers; 1,522.1 against 1,834.1 when the plain gather sent the
-    matrices as stored)."""
+    matrices as stored). The plain gather under FSDP only (until 2026-12-01 ZeRO-1's
+    too, 24 s of the suite: the FP8 gather is what this file checks)."""
     from framework.analysis import comm_model
 
     fsdp = ("model.fp8=tensorwise", "parallel.collective_matmul=false", "parallel.pipeline=1",
             "parallel.data=2", "parallel.microbatches=2") + sharding
     got = {}
-    for gather in ("true", "false"):
+    for gather in ("true", "false") if "parallel.fsdp=true" in sharding else ("true",):
         cfg = compose_recipe("llama3_8b", *SMALLER, *fsdp, f"model.fp8_gather={gather}",
                              config="compile")
         measured = program.compile_report(cfg, targets.parse(cfg.target))
@@ -86,7 +87,8 @@ def test_data_parallel_gathers_send_the_8b_layers_as_fp8_on_the_gpu_compiler(sha
                                              param_dtype=cfg.optim.param_dtype)["data"]
         got[gather] = measured["comm/bytes_per_step/data"]
         assert abs(got[gather] / expected - 1) < 0.01, (gather, got[gather], expected)
-    assert got["true"] < 0.95 * got["false"]
+    if "false" in got:
+        assert got["true"] < 0.95 * got["false"]
 
 
 def test_save_dots_keeps_an_fp8_matmuls_output_in_the_compute_dtype():

@@ -64,6 +64,7 @@ def test_ring_attention_is_dense_attention_on_the_whole_sequence(c, permute, att
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
 
 
+@SLOW  # (15 s; the fast tier <= 5 min: it keeps the plain rings)
 def test_ring_attention_with_a_window_and_a_softcap():
     """Each chunk pair at its global positions: a window of 5 over chunks of 4 leaves
     some pairs wholly outside it; soft-capped scores (the backward's 1 - tanh^2)."""
@@ -90,8 +91,9 @@ def ref():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b", remat="full",
-         sequence_parallel=True),
+    pytest.param(dict(pipeline=2, context=2, tensor=2, microbatches=4, schedule="1f1b",
+                      remat="full", sequence_parallel=True), marks=SLOW),  # (16 s: the
+    # fast tier <= 5 min; it keeps the rings against dense attention above)
     pytest.param(dict(pipeline=1, data=2, context=4, tensor=1, microbatches=2), marks=SLOW),
     pytest.param(dict(pipeline=2, data=2, context=2, tensor=1, microbatches=4, zero1=True),
                  marks=SLOW),

@@ -118,7 +118,8 @@ def test_every_layout_trains_like_one_device(kw, request):
         assert worst(errs["layers"]["dense_0"]) <= 1e-4
 
 
-@pytest.mark.parametrize("cfg", [PREFIXED, UNITS], ids=("prefix", "every2"))
+@pytest.mark.parametrize("cfg", [PREFIXED, pytest.param(UNITS, marks=pytest.mark.slow)],
+                         ids=("prefix", "every2"))  # (every2: 9 s, the fast tier's time)
 def test_greedy_decoding_with_the_cache_equals_the_full_forward(cfg):
     dec = decode.Decoder(cfg, make_mesh(ParallelConfig()))
     p = dec.place(params(cfg))

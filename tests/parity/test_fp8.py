@@ -41,8 +41,9 @@ LAYOUTS = [
     # collective matmuls: the rings' blocks quantized with the whole tensor's scale,
     # E4M3 blocks travelling (framework/model/fp8.py); with FSDP's FP8 gathers (w's
     # scale given) and under a pipeline
-    dict(pipeline=1, data=1, tensor=2, microbatches=2, sequence_parallel=True,
-         collective_matmul=True),
+    pytest.param(dict(pipeline=1, data=1, tensor=2, microbatches=2, sequence_parallel=True,
+                      collective_matmul=True), marks=pytest.mark.slow),  # (12 s: the fast
+    # tier <= 5 min; it keeps the once-a-step gathers below)
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
                       sequence_parallel=True, collective_matmul=True, fsdp=True,
                       level1=True),

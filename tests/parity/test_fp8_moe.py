@@ -158,17 +158,19 @@ def test_fp8_experts_split_over_expert_devices_equal_one_device(model, layout):
     assert worst(max_rel_err(grads, ref_grads)) < 5e-5
 
 
-@pytest.mark.slow  # ~100 s: two engines, two steps each, then the train step
+@pytest.mark.slow  # ~50 s: two engines, two steps each, then the train step
 def test_delayed_histories_fill_beside_the_routers_statistics():
     """Delayed scaling with MoE: the step carries both probes (the routers'
     statistics and the exponents), so the experts' histories fill, equal to the bit
     on a layout without tensor parallelism, the experts split over `expert` devices
     (the filling step runs them in the compute dtype there and on one device: their
     inputs' current scale would depend on the layout), the losses match one device's,
-    and both kinds of metrics are reported."""
+    and both kinds of metrics are reported. (1F1B: until 2026-12-01 ZB-H1, twice the
+    time; delayed histories under a split backward are tested without experts in
+    test_fp8_delayed.py, and the parity search draws them with experts.)"""
     model = _fp8(SHARED_SIGMOID, "delayed")
     eng = engine(pipeline=2, data=2, tensor=1, expert=2, expert_chunks=2, microbatches=2,
-                 schedule="zb_h1", model=model)
+                 schedule="1f1b", model=model)
     losses, canonical = engine_losses(eng, 2)
     ref_losses, ref = engine_losses(engine(1, 1, 1, 4, model=model), 2)
     mine, theirs = _histories(canonical), _histories(ref)

@@ -59,8 +59,11 @@ def test_loss_and_every_gradient_match_the_reference(name, pp, mb, dp, tp, v, kw
     assert worst(max_rel_err(canonical_of(eng, grads), ref[1])) <= 1e-4
 
 
+# (The tick executor's three kinds of program: a fused backward, a split one, the V;
+# until 2026-12-01 every schedule, 64 s of the suite. GPipe's autodiff and 1F1B train
+# five AdamW steps in test_layouts.py; the parity search draws ZeRO-1 and SP on each.)
 @pytest.mark.slow
-@pytest.mark.parametrize("name", schedules.schedule_names())
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "zb_h1", "zb_v"])
 def test_five_adamw_steps_with_zero1_and_sp_train_like_the_reference(name):
     v = 2 if schedules.uses_virtual_stages(name) else 1
     ref_losses, _ = reference_losses(5)
@@ -142,11 +145,12 @@ def test_thirty_layers_train_on_four_stages_like_the_reference():
     assert worst(max_rel_err(got, ref_params)) <= 1e-4
 
 
+# (Each kind of program once, sends overlapped or not in turn; until 2026-12-01 each
+# both ways, 49 s of the suite: the parity search draws the dispatch with either.)
 @pytest.mark.slow
-@pytest.mark.parametrize("name,v,remat", [("1f1b", 1, "none"), ("interleaved_1f1b", 2, "none"),
-                                          ("zb_h1", 1, "none"), ("zb_v", 1, "none"),
-                                          ("zb_h1", 1, "full")])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sync"])
+@pytest.mark.parametrize("name,v,remat,overlap", [
+    ("1f1b", 1, "none", True), ("interleaved_1f1b", 2, "none", False),
+    ("zb_h1", 1, "none", True), ("zb_v", 1, "none", False), ("zb_h1", 1, "full", False)])
 def test_the_accelerator_dispatch_matches_the_reference(name, v, remat, overlap, ref,
                                                         monkeypatch):
     """The tick executor as it runs on GPUs before jaxlib 0.11.2 (`Cells.apart`: the

@@ -28,11 +28,13 @@ def test_a_pass_runs_once(tmp_path, monkeypatch):
     assert _isolate("test_passes", tmp_path, monkeypatch) == (True, 1)
 
 
+@pytest.mark.slow  # (8 s; the fast tier <= 5 min: it keeps a pass and a failure)
 def test_an_abort_then_a_pass_passes_with_the_abort_quoted(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="aborted natively(.|\n)*first run aborts"):
         assert _isolate("test_aborts_once", tmp_path, monkeypatch) == (True, 2)
 
 
+@pytest.mark.slow  # (5 s)
 def test_a_second_abort_fails(tmp_path, monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="after a first run that aborted"):
         _isolate("test_aborts_always", tmp_path, monkeypatch)
