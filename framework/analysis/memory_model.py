@@ -233,7 +233,7 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
     return full - (stage_weights * (1 - cast) if cast is not None else 0)
 
 
-def _tick_kept(state: dict, v: int, gathered: float) -> float:
+def _tick_kept(state: dict, v: int, gathered: float, per_use: bool = False) -> float:
     """The tick executor's state (`executor_state`: with a split backward and a pair
     of ticks a step, B's douts held for the next tick too) + with overlapped sends the
     message arriving beside the cell, one per pending one + the weights made once a
@@ -241,8 +241,12 @@ def _tick_kept(state: dict, v: int, gathered: float) -> float:
     (the GPU compiler's peak, gpu:h100x8, 2026-11-30, copy on against off: llama3_8b
     +0.25 GiB of its 1.87 GiB copy, one chunk; llama_1b_8gpu zb_v remat=none, two
     chunks, +0.34 of 0.45; qwen3_30b_a3b at pp4-tp2, six chunks, +3.06 of 6.97). With
-    ZeRO-1 (`gathered`) the copy is the gathered values (`_zero1_gathered` counts them)."""
-    weights = 0 if gathered else state["weights"] * (v - 1) / v
+    ZeRO-1 (`gathered`) the copy is the gathered values (`_zero1_gathered` counts them).
+    With FSDP per use (`per_use`) the copy is the FP8 matrices FSDP leaves whole, all of
+    it held: the uses had quantized them a layer at a time (qwen3_30b_a3b at 8 layers,
+    FP8 delayed, gpu:h100x8, 2026-12-01: 1.13 GiB)."""
+    weights = state["weights"] if per_use else \
+        0 if gathered else state["weights"] * (v - 1) / v
     return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
         state["held"] + weights
 
@@ -318,7 +322,7 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         backward = _layer_extras(lay, layer_backward + state["slot"], w, width)
         grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
         head = head_bytes(lay, "1f1b", platform)
-        return _tick_kept(state, v, gathered), head, backward, grads
+        return _tick_kept(state, v, gathered, lay.gathers_per_use), head, backward, grads
     # autodiff: every forward tick's residuals, until the backward
     res = _layer_residuals(lay, lay.layer_remat)
     ticks = sched.forward_rows().n_ticks

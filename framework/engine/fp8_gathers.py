@@ -150,14 +150,27 @@ def step_gather(zero1_dims, model, whole_max):
 
 def on_params(gather):
     """A layer's gather that takes the layer's Flax variables ({'params', and the train
-    step's FP8 probes: framework/engine/fp8_probe.py}) or its params alone, and gathers
-    the params."""
+    step's FP8 probes: framework/engine/fp8_probe.py, and the scales of the matrices
+    quantized once a step: framework/engine/step_weights.py}) or its params alone, and
+    gathers the params; the scales the gather gives join those the layer had."""
     if gather is None:
         return None
 
     def run(tree):
         if "params" not in tree:
             return gather(tree)
-        return {**tree, **fp8.variables(gather(tree["params"]))}
+        got = fp8.variables(gather(tree["params"]))
+        if fp8.SCALES in tree and fp8.SCALES in got:
+            got = dict(got, **{fp8.SCALES: _merged(tree[fp8.SCALES], got[fp8.SCALES])})
+        return {**tree, **got}
 
     return run
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """Two nested dicts of scales, each matrix's in one of them, as one."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and key in out \
+            else value
+    return out

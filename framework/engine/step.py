@@ -101,7 +101,7 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
         head_loss=head_loss,
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=stack_gather) if split else None,
-        weights=step_weights.once_a_step(model, tp.weight_max, per_use is not None),
+        weights=step_weights.once_a_step(model, tp.weight_max, per_use),
         pass_through=options.pass_through)
 
 

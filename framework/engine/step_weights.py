@@ -21,10 +21,14 @@ The cost is memory: the copy, two bytes an element of the rank's matrices, held
 through the loop (framework/analysis/memory_model.py); under `parallel.remat=none` a
 stash slot no longer keeps its own cast of each matrix.
 
-Not made where the uses gather their weights (FSDP per use: each gather casts or
-quantizes its layer, framework/engine/step.py), and not used by the autodiff executor
-(GPipe, circular), whose autodiff would sum a loop-invariant copy's cotangents in the
-compute dtype.
+Where the uses gather their weights (FSDP per use: each gather casts or quantizes its
+layer, framework/engine/step.py) only the FP8 matrices FSDP leaves whole are made here
+(a MoE's experts split over `expert` as many ways as `data`): each use had quantized
+them from the stored float32, and the GPU compiler had carried them into the tick loop
+in float32 in the layouts the FP8 GEMMs read (docs/performance.md: qwen3_30b_a3b's
+FP8 memory, 2026-12-01).
+Not used by the autodiff executor (GPipe, circular), whose autodiff would sum a
+loop-invariant copy's cotangents in the compute dtype.
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ def _cast(dtype, stacked: int):
     return lambda a: a.astype(dtype) if data_parallel.narrowed(a, stacked, dtype) else a
 
 
-def _quantized(chunks, model: ModelConfig, whole_max):
+def _quantized(chunks, model: ModelConfig, whole_max, which=None):
     """The chunks' Flax variables with each FP8 matrix quantized, a scale per layer
     ({'params', SCALES, ...} as FSDP's FP8 gathers make them; the E4M3 values in the
     compute dtype); the chunks as they are without FP8, or where the step's gather
-    quantized them already (ZeRO-1's FP8 gathers)."""
+    quantized them already (ZeRO-1's FP8 gathers). `which`: the key paths
+    (`jax.tree_util.keystr`) of the matrices to quantize (default: every one)."""
     if model.fp8 == "none" or fp8.SCALES in chunks:
         return chunks
     variables, dtype = fp8.variables(chunks), jnp.dtype(model.dtype)
@@ -60,8 +65,19 @@ def _quantized(chunks, model: ModelConfig, whole_max):
         w8, s = quantize_layers(w, dtype, whole_max, STACKED)
         return w8.astype(dtype), s
 
-    every = jax.tree.map(lambda _: 0, variables["params"])  # (no dimension gathered)
-    return {**variables, **quantized_matrices(variables["params"], every, quantize)}
+    picked = jax.tree_util.tree_map_with_path(  # 0: no dimension gathered; None: as is
+        lambda path, _: 0 if which is None or jax.tree_util.keystr(path) in which else None,
+        variables["params"])
+    return {**variables, **quantized_matrices(variables["params"], picked, quantize)}
+
+
+def _whole_matrices(dims) -> frozenset:
+    """FSDP per use: the key paths of the FP8 matrices FSDP does not split (`dims`, its
+    dimension per stored leaf: None there)."""
+    found = jax.tree_util.tree_leaves_with_path(
+        jax.tree_util.tree_map_with_path(lambda path, d: d is None and fp8.is_matrix(path),
+                                         dims, is_leaf=lambda d: d is None))
+    return frozenset(jax.tree_util.keystr(path) for path, whole in found if whole)
 
 
 def _accumulators(chunks, stored):
@@ -73,13 +89,16 @@ def _accumulators(chunks, stored):
     return {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES]}
 
 
-def once_a_step(model: ModelConfig, whole_max, per_use: bool):
+def once_a_step(model: ModelConfig, whole_max, per_use=None):
     """params {'embed', 'head', 'chunks' [v, Lc, ...]} -> (the params the cells compute
-    with, the tree their gradients accumulate like); None where the uses gather their
-    weights (FSDP per use). The embedding stays as stored (a lookup's gradient
+    with, the tree their gradients accumulate like). `per_use`: FSDP's dimension per
+    stored leaf where the uses gather their weights: then only the FP8 matrices it
+    leaves whole are quantized here (the rest as stored), and None is returned where
+    there are none (or no FP8). The embedding stays as stored (a lookup's gradient
     scatter-adds rows: summed in the stored dtype)."""
-    if per_use:
-        return None
+    if per_use is not None:
+        whole = frozenset() if model.fp8 == "none" else _whole_matrices(per_use["stages"])
+        return _quantized_only(model, whole_max, whole) if whole else None
     dtype = jnp.dtype(model.dtype)
 
     def run(params):
@@ -88,5 +107,17 @@ def once_a_step(model: ModelConfig, whole_max, per_use: bool):
         compute = dict(params, head=jax.tree.map(_cast(dtype, 0), params["head"]),
                        chunks=jax.tree.map(_cast(dtype, STACKED), chunks))
         return compute, like
+
+    return run
+
+
+def _quantized_only(model: ModelConfig, whole_max, whole: frozenset):
+    """FSDP per use: the chunks' FP8 matrices at the key paths `whole` quantized once a
+    step (`_quantized`), everything else (a MoE layer's statistics probe too) as stored
+    for the uses' gathers."""
+    def run(params):
+        chunks = _quantized(params["chunks"], model, whole_max, whole)
+        return (dict(params, chunks=chunks),
+                dict(params, chunks=_accumulators(chunks, params["chunks"])))
 
     return run

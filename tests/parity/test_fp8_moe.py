@@ -115,6 +115,11 @@ EXPERT_LAYOUTS = [
     pytest.param(_fp8(MIXTRAL, "delayed"), dict(pipeline=1, data=4, tensor=1, expert=2,
                                                 microbatches=2, fsdp=True),
                  id="mixtral-ep2-fsdp"),
+    # FSDP per use under the tick executor with the experts whole on each device
+    # (expert = data): they are quantized once a step, the dense matrices gathered
+    pytest.param(_fp8(MIXTRAL, "delayed"), dict(pipeline=2, data=2, tensor=1, expert=2,
+                                                microbatches=2, fsdp=True, schedule="1f1b"),
+                 id="mixtral-ep2-fsdp-1f1b"),
 ]
 
 

@@ -10,11 +10,13 @@ device)."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from framework.config import MoeConfig, cast_at_use
 from framework.engine import step_weights
+from framework.model import fp8
 from tests.helpers import MODEL, engine, engine_grads, max_rel_err, worst
 
 BF16 = dataclasses.replace(MODEL, dtype="bfloat16")
@@ -62,7 +64,7 @@ def test_the_copy_casts_the_matrices_and_keeps_the_rest():
          "chunks": {"attn": {"wqkv": np.zeros((1, 4, 64, 4, 4, 8), np.float32),
                              "qkv_bias": np.zeros((1, 4, 4, 4, 8), np.float32),
                              "q_norm": {"scale": np.zeros((1, 4, 8), np.float32)}}}}
-    run = step_weights.once_a_step(eng.model, lambda v: v, per_use=False)
+    run = step_weights.once_a_step(eng.model, lambda v: v)
     compute, like = run(p)
     dtypes = jax.tree.map(lambda a: str(a.dtype), compute)
     assert dtypes == {"embed": {"table": "float32"},
@@ -72,7 +74,41 @@ def test_the_copy_casts_the_matrices_and_keeps_the_rest():
     assert like is p or jax.tree.map(lambda a: a.dtype, like) == jax.tree.map(
         lambda a: a.dtype, p)
     assert not cast_at_use(1) and cast_at_use(2)
-    assert step_weights.once_a_step(eng.model, lambda v: v, per_use=True) is None
+    every_split = {"stages": {"attn": {"wqkv": 4, "qkv_bias": None}}}  # FSDP per use
+    assert step_weights.once_a_step(eng.model, lambda v: v, every_split) is None
+
+
+def test_fsdp_per_use_leaves_the_copy_the_fp8_matrices_it_does_not_gather():
+    """With FSDP gathering per use, the copy holds only the FP8 matrices FSDP leaves
+    whole (here the experts, split over `expert` as many ways as `data`), quantized
+    with a scale per layer; the gathered matrices and the rest stay as stored, for the
+    uses' gathers. Without such a matrix, or without FP8, no copy."""
+    model = dataclasses.replace(MOE, fp8="tensorwise")
+    dims = {"stages": {"attn": {"wqkv": 4}, "moe": {"w_gate_up": None, "w_down": None,
+                                                    "router": None}}}
+    rng = np.random.default_rng(0)
+    p = {"embed": {"table": np.zeros((128, 64), np.float32)},
+         "chunks": {"attn": {"wqkv": rng.normal(size=(1, 2, 64, 12, 8)).astype(np.float32)},
+                    "moe": {"w_gate_up": rng.normal(size=(1, 2, 4, 64, 2, 32)).astype(np.float32),
+                            "w_down": rng.normal(size=(1, 2, 4, 32, 64)).astype(np.float32),
+                            "router": rng.normal(size=(1, 2, 64, 4)).astype(np.float32),
+                            "stats": np.zeros((1, 2, 6), np.float32)}}}  # (a probe the
+    # step adds to the params: no FSDP dimension of its own, framework/engine/moe_stats.py)
+    compute, like = step_weights.once_a_step(model, lambda v: v, dims)(p)
+    chunks = compute["chunks"]
+    assert set(chunks) == {"params", fp8.SCALES}
+    assert chunks["params"]["attn"]["wqkv"] is p["chunks"]["attn"]["wqkv"]  # gathered per use
+    assert chunks["params"]["moe"]["router"] is p["chunks"]["moe"]["router"]
+    assert chunks["params"]["moe"]["stats"] is p["chunks"]["moe"]["stats"]
+    assert jax.tree.map(np.shape, chunks[fp8.SCALES]) == {"moe": {"w_gate_up": (1, 2),
+                                                                  "w_down": (1, 2)}}
+    for name in ("w_gate_up", "w_down"):
+        w8 = np.asarray(chunks["params"]["moe"][name])
+        assert w8.dtype == np.dtype("bfloat16")
+        assert np.array_equal(w8, w8.astype(fp8.E4M3).astype(w8.dtype))  # E4M3's values
+        assert np.abs(w8).max() == float(jnp.finfo(fp8.E4M3).max)  # the matrix's scale
+    assert like["chunks"]["params"] is p["chunks"] and fp8.SCALES in like["chunks"]
+    assert step_weights.once_a_step(MOE, lambda v: v, dims) is None  # no FP8
 
 
 @pytest.mark.slow  # ~25 s: four engines
@@ -93,3 +129,24 @@ def test_zero1_gathers_the_matrices_in_the_compute_dtype_changing_no_number(sche
     wide = engine_grads(engine(model=BF16, **layout))
     assert narrow[0] == wide[0]
     assert worst(max_rel_err(narrow[1], wide[1])) == 0.0
+
+
+@pytest.mark.slow  # ~60 s: two engines, two steps each
+def test_fsdp_per_use_quantizes_the_whole_experts_once_changing_no_number(monkeypatch):
+    """FSDP per use with the experts whole on each device (expert = data), delayed FP8,
+    the routers' statistics probe in the step: the experts quantized once a step give
+    the losses, the trained parameters and every history of quantizing them at each
+    use, to the bit."""
+    from tests.helpers import engine_losses
+    from tests.parity.test_fp8_moe import SHARED_SIGMOID, _fp8
+
+    model = _fp8(SHARED_SIGMOID, "delayed")
+    layout = dict(pipeline=2, data=2, tensor=1, expert=2, microbatches=2, schedule="1f1b",
+                  fsdp=True)
+    once = engine_losses(engine(model=model, **layout), 2)
+    plain = step_weights.once_a_step
+    monkeypatch.setattr(step_weights, "once_a_step", lambda m, w, per_use=None: None
+                        if per_use is not None else plain(m, w))
+    per_use = engine_losses(engine(model=model, **layout), 2)
+    assert once[0] == per_use[0]
+    assert worst(max_rel_err(once[1], per_use[1])) == 0.0
