@@ -74,10 +74,9 @@ def _quantized(chunks, model: ModelConfig, whole_max, which=None):
 def _whole_matrices(dims) -> frozenset:
     """FSDP per use: the key paths of the FP8 matrices FSDP does not split (`dims`, its
     dimension per stored leaf: None there)."""
-    found = jax.tree_util.tree_leaves_with_path(
-        jax.tree_util.tree_map_with_path(lambda path, d: d is None and fp8.is_matrix(path),
-                                         dims, is_leaf=lambda d: d is None))
-    return frozenset(jax.tree_util.keystr(path) for path, whole in found if whole)
+    found = jax.tree_util.tree_leaves_with_path(dims, is_leaf=lambda d: d is None)
+    return frozenset(jax.tree_util.keystr(path) for path, d in found
+                     if d is None and fp8.is_matrix(path))
 
 
 def _accumulators(chunks, stored):

@@ -17,7 +17,7 @@ import pytest
 from framework.config import MoeConfig, cast_at_use
 from framework.engine import step_weights
 from framework.model import fp8
-from tests.helpers import MODEL, engine, engine_grads, max_rel_err, worst
+from tests.helpers import MODEL, engine, engine_grads, engine_losses, max_rel_err, worst
 
 BF16 = dataclasses.replace(MODEL, dtype="bfloat16")
 FAMILY = dataclasses.replace(BF16, qkv_bias=True, qk_norm=True)
@@ -137,7 +137,6 @@ def test_fsdp_per_use_quantizes_the_whole_experts_once_changing_no_number(monkey
     the routers' statistics probe in the step: the experts quantized once a step give
     the losses, the trained parameters and every history of quantizing them at each
     use, to the bit."""
-    from tests.helpers import engine_losses
     from tests.parity.test_fp8_moe import SHARED_SIGMOID, _fp8
 
     model = _fp8(SHARED_SIGMOID, "delayed")
