@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from framework.config import ModelConfig, ParallelConfig
 from framework.engine.resolved import Layout, resolved, with_exchange
+from framework.engine import step_weights
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import StepOptions, device_fn, passes_through
 from framework.parallel.mesh import PIPE
@@ -89,8 +90,7 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
                                  jax.lax.axis_index(PIPE))
         carry = ticks.initial_carry(cells, like)
         found.update({k: nbytes(v) for k, v in carry._asdict().items()})
-        stored = {id(a) for a in jax.tree.leaves(params)}  # the copy's own leaves:
-        found["weights"] = nbytes([a for a in jax.tree.leaves(compute) if id(a) not in stored])
+        found["weights"], found["weight_casts"] = step_weights.copy_bytes(compute, params)
         # F's residuals (and the weight ops' inputs a split backward without remat
         # keeps) leave its conditional as one fresh slot only where the compiler copies
         # what a conditional passes through; else each layer's are written in place.

@@ -244,9 +244,12 @@ def _tick_kept(state: dict, v: int, gathered: float, per_use: bool = False) -> f
     ZeRO-1 (`gathered`) the copy is the gathered values (`_zero1_gathered` counts them).
     With FSDP per use (`per_use`) the copy is the FP8 matrices FSDP leaves whole, all of
     it held: the uses had quantized them a layer at a time (qwen3_30b_a3b at 8 layers,
-    FP8 delayed, gpu:h100x8, 2026-12-01: 1.13 GiB)."""
+    FP8 delayed, gpu:h100x8, 2026-12-01: 1.13 GiB). The chunk's casts are counted in
+    the compute dtype (`weight_casts`) where the copy holds FP8 matrices as one-byte
+    bits: llama3_8b with FP8, one chunk, 23.97 -> 23.17 GiB compiled when the copy went
+    from the E4M3 values in bfloat16 to their bits (gpu:h100x8, 2026-12-01)."""
     weights = state["weights"] if per_use else \
-        0 if gathered else state["weights"] * (v - 1) / v
+        0 if gathered else state["weights"] - state["weight_casts"] / v
     return state["recv"] + state["stash"] + state["saved"] + 2 * state["pending"] + \
         state["held"] + weights
 

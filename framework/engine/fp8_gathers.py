@@ -85,25 +85,33 @@ def gather_layers_quantized(w, dim: int, axes, dtype, whole_max, stacked: int = 
     return _quantize_gather(w, dim, axes, dtype, whole_max, stacked, w.dtype)
 
 
-def quantized_matrices(params, dims, gather):
+def quantized_matrices(params, dims, gather, apart: bool = False):
     """`params` with each of the layers' FP8 matrices (`fp8.MATRICES`) that `dims` shards
     (not None) replaced by gather(w, dim) -> (values, scale): {'params': the tree,
     fp8.SCALES: the scales, nested as the matrices are} (a layer's Flax variables, or a stack
-    of them)."""
-    scales = {}
+    of them). `apart`: the values in fp8.VALUES instead, nested likewise, and the
+    matrices in 'params' as they are (the tick executor's once-a-step copy)."""
+    scales, values = {}, {}
 
     def one(path, w, d):
         if not fp8.is_matrix(path) or d is None:
             return w
-        values, scale = gather(w, d)
-        node = scales
-        for key in path[:-1]:
-            node = node.setdefault(key.key, {})
-        node[path[-1].key] = scale
-        return values
+        value, scale = gather(w, d)
+        _put(scales, path, scale)
+        if apart:
+            _put(values, path, value)
+            return w
+        return value
 
     params = jax.tree_util.tree_map_with_path(one, params, dims)
-    return {"params": params, fp8.SCALES: scales}
+    return {"params": params, fp8.SCALES: scales, **({fp8.VALUES: values} if apart else {})}
+
+
+def _put(tree: dict, path, leaf) -> None:
+    """tree[k0][k1]... = leaf along a key path, making the dicts on the way."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key.key, {})
+    tree[path[-1].key] = leaf
 
 
 def unquantized(dims):

@@ -34,7 +34,7 @@ from framework.engine import probes as probe_kinds
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
-from framework.model import fp8, fp8_delayed
+from framework.model import fp8, fp8_delayed, fp8_stats
 from framework.model.documents import DocumentMask, documents_of
 from framework.model.prefix import DENSE, embed_piece
 from framework.model.registry import spec_of
@@ -303,15 +303,15 @@ def train_step(loss_and_grads, optimizer: optax.GradientTransformation, lr: opta
 
 
 def fp8_metrics(layout: Layout):
-    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8.py), and with
+    """The `fp8/` metrics of the layers' FP8 weights (framework/model/fp8_stats.py), and with
     `model.fp8=delayed` of the scales the histories give, or None without FP8."""
     model = layout.model
     if model.fp8 == "none":
         return None
+    weights = lambda params: fp8_stats.weight_stats(params["stages"], jnp.dtype(model.dtype))
     if model.fp8 == "delayed":
-        return lambda params: {**fp8.weight_stats(params["stages"], jnp.dtype(model.dtype)),
-                               **fp8_delayed.scale_metrics(params["stages"])}
-    return lambda params: fp8.weight_stats(params["stages"], jnp.dtype(model.dtype))
+        return lambda params: {**weights(params), **fp8_delayed.scale_metrics(params["stages"])}
+    return weights
 
 
 def stats_update(layout: Layout):

@@ -6,9 +6,12 @@ with `model.fp8` quantizes it to E4M3 with the whole matrix's scale (`fp8.quanti
 In a pipeline those uses repeat: each microbatch's forward, its recomputation under
 remat, its backward, all from the stored float32 weights. Here the rank's matrices are
 cast once before the tick loop, and with FP8 each layer's FP8 matrices (`fp8.MATRICES`)
-quantized once too (a scale per layer: the E4M3 values kept in the compute dtype, which
-holds them exactly; the uses then read the scale given beside them, as after FSDP's
-FP8 gathers, framework/engine/fp8_gathers.py). TransformerEngine caches FP8 weights
+quantized once too (a scale per layer), their E4M3 values held as their bits, one byte
+an element (`fp8.VALUES`, uint8: an integer takes no gradient, so no accumulator); the
+matrix's cast beside them only takes the gradient, in the compute dtype as every use's
+(the uses read the bits and the scale, `weight_ops._arrived`, so the compiler drops the
+cast; the backward keeps the bits, which the executor recognises as the layer's own
+weights and does not stash per microbatch). TransformerEngine caches FP8 weights
 across microbatches the same way (its `is_first_microbatch`).
 
 The numbers do not change: the cast, the amax and the quantization are what each use
@@ -17,9 +20,9 @@ use's cast passed a bfloat16 cotangent through to float32), added into accumulat
 the stored dtype (`like`; tests/parity/test_step_weights.py: bitwise). One rounding
 apart where XLA had dropped a float32 -> bfloat16 -> float32 round trip of a weight
 gradient under the per-use cast (its excess precision): the experts' `ragged_dot`.
-The cost is memory: the copy, two bytes an element of the rank's matrices, held
-through the loop (framework/analysis/memory_model.py); under `parallel.remat=none` a
-stash slot no longer keeps its own cast of each matrix.
+The cost is memory: the copy, two bytes an element of the rank's matrices (one for the
+FP8 matrices), held through the loop (framework/analysis/memory_model.py); under
+`parallel.remat=none` a stash slot no longer keeps its own cast of each matrix.
 
 Where the uses gather their weights (FSDP per use: each gather casts or quantizes its
 layer, framework/engine/step.py) only the FP8 matrices FSDP leaves whole are made here
@@ -52,23 +55,25 @@ def _cast(dtype, stacked: int):
 
 
 def _quantized(chunks, model: ModelConfig, whole_max, which=None):
-    """The chunks' Flax variables with each FP8 matrix quantized, a scale per layer
-    ({'params', SCALES, ...} as FSDP's FP8 gathers make them; the E4M3 values in the
-    compute dtype); the chunks as they are without FP8, or where the step's gather
-    quantized them already (ZeRO-1's FP8 gathers). `which`: the key paths
-    (`jax.tree_util.keystr`) of the matrices to quantize (default: every one)."""
+    """The chunks' Flax variables with each FP8 matrix quantized, a scale per layer:
+    {'params' as stored, SCALES: the scales, VALUES: the E4M3 values as their bits
+    (`fp8.as_bits`), nested as the matrices are}; the chunks as they are without FP8,
+    or where the step's gather quantized them already (ZeRO-1's FP8 gathers:
+    {'params': the values, SCALES}). `which`: the key paths (`jax.tree_util.keystr`)
+    of the matrices to quantize (default: every one)."""
     if model.fp8 == "none" or fp8.SCALES in chunks:
         return chunks
     variables, dtype = fp8.variables(chunks), jnp.dtype(model.dtype)
 
-    def quantize(w, _):  # (the E4M3 values in the compute dtype, the scales [v, Lc])
+    def quantize(w, _):  # (the E4M3 values' bits, the scales [v, Lc])
         w8, s = quantize_layers(w, dtype, whole_max, STACKED)
-        return w8.astype(dtype), s
+        return fp8.as_bits(w8), s
 
     picked = jax.tree_util.tree_map_with_path(  # 0: no dimension gathered; None: as is
         lambda path, _: 0 if which is None or jax.tree_util.keystr(path) in which else None,
         variables["params"])
-    return {**variables, **quantized_matrices(variables["params"], picked, quantize)}
+    return {**variables, **quantized_matrices(variables["params"], picked, quantize,
+                                              apart=True)}
 
 
 def _whole_matrices(dims) -> frozenset:
@@ -79,13 +84,38 @@ def _whole_matrices(dims) -> frozenset:
                      if d is None and fp8.is_matrix(path))
 
 
+def copy_bytes(compute, stored) -> tuple[int, int]:
+    """(the bytes the copy holds, the same in the compute dtype): the leaves of
+    `compute` (what `once_a_step` made) that are not the stored ones (`stored`), but
+    for the matrices whose E4M3 values it holds as bits (VALUES), whose compute-dtype
+    leaf only takes the gradient (the uses read the bits: the compiler drops the cast;
+    their gradient is in the compute dtype, as every matrix's, which a cell's layer scan
+    stacks in two bytes an element, not four). The second is what the cells' uses
+    would have cast (framework/analysis/memory_model.py `_tick_kept`): the bits and
+    scales left out, the casts in."""
+    ids = {id(a) for a in jax.tree.leaves(stored)}
+    chunks = compute.get("chunks")
+    carriers, bits = set(), set()
+    if isinstance(chunks, dict) and fp8.VALUES in chunks:
+        held = {jax.tree_util.keystr(path)
+                for path, _ in jax.tree_util.tree_leaves_with_path(chunks[fp8.VALUES])}
+        carriers = {id(a) for path, a in jax.tree_util.tree_leaves_with_path(chunks["params"])
+                    if jax.tree_util.keystr(path) in held}
+        bits = {id(a) for a in jax.tree.leaves((chunks[fp8.VALUES], chunks[fp8.SCALES]))}
+    size = lambda ok: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(compute)
+                          if id(a) not in ids and ok(id(a)))
+    return size(lambda i: i not in carriers), size(lambda i: i not in bits)
+
+
 def _accumulators(chunks, stored):
     """What the chunks' gradients accumulate like: the stored leaves, and where the
-    matrices were quantized here ({'params', SCALES}), the scales beside them (their
-    zero gradients are dropped by the step's reduction, `fp8.params_of`)."""
+    matrices were quantized here, the scales beside them (their zero gradients are
+    dropped by the step's reduction, `fp8.params_of`) and no accumulator for the
+    values' bits (None: an integer's cotangent is float0, which the executor drops)."""
     if chunks is stored or fp8.SCALES in stored:
         return stored
-    return {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES]}
+    return {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES],
+            fp8.VALUES: jax.tree.map(lambda _: None, chunks[fp8.VALUES])}
 
 
 def once_a_step(model: ModelConfig, whole_max, per_use=None):

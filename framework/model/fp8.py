@@ -25,7 +25,6 @@ maxima (framework/model/fp8_delayed.py); the weights keep their current scale.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -89,7 +88,8 @@ def _dot(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None, weight_max=None):
+def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None, weight_max=None,
+               bits=None):
     """einsum(eq, x, w) on E4M3 operands scaled by their whole-tensor absolute maxima,
     accumulated in float32, returned in x's dtype; its gradient in E5M2 (module
     docstring). `weight_max` reduces w's maximum (default `whole_max`: the tensor
@@ -98,28 +98,49 @@ def fp8_einsum(eq: str, x, w, whole_max, w_scale=None, given=None, weight_max=No
     its values are E4M3's and this is its scale. `given`: float32 [2], the scales of x
     and of the output gradient from earlier steps (`model.fp8=delayed`,
     framework/model/fp8_delayed.py) in place of their current ones: no maximum, no
-    collective before the casts. Inside a shard_map both operands are
+    collective before the casts. `bits`: w's E4M3 values as their bits, one byte an
+    element (the tick executor's once-a-step copy, `VALUES`), read in place of w,
+    which then only takes the gradient. Inside a shard_map both operands are
     first typed as varying over the same mesh axes: the cotangent of one that was
     replicated over an axis (x before a column-parallel matmul) is then summed over it
     by autodiff, as for a plain einsum."""
     maxes = (whole_max, weight_max or whole_max)  # (x's and dy's, w's)
-    return checkpoint_name(_scaled(eq, *alike(x, w), maxes, w_scale, given), PRODUCT)
+    return checkpoint_name(_scaled(eq, *_alike(x, w, bits), maxes, w_scale, given), PRODUCT)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _scaled(eq: str, x, w, maxes, w_scale, given):
-    return _forward(eq, x, w, maxes, w_scale, given)[0]
+def _alike(x, w, bits):
+    """(x, w, bits) typed as varying over the same mesh axes (`alike`; bits may be None)."""
+    return alike(x, w) + (None,) if bits is None else alike(x, w, bits)
 
 
-def _forward(eq, x, w, maxes, w_scale, given):
-    # (w_scale: w is E4M3's values; given: x's and dy's scales from the history)
-    x8, sx, w8, sw = _operands(x, w, maxes, w_scale, given)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _scaled(eq: str, x, w, bits, maxes, w_scale, given):
+    return _forward(eq, x, w, bits, maxes, w_scale, given)[0]
+
+
+def _forward(eq, x, w, bits, maxes, w_scale, given):
+    # (w_scale: w is E4M3's values, or `bits` are; given: x's and dy's scales from the
+    # history)
+    x8, sx, w8, sw = _operands(x, w, maxes, w_scale, given, bits)
     y = (_dot(eq, x8, w8) * (sx * sw)).astype(x.dtype)
-    return y, (x8, sx, w8, sw, w_scale, given)
+    return y, (x8, sx, _kept_weight(w, w8, w_scale, bits), sw, w_scale, given)
 
 
-def _fwd(eq, x, w, maxes, w_scale, given):
-    return _forward(eq, x, w, maxes, w_scale, given)
+def _kept_weight(w, w8, w_scale, bits):
+    """What the backward keeps of the weight (`_e4m3` makes w8 of it again): where it
+    arrived quantized, what arrived (w, or its bits): the tick executor recognises a
+    layer's own weights among its residuals and does not stash them per microbatch, as
+    it would w8, a new array (framework/parallel/pipeline/stash.py); else w8."""
+    return w8 if w_scale is None else w if bits is None else bits
+
+
+def _e4m3(kept):
+    """w8 from what `_kept_weight` kept."""
+    return from_bits(kept) if kept.dtype == jnp.uint8 else kept.astype(E4M3)
+
+
+def _fwd(eq, x, w, bits, maxes, w_scale, given):
+    return _forward(eq, x, w, bits, maxes, w_scale, given)
 
 
 def _zeros(*given):
@@ -140,11 +161,11 @@ def _bwd(eq, maxes, residuals, dy):
     gradient of the weight itself (w8 x its scale), also where w arrived quantized; a
     given scale is a statistic (zero gradient)."""
     x8, sx, w8, sw, w_scale, given = residuals
-    dy8, sdy = _gradient(dy, maxes[0], given)
+    dy8, sdy, w8 = *_gradient(dy, maxes[0], given), _e4m3(w8)
     for_x, for_w = _transposed(eq)
     dx = (_dot(for_x, dy8, w8) * (sdy * sw)).astype(dy.dtype)
     dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
-    return (dx, dw) + _zeros(w_scale, given)
+    return (dx, dw, None) + _zeros(w_scale, given)
 
 
 _scaled.defvjp(_fwd, _bwd)
@@ -160,45 +181,65 @@ _scaled.defvjp(_fwd, _bwd)
 # that gathers dy8's blocks (E5M2) and multiplies each as it passes; dw = x8^T @ dy8 on
 # the whole sequence, from the gathered blocks.
 
-def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None, given=None):
+def fp8_gather_matmul(eq: str, x, w, tp, w_scale=None, given=None, bits=None):
     """tp.gather_matmul(eq, x, w) on FP8 operands: x [b, s/tensor, d] -> [b, s, ...]."""
-    return checkpoint_name(_gather_mm(eq, tp, *alike(x, w), w_scale, given), PRODUCT)
+    return checkpoint_name(_gather_mm(eq, tp, *_alike(x, w, bits), w_scale, given), PRODUCT)
 
 
-def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None, given=None):
+def fp8_matmul_scatter(eq: str, x, w, tp, w_scale=None, given=None, bits=None):
     """tp.matmul_scatter(eq, x, w) on FP8 operands: x [b, s, f] -> [b, s/tensor, d]."""
-    return checkpoint_name(_scatter_mm(eq, tp, *alike(x, w), w_scale, given), PRODUCT)
+    return checkpoint_name(_scatter_mm(eq, tp, *_alike(x, w, bits), w_scale, given), PRODUCT)
 
 
-def _operands(x, w, maxes, w_scale, given=None):
+def _operands(x, w, maxes, w_scale, given=None, bits=None):
     """(x8, its scale, w8, its scale); maxes: (x's reduction, w's)."""
     x8, sx = quantize(x, E4M3, maxes[0]) if given is None else \
         (in_format(x.astype(jnp.float32), given[0], E4M3), given[0])
-    w8, sw = quantize(w, E4M3, maxes[1]) if w_scale is None else (w.astype(E4M3), w_scale)
-    return x8, sx, w8, sw
+    return (x8, sx) + _weight8(w, maxes[1], w_scale, bits)
 
 
-def fp8_weight(w, weight_max, w_scale=None):
+def _weight8(w, weight_max, w_scale=None, bits=None):
+    """(w8, its scale): quantized here with the whole matrix's scale (its maximum
+    reduced by `weight_max`), or as it arrived: w's E4M3 values, or their `bits`, at
+    `w_scale`."""
+    if w_scale is None:
+        return quantize(w, E4M3, weight_max)
+    return (w.astype(E4M3) if bits is None else from_bits(bits)), w_scale
+
+
+def as_bits(w8):
+    """E4M3 values as their bits (uint8), one byte an element: an integer array, which
+    carries no gradient (JAX's float0 cotangent: no accumulator, no memory)."""
+    return jax.lax.bitcast_convert_type(w8, jnp.uint8)
+
+
+def from_bits(bits):
+    """`as_bits`' E4M3 values back."""
+    return jax.lax.bitcast_convert_type(bits, E4M3)
+
+
+def fp8_weight(w, weight_max, w_scale=None, bits=None):
     """w as the FP8 matmuls take it, back in w's dtype: its E4M3 values (quantized here
     with the whole matrix's scale, reduced by `weight_max`, or given so: `w_scale`)
-    times the scale. For a matmul whose input stays in the compute dtype (delayed
-    scaling's filling step, framework/model/weight_ops.py); the gradient passes
-    straight through to w, as `fp8_einsum`'s dw does."""
-    return _fp8_weight(w, weight_max, w_scale)
+    times the scale (or given as `bits`, `fp8_einsum`'s). For a matmul whose input
+    stays in the compute dtype (delayed scaling's filling step,
+    framework/model/weight_ops.py); the gradient passes straight through to w, as
+    `fp8_einsum`'s dw does."""
+    return _fp8_weight(w, weight_max, w_scale, bits)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _fp8_weight(w, weight_max, w_scale):
-    w8, sw = quantize(w, E4M3, weight_max) if w_scale is None else (w.astype(E4M3), w_scale)
+def _fp8_weight(w, weight_max, w_scale, bits):
+    w8, sw = _weight8(w, weight_max, w_scale, bits)
     return (w8.astype(jnp.float32) * sw).astype(w.dtype)
 
 
-def _fp8_weight_fwd(w, weight_max, w_scale):
-    return _fp8_weight(w, weight_max, w_scale), w_scale
+def _fp8_weight_fwd(w, weight_max, w_scale, bits):
+    return _fp8_weight(w, weight_max, w_scale, bits), w_scale
 
 
 def _fp8_weight_bwd(weight_max, w_scale, g):
-    return (g,) + _zeros(w_scale)
+    return (g,) + _zeros(w_scale) + (None,)
 
 
 _fp8_weight.defvjp(_fp8_weight_fwd, _fp8_weight_bwd)
@@ -210,48 +251,49 @@ def _scaled_dot(eq, scale, dtype):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gather_mm(eq, tp, x, w, w_scale, given):
-    return _gather_mm_fwd(eq, tp, x, w, w_scale, given)[0]
+def _gather_mm(eq, tp, x, w, bits, w_scale, given):
+    return _gather_mm_fwd(eq, tp, x, w, bits, w_scale, given)[0]
 
 
-def _gather_mm_fwd(eq, tp, x, w, w_scale, given):
-    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given)
+def _gather_mm_fwd(eq, tp, x, w, bits, w_scale, given):
+    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given, bits)
     product = _scaled_dot(eq, sx * sw, x.dtype)
     y, x8_all = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
-    return y, (x8_all, sx, w8, sw, w_scale, given)
+    return y, (x8_all, sx, _kept_weight(w, w8, w_scale, bits), sw, w_scale, given)
 
 
 def _gather_mm_bwd(eq, tp, residuals, dy):  # dy [b, s, ...]
     x8_all, sx, w8, sw, w_scale, given = residuals
-    dy8, sdy = _gradient(dy, tp.whole_max, given)
+    dy8, sdy, w8 = *_gradient(dy, tp.whole_max, given), _e4m3(w8)
     for_x, for_w = _transposed(eq)
     dx = tp.scatter_ring(dy8, w8, _scaled_dot(for_x, sdy * sw, dy.dtype))
     dw = (_dot(for_w, x8_all, dy8) * (sx * sdy)).astype(dy.dtype)
-    return (dx, dw) + _zeros(w_scale, given)
+    return (dx, dw, None) + _zeros(w_scale, given)
 
 
 _gather_mm.defvjp(_gather_mm_fwd, _gather_mm_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scatter_mm(eq, tp, x, w, w_scale, given):
-    return _scatter_mm_fwd(eq, tp, x, w, w_scale, given)[0]
+def _scatter_mm(eq, tp, x, w, bits, w_scale, given):
+    return _scatter_mm_fwd(eq, tp, x, w, bits, w_scale, given)[0]
 
 
-def _scatter_mm_fwd(eq, tp, x, w, w_scale, given):
-    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given)
+def _scatter_mm_fwd(eq, tp, x, w, bits, w_scale, given):
+    x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given, bits)
     y = tp.scatter_ring(x8, w8, _scaled_dot(eq, sx * sw, x.dtype))
-    return y, (x8, sx, w8, sw, w_scale, given)
+    return y, (x8, sx, _kept_weight(w, w8, w_scale, bits), sw, w_scale, given)
 
 
 def _scatter_mm_bwd(eq, tp, residuals, dy):  # dy [b, s/tensor, d]
     x8, sx, w8, sw, w_scale, given = residuals
-    dy8, sdy = _gradient(dy, tp.whole_max, given)  # the whole dy's scale (max over tensor)
+    # (dy: the whole dy's scale, max over tensor)
+    dy8, sdy, w8 = *_gradient(dy, tp.whole_max, given), _e4m3(w8)
     for_x, for_w = _transposed(eq)
     product = _scaled_dot(for_x, sdy * sw, dy.dtype)
     dx, dy8_all = tp.gather_ring(dy8, w8, lambda block, w8: (product(block, w8), block))
     dw = (_dot(for_w, x8, dy8_all) * (sx * sdy)).astype(dy.dtype)
-    return (dx, dw) + _zeros(w_scale, given)
+    return (dx, dw, None) + _zeros(w_scale, given)
 
 
 _scatter_mm.defvjp(_scatter_mm_fwd, _scatter_mm_bwd)
@@ -273,55 +315,14 @@ def is_matrix(path) -> bool:
 WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activation", "gradient"))
 
 
-def _matrix_stats(w, dtype):
-    """One layer's matrix w [...] as its matmuls quantize it (cast to the compute dtype
-    `dtype`, then `quantize` to E4M3): (amax, elements at the largest finite E4M3
-    magnitude, nonzero elements that quantize to zero)."""
-    w = w.astype(dtype)
-    amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
-    # NaN where any element is not finite (a reduction's max may skip a NaN: XLA:CPU's)
-    amax = jnp.where(jnp.all(jnp.isfinite(w)), amax, jnp.nan)
-    w8 = quantize(w, E4M3, lambda v: v)[0].astype(jnp.float32)
-    saturated = jnp.sum(jnp.abs(w8) == _largest(E4M3))
-    underflow = jnp.sum((w != 0) & (w8 == 0))
-    return amax, saturated, underflow
-
-
-def weight_stats(stages: dict, dtype) -> dict:
-    """The `fp8/` metrics of a step's layer weights (`stages`: the train layout's layer
-    parameters, leaves [stage, chunk, layer, ...]), each matrix of each layer as one
-    tensor, as its matmuls quantize it: the largest and smallest absolute maximum and
-    scale (amax / 448) over the matrices, and the fractions of their elements at the
-    E4M3 range's largest magnitude (saturated) and of nonzero elements flushed to zero
-    (underflow). Uneven stages' zero padding layers are left out."""
-    amaxes, saturated, underflow, elements = [], 0, 0, 0
-    for path, w in jax.tree_util.tree_leaves_with_path(stages):
-        if not is_matrix(path):
-            continue
-        per_layer = lambda m: _matrix_stats(m, dtype)  # vmapped, not reshaped: the
-        for _ in range(3):  # sharded leading axes stay as they are
-            per_layer = jax.vmap(per_layer)
-        amax, sat, under = (a.reshape(-1) for a in per_layer(w))  # [stage * chunk * layer]
-        real = amax != 0  # padding layers are zeros (a NaN counts as real)
-        amaxes.append(amax)
-        # summed in float32: an 8B model's elements overflow int32
-        count = lambda c: jnp.sum(jnp.where(real, c, 0), dtype=jnp.float32)
-        saturated, underflow = saturated + count(sat), underflow + count(under)
-        elements = elements + count(1) * math.prod(w.shape[3:])
-    amax = jnp.concatenate(amaxes)
-    high = jnp.where(jnp.all(jnp.isfinite(amax)), jnp.max(amax), jnp.nan)
-    low = jnp.min(jnp.where(amax != 0, amax, jnp.inf))
-    largest, n = _largest(E4M3), jnp.maximum(elements, 1.0)
-    return {STAT_PREFIX + "weight_amax_max": high, STAT_PREFIX + "weight_amax_min": low,
-            STAT_PREFIX + "weight_scale_max": high / largest,
-            STAT_PREFIX + "weight_scale_min": low / largest,
-            STAT_PREFIX + "weight_saturated_fraction": saturated / n,
-            STAT_PREFIX + "weight_underflow_fraction": underflow / n}
-
-
 # FSDP's FP8 gathers (model.fp8_gather): the Flax collection holding each gathered
 # matrix's scale beside its E4M3 values in `params` (read by `weight_op`).
 SCALES = "fp8_scales"
+# The tick executor's once-a-step copy (framework/engine/step_weights.py): the
+# collection holding each quantized matrix's E4M3 values as their bits (`as_bits`, one
+# byte an element) beside its scale in SCALES, while `params` keeps the stored matrix,
+# which takes the gradient (`weight_op` hands both to the FP8 matmul).
+VALUES = "fp8_values"
 
 
 def params_of(tree):

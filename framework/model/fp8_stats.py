@@ -1,5 +1,5 @@
 """What FP8 does to the layers' activations and output gradients, measured inside their
-matmuls (`model.fp8`; the weights' statistics: `fp8.weight_stats`).
+matmuls (`model.fp8`; the weights' statistics: `weight_stats`, at the end).
 
 Each FP8 matmul y = x @ w (framework/model/weight_ops.py) quantizes its input x to E4M3
 in the forward and its output gradient dy to E5M2 in the backward, each with its whole
@@ -24,12 +24,14 @@ MoE router's statistics ride the same way: framework/engine/moe_stats.py).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from framework.model.fp8 import E4M3, E5M2, _largest, in_format, scale_of
+from framework.model.fp8 import (E4M3, E5M2, STAT_PREFIX, _largest, in_format, is_matrix,
+                                  quantize, scale_of)
 from framework.parallel import vma
 
 PROBES = "fp8_probes"  # the Flax collection of the probes, one per matrix
@@ -87,3 +89,51 @@ def _observed_bwd(tp, residuals, dy):
 
 
 _observed.defvjp(_observed_fwd, _observed_bwd)
+
+
+# --- The weights' statistics (outside the executors, once a step) -------------------
+
+def _matrix_stats(w, dtype):
+    """One layer's matrix w [...] as its matmuls quantize it (cast to the compute dtype
+    `dtype`, then `quantize` to E4M3): (amax, elements at the largest finite E4M3
+    magnitude, nonzero elements that quantize to zero)."""
+    w = w.astype(dtype)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+    # NaN where any element is not finite (a reduction's max may skip a NaN: XLA:CPU's)
+    amax = jnp.where(jnp.all(jnp.isfinite(w)), amax, jnp.nan)
+    w8 = quantize(w, E4M3, lambda v: v)[0].astype(jnp.float32)
+    saturated = jnp.sum(jnp.abs(w8) == _largest(E4M3))
+    underflow = jnp.sum((w != 0) & (w8 == 0))
+    return amax, saturated, underflow
+
+
+def weight_stats(stages: dict, dtype) -> dict:
+    """The `fp8/` metrics of a step's layer weights (`stages`: the train layout's layer
+    parameters, leaves [stage, chunk, layer, ...]), each matrix of each layer as one
+    tensor, as its matmuls quantize it: the largest and smallest absolute maximum and
+    scale (amax / 448) over the matrices, and the fractions of their elements at the
+    E4M3 range's largest magnitude (saturated) and of nonzero elements flushed to zero
+    (underflow). Uneven stages' zero padding layers are left out."""
+    amaxes, saturated, underflow, elements = [], 0, 0, 0
+    for path, w in jax.tree_util.tree_leaves_with_path(stages):
+        if not is_matrix(path):
+            continue
+        per_layer = lambda m: _matrix_stats(m, dtype)  # vmapped, not reshaped: the
+        for _ in range(3):  # sharded leading axes stay as they are
+            per_layer = jax.vmap(per_layer)
+        amax, sat, under = (a.reshape(-1) for a in per_layer(w))  # [stage * chunk * layer]
+        real = amax != 0  # padding layers are zeros (a NaN counts as real)
+        amaxes.append(amax)
+        # summed in float32: an 8B model's elements overflow int32
+        count = lambda c: jnp.sum(jnp.where(real, c, 0), dtype=jnp.float32)
+        saturated, underflow = saturated + count(sat), underflow + count(under)
+        elements = elements + count(1) * math.prod(w.shape[3:])
+    amax = jnp.concatenate(amaxes)
+    high = jnp.where(jnp.all(jnp.isfinite(amax)), jnp.max(amax), jnp.nan)
+    low = jnp.min(jnp.where(amax != 0, amax, jnp.inf))
+    largest, n = _largest(E4M3), jnp.maximum(elements, 1.0)
+    return {STAT_PREFIX + "weight_amax_max": high, STAT_PREFIX + "weight_amax_min": low,
+            STAT_PREFIX + "weight_scale_max": high / largest,
+            STAT_PREFIX + "weight_scale_min": low / largest,
+            STAT_PREFIX + "weight_saturated_fraction": saturated / n,
+            STAT_PREFIX + "weight_underflow_fraction": underflow / n}

@@ -66,13 +66,14 @@ def weight_op(module: nn.Module, name: str, eq: str, x, w, use: Fp8Use = PLAIN):
         y = eq(x, w)
     elif use.quantized and _fp8(module, eq, w):  # model.fp8
         matrix, seen = use.matrix or name, x if use.seen is None else use.seen
-        given, w_scale = _delayed(module, matrix), _given_scale(module, matrix)
+        given, (w_scale, bits) = _delayed(module, matrix), _arrived(module, matrix)
         if given is None and not use.current and module.cfg.fp8 == "delayed":  # filling:
-            w = fp8.fp8_weight(w, module.tp.weight_max, w_scale)
+            w = fp8.fp8_weight(w, module.tp.weight_max, w_scale, bits)
             y = _observe(module, matrix, seen, jnp.einsum(eq, x, w))  # x: compute dtype
         else:
             y = _observe(module, matrix, seen, fp8.fp8_einsum(
-                eq, x, w, module.tp.whole_max, w_scale, given, module.tp.weight_max), given)
+                eq, x, w, module.tp.whole_max, w_scale, given, module.tp.weight_max, bits),
+                given)
     else:
         y = jnp.einsum(eq, x, w)
     if module.is_mutable_collection(PRODUCTS):
@@ -125,10 +126,13 @@ def sent_scale(module: nn.Module, matrix: str):
     return None if given is None else given[0]
 
 
-def _given_scale(module: nn.Module, name: str):
-    """w's scale where FSDP's FP8 gather quantized it already, else None."""
-    return module.get_variable(fp8.SCALES, name) if module.has_variable(fp8.SCALES, name) \
-        else None
+def _arrived(module: nn.Module, name: str) -> tuple:
+    """(w's scale, its E4M3 values' bits) where w arrived quantized: (the scale, None)
+    from FSDP's or ZeRO-1's FP8 gathers (w holds the values), (the scale, the bits)
+    from the tick executor's once-a-step copy (w the stored matrix, for the gradient);
+    else (None, None)."""
+    get = lambda c: module.get_variable(c, name) if module.has_variable(c, name) else None
+    return get(fp8.SCALES), get(fp8.VALUES)
 
 
 def _recording(module: nn.Module, name: str) -> bool:
@@ -145,9 +149,9 @@ def gathered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            given = _delayed(module, name)
+            given, (w_scale, bits) = _delayed(module, name), _arrived(module, name)
             return _observe(module, name, x, fp8.fp8_gather_matmul(
-                eq, x, w, tp, _given_scale(module, name), given), given)
+                eq, x, w, tp, w_scale, given, bits), given)
         return tp.gather_matmul(eq, x, w)
     return weight_op(module, name, eq, tp.enter(x, split, whole_sequence), w)
 
@@ -158,9 +162,9 @@ def scattered_weight_op(module: nn.Module, name: str, eq: str, x, w, split: str,
     tp = module.tp
     if tp.fuses(split) and not _recording(module, name):
         if _fp8(module, eq, w):
-            given = _delayed(module, name)
+            given, (w_scale, bits) = _delayed(module, name), _arrived(module, name)
             return _observe(module, name, x, fp8.fp8_matmul_scatter(
-                eq, x, w, tp, _given_scale(module, name), given), given)
+                eq, x, w, tp, w_scale, given, bits), given)
         return tp.matmul_scatter(eq, x, w)
     return tp.exit(weight_op(module, name, eq, x, w), split, whole_sequence)
 

@@ -133,7 +133,7 @@ def test_what_fp8_does_not_run_with_is_one_line():
 
 
 def _weight_stats_reference(layers, dtype):
-    """fp8.weight_stats in float64 numpy, each [L, ...] matrix of each layer alone."""
+    """fp8_stats.weight_stats in float64 numpy, each [L, ...] matrix of each layer alone."""
     largest = float(ml_dtypes.finfo(fp8.E4M3).max)
     amaxes, sat, under, n = [], 0, 0, 0
     matrices = [a for path, a in jax.tree_util.tree_leaves_with_path(layers)

@@ -81,8 +81,10 @@ def test_the_copy_casts_the_matrices_and_keeps_the_rest():
 def test_fsdp_per_use_leaves_the_copy_the_fp8_matrices_it_does_not_gather():
     """With FSDP gathering per use, the copy holds only the FP8 matrices FSDP leaves
     whole (here the experts, split over `expert` as many ways as `data`), quantized
-    with a scale per layer; the gathered matrices and the rest stay as stored, for the
-    uses' gathers. Without such a matrix, or without FP8, no copy."""
+    with a scale per layer, their E4M3 values as bits (one byte an element) beside the
+    stored matrices, which take the gradient (no accumulator for the bits); the
+    gathered matrices and the rest as stored, for the uses' gathers. Without such a
+    matrix, or without FP8, no copy."""
     model = dataclasses.replace(MOE, fp8="tensorwise")
     dims = {"stages": {"attn": {"wqkv": 4}, "moe": {"w_gate_up": None, "w_down": None,
                                                     "router": None}}}
@@ -96,19 +98,50 @@ def test_fsdp_per_use_leaves_the_copy_the_fp8_matrices_it_does_not_gather():
     # step adds to the params: no FSDP dimension of its own, framework/engine/moe_stats.py)
     compute, like = step_weights.once_a_step(model, lambda v: v, dims)(p)
     chunks = compute["chunks"]
-    assert set(chunks) == {"params", fp8.SCALES}
+    assert set(chunks) == {"params", fp8.SCALES, fp8.VALUES}
+    assert all(a is b for a, b in zip(jax.tree.leaves(chunks["params"]),
+                                      jax.tree.leaves(p["chunks"]), strict=True))
     assert chunks["params"]["attn"]["wqkv"] is p["chunks"]["attn"]["wqkv"]  # gathered per use
     assert chunks["params"]["moe"]["router"] is p["chunks"]["moe"]["router"]
     assert chunks["params"]["moe"]["stats"] is p["chunks"]["moe"]["stats"]
     assert jax.tree.map(np.shape, chunks[fp8.SCALES]) == {"moe": {"w_gate_up": (1, 2),
                                                                   "w_down": (1, 2)}}
-    for name in ("w_gate_up", "w_down"):
-        w8 = np.asarray(chunks["params"]["moe"][name])
-        assert w8.dtype == np.dtype("bfloat16")
-        assert np.array_equal(w8, w8.astype(fp8.E4M3).astype(w8.dtype))  # E4M3's values
-        assert np.abs(w8).max() == float(jnp.finfo(fp8.E4M3).max)  # the matrix's scale
+    assert jax.tree.map(lambda a: a.dtype, chunks[fp8.VALUES]) == {
+        "moe": {"w_gate_up": np.uint8, "w_down": np.uint8}}
+    for name in ("w_gate_up", "w_down"):  # each layer's matrix as its use quantizes it
+        w8 = fp8.from_bits(chunks[fp8.VALUES]["moe"][name])
+        for layer in range(2):
+            one, scale = fp8.quantize(p["chunks"]["moe"][name][0, layer].astype(jnp.bfloat16),
+                                      fp8.E4M3, lambda v: v)
+            assert np.array_equal(np.asarray(w8[0, layer]), np.asarray(one))
+            np.testing.assert_allclose(chunks[fp8.SCALES]["moe"][name][0, layer], scale,
+                                       rtol=1e-6)  # (XLA's division or its reciprocal)
     assert like["chunks"]["params"] is p["chunks"] and fp8.SCALES in like["chunks"]
+    assert jax.tree.leaves(like["chunks"][fp8.VALUES]) == []  # no accumulator for the bits
     assert step_weights.once_a_step(MOE, lambda v: v, dims) is None  # no FP8
+
+
+def test_the_fp8_copy_is_one_byte_an_element_and_no_stash_slot_keeps_it():
+    """The once-a-step copy of the FP8 matrices is their E4M3 bits, one byte an element
+    (bfloat16's copy: two), with no accumulator; and without remat a stash slot keeps
+    none of it (the FP8 matmul's backward keeps the bits, the layer's own weights, not a
+    cast of them: until 2026-12-01 each slot kept every layer's E4M3 weights). Traced
+    (`executor_state`: the tick executor's state and copy, per device)."""
+    from framework.analysis import executor_state as es
+    from framework.config import ParallelConfig
+
+    layout = ParallelConfig(pipeline=2, microbatches=4, schedule="1f1b", remat="none")
+    state = {mode: es.executor_state(dataclasses.replace(BF16, fp8=mode), layout, 8, 64, "cpu")
+             for mode in ("none", "tensorwise")}
+    stage = BF16.n_layers // 2  # a rank's layers; each layer's FP8 matrices, elements:
+    hd = BF16.d_model // BF16.n_heads
+    matrices = stage * BF16.d_model * ((BF16.n_heads + 2 * BF16.n_kv_heads) * hd
+                                       + BF16.n_heads * hd + 3 * BF16.d_ff)
+    scales = 4 * stage * 4  # float32, per matrix and layer
+    assert state["none"]["weights"] - state["tensorwise"]["weights"] == matrices - scales
+    # (the scales' zero accumulators; none for the bits)
+    assert state["tensorwise"]["grads"] == state["none"]["grads"] + scales
+    assert state["tensorwise"]["stash"] < state["none"]["stash"]  # (x8: one byte too)
 
 
 @pytest.mark.slow  # ~25 s: four engines

@@ -46,7 +46,7 @@ from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_t
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import ON_FIRST
-from framework.parallel.pipeline.stage import StageFns, of_microbatch
+from framework.parallel.pipeline.stage import StageFns, no_float0, of_microbatch
 from framework.parallel.pipeline.stash import scan_from, scan_fused, scan_into
 from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types, layer_slice,
                                                     layers_of)
@@ -90,7 +90,8 @@ class Cells:
 
     def add_chunk(self, grads, chunk, update, layers=slice(None)):
         """grads of chunk `chunk` (its `layers`, a static slice) += update (in the
-        accumulators' dtype: the stored one, `StageFns.weights`)."""
+        accumulators' dtype: the stored one, `StageFns.weights`). An integer leaf has
+        no gradient and no accumulator (None in both: `stage.no_float0`)."""
         v = jax.tree.leaves(grads["chunks"])[0].shape[0]
         return dict(grads, chunks=jax.tree.map(
             lambda a, u: a.at[0 if v == 1 else chunk, layers].add(u.astype(a.dtype)),
@@ -213,7 +214,7 @@ class Cells:
         y = run(w, x, scan=scan)
         kept = {"stash": out["carry"]} if self.fns.pass_through else {
             "fresh": {"slot": out["carry"], "saved": []}}
-        return state._replace(act=y, grad=out["dx"], g_w=out["g_w"], **kept)
+        return state._replace(act=y, grad=out["dx"], g_w=no_float0(out["g_w"]), **kept)
 
     def head(self, state: TickState, cell: CellIn) -> TickState:
         """After F on the last stage: the microbatch's loss, and dL/dy for its backward."""
@@ -227,8 +228,9 @@ class Cells:
         """The backward of piece j of the chunk's layers from its rows of the stash slot
         (`stash.scan_from`): (weight gradients [its layers, ...], dx)."""
         piece, w = self.types.pieces[j], self.weights(cell.chunk)
-        return scan_from(self.types.packing, state.stash, cell.slot, piece,
-                         layer_slice(w, piece.lo, piece.hi), dy)
+        g_w, dx = scan_from(self.types.packing, state.stash, cell.slot, piece,
+                            layer_slice(w, piece.lo, piece.hi), dy)
+        return no_float0(g_w), dx
 
     def backward(self, state: TickState, cell: CellIn) -> TickState:
         """BW, or B when the backward is split (its weight half comes later, in W)."""
@@ -261,7 +263,7 @@ class Cells:
             kept = jax.tree.unflatten(t.saved_def, [buf[cell.slot] for buf in state.saved])
             douts = jax.tree.unflatten(t.dout_def,
                                        t.packing.read(state.stash, cell.slot, t.douts))
-            g_w = self.fns.split.weight_grads(w, kept, douts)
+            g_w = no_float0(self.fns.split.weight_grads(w, kept, douts))
         return state._replace(g_w=g_w)
 
     def embed_grad(self, state: TickState, cell: CellIn) -> TickState:

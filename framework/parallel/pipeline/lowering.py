@@ -39,6 +39,7 @@ from framework.parallel.pipeline import cells
 from framework.parallel.pipeline.comm import varying
 from framework.parallel.pipeline.kinds import Out
 from framework.parallel.pipeline.program import Branch, Role
+from framework.parallel.pipeline.stage import differentiable
 from framework.parallel.pipeline.tick_types import (CellIn, Field, TickState, fields_of,
                                                     with_fields)
 
@@ -158,7 +159,7 @@ class Cells(cells.Cells):
             return self.write_kept(state, cell._replace(slot=slot))
         if Field.G_W not in run.writes:
             return run(kind, state, cell)
-        like = jax.tree.map(lambda a: a[0, run.layers], self.params["chunks"])  # (computed)
+        like = jax.tree.map(lambda a: a[0, run.layers], differentiable(self.params["chunks"]))
         state = run(kind, state._replace(g_w=jax.tree.map(self.zeros, like)), cell)
         grads = self.add_chunk(state.grads, cell.chunk, state.g_w, run.layers)
         return state._replace(grads=grads, g_w=None)
@@ -177,7 +178,7 @@ def run_combined(cells: Cells, fused, state: TickState, f: CellIn, b: CellIn) ->
     work, embed, _ = cells.prog.combined_branches()
     fn = lambda s: cells.combined(s, f, b)
     if cells.apart:
-        like = jax.tree.map(lambda a: a[0], cells.params["chunks"])  # (computed)
+        like = jax.tree.map(lambda a: a[0], differentiable(cells.params["chunks"]))
         state = state._replace(fresh=cells.fresh_zeros(), g_w=jax.tree.map(cells.zeros, like))
         state = cond_fields(work.scopes, fused, fn, state,
                             (Field.FRESH, Field.ACT, Field.G_W, Field.GRAD))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 
 from framework.parallel import vma
 from framework.parallel.pipeline.comm import only_on, zeros_typed_like
@@ -129,14 +130,26 @@ def skip_unless(real, fn, weights, x, *extra, has_aux: bool = False, scope=None)
         y, acts, aux = _cond(scope, real, work, skip)
         return (y, aux) if has_aux else y, (weights, acts, real)
 
-    def bwd(saved, d_out):
+    def bwd(saved, d_out):  # (an integer weight's cotangent: None in both branches)
         weights, acts, real = saved
         dy = d_out[0] if has_aux else d_out
-        work = lambda: join_vjp(acts, treedef, slots, weights)(dy)
-        skip = lambda: (jax.tree.map(zeros_typed_like, weights), dy)
+        work = lambda: no_float0(join_vjp(acts, treedef, slots, weights)(dy))
+        skip = lambda: (jax.tree.map(zeros_typed_like, differentiable(weights)), dy)
         return (*_cond(scope, real, work, skip), None, None)
 
     run = jax.custom_vjp(lambda w, x, r, e: _cond(scope, r, lambda: bound(e)(w, x),
                                                   lambda: skipped(x)))
     run.defvjp(fwd, bwd)
     return run(weights, x, real, extra)
+
+
+def no_float0(tree):
+    """`tree` with None for its float0 leaves (an integer's cotangent: no gradient), as
+    every cotangent the executors hand on or add is (`differentiable`)."""
+    return jax.tree.map(lambda a: None if a.dtype == jax.dtypes.float0 else a, tree)
+
+
+def differentiable(tree):
+    """`tree` with None for its integer leaves (the once-a-step copy's FP8 bits,
+    framework/engine/step_weights.py): the structure of its cotangents."""
+    return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else None, tree)
