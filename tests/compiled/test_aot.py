@@ -26,10 +26,14 @@ _REPORTS: dict = {}
 
 
 def report(target: str, *overrides: str, recipe: str = "llama_tiny_debug") -> dict:
-    """The compile report (each (recipe, target, overrides) compiled once per session)."""
-    key = (recipe, target, overrides)
+    """The compile report, each composed configuration compiled once per session (two
+    tests' overrides may compose the same one: the 1B recipe's `parallel.schedule=1f1b`
+    and `optim.param_dtype=float32` are its defaults)."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_recipe(recipe, f"target={target}", *overrides, config="compile")
+    key = OmegaConf.to_yaml(cfg)
     if key not in _REPORTS:
-        cfg = compose_recipe(recipe, f"target={target}", *overrides, config="compile")
         _REPORTS[key] = program.compile_report(cfg, targets.parse(cfg.target))
     return dict(_REPORTS[key])
 
