@@ -43,6 +43,7 @@ from framework.config import ModelConfig
 from framework.engine.fp8_gathers import quantize_layers, quantized_matrices
 from framework.model import fp8
 from framework.parallel import data as data_parallel
+from framework.parallel.pipeline.stage import differentiable
 
 STACKED = 2  # a rank's chunks [v, Lc, ...]: the dimensions before one use's
 
@@ -93,10 +94,9 @@ def copy_bytes(compute, stored) -> tuple[int, int]:
     stacks in two bytes an element, not four). The second is what the cells' uses
     would have cast (framework/analysis/memory_model.py `_tick_kept`): the bits and
     scales left out, the casts in."""
-    ids = {id(a) for a in jax.tree.leaves(stored)}
-    chunks = compute.get("chunks")
+    ids, chunks = {id(a) for a in jax.tree.leaves(stored)}, compute["chunks"]
     carriers, bits = set(), set()
-    if isinstance(chunks, dict) and fp8.VALUES in chunks:
+    if fp8.VALUES in chunks:
         held = {jax.tree_util.keystr(path)
                 for path, _ in jax.tree_util.tree_leaves_with_path(chunks[fp8.VALUES])}
         carriers = {id(a) for path, a in jax.tree_util.tree_leaves_with_path(chunks["params"])
@@ -111,11 +111,12 @@ def _accumulators(chunks, stored):
     """What the chunks' gradients accumulate like: the stored leaves, and where the
     matrices were quantized here, the scales beside them (their zero gradients are
     dropped by the step's reduction, `fp8.params_of`) and no accumulator for the
-    values' bits (None: an integer's cotangent is float0, which the executor drops)."""
+    values' bits (None: `stage.differentiable`; their float0 cotangents the executor
+    drops)."""
     if chunks is stored or fp8.SCALES in stored:
         return stored
     return {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES],
-            fp8.VALUES: jax.tree.map(lambda _: None, chunks[fp8.VALUES])}
+            fp8.VALUES: differentiable(chunks[fp8.VALUES])}
 
 
 def once_a_step(model: ModelConfig, whole_max, per_use=None):

@@ -320,8 +320,9 @@ WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activati
 SCALES = "fp8_scales"
 # The tick executor's once-a-step copy (framework/engine/step_weights.py): the
 # collection holding each quantized matrix's E4M3 values as their bits (`as_bits`, one
-# byte an element) beside its scale in SCALES, while `params` keeps the stored matrix,
-# which takes the gradient (`weight_op` hands both to the FP8 matmul).
+# byte an element) beside its scale in SCALES, while `params` keeps the matrix (its
+# cast, or as stored where FSDP's gathers cast it), which only takes the gradient
+# (`weight_op` hands both to the FP8 matmul, which reads the bits).
 VALUES = "fp8_values"
 
 
