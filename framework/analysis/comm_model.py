@@ -183,8 +183,7 @@ def _gathered_fewer(model: ModelConfig, parallel: ParallelConfig, lay, counts: d
         model.d_model  # the head's: its matrix, not its norm's scale
     if e > 1:  # the experts split over `expert`
         matrices -= expert_param_count(model, parallel, rank_layers) * (e - 1)
-    fp8_matrices = fp8_matrix_count(model, parallel, rank_layers) \
-        if model.fp8 != "none" and model.fp8_gather else 0
+    fp8_matrices = fp8_matrix_count(model, parallel, rank_layers) if fp8.gathers(model) else 0
     narrow = min(dtype_bytes(model.dtype), grad)
     return (matrices - fp8_matrices) * (grad - narrow) + fp8_matrices * (grad - 1)
 
@@ -337,7 +336,7 @@ def fsdp_bytes(model: ModelConfig, parallel: ParallelConfig, counts: dict,
         ends += 3 * stored * counts["embed"]
     # FP8 gathers (model.fp8_gather): the layers' two gathers one byte an element (the
     # norm scales' few bytes counted so too; the scales' all-reduced maxima are scalars)
-    layer = 2 + stored if model.fp8 != "none" and model.fp8_gather else cast
+    layer = 2 + stored if fp8.gathers(model) else cast
     return parallel.microbatches * share * (layer * counts["layers"]
                                             + (ends + once) / parallel.pipeline)
 

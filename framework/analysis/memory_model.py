@@ -85,6 +85,7 @@ from framework.config import ModelConfig, OptimConfig, ParallelConfig, TrainConf
 from framework.engine.resolved import Layout, resolved, with_exchange
 from framework.engine.state import abstract_train_params, param_specs
 from framework.engine.step import tensor_parallel
+from framework.model import fp8
 from framework.model.prefix import dense_config, prefix_layers, stack_layers, unit_layers
 from framework.parallel.expert import ExpertParallel
 from framework.parallel.pipeline.table import AUTODIFF
@@ -95,12 +96,14 @@ from framework.units import FP32, dtype_bytes
 class Weights:
     """Local float32 bytes of the parameters on one device, from the engine's own layout
     and rules (`framework/engine/state.py`): all of them, the same after ZeRO-1's or
-    FSDP's sharding over `data`, the stage's layers alone, and its largest layer leaf."""
+    FSDP's sharding over `data`, the stage's layers alone, and its largest layer leaf;
+    `fp8`: the stage's FP8 matrices (`fp8.MATRICES`) alone."""
 
     full: int
     stored: int
     stage: int
     leaf: int
+    fp8: int
 
 
 @lru_cache(maxsize=None)
@@ -112,17 +115,18 @@ def _param_bytes(lay: Layout) -> Weights:
     ways = lambda a: math.prod(degrees[x] for x in a) if isinstance(a, tuple) else degrees[a]
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
 
-    def sizes(tree_specs, group=None):
+    def sizes(tree_specs, group=None, keep=lambda path: True):
         for k in shapes if group is None else (group,):
-            for shape, spec in zip(jax.tree.leaves(shapes[k]),
-                                   jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
-                yield math.prod(shape.shape) // math.prod(map(ways, spec)) * FP32
+            for (path, shape), spec in zip(jax.tree_util.tree_leaves_with_path(shapes[k]),
+                                           jax.tree.leaves(tree_specs[k], is_leaf=is_spec)):
+                if keep(path):
+                    yield math.prod(shape.shape) // math.prod(map(ways, spec)) * FP32
 
     unsharded = dataclasses.replace(lay.parallel, zero1=False, fsdp=False)
     plain = param_specs(resolved(lay.model, unsharded))[0]
     stored = param_specs(lay)[0]
     return Weights(sum(sizes(plain)), sum(sizes(stored)), sum(sizes(plain, "stages")),
-                   max(sizes(plain, "stages")))
+                   max(sizes(plain, "stages")), sum(sizes(plain, "stages", fp8.is_matrix)))
 
 
 def _widths(optim: OptimConfig) -> tuple[float, float]:
@@ -213,7 +217,7 @@ def _layer_backward(lay: Layout, tpu: bool) -> float:
 
 
 def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | None,
-                    v: int) -> float:
+                    v: int, bits: int = 0) -> float:
     """ZeRO-1's gathered parameters (0 without ZeRO-1), float32 bytes. They travel in
     the compute dtype (framework/parallel/data.py `gather_params`; before 2026-11-30 the
     TPU compiler alone cast them before the all-gather: llama3_70b_v5p at pp8-dp4-tp2,
@@ -225,12 +229,19 @@ def _zero1_gathered(full: int, stored: int, stage_weights: int, cast: float | No
     (`_autodiff_kept`'s `fixed`, the tick executor's per-layer residuals and its
     once-a-step weights, `_tick_kept`): ZeRO-1 adds only the embedding and head
     gathered (compiled, ZeRO-1 on against off, 1F1B: llama3_70b_v5p +0.98 GiB, its
-    embedding's float32 shard; llama_1b_8gpu on tpu:v5p-16 +0.50, likewise; 2026-11-27)."""
+    embedding's float32 shard; llama_1b_8gpu on tpu:v5p-16 +0.50, likewise; 2026-11-27).
+    `bits`: the stage's FP8 matrices that FP8 gathers bring (framework/engine/
+    fp8_gathers.py), held as their E4M3 bits, one byte an element, by every executor
+    (the uses read the bits; the values beside them only take the gradient: gpu:h100x64,
+    llama3_70b with FP8, 34.88 -> 33.32 GiB compiled; llama3_8b at 4 layers, pp1-dp2-tp4,
+    GPipe 13.30 -> 12.61; 2026-12-02)."""
     if stored == full:
         return 0
     if cast is not None and v == 1:
         return full - stage_weights
-    return full - (stage_weights * (1 - cast) if cast is not None else 0)
+    width = 1 if cast is None else cast  # the rest of the stage's, of float32's bytes
+    held = (stage_weights - bits) * width + bits * dtype_bytes(fp8.E4M3) / FP32
+    return full - stage_weights + held
 
 
 def _tick_kept(state: dict, v: int, gathered: float, per_use: bool = False) -> float:
@@ -361,7 +372,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     once = lay.program.schedule.executor != AUTODIFF and not lay.gathers_per_use and \
         narrow < stored_width
     gathered = _zero1_gathered(w.full, w.stored, w.stage, narrow if once else cast,
-                               lay.chunks_per_rank)
+                               lay.chunks_per_rank, w.fp8 if fp8.gathers(lay.model) else 0)
     grads = w.full + gathered
     if lay.gathers_per_use:  # FSDP: gradients sharded, nothing gathered for the step; one
         # layer's float32 weights gathered at a time, their cast and gradient beside them

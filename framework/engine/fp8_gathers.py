@@ -7,7 +7,9 @@ Each shard is quantized with the whole matrix's scale (the shards' absolute maxi
 max over the axes the matrix is split over), so the gathered values are exactly what
 the matmul's own quantization of the gathered matrix gives (`fp8.quantize`): the layer
 gets {'params': values, fp8.SCALES: scales} as its Flax variables and its `weight_op`
-takes the given scale instead of measuring one. The gradients flow to the values as the
+takes the given scale instead of measuring one. The once-a-step gather adds the
+values' bits (fp8.VALUES: one byte an element, held through the step), which the uses
+read instead of the values. The gradients flow to the values as the
 weights' own (straight through the quantization, as in `fp8.fp8_einsum`) and are
 reduce-scattered in the stored dtype as without FP8.
 """
@@ -39,15 +41,15 @@ def quantize_layers(w, dtype, whole_max, stacked: int, axes=None):
     return fp8.in_format(shard, s.reshape(s.shape + (1,) * len(inner)), fp8.E4M3), s
 
 
-def _quantize_gather(w, dim: int, axes, dtype, whole_max, stacked: int, out_dtype):
+def _quantize_gather(w, dim: int, axes, dtype, whole_max, stacked: int):
     """The one body of both gathers: w's shard quantized (`quantize_layers`; the
     maxima over `axes` where `dim` splits the matrices, else each device holds whole
     matrices and their scales travel with them), gathered over `axes` along `dim` in
-    one byte an element. Returns (the E4M3 values in `out_dtype`, the scales [*stacked
-    dims]). Exactly `fp8.quantize` of each gathered matrix: max and the elementwise
-    scaling commute with the gather."""
+    one byte an element. Returns (the E4M3 values, the scales [*stacked dims]).
+    Exactly `fp8.quantize` of each gathered matrix: max and the elementwise scaling
+    commute with the gather."""
     w8, s = quantize_layers(w, dtype, whole_max, stacked, axes if dim >= stacked else None)
-    values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True).astype(out_dtype)
+    values = jax.lax.all_gather(w8, axes, axis=dim, tiled=True)
     if dim < stacked:
         s = jax.lax.all_gather(s, axes, axis=dim, tiled=True)
     return values, s
@@ -59,12 +61,12 @@ def gather_quantized(w, axis_name: str, axis: int, dtype, whole_max):
     `dtype`, its scale), gathered over `axis_name` along `axis` (`_quantize_gather`
     with no stacking dimensions). The transpose reduce-scatters the gradient in w's
     dtype, as FSDP's plain gather (framework/parallel/data.py)."""
-    return _quantize_gather(w, axis, axis_name, dtype, whole_max, 0, dtype)
+    return _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max)[0]
 
 
 def _gather_quantized_fwd(w, axis_name, axis, dtype, whole_max):
-    values = _quantize_gather(w, axis, axis_name, dtype, whole_max, 0, dtype)
-    return values, jnp.zeros((), w.dtype)
+    values, s = _quantize_gather(w, axis, axis_name, dtype, whole_max, 0)
+    return (values.astype(dtype), s), jnp.zeros((), w.dtype)
 
 
 def _gather_quantized_bwd(axis_name, axis, dtype, whole_max, home, grads):
@@ -79,32 +81,34 @@ def gather_layers_quantized(w, dim: int, axes, dtype, whole_max, stacked: int = 
     """ZeRO-1's once-a-step gather (and FSDP's with `fsdp_regather=step`) of one stacked
     matrix w [stage, chunk, layer, ...] as FP8: each layer's matrix with its own scale
     (`_quantize_gather`). Returns (the E4M3 values in w's dtype, the scales [stage,
-    chunk, layer]); the step takes its gradients with respect to the values (as the
-    weights: `weight_op` reads the scale given beside them), so nothing here is
-    differentiated."""
-    return _quantize_gather(w, dim, axes, dtype, whole_max, stacked, w.dtype)
+    chunk, layer], the values' bits: `fp8.as_bits`, one byte an element). The uses read
+    the bits and the scale (`weight_ops._arrived`), so the compiler drops the values,
+    which only take the gradient (the step's, with respect to them, as the weights';
+    nothing here is differentiated): the step holds one byte an element of the stage's
+    FP8 matrices, not the compute dtype's two."""
+    values, s = _quantize_gather(w, dim, axes, dtype, whole_max, stacked)
+    return values.astype(w.dtype), s, fp8.as_bits(values)
 
 
-def quantized_matrices(params, dims, gather, apart: bool = False):
+def quantized_matrices(params, dims, gather):
     """`params` with each of the layers' FP8 matrices (`fp8.MATRICES`) that `dims` shards
-    (not None) replaced by gather(w, dim) -> (values, scale): {'params': the tree,
-    fp8.SCALES: the scales, nested as the matrices are} (a layer's Flax variables, or a stack
-    of them). `apart`: the values in fp8.VALUES instead, nested likewise, and the
-    matrices in 'params' as they are (the tick executor's once-a-step copy)."""
-    scales, values = {}, {}
+    (not None) replaced by gather(w, dim) -> (values, scale) or (values, scale, bits):
+    {'params': the tree, fp8.SCALES: the scales, and where the gather gave them,
+    fp8.VALUES: the bits, nested as the matrices are} (a layer's Flax variables, or a
+    stack of them)."""
+    scales, bits = {}, {}
 
     def one(path, w, d):
         if not fp8.is_matrix(path) or d is None:
             return w
-        value, scale = gather(w, d)
+        value, scale, *rest = gather(w, d)
         _put(scales, path, scale)
-        if apart:
-            _put(values, path, value)
-            return w
+        if rest:
+            _put(bits, path, rest[0])
         return value
 
     params = jax.tree_util.tree_map_with_path(one, params, dims)
-    return {"params": params, fp8.SCALES: scales, **({fp8.VALUES: values} if apart else {})}
+    return {"params": params, fp8.SCALES: scales, **({fp8.VALUES: bits} if bits else {})}
 
 
 def _put(tree: dict, path, leaf) -> None:
@@ -125,7 +129,7 @@ def layer_gather(dims, model, whole_max):
     (`gather_quantized`), the rest as `data_parallel.gather_leaves` in the compute
     dtype: {'params', SCALES}, the layer's variables. `dims`: FSDP's dimension per
     stored leaf. None without FP8, FSDP per use or with model.fp8_gather=false."""
-    if dims is None or model.fp8 == "none" or not model.fp8_gather:
+    if dims is None or not fp8.gathers(model):
         return None
     dtype, rest = jnp.dtype(model.dtype), unquantized(dims["stages"])
     quantized = lambda w, d: gather_quantized(w, data_parallel.shard_axes(d), d - 3, dtype,
@@ -138,12 +142,12 @@ def layer_gather(dims, model, whole_max):
 def step_gather(zero1_dims, model, whole_max):
     """ZeRO-1's gather of the step's parameters (FSDP's with fsdp_regather=step): with
     FP8 gathers the layers' FP8 matrices as E4M3 with a scale per layer
-    (`gather_layers_quantized`), the stages then {'params', SCALES} (each layer's
-    variables once sliced); the other matrices in the compute dtype, the rest as
-    stored (`data_parallel.gather_params`)."""
+    (`gather_layers_quantized`), the stages then {'params', SCALES, VALUES} (each
+    layer's variables once sliced); the other matrices in the compute dtype, the rest
+    as stored (`data_parallel.gather_params`)."""
     dtype = jnp.dtype(model.dtype)
     plain = partial(data_parallel.gather_params, dims=zero1_dims, dtype=dtype)
-    if model.fp8 == "none" or not model.fp8_gather:
+    if not fp8.gathers(model):
         return plain
     dims = zero1_dims["stages"]
     quantized = lambda w, d: gather_layers_quantized(w, d, data_parallel.shard_axes(d),

@@ -60,21 +60,20 @@ def _quantized(chunks, model: ModelConfig, whole_max, which=None):
     {'params' as stored, SCALES: the scales, VALUES: the E4M3 values as their bits
     (`fp8.as_bits`), nested as the matrices are}; the chunks as they are without FP8,
     or where the step's gather quantized them already (ZeRO-1's FP8 gathers:
-    {'params': the values, SCALES}). `which`: the key paths (`jax.tree_util.keystr`)
-    of the matrices to quantize (default: every one)."""
+    {'params': the values, SCALES, VALUES}). `which`: the key paths
+    (`jax.tree_util.keystr`) of the matrices to quantize (default: every one)."""
     if model.fp8 == "none" or fp8.SCALES in chunks:
         return chunks
     variables, dtype = fp8.variables(chunks), jnp.dtype(model.dtype)
 
-    def quantize(w, _):  # (the E4M3 values' bits, the scales [v, Lc])
+    def quantize(w, _):  # (w as it is, the scales [v, Lc], the E4M3 values' bits)
         w8, s = quantize_layers(w, dtype, whole_max, STACKED)
-        return fp8.as_bits(w8), s
+        return w, s, fp8.as_bits(w8)
 
     picked = jax.tree_util.tree_map_with_path(  # 0: no dimension gathered; None: as is
         lambda path, _: 0 if which is None or jax.tree_util.keystr(path) in which else None,
         variables["params"])
-    return {**variables, **quantized_matrices(variables["params"], picked, quantize,
-                                              apart=True)}
+    return {**variables, **quantized_matrices(variables["params"], picked, quantize)}
 
 
 def _whole_matrices(dims) -> frozenset:
@@ -110,13 +109,13 @@ def copy_bytes(compute, stored) -> tuple[int, int]:
 def _accumulators(chunks, stored):
     """What the chunks' gradients accumulate like: the stored leaves, and where the
     matrices were quantized here, the scales beside them (their zero gradients are
-    dropped by the step's reduction, `fp8.params_of`) and no accumulator for the
-    values' bits (None: `stage.differentiable`; their float0 cotangents the executor
-    drops)."""
-    if chunks is stored or fp8.SCALES in stored:
-        return stored
-    return {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES],
-            fp8.VALUES: differentiable(chunks[fp8.VALUES])}
+    dropped by the step's reduction, `fp8.params_of`); no accumulator for the values'
+    bits, made here or by ZeRO-1's FP8 gathers (None: `stage.differentiable`; their
+    float0 cotangents the executor drops)."""
+    if chunks is not stored:
+        stored = {**fp8.variables(stored), fp8.SCALES: chunks[fp8.SCALES],
+                  fp8.VALUES: chunks[fp8.VALUES]}
+    return differentiable(stored)
 
 
 def once_a_step(model: ModelConfig, whole_max, per_use=None):

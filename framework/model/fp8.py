@@ -315,14 +315,22 @@ def is_matrix(path) -> bool:
 WATCHED = tuple(f"{STAT_PREFIX}{kind}_amax_max" for kind in ("weight", "activation", "gradient"))
 
 
+def gathers(model) -> bool:
+    """Whether data parallelism's gathers bring the layers' FP8 matrices as E4M3 with
+    their scales (`model.fp8_gather`, on by default with `model.fp8`;
+    framework/engine/fp8_gathers.py)."""
+    return model.fp8 != "none" and model.fp8_gather
+
+
 # FSDP's FP8 gathers (model.fp8_gather): the Flax collection holding each gathered
 # matrix's scale beside its E4M3 values in `params` (read by `weight_op`).
 SCALES = "fp8_scales"
-# The tick executor's once-a-step copy (framework/engine/step_weights.py): the
-# collection holding each quantized matrix's E4M3 values as their bits (`as_bits`, one
-# byte an element) beside its scale in SCALES, while `params` keeps the matrix (its
-# cast, or as stored where FSDP's gathers cast it), which only takes the gradient
-# (`weight_op` hands both to the FP8 matmul, which reads the bits).
+# The tick executor's once-a-step copy (framework/engine/step_weights.py) and ZeRO-1's
+# once-a-step FP8 gather: the collection holding each quantized matrix's E4M3 values
+# as their bits (`as_bits`, one byte an element) beside its scale in SCALES, while
+# `params` keeps the matrix (its cast, as stored where FSDP's gathers cast it, or the
+# gathered values), which only takes the gradient (`weight_op` hands both to the FP8
+# matmul, which reads the bits).
 VALUES = "fp8_values"
 
 

@@ -128,9 +128,9 @@ def sent_scale(module: nn.Module, matrix: str):
 
 def _arrived(module: nn.Module, name: str) -> tuple:
     """(w's scale, its E4M3 values' bits) where w arrived quantized: (the scale, None)
-    from FSDP's or ZeRO-1's FP8 gathers (w holds the values), (the scale, the bits)
-    from the tick executor's once-a-step copy (w the matrix's cast, which only takes
-    the gradient); else (None, None)."""
+    from FSDP's per-use FP8 gathers (w holds the values), (the scale, the bits) from
+    ZeRO-1's once-a-step FP8 gather and the tick executor's once-a-step copy (w the
+    values, or the matrix's cast, which only takes the gradient); else (None, None)."""
     get = lambda c: module.get_variable(c, name) if module.has_variable(c, name) else None
     return get(fp8.SCALES), get(fp8.VALUES)
 

@@ -38,6 +38,10 @@ LAYOUTS = [
     pytest.param(dict(pipeline=2, data=2, tensor=1, microbatches=2,
                       schedule="interleaved_1f1b", virtual_stages=2, zero1=True),
                  marks=pytest.mark.slow),
+    # ZeRO-1's FP8 gather under autodiff: the bits an integer input of the differentiated
+    # step (`jax.value_and_grad(allow_int=True)`, framework/parallel/pipeline/autodiff.py)
+    pytest.param(dict(pipeline=2, data=2, tensor=1, microbatches=2, schedule="gpipe",
+                      zero1=True), marks=pytest.mark.slow),
     # collective matmuls: the rings' blocks quantized with the whole tensor's scale,
     # E4M3 blocks travelling (framework/model/fp8.py); with FSDP's FP8 gathers (w's
     # scale given) and under a pipeline

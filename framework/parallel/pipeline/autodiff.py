@@ -20,7 +20,7 @@ from framework.parallel.pipeline.comm import (manual_axes, only_on, send, slots,
 from framework.parallel.pipeline.kinds import ACT, F
 from framework.parallel.pipeline.program import Program
 from framework.parallel.pipeline.scopes import CELL, LOOP, ON_FIRST, ON_LAST, STAGE
-from framework.parallel.pipeline.stage import StageFns, of_microbatch, skip_unless
+from framework.parallel.pipeline.stage import StageFns, no_float0, of_microbatch, skip_unless
 
 
 def forward(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
@@ -89,8 +89,11 @@ def head_loss_by_microbatch(fns: StageFns, params, y_mb, targets_mb):
 
 
 def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
-    """(this rank's loss share, gradients like params) by autodiff of `forward`."""
-    return jax.value_and_grad(forward, argnums=2)(prog, fns, params, inputs, targets, docs)
+    """(this rank's loss share, gradients like params) by autodiff of `forward`; None
+    for an integer leaf's (the E4M3 bits of ZeRO-1's FP8 gathers: no gradient)."""
+    loss, grads = jax.value_and_grad(forward, argnums=2, allow_int=True)(
+        prog, fns, params, inputs, targets, docs)
+    return loss, no_float0(grads)
 
 
 def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None, first=None):
