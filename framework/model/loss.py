@@ -34,6 +34,12 @@ from framework.model.layers import NO_TP, softcap
 from framework.parallel.vma import sum_to
 from framework.parallel.tensor import TensorParallel
 
+# The chunked loss's gradients (dx, dw: its custom VJP's residuals), by name: a remat
+# policy that saves the weight matmuls' outputs saves these too (`REMAT_POLICIES`,
+# framework/model/stack.py), else it would keep every chunk's dw product [k, embed,
+# vocab@tensor] f32 to redo their sum in the backward (the head under FSDP per use).
+GRADS = "loss_grads"
+
 
 def token_terms(logits, targets, tp: TensorParallel = NO_TP, z_loss: float = 0.0):
     """Per token (loss, log Z) over vocabulary-parallel logits [..., vocab@tensor] f32
@@ -121,7 +127,8 @@ def _chunked_fwd(xs, w, ts, tp, z_loss, cap):
     first = _chunk_grads(xs[0], ts[0], w, tp, z_loss, cap)  # their types (dead code)
     init = (jnp.zeros_like(first[0]), jnp.zeros_like(first[2]))
     (total, dw), dx = jax.lax.scan(one, init, (xs, ts))
-    return total, (sum_to(dx, xs), sum_to(dw, w))  # typed like xs and w
+    named = lambda a: jax.ad_checkpoint.checkpoint_name(a, GRADS)
+    return total, (named(sum_to(dx, xs)), named(sum_to(dw, w)))  # typed like xs and w
 
 
 def _chunked_bwd(tp, z_loss, cap, res, g):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import ModelConfig
-from framework.model import fp8
+from framework.model import fp8, loss
 from framework.model.documents import Documents
 from framework.model.layers import NO_TP, layer_windows, split_windows
 from framework.model.llama import Block, KVCache
@@ -36,7 +36,7 @@ def _weight_dots(prim, *avals, **params) -> bool:
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
-        _weight_dots, jax.checkpoint_policies.save_only_these_names(fp8.PRODUCT)),
+        _weight_dots, jax.checkpoint_policies.save_only_these_names(fp8.PRODUCT, loss.GRADS)),
 }
 
 
