@@ -9,15 +9,15 @@ hidden states of one data replica's batch (in the compute dtype):
 
   tensor  Megatron-LM: two reductions of the hidden states per layer in the forward and
           two in the backward (attention and MLP, f and g), for the L/p layers of a
-          stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A; 5 with
-          rematerialised layers (the attention's forward reduction again). With sequence parallelism each all-reduce
-          is an all-gather + reduce-scatter pair: the same bytes. Plus the vocabulary-
+          stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A; 5 under
+          full remat (the attention's forward reduction again). With sequence
+          parallelism each all-reduce is an all-gather + reduce-scatter pair: the same
+          bytes, and a rematerialised layer gathers its inputs again (`_layer_units`). Plus the vocabulary-
           parallel embedding (one reduction forward) and LM head (one backward), each
           on one pipeline rank, the loss's three [B/dp, s] float32 reductions (max, sum,
           label logit), and with sequence parallelism one all-reduce of the norm-scale
-          gradients per step. Collective matmuls: the same rings, and under remat the
-          MLP's gathering ring again too (`_layer_units`); FP8's gather one byte an
-          element.
+          gradients per step. Collective matmuls: the same bytes as rings; FP8's
+          gathering rings one byte an element.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
           parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
@@ -71,7 +71,7 @@ import math
 import jax
 
 from framework.config import ModelConfig, ParallelConfig, TrainConfig, cast_at_use
-from framework.engine.resolved import Layout, resolved
+from framework.engine.resolved import REMATS, Layout, Remat, resolved
 from framework.model import fp8, fp8_delayed
 from framework.model.prefix import DENSE, prefix_layers, stack_layers, unit_layers
 from framework.model.registry import spec_of
@@ -235,42 +235,46 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     lay = _layout(model, parallel, train)
     hidden = (lay.rows_per_replica * lay.seq_per_device
               * model.d_model * dtype_bytes(model.dtype))  # A
-    # two in the forward, two in the backward; a rematerialised layer's backward runs
-    # the attention's again (the MLP's output is the next layer's input, kept); a dense
-    # prefix (prefix.py) on the first stage only (one rank in p, as the audit counts a
+    # the layers' (`_layer_units`); a dense prefix (prefix.py) on the first stage only (one rank in p, as the audit counts a
     # conditional's collectives: averaged), as a layer under autodiff, and under the
     # tick executor two more: its backward cell runs its forward again first
     again = 1 if lay.recomputes else 0
     prefix = 4 + again + (0 if lay.program.schedule.executor == AUTODIFF else 2)
-    units = _layer_units(model, parallel, lay.recomputes) * _busiest_decoder_layers(lay) + \
-        prefix * prefix_layers(model) / parallel.pipeline
+    layer = _layer_units(model, parallel, REMATS[lay.layer_remat])
+    units = layer * _busiest_decoder_layers(lay) + prefix * prefix_layers(model) / parallel.pipeline
     return units * _ring_all_reduce(parallel.tensor) * hidden
 
 
-def _layer_units(model: ModelConfig, parallel: ParallelConfig, recomputes: bool) -> float:
-    """One decoder layer's tensor collectives, in all-reduces of A: 4 (f and g of the
-    attention and the MLP, forward and backward), 5 rematerialised (the attention's
-    again). With collective matmuls each all-reduce's worth is a gathering ring and a
-    scattering one (half each), and a rematerialised layer's recompute runs three rings
-    again: the attention's two and the MLP's gathering one (its product feeds the
-    backward; the down projection's scatter is dead): 5.5 (the GPU compiler's program
-    of llama3_8b at 4 layers, 2026-11-30: 4,224 MiB of ring permutes a step under
-    `full` and `save_dots`, 3,072 without remat). FP8's gathering rings
-    (framework/model/fp8.py) carry one byte an element, the partial sums the compute
-    dtype's."""
-    again = 1 if recomputes else 0
-    if not (parallel.collective_matmul and parallel.sequence_parallel and parallel.tensor > 1):
-        return 4 + again
-    gathers, scatters = 4 + 2 * again, 4 + again  # rings, each half an all-reduce
-    per = 1 / dtype_bytes(model.dtype) if model.fp8 != "none" else 1.0
+def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat) -> float:
+    """One decoder layer's tensor collectives under `remat` (the layers'), in all-reduces
+    of A: 4 (f and g of the attention and the MLP, forward and backward). Without
+    sequence parallelism f is the identity in the forward, and full remat's recompute
+    sums the attention's g again: 5. With it each all-reduce's worth is a gather (f, a
+    gathering ring with collective matmuls) and a reduce-scatter (g, a ring of partial
+    sums), half each; a rematerialised layer's recompute gathers the attention's and
+    the MLP's inputs again (their weight gradients read them) and, under full remat
+    alone, sums the attention's g again (its output feeds the MLP's norm; save_dots
+    keeps it, `tensor.EXITED`; the MLP's is dead): 5.5 full, 5 save_dots. Measured on
+    the GPU compiler's program of llama3_8b at 4 layers (2026-12-02, MiB a step,
+    3,456 = 4 units and the head's 384): with sequence parallelism 4,608 full, 4,224
+    save_dots (4,608 until g's total was kept), 3,456 none, the same with or without
+    collective matmuls; without, 4,224 full, 3,456 save_dots and none. FP8's gathering
+    rings (framework/model/fp8.py) carry one byte an element, the partial sums the
+    compute dtype's (FP8, 1F1B: 3,456, 3,072, 2,688)."""
+    gathered, summed = int(remat.keeps_inputs_only), int(remat.recompute_forward)
+    if not (parallel.sequence_parallel and parallel.tensor > 1):
+        return 4 + summed
+    gathers, scatters = 4 + 2 * gathered, 4 + summed  # each half an all-reduce
+    per = 1 / dtype_bytes(model.dtype) \
+        if model.fp8 != "none" and parallel.collective_matmul else 1.0
     return (gathers * per + scatters) / 2
 
 
 def recomputed_ring_share(model: ModelConfig, parallel: ParallelConfig) -> float:
-    """Of a rematerialised decoder layer's collective-matmul bytes, the share its
-    recompute sends again (two gathering rings and a scattering one: `_layer_units`)."""
-    again = _layer_units(model, parallel, True)
-    return (again - _layer_units(model, parallel, False)) / again
+    """Of a decoder layer's collective-matmul bytes under save_dots, the share its
+    recompute sends again (the two gathering rings: `_layer_units`)."""
+    again = _layer_units(model, parallel, REMATS["save_dots"])
+    return (again - _layer_units(model, parallel, REMATS["none"])) / again
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,

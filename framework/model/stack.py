@@ -19,6 +19,7 @@ from framework.model.documents import Documents
 from framework.model.layers import NO_TP, layer_windows, split_windows
 from framework.model.llama import Block, KVCache
 from framework.model.prefix import unit_layers
+from framework.parallel import tensor
 from framework.parallel.tensor import TensorParallel
 
 
@@ -36,7 +37,8 @@ def _weight_dots(prim, *avals, **params) -> bool:
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
-        _weight_dots, jax.checkpoint_policies.save_only_these_names(fp8.PRODUCT, loss.GRADS)),
+        _weight_dots, jax.checkpoint_policies.save_only_these_names(
+            fp8.PRODUCT, loss.GRADS, tensor.EXITED)),
 }
 
 

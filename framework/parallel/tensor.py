@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from framework.config import TENSOR_SPLITTABLE
 from framework.errors import PlanError
@@ -66,6 +67,11 @@ from framework.parallel.mesh import TENSOR
 from framework.parallel.rules import param_rules
 
 SEQ = 1  # activations are [batch, seq, ...]
+# g's total (`exit`, the ring of partial sums `scatter_ring`), by name: a remat policy
+# that saves the weight matmuls' outputs saves this too (framework/model/stack.py),
+# else it keeps the partial products ([b, s, d], or the ring's `tensor` blocks of
+# [b, s/tensor, d]) and sums them over the devices again in the backward.
+EXITED = "tensor_exit"
 # Pairs of logical axes that must be split together (attention's fused q/k/v weight
 # and its output projection).
 SPLIT_TOGETHER = (("heads", "kv_heads"),)
@@ -163,8 +169,9 @@ class TensorParallel:
         the whole sequence keeps this device's slice of it."""
         if self.splits(split):
             if self.sequence_parallel:
-                return jax.lax.psum_scatter(y, self.axis, scatter_dimension=SEQ, tiled=True)
-            return jax.lax.psum(y, self.axis)
+                return checkpoint_name(jax.lax.psum_scatter(
+                    y, self.axis, scatter_dimension=SEQ, tiled=True), EXITED)
+            return checkpoint_name(jax.lax.psum(y, self.axis), EXITED)
         if self._gather_sequence() and whole_sequence:
             n = y.shape[SEQ] // self.size
             start = jax.lax.axis_index(self.axis) * n
@@ -222,7 +229,7 @@ class TensorParallel:
             sent = ring_shift(total, self.axis, t, -1, self.permute)
             arriving, part = _beside(sent, lambda: product(xk, wk))
             total = arriving + part
-        return total
+        return checkpoint_name(total, EXITED)
 
     def vocab_offset(self, local_size: int):
         """Index of this device's first vocabulary entry (vocabulary-parallel layers)."""

@@ -267,9 +267,11 @@ def test_save_dots_leaves_the_recomputed_rings_exposed_and_the_planner_says_so()
     """save_dots keeps the matmuls' outputs, not a collective matmul's gathered inputs:
     the backward's recompute runs those rings again with no matmul beside them, so the
     GPU compiler overlaps fewer of the tensor bytes than under full remat (2026-11-30,
-    the 8B recipe: 81% against 99%; at 4 layers 74% against 94%). The planner leaves the recompute's share of the
-    rings exposed under save_dots (`Remat.rings_alone`): at least the drop, not far
-    beyond it (1.5 of 5.5 ring units; the compiler still hides some behind other work)."""
+    the 8B recipe: 81% against 99%; at 4 layers 74% against 94%; since 2026-12-02, when
+    save_dots keeps the scattering rings' totals, `tensor.EXITED`: 89% and 81%). The
+    planner leaves the recompute's share of the rings exposed under save_dots
+    (`Remat.rings_alone`): at least the drop, not far beyond it (1 of 5 ring units,
+    1.5 of 5.5 before; the compiler still hides some behind other work)."""
     from framework.analysis import comm_model
 
     smaller = ("model.n_layers=4", "train.global_batch_size=8")
