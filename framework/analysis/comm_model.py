@@ -235,12 +235,12 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     lay = _layout(model, parallel, train)
     hidden = (lay.rows_per_replica * lay.seq_per_device
               * model.d_model * dtype_bytes(model.dtype))  # A
-    # the layers' (`_layer_units`); a dense prefix (prefix.py) on the first stage only (one rank in p, as the audit counts a
-    # conditional's collectives: averaged), as a layer under autodiff, and under the
-    # tick executor two more: its backward cell runs its forward again first
-    again = 1 if lay.recomputes else 0
-    prefix = 4 + again + (0 if lay.program.schedule.executor == AUTODIFF else 2)
+    # the layers' (`_layer_units`); a dense prefix (prefix.py) on the first stage only
+    # (one rank in p, as the audit counts a conditional's collectives: averaged), as a
+    # layer under autodiff, and under the tick executor two more: its backward cell
+    # runs its forward again first
     layer = _layer_units(model, parallel, REMATS[lay.layer_remat])
+    prefix = layer + (0 if lay.program.schedule.executor == AUTODIFF else 2)
     units = layer * _busiest_decoder_layers(lay) + prefix * prefix_layers(model) / parallel.pipeline
     return units * _ring_all_reduce(parallel.tensor) * hidden
 
