@@ -29,6 +29,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from framework.model.layers import NO_TP, softcap
 from framework.parallel.vma import sum_to
@@ -127,7 +128,7 @@ def _chunked_fwd(xs, w, ts, tp, z_loss, cap):
     first = _chunk_grads(xs[0], ts[0], w, tp, z_loss, cap)  # their types (dead code)
     init = (jnp.zeros_like(first[0]), jnp.zeros_like(first[2]))
     (total, dw), dx = jax.lax.scan(one, init, (xs, ts))
-    named = lambda a: jax.ad_checkpoint.checkpoint_name(a, GRADS)
+    named = lambda a: checkpoint_name(a, GRADS)
     return total, (named(sum_to(dx, xs)), named(sum_to(dw, w)))  # typed like xs and w
 
 
