@@ -15,9 +15,9 @@ hidden states of one data replica's batch (in the compute dtype):
           bytes, and a rematerialised layer gathers its inputs again (`_layer_units`).
           Plus the vocabulary-parallel embedding (one reduction forward) and LM head
           (one backward), each on one pipeline rank, the loss's three [B/dp, s]
-          float32 reductions (max, sum, label logit), and with sequence parallelism one all-reduce of the norm-scale
-          gradients per step. Collective matmuls: the same bytes as rings; FP8's
-          gathering rings one byte an element.
+          float32 reductions (max, sum, label logit), and with sequence parallelism one
+          all-reduce of the norm-scale gradients per step. Collective matmuls: the
+          same bytes as rings; FP8's gathering rings one byte an element.
   pipe    Each microbatch's hidden states cross every stage boundary forward and its
           gradient crosses back: 2 * (p*v - 1)/p * A (1/tp of it with sequence
           parallelism; v chunks per rank for circular and interleaved_1f1b; 2p - 2
