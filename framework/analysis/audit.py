@@ -111,13 +111,6 @@ def _axes_of(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def _scope_weight(op_name: str, scope_weights: dict[str, float] | None) -> float:
-    weight = 1.0
-    for part in re.split(r"[/()]", op_name) if scope_weights else ():
-        weight *= scope_weights.get(part, 1.0)
-    return weight
-
-
 def _async_results(kind: str, shapes: list) -> list:
     """The result buffers of an async `-start`: all-reduce-start returns the results;
     the others return (operands, results[, context scalars]): the second half."""
@@ -176,8 +169,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
                 senders = sum(len(g) for g in groups if len(g) > 1) / n
             axes = tuple(sorted({a for g in groups for a in _axes_of(g, mesh_shape)},
                                 key=list(mesh_shape).index))
-            op_name = program.op_name_of(comp, instr)
-            runs = mult[comp] * _scope_weight(op_name, scope_weights)
+            op_name = program.scoped_name(comp, instr)
+            runs = mult[comp] * hlo_lib.scope_weight(op_name, scope_weights)
             found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, instr.name,
                                     op_name, instr.name in hidden))
     return found

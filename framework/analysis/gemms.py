@@ -30,10 +30,13 @@ def _array(type_text: str) -> tuple[str, list[int]]:
     return m.group(1), [int(d) for d in m.group(2).split(",") if d]
 
 
-def matmul_flops(text: str) -> dict[tuple[str, bool], float]:
-    """FLOPs per step of the program's dots by (lhs operand dtype, a layer's or not)."""
+def matmul_flops(text: str, scope_weights: dict[str, float] | None = None
+                 ) -> dict[tuple[str, bool], float]:
+    """FLOPs per step of the program's dots by (lhs operand dtype, a layer's or not).
+    `scope_weights`: how often the pipeline's conditionally run scopes run
+    (`hlo.scope_weight`); without them every branch of a conditional counts whole."""
     out = defaultdict(float)
-    for factor, types, instr in hlo.executed(hlo.parse(text)):
+    for factor, types, instr in hlo.executed(hlo.parse(text), scope_weights=scope_weights):
         if instr.opcode != "dot":
             continue
         names = hlo.operands(instr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 _COMP_START = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\((.*)$")
@@ -110,6 +111,28 @@ class Program:
                     return found
         return ""
 
+    def scoped_name(self, comp: str, instr: Instruction) -> str:
+        """`op_name_of`, or where that is empty the op_name of the nearest instruction
+        that calls the instruction's computation (a fusion, a conditional's branch: the
+        GPU and CPU compilers leave e.g. the weight gradients' dots of a split
+        backward's W without metadata, inside its named conditional)."""
+        name, seen = self.op_name_of(comp, instr), set()
+        while not name and comp in self._callers and comp not in seen:
+            seen.add(comp)
+            comp, caller = self._callers[comp]
+            name = self.op_name_of(comp, caller)
+        return name
+
+    @cached_property
+    def _callers(self) -> dict[str, tuple[str, Instruction]]:
+        """computation -> (the computation, the instruction) that first calls it."""
+        out = {}
+        for comp, instrs in self.computations.items():
+            for instr in instrs:
+                for callee in [c for _, c in instr.callees] + list(instr.branches):
+                    out.setdefault(callee, (comp, instr))
+        return out
+
     def trip_count(self, loop: Instruction) -> int | None:
         """A while loop's trip count: XLA's `known_trip_count` where the compiler wrote
         it (CPU, GPU); else read from the condition, `counter < constant` (the TPU
@@ -146,22 +169,37 @@ class Program:
         return mult
 
 
+def scope_weight(op_name: str, scope_weights: dict[str, float] | None) -> float:
+    """The share of its computation's runs an instruction made in the named scopes of
+    `op_name` runs (`Program.scope_weights` of framework/parallel/pipeline/program.py:
+    how often the schedule's table runs a conditional's branch), 1 outside them. A scope
+    named twice (the split backward's W traced inside its own scope again) counts once."""
+    weight = 1.0
+    for part in dict.fromkeys(re.split(r"[/()]", op_name)) if scope_weights else ():
+        weight *= scope_weights.get(part, 1.0)
+    return weight
+
+
 def operands(instr: Instruction) -> list[str]:
     """The names of an instruction's operands, in order."""
     args = instr.line.split(f" {instr.opcode}(", 1)[-1]
     return re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
 
 
-def executed(program: Program, skip=frozenset()):
+def executed(program: Program, skip=frozenset(), scope_weights=None):
     """(runs per step, its computation's result types by name, instruction) of every
     instruction of a computation the program runs (`Program.multipliers`), but those of
-    the computations named in `skip`."""
+    the computations named in `skip`. `scope_weights`: the runs of an instruction in a
+    pipeline's named scopes as often as the schedule runs them (`scope_weight` of its
+    `Program.scoped_name`); without them every branch of a conditional runs each time."""
     runs = program.multipliers()
     for comp, instrs in program.computations.items():
         if runs.get(comp) and comp not in skip:
             types = {i.name: i.result for i in instrs}
             for instr in instrs:
-                yield runs[comp], types, instr
+                weight = scope_weight(program.scoped_name(comp, instr), scope_weights) \
+                    if scope_weights else 1.0
+                yield runs[comp] * weight, types, instr
 
 
 # Instructions that run no kernel of their own (control flow, views, the second half of

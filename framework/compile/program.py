@@ -14,8 +14,9 @@ CUDA plugin, or the local backend. From the compiled program:
               bytes that overlaps computation (`framework/analysis/overlap.py`'s rule)
 
     flops     the dots the optimized program executes per step (`gemms.matmul_flops`:
-              remat's recomputation, a MoE's padded or masked expert rows, attention
-              where it is not a library kernel) over the model's FLOPs
+              remat's recomputation, a split backward's second pass, a MoE's padded or
+              masked expert rows, attention where it is not a library kernel; each
+              pipeline branch as often as the schedule runs it) over the model's FLOPs
     kernels   the kernels it launches per step by kind (`kernels.kernels_per_step`:
               GEMMs, attention, collectives, FP8 casts and absolute maxima, other)
 
@@ -171,7 +172,9 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update({f"kernels/{kind}_per_step": n  # launches by kind (analysis/kernels.py)
                    for kind, n in kernels_per_step(text).items()})
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
-    executed = sum(matmul_flops(text).values())  # every dot the program runs, per step
+    # every dot the program runs per step, each conditional's branch as often as the
+    # schedule's table runs it (`Program.scope_weights`)
+    executed = sum(matmul_flops(text, engine.program.scope_weights).values())
     report["flops/matmul_executed_per_device_per_step"] = executed
     report["flops/matmul_executed_over_model"] = (
         executed / report["flops/model_per_device_per_step"])
