@@ -31,12 +31,13 @@ from jax.sharding import PartitionSpec as P
 from framework import hardware
 from framework.engine import fp8_gathers, moe_stats, step_weights
 from framework.engine import probes as probe_kinds
+from framework.config import ModelConfig
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
 from framework.model import fp8, fp8_delayed, fp8_stats
 from framework.model.documents import DocumentMask, documents_of
-from framework.model.prefix import DENSE, embed_piece
+from framework.model.prefix import DENSE, embed_piece, prefix_layers, table_of
 from framework.model.registry import spec_of
 from framework.parallel import data as data_parallel
 from framework.parallel.context import ContextParallel
@@ -102,7 +103,30 @@ def stage_fns(layout: Layout, tp: TensorParallel, n_tokens_global: int, split: b
         split=split_layers(model, layout.layer_remat, layout.remat.keeps_inputs_only, tp=tp,
                            skip=skip_unless, gather=stack_gather) if split else None,
         weights=step_weights.once_a_step(model, tp.weight_max, per_use),
-        pass_through=options.pass_through)
+        pass_through=options.pass_through,
+        embed_rows=embed_rows(model, tp) if per_use is None and not prefix_layers(model) else None)
+
+
+def embed_rows(model: ModelConfig, tp: TensorParallel) -> tuple:
+    """The embedding's gradient in two halves (`StageFns.embed_rows`): the looked-up
+    rows' gradient from dx (through the embedding's cast, scale and tensor-parallel
+    sum or scatter: a tap of zeros added to the rows, typed as they are), then their
+    scatter-add into the table's slice (`llama.lookup_rows`' VJP, linear)."""
+    module = spec_of(model).embed(model, tp)
+    lookup_rows = type(module).rows
+
+    def rows(embed, ids, dx):  # -> [mb, seq, d] in the table's dtype
+        like = jax.eval_shape(lambda: lookup_rows(embed["table"], ids, tp))
+        tap = varying(jnp.zeros(like.shape, like.dtype),
+                      tuple(sorted(like.manual_axis_type.varying)))
+        run = lambda t: module.apply({"params": table_of(embed)}, ids, tap=t)
+        return jax.vjp(run, tap)[1](dx)[0]
+
+    def table(embed, ids, got):
+        g = jax.vjp(lambda t: lookup_rows(t, ids, tp), embed["table"])[1](got)[0]
+        return dict(jax.tree.map(jnp.zeros_like, embed), table=g)
+
+    return rows, table
 
 
 def _per_use_gathers(dims, dtype) -> dict:

@@ -232,21 +232,29 @@ class Block(nn.Module):
         return x if cache is None else (x, KVCache(*(jnp.stack(a) for a in zip(*caches))))
 
 
+def lookup_rows(table, tokens, tp: TensorParallel = NO_TP):
+    """The rows of this device's slice of the table ([vocab@tensor, embed]) for the ids
+    in it, zeros for the others: [batch, seq, embed] in the table's dtype."""
+    local = tokens - tp.vocab_offset(table.shape[0])
+    mine = (local >= 0) & (local < table.shape[0])
+    return jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
+
+
 class Embed(nn.Module):
     """Token embedding, vocabulary-parallel: each device looks up the ids that fall in
     its slice of the table, zeros elsewhere, and `exit` sums the slices."""
 
     cfg: ModelConfig
     tp: TensorParallel = NO_TP
+    rows = staticmethod(lookup_rows)  # (table, tokens, tp): the lookup alone
 
     @nn.compact
-    def __call__(self, tokens):  # tokens: [batch, seq] int32 -> [batch, seq(/tp), embed]
+    def __call__(self, tokens, tap=None):  # tokens: [batch, seq] int32 -> [batch, seq(/tp),
+        # embed]; tap: zeros added to the looked-up rows, whose gradient is theirs
         c = self.cfg
         table = param(self, "table", (c.vocab_size, c.d_model), ("vocab", "embed"))
-        local = tokens - self.tp.vocab_offset(table.shape[0])  # table: [vocab@tensor, embed]
-        mine = (local >= 0) & (local < table.shape[0])
-        x = jnp.take(table, jnp.where(mine, local, 0), axis=0) * mine[..., None]
-        x = x.astype(jnp.dtype(c.dtype))
+        x = lookup_rows(table, tokens, self.tp)
+        x = (x if tap is None else x + tap).astype(jnp.dtype(c.dtype))
         if c.has_embed_scale:  # Gemma 2: x sqrt(hidden_size), the factor rounded to the
             # compute dtype first, as transformers' Gemma2Model does (bfloat16: 59.75 for
             # sqrt(3584) = 59.87)

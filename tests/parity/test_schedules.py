@@ -164,3 +164,19 @@ def test_the_accelerator_dispatch_matches_the_reference(name, v, remat, overlap,
     loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
     assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
     assert worst(max_rel_err(canonical_of(eng, grads), ref[1])) <= 1e-4
+
+
+@pytest.mark.parametrize("name,overlap", [("1f1b", True), ("zb_h1", False)])
+def test_the_accelerator_dispatch_with_the_embedding_over_tensor_matches_the_reference(
+        name, overlap, ref, monkeypatch):
+    """As above, with the vocabulary-parallel embedding and sequence parallelism: the
+    embedding's gradient in two halves (`StageFns.embed_rows`), the rows' gradient in the
+    first stage's conditional (an all-gather over `tensor`), their scatter-add into the
+    table after it on every rank."""
+    from framework.engine import step
+
+    monkeypatch.setattr(step, "passes_through", lambda platform: False)
+    eng = engine(2, 2, 2, 4, schedule=name, overlap_sends=overlap, sequence_parallel=True)
+    loss, grads = eng.loss_and_grads_fn()(eng.shard_params(params()), eng.shard_batch(tokens(0)))
+    assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
+    assert worst(max_rel_err(canonical_of(eng, grads), ref[1])) <= 1e-4

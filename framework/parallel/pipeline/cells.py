@@ -221,7 +221,7 @@ class Cells:
         fns, p, grads = self.fns, self.params, state.grads
         value, (g_head, g_embed, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1, 2))(
             p["head"], p["embed"], state.act, self.targets[cell.mb])
-        grads = dict(grads, head=_add(grads["head"], g_head), embed=_add(grads["embed"], g_embed))
+        grads = dict(grads, head=add(grads["head"], g_head), embed=add(grads["embed"], g_embed))
         return state._replace(grads=grads, loss=state.loss + value, grad=dy)
 
     def in_place(self, state: TickState, cell: CellIn, j: int, dy):
@@ -273,8 +273,9 @@ class Cells:
         docs = of_microbatch(self.docs, cell.mb)
         g_embed = jax.vjp(lambda e: self.fns.embed(e, self.inputs[cell.mb], docs), embed)[1](
             state.grad)[0]
-        return state._replace(grads=dict(grads, embed=_add(grads["embed"], g_embed)))
+        return state._replace(grads=dict(grads, embed=add(grads["embed"], g_embed)))
 
 
-def _add(tree, update):
+def add(tree, update):
+    """tree + update, leaf by leaf, in the tree's dtypes (a gradient into its accumulator)."""
     return jax.tree.map(lambda a, u: a + u.astype(a.dtype), tree, update)

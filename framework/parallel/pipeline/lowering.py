@@ -20,7 +20,9 @@ Two lowerings of what a cell keeps (F's residuals, `fresh`) and its weight gradi
                 through) they leave the branch as fresh values and are written in place
                 after it: zeros where the cell does not run, written to a spare stash
                 slot / added to the gradients. B's douts are then written on every rank
-                (into the spare slot where B does not run), with no conditional.
+                (into the spare slot where B does not run), with no conditional; the
+                embedding's conditional returns the looked-up rows' gradient, which is
+                scatter-added into the table's after it (`embed_grad_apart`).
 
 The named scopes the branches open are the Program's (`Branch.scopes`), so the audit's
 weights (`Program.scope_weights`) are computed from the same branches this lowers.
@@ -153,6 +155,8 @@ class Cells(cells.Cells):
         if run.role is Role.STORE_DOUTS and self.apart:
             return self.put(state, state.douts, self.slot_or_spare(run.pred(kind, cell),
                                                                     cell.slot, state))
+        if run.role is Role.EMBED_GRAD and self.apart and self.fns.embed_rows:
+            return self.embed_grad_apart(run.scopes, run.pred(kind, cell), state, cell)
         if Field.FRESH in run.writes:
             state = run(kind, state._replace(fresh=self.fresh_zeros()), cell)
             slot = self.slot_or_spare(run.pred(kind, cell), cell.slot, state)
@@ -163,6 +167,26 @@ class Cells(cells.Cells):
         state = run(kind, state._replace(g_w=jax.tree.map(self.zeros, like)), cell)
         grads = self.add_chunk(state.grads, cell.chunk, state.g_w, run.layers)
         return state._replace(grads=grads, g_w=None)
+
+    def embed_grad_apart(self, scopes: tuple, pred, state: TickState, cell: CellIn):
+        """`embed_grad` for `apart`: its conditional returns the looked-up rows' gradient
+        (zeros where it does not run), which a scatter-add after it puts into the
+        table's gradient in place on every rank (`StageFns.embed_rows`): the accumulator
+        (float32 [vocab/tensor, d], 1 GiB for Llama-3-70B at tensor 4) passes through no
+        conditional, which this compiler copied three times a tick."""
+        rows, table = self.fns.embed_rows
+        embed, ids = self.params["embed"], self.inputs[cell.mb]
+        made = lambda: rows(embed, ids, state.grad)
+        like = jax.eval_shape(made)
+        none = lambda: varying(jnp.zeros(like.shape, like.dtype),
+                               tuple(sorted(like.manual_axis_type.varying)))
+        with ExitStack() as stack:
+            for scope in scopes:
+                stack.enter_context(jax.named_scope(scope))
+            got = jax.lax.cond(pred, made, none)
+        grads = state.grads
+        return state._replace(grads=dict(grads, embed=cells.add(grads["embed"],
+                                                               table(embed, ids, got))))
 
     def slot_or_spare(self, pred, slot, state: TickState):
         """`slot` where `pred`, else the stash's spare last slot (`apart` only)."""
@@ -187,6 +211,8 @@ def run_combined(cells: Cells, fused, state: TickState, f: CellIn, b: CellIn) ->
     else:
         state = cond_fields(work.scopes, fused, lambda s: cells.accumulate(fn(s), b), state,
                             (Field.STASH, Field.ACT, Field.GRADS_CHUNKS, Field.GRAD))
+    if cells.apart and cells.fns.embed_rows:
+        return cells.embed_grad_apart(embed.scopes, fused & b.first, state, b)
     return cond_fields(embed.scopes, fused & b.first, lambda s: cells.embed_grad(s, b), state,
                        (Field.GRADS_EMBED,))
 

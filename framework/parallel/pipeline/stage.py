@@ -72,6 +72,12 @@ class StageFns:
     # and TPU compilers, and its GPU compiler from jaxlib 0.11.2); the GPU compiler of
     # jaxlib 0.10.2 copies it (`ticks.Cells.apart`, `engine.step.passes_through`).
     pass_through: bool = True
+    # The embedding's gradient in two halves where the embedding is a lookup alone (no
+    # dense prefix, prefix.py; no per-use gather): (rows(embed, ids, dx) -> the looked-up
+    # rows' gradient [mb, seq, d], table(embed, ids, rows) -> the gradient like embed, a
+    # scatter-add of the rows), so that a compiler that copies what a conditional passes
+    # through runs only the first in one (`lowering.Cells.embed_grad_apart`). None: whole.
+    embed_rows: Optional[tuple] = None
 
 
 def of_microbatch(docs, mb):
