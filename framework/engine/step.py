@@ -29,9 +29,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from framework import hardware
+from framework.config import ModelConfig
 from framework.engine import fp8_gathers, moe_stats, step_weights
 from framework.engine import probes as probe_kinds
-from framework.config import ModelConfig
 from framework.engine.resolved import Layout
 from framework.engine.split import check_weight_ops, split_layers
 from framework.engine.state import train_state
