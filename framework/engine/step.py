@@ -44,7 +44,7 @@ from framework.parallel.context import ContextParallel
 from framework.parallel.expert import expert_parallel
 from framework.parallel.mesh import CONTEXT, PIPE, TENSOR
 from framework.parallel.pipeline import autodiff, ticks
-from framework.parallel.pipeline.comm import manual_axes, varying
+from framework.parallel.pipeline.comm import manual_axes, varying, zeros_typed_like
 from framework.parallel.pipeline.program import forward_program
 from framework.parallel.pipeline.stage import StageFns, skip_unless
 from framework.parallel.rules import is_expert_leaf, param_rules
@@ -117,8 +117,7 @@ def embed_rows(model: ModelConfig, tp: TensorParallel) -> tuple:
 
     def rows(embed, ids, dx):  # -> [mb, seq, d] in the table's dtype
         like = jax.eval_shape(lambda: lookup_rows(embed["table"], ids, tp))
-        tap = varying(jnp.zeros(like.shape, like.dtype),
-                      tuple(sorted(like.manual_axis_type.varying)))
+        tap = zeros_typed_like(like, also=like.manual_axis_type.varying)
         run = lambda t: module.apply({"params": table_of(embed)}, ids, tap=t)
         return jax.vjp(run, tap)[1](dx)[0]
 

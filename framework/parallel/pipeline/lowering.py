@@ -30,7 +30,7 @@ weights (`Program.scope_weights`) are computed from the same branches this lower
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Callable, NamedTuple, Optional
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.parallel.pipeline import cells
-from framework.parallel.pipeline.comm import varying
+from framework.parallel.pipeline.comm import varying, zeros_typed_like
 from framework.parallel.pipeline.kinds import Out
 from framework.parallel.pipeline.program import Branch, Role
 from framework.parallel.pipeline.stage import differentiable
@@ -85,11 +85,18 @@ def cond_fields(scopes: tuple, pred, fn, state: TickState, writes: tuple) -> Tic
         return jax.tree.map(lambda a, b: varying(a, jax.typeof(b).manual_axis_type.varying),
                             new, old)
 
+    with in_scopes(scopes):
+        out = jax.lax.cond(pred, run, lambda s: fields_of(s, writes), state)
+    return with_fields(state, writes, out)
+
+
+@contextmanager
+def in_scopes(scopes: tuple):
+    """JAX's named scopes `scopes`, nested, outermost first."""
     with ExitStack() as stack:
         for scope in scopes:
             stack.enter_context(jax.named_scope(scope))
-        out = jax.lax.cond(pred, run, lambda s: fields_of(s, writes), state)
-    return with_fields(state, writes, out)
+        yield
 
 
 _HEAD = (Field.GRADS_HEAD, Field.GRADS_EMBED, Field.LOSS, Field.GRAD)  # head + loss
@@ -178,11 +185,8 @@ class Cells(cells.Cells):
         embed, ids = self.params["embed"], self.inputs[cell.mb]
         made = lambda: rows(embed, ids, state.grad)
         like = jax.eval_shape(made)
-        none = lambda: varying(jnp.zeros(like.shape, like.dtype),
-                               tuple(sorted(like.manual_axis_type.varying)))
-        with ExitStack() as stack:
-            for scope in scopes:
-                stack.enter_context(jax.named_scope(scope))
+        none = lambda: zeros_typed_like(like, also=like.manual_axis_type.varying)
+        with in_scopes(scopes):
             got = jax.lax.cond(pred, made, none)
         grads = state.grads
         return state._replace(grads=dict(grads, embed=cells.add(grads["embed"],
