@@ -7,7 +7,9 @@ Step time (seconds), no overlap of computation and communication assumed, except
 the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`) and the
 layers' tensor-parallel bytes under a collective matmul (`parallel.collective_matmul`):
 those are hidden behind the compute, up to its length (not the rings a `save_dots`
-recompute runs without their matmuls: `Remat.rings_alone`).
+recompute runs without their matmuls: `Remat.rings_alone`; none where a zero-bubble
+split backward records its weight ops' inputs, which runs no collective matmul:
+`Layout.records_weight_ops`).
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s, split over data x tensor:
@@ -149,12 +151,13 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         sends = comm_model.stage_sends(model, parallel, train) / hw.bandwidth(PIPE, parallel)
         out["comm_pipe"] -= min(sends, budget)
         budget -= min(sends, budget)
-    if parallel.collective_matmul and lay.sequence_parallel:
+    if parallel.collective_matmul and lay.sequence_parallel and not lay.records_weight_ops:
         # the layers' rings run beside their blocks' matmuls: hidden where a block's
         # matmul outlasts the block's transfer, up to the compute left; the rings a
-        # recompute runs without its matmuls (`Remat.rings_alone`) stay exposed
+        # recompute runs without its matmuls (`Remat.rings_alone`) stay exposed, and all
+        # of them where a split backward records the weight ops' inputs (no ring runs)
         bw = hw.bandwidth(TENSOR, parallel)
-        alone = comm_model.recomputed_ring_share(model, parallel) \
+        alone = comm_model.recomputed_ring_share(model, parallel, lay.split_recomputes) \
             if lay.remat.rings_alone else 0.0
         rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
         hides = ring_hidden_share(model, tp, bw / hw.peak_flops) * (1 - alone)

@@ -282,3 +282,24 @@ def test_save_dots_leaves_the_recomputed_rings_exposed_and_the_planner_says_so()
     share = comm_model.recomputed_ring_share(cfg.model, cfg.parallel)
     drop = got["full"] - got["save_dots"]
     assert got["full"] > 0.9 and 0.1 < drop <= share <= drop + 0.15, (got, share)
+
+
+@pytest.mark.slow  # two 4-layer 8B programs, ~30 s
+def test_the_split_backward_sends_what_the_model_counts_on_the_gpu_compiler():
+    """ZB-V's tensor-parallel bytes on the GPU compiler against the communication model
+    (framework/analysis/comm_model.py): under save_dots its W pulls the gradient
+    through the layers' backward again, with its rings (7 ring units a layer, 1F1B's
+    5; the model counted 5 until 2026-12-02: 0.73x); without remat its passes record
+    the weight ops' inputs and run no collective matmul (`Layout.records_weight_ops`),
+    so the compiler overlaps few of its bytes, and the planner hides none."""
+    from framework.analysis import comm_model
+
+    smaller = ("model.n_layers=4", "train.global_batch_size=8", "parallel.schedule=zb_v")
+    key = "comm/bytes_per_step/tensor"
+    for remat in ("save_dots", "none"):
+        got = report("gpu:h100x8", *smaller, f"parallel.remat={remat}", recipe="llama3_8b")
+        cfg = compose_recipe("llama3_8b", *smaller, f"parallel.remat={remat}", config="compile")
+        expected = comm_model.expected_bytes(cfg.model, cfg.parallel, cfg.train)["tensor"]
+        assert abs(got[key] / expected - 1) < 0.01, (remat, got[key], expected)
+        overlapped = got["comm/overlapped_fraction/tensor"]
+        assert overlapped > 0.8 if remat == "save_dots" else overlapped < 0.3, (remat, overlapped)

@@ -97,6 +97,29 @@ def test_time_model_bubble_and_bandwidth():
     assert 0 < t(tensor=4)["mfu"] < 1
 
 
+def test_a_split_backward_that_records_its_inputs_hides_no_ring():
+    """Collective matmuls hide the layers' rings behind their blocks' matmuls, but a
+    zero-bubble split backward without remat records its weight ops' inputs and runs
+    none (`Layout.records_weight_ops`; the GPU compiler overlapped 0% of llama3_8b's
+    tensor bytes under ZB-V): the planner left them hidden and ranked ZB-V without
+    remat (1.806 s) ahead of the 8B recipe's 1F1B (1.826 s). Under remat its W runs the
+    backward's rings again (`Layout.split_recomputes`), which are counted and hidden."""
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    base = dict(pipeline=2, tensor=2, microbatches=4, sequence_parallel=True)
+    par = lambda **kw: ParallelConfig(**base, **kw)
+    t = lambda **kw: planner.predict_time(MODEL, par(**kw), TRAIN, hw)
+    tensor = lambda **kw: comm_model.expected_bytes(MODEL, par(**kw), TRAIN)["tensor"] / \
+        hw.bandwidth("tensor", par(**kw))
+    for schedule in ("1f1b", "zb_v"):
+        plain = t(schedule=schedule, remat="none")["comm_tensor"]
+        assert plain == pytest.approx(tensor(schedule=schedule, remat="none"))
+        fused = t(schedule=schedule, remat="none", collective_matmul=True)["comm_tensor"]
+        assert fused == pytest.approx(plain) if schedule == "zb_v" else fused < 0.9 * plain
+    split = tensor(schedule="zb_v", remat="save_dots")  # B's and W's rings: 7 units of 5
+    assert split == pytest.approx(7 / 5 * tensor(schedule="1f1b", remat="save_dots"), rel=0.05)
+    assert t(schedule="zb_v", remat="save_dots", collective_matmul=True)["comm_tensor"] < split
+
+
 def test_the_time_of_each_layout_counts_its_own_bytes():
     """The planner's communication bytes are cached per layout; a key that left out
     ZeRO-1 / FSDP and the microbatches gave FSDP (gathering per microbatch) ZeRO-1's
