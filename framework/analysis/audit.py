@@ -138,7 +138,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
     mesh order; device i of the program is mesh.devices.flat[i]."""
     n = int(np.prod(list(mesh_shape.values())))
     program = hlo_lib.parse(hlo)
-    mult = program.multipliers()
+    mult, runs_of = program.multipliers(), program.runs(scope_weights)
     hidden = overlapped_names(program)
     found = []
     for comp, instrs in program.computations.items():
@@ -170,7 +170,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int],
             axes = tuple(sorted({a for g in groups for a in _axes_of(g, mesh_shape)},
                                 key=list(mesh_shape).index))
             op_name = program.scoped_name(comp, instr)
-            runs = mult[comp] * hlo_lib.scope_weight(op_name, scope_weights)
+            runs = runs_of(comp, instr)
             found.append(Collective(kind, axes, shapes, runs, size, senders, pairs, instr.name,
                                     op_name, instr.name in hidden))
     return found

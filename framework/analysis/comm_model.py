@@ -12,9 +12,8 @@ hidden states of one data replica's batch (in the compute dtype):
           stage (uneven stages: the busiest rank's):  4 * (L/p) * 2(tp-1)/tp * A; 5 under
           full remat (the attention's forward reduction again). With sequence
           parallelism each all-reduce is an all-gather + reduce-scatter pair: the same
-          bytes, and a rematerialised layer gathers its inputs again (`_layer_units`);
-          a zero-bubble split backward under remat runs the backward's reductions
-          twice (B, and W pulling the gradient through again).
+          bytes, and a rematerialised layer gathers its inputs again (`_layer_units`;
+          a split backward's W runs the backward's again).
           Plus the vocabulary-parallel embedding (one reduction forward) and LM head
           (one backward), each on one pipeline rank, the loss's three [B/dp, s]
           float32 reductions (max, sum, label logit), and with sequence parallelism one
@@ -238,17 +237,15 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
     hidden = (lay.rows_per_replica * lay.seq_per_device
               * model.d_model * dtype_bytes(model.dtype))  # A
     # the layers' (`_layer_units`); a dense prefix (prefix.py) on the first stage only
-    # (one rank in p, as the audit counts a conditional's collectives: averaged), as a
-    # layer under autodiff, and under the tick executor two more: its backward cell
-    # runs its forward again first
+    # (one rank in p: averaged), as a layer under autodiff, and under the tick executor
+    # two more: its backward cell runs its forward again first
     layer = _layer_units(model, parallel, REMATS[lay.layer_remat], lay.split_recomputes)
     prefix = layer + (0 if lay.program.schedule.executor == AUTODIFF else 2)
     units = layer * _busiest_decoder_layers(lay) + prefix * prefix_layers(model) / parallel.pipeline
     return units * _ring_all_reduce(parallel.tensor) * hidden
 
 
-def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat,
-                 split: bool = False) -> float:
+def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat, split=False) -> float:
     """One decoder layer's tensor collectives under `remat` (the layers'), in all-reduces
     of A: 4 (f and g of the attention and the MLP, forward and backward). Without
     sequence parallelism f is the identity in the forward, and full remat's recompute
@@ -257,21 +254,13 @@ def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat,
     sums), half each; a rematerialised layer's recompute gathers the attention's and
     the MLP's inputs again (their weight gradients read them) and, under full remat
     alone, sums the attention's g again (its output feeds the MLP's norm; save_dots
-    keeps it, `tensor.EXITED`; the MLP's is dead): 5.5 full, 5 save_dots. Measured on
-    the GPU compiler's program of llama3_8b at 4 layers (2026-12-02, MiB a step,
-    3,456 = 4 units and the head's 384): with sequence parallelism 4,608 full, 4,224
-    save_dots (4,608 until g's total was kept), 3,456 none, the same with or without
-    collective matmuls; without, 4,224 full, 3,456 save_dots and none. FP8's gathering
-    rings (framework/model/fp8.py) carry one byte an element, the partial sums the
-    compute dtype's (FP8, 1F1B: 3,456, 3,072, 2,688).
-
-    `split`: a zero-bubble split backward under remat (`Layout.split_recomputes`): W
-    pulls the gradient through the layer's backward again, its collectives with it
-    (f's and g's transposes: 2 all-reduces' worth), and under full remat through the
-    recomputed forward too (its gathers and the attention's g): ZB-V on llama3_8b at 4
-    layers (2026-12-02, MiB a step) 5,760 save_dots and 7,296 full (ZB-H1) with
-    sequence parallelism (7 and 9 units), 4,992 and 6,528 without (6 and 8), where
-    this counted 1F1B's 4,224, 4,608, 3,456 and 4,224."""
+    keeps it, `tensor.EXITED`; the MLP's is dead): 5.5 full, 5 save_dots (llama3_8b at 4
+    layers on the GPU compiler, 2026-12-02, MiB a step, 3,456 = 4 units + the head's
+    384: 4,608 full, 4,224 save_dots, 3,456 none, with or without collective matmuls;
+    without SP 4,224 full, 3,456 else). FP8's gathering rings carry one byte an element
+    (FP8, 1F1B: 3,456, 3,072, 2,688). `split` (`Layout.split_recomputes`): W runs the
+    backward's f and g transposes again, under full remat the recomputed forward's
+    too: 7 units save_dots, 9 full (docs/performance.md, "Zero-bubble's rings")."""
     gathered, summed = int(remat.keeps_inputs_only), int(remat.recompute_forward)
     again = int(split and remat.keeps_inputs_only)  # W's backward (and recompute) again
     if not (parallel.sequence_parallel and parallel.tensor > 1):
@@ -283,16 +272,12 @@ def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat,
     return (gathers * per + scatters) / 2
 
 
-def recomputed_ring_share(model: ModelConfig, parallel: ParallelConfig,
-                          split: bool = False) -> float:
+def recomputed_ring_share(model: ModelConfig, parallel: ParallelConfig, split=False) -> float:
     """Of a decoder layer's collective-matmul bytes under save_dots, the share its
-    recompute sends again (the two gathering rings: `_layer_units`); `split`: of a
-    split backward's (`Layout.split_recomputes`), whose W runs them once, beside the
-    backward's rings again (which its matmuls overlap: 86% of ZB-V's tensor bytes at
-    4 layers of llama3_8b, 1 of 7 units alone)."""
-    alone = (_layer_units(model, parallel, REMATS["save_dots"])
-             - _layer_units(model, parallel, REMATS["none"]))
-    return alone / _layer_units(model, parallel, REMATS["save_dots"], split)
+    recompute sends again (the two gathering rings: `_layer_units`); `split`: of a split
+    backward's, whose W's backward rings again run beside their matmuls."""
+    units = lambda name, split=False: _layer_units(model, parallel, REMATS[name], split)
+    return (units("save_dots") - units("none")) / units("save_dots", split)
 
 
 def context_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,

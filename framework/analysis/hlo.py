@@ -153,30 +153,81 @@ class Program:
 
     def multipliers(self) -> dict[str, int]:
         """How often each computation runs per execution of the program: a while
-        body x its trip count (when known), everything else x 1."""
-        mult = defaultdict(int)
+        body x its trip count (when known), everything else x 1 (every branch of a
+        conditional as if it ran each time)."""
+        return self._runs(None)[0]
 
-        def visit(name, factor):
+    def runs(self, scope_weights: dict[str, float] | None = None):
+        """(comp, instr) -> how often the instruction runs per execution of the program.
+        Without `scope_weights`, its computation's `multipliers`. With them
+        (`Program.scope_weights` of framework/parallel/pipeline/program.py: per named
+        scope, the share of its conditional's executions the schedule's table runs its
+        work in), a two-way conditional inside named scopes runs its second branch
+        (lax.cond's true one, `branch_1_fun`) that share w of the times, its first (the
+        idle ranks' pass-through) 1 - w; an instruction in a named scope outside such a
+        conditional (a send pattern's branch) runs the scope's weight of the times
+        (`scope_weight` of its `scoped_name`, each scope counted once on its path)."""
+        mult, applied = self._runs(scope_weights)
+
+        def runs(comp: str, instr: Instruction) -> float:
+            if not scope_weights or not mult.get(comp):
+                return mult.get(comp, 0)
+            return mult[comp] * scope_weight(self.scoped_name(comp, instr), scope_weights,
+                                             applied[comp])
+        return runs
+
+    def _runs(self, scope_weights):
+        """({computation: runs per execution}, {computation: the scopes its runs were
+        weighted by through its conditionals}); `runs`."""
+        mult, applied = defaultdict(int), {}
+
+        def visit(name, factor, scopes):
             mult[name] += factor
+            applied[name] = applied[name] & scopes if name in applied else scopes
             for instr in self.computations.get(name, ()):
                 for attr, callee in instr.callees:
                     trip = (self.trip_count(instr) or 1) if attr == "body" else 1
-                    visit(callee, factor * trip)
-                for branch in instr.branches:
-                    visit(branch, factor)
+                    visit(callee, factor * trip, scopes)
+                for branch, (share, inner) in zip(instr.branches, self._branch_shares(
+                        name, instr, scope_weights, scopes)):
+                    visit(branch, factor * share, inner)
 
-        visit(self.entry, 1)
-        return mult
+        visit(self.entry, 1, frozenset())
+        return mult, applied
+
+    def _branch_shares(self, comp: str, instr: Instruction, scope_weights, scopes):
+        """[(share of the runs, the scopes applied inside)] of a conditional's branches:
+        a two-way one inside weighted scopes not yet applied on its path (the tick
+        executor's cells, framework/parallel/pipeline/lowering.py): 1 - w, w; else
+        every branch every time."""
+        n = len(instr.branches)
+        if not scope_weights or n != 2:
+            return [(1, scopes)] * n
+        own = frozenset(part for part in _SCOPE_SPLIT.split(self.scoped_name(comp, instr))
+                        if part in scope_weights) - scopes
+        if not own:
+            return [(1, scopes)] * n
+        w = 1.0
+        for part in own:
+            w *= scope_weights[part]
+        return [(1.0 - w, scopes | own), (w, scopes | own)]
 
 
-def scope_weight(op_name: str, scope_weights: dict[str, float] | None) -> float:
+_SCOPE_SPLIT = re.compile(r"[/()]")  # an op_name's parts: the named scopes among them
+
+
+def scope_weight(op_name: str, scope_weights: dict[str, float] | None,
+                 applied=frozenset()) -> float:
     """The share of its computation's runs an instruction made in the named scopes of
     `op_name` runs (`Program.scope_weights` of framework/parallel/pipeline/program.py:
-    how often the schedule's table runs a conditional's branch), 1 outside them. A scope
-    named twice (the split backward's W traced inside its own scope again) counts once."""
+    how often the schedule's table runs a conditional's branch), 1 outside them, but
+    the scopes `applied` already (by the conditional whose branch it is in,
+    `Program.runs`). A scope named twice (the split backward's W traced inside its own
+    scope again) counts once."""
     weight = 1.0
-    for part in dict.fromkeys(re.split(r"[/()]", op_name)) if scope_weights else ():
-        weight *= scope_weights.get(part, 1.0)
+    for part in dict.fromkeys(_SCOPE_SPLIT.split(op_name)) if scope_weights else ():
+        if part not in applied:
+            weight *= scope_weights.get(part, 1.0)
     return weight
 
 
@@ -189,17 +240,15 @@ def operands(instr: Instruction) -> list[str]:
 def executed(program: Program, skip=frozenset(), scope_weights=None):
     """(runs per step, its computation's result types by name, instruction) of every
     instruction of a computation the program runs (`Program.multipliers`), but those of
-    the computations named in `skip`. `scope_weights`: the runs of an instruction in a
-    pipeline's named scopes as often as the schedule runs them (`scope_weight` of its
-    `Program.scoped_name`); without them every branch of a conditional runs each time."""
-    runs = program.multipliers()
+    the computations named in `skip`. `scope_weights`: each branch of a pipeline's
+    conditionals as often as the schedule runs it (`Program.runs`); without them every
+    branch of a conditional runs each time."""
+    mult, runs = program.multipliers(), program.runs(scope_weights)
     for comp, instrs in program.computations.items():
-        if runs.get(comp) and comp not in skip:
+        if mult.get(comp) and comp not in skip:
             types = {i.name: i.result for i in instrs}
             for instr in instrs:
-                weight = scope_weight(program.scoped_name(comp, instr), scope_weights) \
-                    if scope_weights else 1.0
-                yield runs[comp] * weight, types, instr
+                yield runs(comp, instr), types, instr
 
 
 # Instructions that run no kernel of their own (control flow, views, the second half of
@@ -209,14 +258,14 @@ NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
              "opt-barrier", "add-dependency"}
 
 
-def kernels(program: Program):
+def kernels(program: Program, scope_weights=None):
     """`executed`'s (runs per step, result types, instruction) of every instruction
     that launches a kernel: a fusion (its fused computation is part of it) or an unfused
     instruction that runs one, not those in `NO_KERNEL`, an async pair's `-done`, or the
     reducers a reduce or all-reduce applies (`to_apply`: part of the kernel)."""
     reducers = {c for instrs in program.computations.values() for i in instrs
                 for attr, c in i.callees if attr == "to_apply"}
-    for factor, types, instr in executed(program, skip=fused(program) | reducers):
+    for factor, types, instr in executed(program, fused(program) | reducers, scope_weights):
         if instr.opcode not in NO_KERNEL and not instr.opcode.endswith("-done"):
             yield factor, types, instr
 

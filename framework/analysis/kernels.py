@@ -5,7 +5,9 @@ runs them (docs/performance.md, "FP8's extra kernels, as the compiler builds the
 Each kernel (`hlo.kernels`: a fusion, or an unfused instruction that launches one; the
 reducers a reduce or all-reduce applies are part of it) counts once per run of its
 computation (`hlo.Program.multipliers`: a while body x its trip count; both branches
-of a conditional as if run every time). Kinds, first match:
+of a conditional as if run every time, unless the pipeline's `scope_weights` say how
+often its table runs each: `hlo.Program.runs`, what `framework.compile` reports since
+2026-12-02). Kinds, first match:
 
   gemm        a fusion holding a dot (the GPU compiler's cuBLAS(Lt) and Triton GEMMs) or
               a library GEMM call
@@ -39,12 +41,13 @@ _SCALAR = re.compile(r"^\(?\s*[a-z0-9]+\[\]")
 _WIDER = re.compile(r"^(?:bf16|f16|f32|f64)\[\d")  # an array of a wider float type
 
 
-def kernels_per_step(text: str) -> dict[str, float]:
+def kernels_per_step(text: str, scope_weights=None) -> dict[str, float]:
     """{kind: kernels per step} of a compiled program's text (`compiled.as_text()`),
-    every kind of `KINDS` present (0 where none)."""
+    every kind of `KINDS` present (0 where none); `scope_weights`: a pipeline's
+    branches as often as its table runs them (`hlo.Program.runs`)."""
     program = hlo.parse(text)
     out = Counter({k: 0.0 for k in KINDS})
-    for factor, _types, instr in hlo.kernels(program):  # (what a kernel is: hlo.py)
+    for factor, _types, instr in hlo.kernels(program, scope_weights):  # (hlo.py)
         for kind in _kinds(program, instr):
             out[kind] += factor
     return dict(out)

@@ -14,8 +14,11 @@ fused into the kernel that reads it (an elementwise fusion starting from a layer
 stacked residual) writes nothing: `sliced` is the slices written out. (Until
 2026-11-30 both counted every such instruction: docs/performance.md, "What the traffic
 counts".) Both branches of a
-conditional count as if run every time: an upper bound where a branch is idle (the tick
-executor's cells on the ticks they do not run). `framework.compile` reports these
+conditional count as if run every time, an upper bound where a branch is idle, unless
+the pipeline's `scope_weights` are given: then each branch of the tick executor's
+conditionals counts as often as the schedule's table runs it, the work's w of the ticks
+and the idle ranks' pass-through 1 - w (`hlo.Program.runs`; since 2026-12-02, what
+`framework.compile` reads). `framework.compile` reports these
 (`traffic/*`); what they cost on a GPU is the profile's `copies/slices`
 (framework/analysis/device_time.py).
 
@@ -46,22 +49,24 @@ def type_bytes(text: str) -> int:
     return total
 
 
-def moved_bytes(text: str) -> dict[str, float]:
-    """Bytes per step by kind (`copied`, `sliced`, `updated`) of a compiled program."""
+def moved_bytes(text: str, scope_weights=None) -> dict[str, float]:
+    """Bytes per step by kind (`copied`, `sliced`, `updated`) of a compiled program;
+    `scope_weights`: a pipeline's branches as often as its table runs them
+    (`hlo.Program.runs`)."""
     out = dict.fromkeys(KINDS.values(), 0.0)
     program = hlo.parse(text)
     fused = hlo.fused(program)
     slicing = {c for c in fused if any(i.opcode in _SLICING for i in program.computations[c])}
     in_place = {i.name for c in fused for i in program.computations[c]  # (names: unique)
                 if i.opcode == "dynamic-slice" and i.name not in _written_out(program, c)}
-    for factor, types, instr in hlo.executed(program):
+    for factor, types, instr in hlo.executed(program, scope_weights=scope_weights):
         kind = KINDS.get(instr.opcode)
         if kind == "updated":  # the update written, the buffer updated in place
             update = hlo.operands(instr)[1:2]
             out[kind] += factor * (type_bytes(types.get(update[0], "")) if update else 0)
         elif kind == "sliced" and instr.name not in in_place:
             out[kind] += factor * type_bytes(instr.result)
-    for factor, _, instr in hlo.executed(program, skip=slicing):  # copies of their own
+    for factor, _, instr in hlo.executed(program, slicing, scope_weights):  # own copies
         if instr.opcode == "copy":
             out["copied"] += factor * type_bytes(instr.result)
     return out
@@ -82,11 +87,12 @@ def _written_out(program: hlo.Program, comp: str) -> set[str]:
     return out
 
 
-def accessed_bytes(text: str) -> float:
-    """Bytes every kernel of a compiled program reads and writes, per step."""
+def accessed_bytes(text: str, scope_weights=None) -> float:
+    """Bytes every kernel of a compiled program reads and writes, per step
+    (`scope_weights`: as `moved_bytes`')."""
     program = hlo.parse(text)
     total = 0.0
-    for factor, types, instr in hlo.kernels(program):
+    for factor, types, instr in hlo.kernels(program, scope_weights):
         callee = dict(instr.callees).get("calls") if instr.opcode == "fusion" else None
         total += factor * (_fusion_bytes(program, callee) if callee else
                            _kernel_bytes(instr, types))

@@ -18,7 +18,9 @@ CUDA plugin, or the local backend. From the compiled program:
               masked expert rows, attention where it is not a library kernel; each
               pipeline branch as often as the schedule runs it) over the model's FLOPs
     kernels   the kernels it launches per step by kind (`kernels.kernels_per_step`:
-              GEMMs, attention, collectives, FP8 casts and absolute maxima, other)
+              GEMMs, attention, collectives, FP8 casts and absolute maxima, other), and
+              the bytes they move (`traffic.py`); like the FLOPs, each pipeline branch
+              as often as the schedule runs it (`hlo.Program.runs`, since 2026-12-02)
 
 and beside them what this project predicts without compiling: the memory model's bytes
 per device and the planner's step time (`framework/analysis/planner.py`), with the
@@ -165,16 +167,16 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     report.update(memory_fields(compiled, platform))
     report["memory/device_bytes"] = target.device_bytes
     report.update(comm_fields(compiled, engine, platform))
-    text = compiled.as_text()
+    # per step, each of the pipeline's conditional branches as often as the schedule's
+    # table runs it (`Program.scope_weights`, `hlo.Program.runs`)
+    text, weights = compiled.as_text(), engine.program.scope_weights
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
-                   for kind, nbytes in moved_bytes(text).items()})
-    report["traffic/accessed_bytes_per_step"] = accessed_bytes(text)  # every kernel's
+                   for kind, nbytes in moved_bytes(text, weights).items()})
+    report["traffic/accessed_bytes_per_step"] = accessed_bytes(text, weights)  # kernels'
     report.update({f"kernels/{kind}_per_step": n  # launches by kind (analysis/kernels.py)
-                   for kind, n in kernels_per_step(text).items()})
+                   for kind, n in kernels_per_step(text, weights).items()})
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)
-    # every dot the program runs per step, each conditional's branch as often as the
-    # schedule's table runs it (`Program.scope_weights`)
-    executed = sum(matmul_flops(text, engine.program.scope_weights).values())
+    executed = sum(matmul_flops(text, weights).values())  # every dot the program runs
     report["flops/matmul_executed_per_device_per_step"] = executed
     report["flops/matmul_executed_over_model"] = (
         executed / report["flops/model_per_device_per_step"])

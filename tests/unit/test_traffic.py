@@ -152,3 +152,38 @@ def test_a_slice_of_a_bitcast_stack_reads_only_the_slice():
         "  %s = f32[1,64]{1,0} dynamic-slice(%v, %p1, %p1), dynamic_slice_sizes={1,64}")
     assert "bitcast(%p0)" in viewed
     assert traffic.accessed_bytes(viewed) == traffic.accessed_bytes(KERNELS)
+
+
+def test_a_pipeline_conditional_counts_each_branch_as_often_as_its_table_runs_it():
+    """The tick executor's cells are two-way conditionals inside their kind's named
+    scope (framework/parallel/pipeline/lowering.py); given the share of ticks the table
+    runs a kind's work in (`Program.scope_weights`), its branch (lax.cond's true one:
+    `branch_computations`' second) counts that share of the loop's runs and the idle
+    ranks' pass-through the rest (`hlo.Program.runs`); a scope named again inside its
+    branch is not weighed twice. Without weights every branch counts every time."""
+    from framework.analysis import hlo
+
+    def step(x):
+        def tick(i, x):
+            with jax.named_scope("cell_forward"):
+                return jax.lax.cond(i % 10 < 3, lambda x: jnp.sin(x) * 3.0,
+                                    lambda x: jnp.cos(x) + 1.0, x)
+        return jax.lax.fori_loop(0, 10, tick, x)
+
+    text = jax.jit(step).lower(jnp.ones(64)).compile().as_text()
+    program = hlo.parse(text)
+    (comp, cond), = [(c, i) for c, instrs in program.computations.items() for i in instrs
+                     if i.opcode == "conditional"]
+    idle, work = (program.reachable([b]) for b in cond.branches)
+    ops = lambda comps: {i.opcode for c in comps for i in program.computations[c]}
+    assert "sine" in ops(work) and "cosine" in ops(idle)  # lax.cond: (false, true)
+    weights = {"cell_forward": 0.3}
+    per_comp = {}
+    for factor, _, instr in hlo.kernels(program, weights):
+        c = next(c for c, instrs in program.computations.items() if instr in instrs)
+        per_comp.setdefault(c, set()).add(round(factor, 6))
+    assert {f for c in work & set(per_comp) for f in per_comp[c]} == {3.0}
+    assert {f for c in idle & set(per_comp) for f in per_comp[c]} == {7.0}
+    unweighted = {round(f, 6) for f, _, i in hlo.kernels(program)
+                  if any(i in program.computations[c] for c in work | idle)}
+    assert unweighted == {10}
