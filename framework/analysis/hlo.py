@@ -203,8 +203,7 @@ class Program:
         n = len(instr.branches)
         if not scope_weights or n != 2:
             return [(1, scopes)] * n
-        own = frozenset(part for part in _SCOPE_SPLIT.split(self.scoped_name(comp, instr))
-                        if part in scope_weights) - scopes
+        own = frozenset(_enclosing(self.scoped_name(comp, instr), scope_weights)) - scopes
         if not own:
             return [(1, scopes)] * n
         w = 1.0
@@ -214,6 +213,18 @@ class Program:
 
 
 _SCOPE_SPLIT = re.compile(r"[/()]")  # an op_name's parts: the named scopes among them
+
+
+def _enclosing(op_name: str, scope_weights: dict[str, float]) -> list[str]:
+    """The weighted scopes that directly enclose a conditional (`.../cell_forward/
+    on_last_stage/cond`: the tick executor's, `lowering.cond_fields`), not those a plain
+    conditional further inside them sits in (a padded layer's skip in the layer scan:
+    its branches are not the table's)."""
+    parts = op_name.split("/")[:-1]  # (the last: the conditional's own primitive)
+    found = []
+    while parts and parts[-1] in scope_weights:
+        found.append(parts.pop())
+    return found
 
 
 def scope_weight(op_name: str, scope_weights: dict[str, float] | None,

@@ -160,30 +160,37 @@ def test_a_pipeline_conditional_counts_each_branch_as_often_as_its_table_runs_it
     runs a kind's work in (`Program.scope_weights`), its branch (lax.cond's true one:
     `branch_computations`' second) counts that share of the loop's runs and the idle
     ranks' pass-through the rest (`hlo.Program.runs`); a scope named again inside its
-    branch is not weighed twice. Without weights every branch counts every time."""
+    branch is not weighed twice. A plain conditional further inside a weighted scope
+    (a padded layer's skip) is not the table's: both its branches count as their scope
+    says. Without weights every branch counts every time."""
     from framework.analysis import hlo
 
     def step(x):
         def tick(i, x):
             with jax.named_scope("cell_forward"):
-                return jax.lax.cond(i % 10 < 3, lambda x: jnp.sin(x) * 3.0,
-                                    lambda x: jnp.cos(x) + 1.0, x)
+                x = jax.lax.cond(i % 10 < 3, lambda x: jnp.sin(x) * 3.0,
+                                 lambda x: jnp.cos(x) + 1.0, x)
+            with jax.named_scope("stage_work"), jax.named_scope("layer"):
+                return jax.lax.cond(i % 2 == 0, lambda x: jnp.exp(x) * 2.0,
+                                    lambda x: jnp.log(x) + 2.0, x)
         return jax.lax.fori_loop(0, 10, tick, x)
 
-    text = jax.jit(step).lower(jnp.ones(64)).compile().as_text()
-    program = hlo.parse(text)
-    (comp, cond), = [(c, i) for c, instrs in program.computations.items() for i in instrs
-                     if i.opcode == "conditional"]
-    idle, work = (program.reachable([b]) for b in cond.branches)
+    program = hlo.parse(jax.jit(step).lower(jnp.ones(64)).compile().as_text())
+    conds = [i for instrs in program.computations.values() for i in instrs
+             if i.opcode == "conditional"]
+    assert len(conds) == 2
     ops = lambda comps: {i.opcode for c in comps for i in program.computations[c]}
-    assert "sine" in ops(work) and "cosine" in ops(idle)  # lax.cond: (false, true)
-    weights = {"cell_forward": 0.3}
-    per_comp = {}
+    branches = {op: program.reachable([b]) for cond in conds for b in cond.branches
+                for op in ops(program.reachable([b])) & {"sine", "cosine", "exponential", "log"}}
+    weights = {"cell_forward": 0.3, "stage_work": 0.4}
+    runs = {}
     for factor, _, instr in hlo.kernels(program, weights):
-        c = next(c for c, instrs in program.computations.items() if instr in instrs)
-        per_comp.setdefault(c, set()).add(round(factor, 6))
-    assert {f for c in work & set(per_comp) for f in per_comp[c]} == {3.0}
-    assert {f for c in idle & set(per_comp) for f in per_comp[c]} == {7.0}
+        comp = next(c for c, instrs in program.computations.items() if instr in instrs)
+        for op, comps in branches.items():
+            if comp in comps:
+                runs.setdefault(op, set()).add(round(factor, 6))
+    # lax.cond's branches are (false, true): the work 3 of 10 ticks, the idle branch 7
+    assert runs == {"sine": {3.0}, "cosine": {7.0}, "exponential": {4.0}, "log": {4.0}}
     unweighted = {round(f, 6) for f, _, i in hlo.kernels(program)
-                  if any(i in program.computations[c] for c in work | idle)}
+                  if any(i in program.computations[c] for cs in branches.values() for c in cs)}
     assert unweighted == {10}
