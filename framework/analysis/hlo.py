@@ -164,9 +164,11 @@ class Program:
         scope, the share of its conditional's executions the schedule's table runs its
         work in), a two-way conditional inside named scopes runs its second branch
         (lax.cond's true one, `branch_1_fun`) that share w of the times, its first (the
-        idle ranks' pass-through) 1 - w; an instruction in a named scope outside such a
-        conditional (a send pattern's branch) runs the scope's weight of the times
-        (`scope_weight` of its `scoped_name`, each scope counted once on its path)."""
+        idle ranks' pass-through) 1 - w; a conditional directly inside a scope P whose
+        branches k the weights name P_k (the sends' switch over patterns) runs branch k
+        P_k's share and branch 0 the rest; an instruction in a named scope outside such
+        conditionals runs the scope's weight of the times (`scope_weight` of its
+        `scoped_name`, each scope counted once on its path)."""
         mult, applied = self._runs(scope_weights)
 
         def runs(comp: str, instr: Instruction) -> float:
@@ -201,9 +203,16 @@ class Program:
         executor's cells, framework/parallel/pipeline/lowering.py): 1 - w, w; else
         every branch every time."""
         n = len(instr.branches)
-        if not scope_weights or n != 2:
+        if not scope_weights or n < 2:
             return [(1, scopes)] * n
-        own = frozenset(_enclosing(self.scoped_name(comp, instr), scope_weights)) - scopes
+        name = self.scoped_name(comp, instr)
+        by_index = _indexed_shares(name, n, scope_weights)
+        if by_index is not None:  # (its branches may be another's too: the compiler
+            # keeps identical ones once, so their op_names are not read inside them)
+            return [(share, scopes | frozenset(scope_weights)) for share in by_index]
+        if n != 2:
+            return [(1, scopes)] * n
+        own = frozenset(_enclosing(name, scope_weights)) - scopes
         if not own:
             return [(1, scopes)] * n
         w = 1.0
@@ -213,6 +222,19 @@ class Program:
 
 
 _SCOPE_SPLIT = re.compile(r"[/()]")  # an op_name's parts: the named scopes among them
+
+
+def _indexed_shares(op_name: str, n: int, scope_weights: dict[str, float]):
+    """The shares of an n-way conditional directly inside a scope P whose branches
+    k >= 1 the weights name `P_k` (a channel's switch over its send patterns,
+    framework/parallel/pipeline/comm.py): [1 - their sum, w_1, ..., w_n-1]; None
+    where there are no such weights."""
+    parts = op_name.split("/")
+    keys = [f"{parts[-2]}_{k}" for k in range(1, n)] if len(parts) > 1 else []
+    if not any(key in scope_weights for key in keys):
+        return None
+    shares = [scope_weights.get(key, 0.0) for key in keys]
+    return [max(0.0, 1.0 - sum(shares)), *shares]
 
 
 def _enclosing(op_name: str, scope_weights: dict[str, float]) -> list[str]:

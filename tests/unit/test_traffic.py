@@ -194,3 +194,30 @@ def test_a_pipeline_conditional_counts_each_branch_as_often_as_its_table_runs_it
     unweighted = {round(f, 6) for f, _, i in hlo.kernels(program)
                   if any(i in program.computations[c] for cs in branches.values() for c in cs)}
     assert unweighted == {10}
+
+
+def test_a_send_switch_counts_each_pattern_as_often_as_its_table_sends_it():
+    """A channel's sends are a switch over its patterns inside the channel's scope P
+    (framework/parallel/pipeline/comm.py); the weights name pattern k `P_k` (the share
+    of ticks that send it, `Program.scope_weights`): branch k counts that share of the
+    loop's runs, branch 0 (nobody sends) the rest, whatever op_names the branches
+    carry (the compiler keeps identical branches of two switches once)."""
+    from framework.analysis import hlo
+
+    def step(x):
+        def tick(i, x):
+            with jax.named_scope("send_act1"):
+                return jax.lax.switch(i % 3, [lambda x: x * 0.0, lambda x: jnp.sin(x) * 2.0,
+                                              lambda x: jnp.exp(x) + 1.0], x)
+        return jax.lax.fori_loop(0, 10, tick, x)
+
+    program = hlo.parse(jax.jit(step).lower(jnp.ones(64)).compile().as_text())
+    (cond,) = [i for instrs in program.computations.values() for i in instrs
+               if i.opcode == "conditional"]
+    weights = {"send_act1_1": 0.2, "send_act1_2": 0.3}
+    runs = {}
+    for k, branch in enumerate(cond.branches):
+        inside = program.reachable([branch])
+        runs[k] = {round(f, 6) for f, _, i in hlo.kernels(program, weights)
+                   if any(i in program.computations[c] for c in inside)}
+    assert runs[1] == {2.0} and runs[2] == {3.0} and runs[0] <= {5.0}

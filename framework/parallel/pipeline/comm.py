@@ -21,7 +21,7 @@ import numpy as np
 from framework.parallel import vma
 from framework.parallel.mesh import PIPE
 from framework.parallel.pipeline.buffers import Channel
-from framework.parallel.pipeline.scopes import send_scope
+from framework.parallel.pipeline.scopes import channel_scope, send_scope
 
 
 def only_on(scope: str, pred, fn, otherwise):
@@ -68,7 +68,8 @@ def send(channel: Channel, pattern, value):
         return branch
 
     branches = [jnp.zeros_like] + [permute(k) for k in range(1, len(channel.pairs))]
-    return jax.lax.switch(pattern, branches, value)
+    with jax.named_scope(channel_scope(channel)):  # (its branches weighed by pattern)
+        return jax.lax.switch(pattern, branches, value)
 
 
 def send_overlapped(channel: Channel, value):

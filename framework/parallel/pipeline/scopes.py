@@ -14,5 +14,12 @@ ON_FIRST, ON_LAST = "on_first_stage", "on_last_stage"  # embedding / head + loss
 
 
 def send_scope(channel, pattern: int) -> str:
-    """The scope of one send pattern of a channel (`framework/parallel/pipeline/comm.py`)."""
-    return f"send_{channel.buffer}{channel.shift}_{pattern}"
+    """The scope of one send pattern of a channel (`framework/parallel/pipeline/comm.py`):
+    the channel's scope (around its switch over the patterns) and `_<pattern>`, which is
+    how the compiled program's reader weighs the switch's branches (`hlo.Program.runs`)."""
+    return f"{channel_scope(channel)}_{pattern}"
+
+
+def channel_scope(channel) -> str:
+    """The scope around a channel's switch over its send patterns."""
+    return f"send_{channel.buffer}{channel.shift}"
