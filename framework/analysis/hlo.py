@@ -199,9 +199,10 @@ class Program:
 
     def _branch_shares(self, comp: str, instr: Instruction, scope_weights, scopes):
         """[(share of the runs, the scopes applied inside)] of a conditional's branches:
-        a two-way one inside weighted scopes not yet applied on its path (the tick
-        executor's cells, framework/parallel/pipeline/lowering.py): 1 - w, w; else
-        every branch every time."""
+        one directly inside a scope P whose branches the weights name P_k (a send
+        switch, `_indexed_shares`); a two-way one directly inside weighted scopes not
+        yet applied on its path (the tick executor's cells, framework/parallel/pipeline/
+        lowering.py): 1 - w, w; else every branch every time."""
         n = len(instr.branches)
         if not scope_weights or n < 2:
             return [(1, scopes)] * n
