@@ -10,7 +10,7 @@
 # would not see inside them), about 2% slower than the same rows unprofiled.
 #   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
 #                              [fp8_8b_s] [fp8_bench_s] [dots_8b_s] [fp8_nostats_s]
-#                              [fp8_delayed_s] [bench_dots28_s]
+#                              [fp8_delayed_s] [bench_dots28_s] [ring_pieces_s]
 #   (SKIP_BENCH=1: no 1. and no FP8 bench; FP8_ONLY=1: only 6., 8. and 9., e.g. as a second call:
 #   the limits of 1.-6. add up to more than one device call's 600 s)
 set -u
@@ -47,6 +47,10 @@ if [ -z "${FP8_ONLY:-}" ]; then
 [ -z "${SKIP_BENCH:-}" ] && step bench_dots28 "${12:-100}" $PY tools/bench.py \
   recipe=llama_1b_1gpu devices.platform=gpu parallel.remat=save_dots \
   train.global_batch_size=28 --no-defaults --pairs 4 --rounds 2 --attention ""
+# 1c. cuDNN's pieces of ring attention (the 128k recipe's kernel since 2026-12-02:
+# framework/model/fused_pieces.py) against their plain-JAX reference, which the CPU
+# tests run in their place: forward, and the backward handed a whole ring's statistics.
+step ring_pieces "${13:-60}" $PY tools/fused_pieces_check.py
 # 2. The 1B 8-GPU recipe's last stage (the head's), every tick schedule, as shipped
 # (save_dots since 2026-11-30).
 step mock_1b "${2:-120}" $PY tools/mock_gpu.py recipe=llama_1b_8gpu \

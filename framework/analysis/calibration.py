@@ -126,10 +126,15 @@ def fp8_slowdown(device_kind: str | None) -> float | None:
 def rate(device_kind: str | None, kernel: str, remat: str, executor: str) -> float | None:
     """The measured share of the peak for a stage of this kind on this device, or None
     (not measured: the planner then assumes the peak). A kernel or remat not measured
-    with this executor falls back to the same executor's other rows (their mean)."""
+    with this executor falls back to the same executor's rows of that kernel or remat
+    (their mean); a kernel never measured with this executor, to that kernel's rows of
+    every executor (the blockwise kernel ran at about half cuDNN's rate in every stage
+    measured: a layout without a pipeline that runs it is not at the peak)."""
     if _measured_device(device_kind) is None:
         return None
     if (kernel, remat, executor) in RATES:
         return RATES[kernel, remat, executor]
     near = [r for (k, m, e), r in RATES.items() if e == executor and (k == kernel or m == remat)]
+    if not any(k == kernel and e == executor for k, _, e in RATES):
+        near = [r for (k, _, _), r in RATES.items() if k == kernel] or near
     return sum(near) / len(near) if near else None

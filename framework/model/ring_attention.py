@@ -9,10 +9,12 @@ Each device keeps its queries and passes its keys and values around the ring: at
 j it holds those of device s = i - j (mod c) and adds their contribution to its
 queries' output with FlashAttention's online-softmax merge (Dao et al. 2022: outputs
 normalised over their own keys, combined by their log-sum-exps), while they travel on
-to device i + 1. Per step each (query chunk, key chunk) pair runs the blockwise kernel
-of framework/model/blockwise.py (`flash_piece`) at its own positions; a pair wholly
-above the causal diagonal visits no key block, so each device computes two chunk-pairs
-a step. The backward is a ring too (a custom VJP: memory linear in the sequence, only
+to device i + 1. Per step each (query chunk, key chunk) pair runs one piece: the
+blockwise kernel of framework/model/blockwise.py (`flash_piece`) at its own positions,
+where a pair wholly above the causal diagonal visits no key block; or, for
+`model.attention=cudnn` without document masks, windows or soft-caps, cuDNN's fused
+kernel (framework/model/fused_pieces.py), which runs only the pairs that see keys. Each
+device computes two chunk-pairs a step either way. The backward is a ring too (a custom VJP: memory linear in the sequence, only
 q, k, v, the output and the log-sum-exp kept): the keys and values go around again
 with their float32 gradients accumulating beside them, and after c shifts each device
 holds the gradients of its own.
@@ -28,27 +30,36 @@ pair's global positions; a pair wholly outside the window visits no key block.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from framework.model.blockwise import PLAIN, Blocks, Mask, flash_piece, flash_piece_grads
+from framework.model.blockwise import (PLAIN, Blocks, Mask, ScoreForm, flash_piece,
+                                       flash_piece_grads)
+from framework.model.fused_pieces import CAUSAL, CUDNN, FULL, FusedKernel, FusedPiece
 
 SEQ = 1  # activations are [batch, seq, ...]
+FUSED: FusedKernel = CUDNN  # the fused ring's kernel
 
 
 def ring_attention(q, k, v, cfg, cp, segments=None, window=None, form=None):
-    """Causal attention of this device's queries over the whole sequence, blockwise
+    """Causal attention of this device's queries over the whole sequence: for
+    `attention=cudnn` without `segments`, `window` or a soft-cap, the `FUSED` kernel
+    per chunk pair (cuDNN's; the CPU tests put fused_pieces.REFERENCE there); else blockwise
     with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
     `attention=dense`, one block per chunk pair. `segments`: the whole sequence's
     document ids [b, n], or None; `window`: the sliding window (int or traced), or
     None; `form`: the scores' ScoreForm (None: plain)."""
-    h = q.shape[SEQ] // 2
+    h, form = q.shape[SEQ] // 2, PLAIN if form is None else form
+    if cfg.attention == "cudnn" and segments is None and window is None \
+            and form.softcap is None:
+        return _ring(cp, _Fused(FUSED, form.of(q.shape[-1])), q, k, v)
     blocks = Blocks(_divisor(h, cfg.attention_block_q), _divisor(h, cfg.attention_block_kv))
     if cfg.attention == "dense":
         blocks = Blocks(h, h)
     window = None if window is None else jnp.asarray(window, jnp.int32)
-    return _ring(cp, (blocks, PLAIN if form is None else form), q, k, v, segments, window)
+    return _ring(cp, _Flash(blocks, form), q, k, v, segments, window)
 
 
 def _divisor(n: int, at_most: int) -> int:
@@ -80,6 +91,50 @@ def _pairs(cp, step: int):
     return [(a, b, h_pos[a], kv_pos[b]) for a in (0, 1) for b in (0, 1)]
 
 
+class _Flash(NamedTuple):
+    """The blockwise pieces: each pair of a step at its own positions and documents."""
+
+    blocks: Blocks
+    form: ScoreForm
+
+    def pairs(self, cp, step: int, segments, window, h: int):
+        """(query half, key half, piece) of every chunk pair at ring step `step`."""
+        return [(a, b, _FlashPiece(self, _pair_mask(segments, window, qc, kc, h)))
+                for a, b, qc, kc in _pairs(cp, step)]
+
+
+class _FlashPiece(NamedTuple):
+    how: _Flash
+    mask: Mask
+
+    def forward(self, q, k, v):
+        return flash_piece(q, k, v, self.how.blocks, self.mask, self.how.form)
+
+    def grads(self, q, k, v, whole, d_out):
+        return flash_piece_grads(q, k, v, whole, d_out, self.how.blocks, self.mask,
+                                 self.how.form)
+
+
+class _Fused(NamedTuple):
+    """A fused kernel's pieces (framework/model/fused_pieces.py): at step 0 the device's
+    own chunks, each causally, and its late chunk's queries over its early chunk's keys;
+    at a later step, with the keys of device s, the late queries over the early keys
+    (chunk 2c - 1 - i > s) and one more: its early queries over the early keys when
+    s < i, else its late queries over the late keys (2c - 1 - s < 2c - 1 - i), which
+    depends on the device (traced)."""
+
+    kernel: FusedKernel
+    scale: float
+
+    def pairs(self, cp, step: int, segments, window, h: int):
+        if step == 0:
+            kinds = [(0, 0, CAUSAL), (1, 1, CAUSAL), (1, 0, FULL)]
+        else:
+            i, s = cp.chunks()[0], cp.holder(step)
+            kinds = [(0, 0, s < i), (1, 1, s > i), (1, 0, FULL)]
+        return [(a, b, FusedPiece(self.kernel, kind, self.scale)) for a, b, kind in kinds]
+
+
 def _merge(out, lse, piece_out, piece_lse):
     """Online-softmax merge of two partial attentions over disjoint keys: outputs
     [b, n, g, r, hd] float32 normalised over their own keys, log-sum-exps [b, n, g, r]
@@ -99,8 +154,7 @@ def _ring(cp, how, q, k, v, segments=None, window=None):
 
 
 def _ring_forward(cp, how, q, k, v, segments=None, window=None):
-    """(out like q, log-sum-exp [b, 2h, g, r] float32). how: (Blocks, ScoreForm)."""
-    blocks, form = how
+    """(out like q, log-sum-exp [b, 2h, g, r] float32). how: _Flash or _Fused."""
     h = q.shape[SEQ] // 2
     qs = _halves(q)
     outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]  # [b, h, g, r, hd] per half
@@ -110,9 +164,8 @@ def _ring_forward(cp, how, q, k, v, segments=None, window=None):
         def attend_held(kv=kv, step=step, outs=tuple(outs), lses=tuple(lses)):
             outs, lses = list(outs), list(lses)
             ks, vs = _halves(kv[0]), _halves(kv[1])
-            for a, b, qc, kc in _pairs(cp, step):
-                o, lse = flash_piece(qs[a], ks[b], vs[b], blocks,
-                                     _pair_mask(segments, window, qc, kc, h), form)
+            for a, b, piece in how.pairs(cp, step, segments, window, h):
+                o, lse = piece.forward(qs[a], ks[b], vs[b])
                 outs[a], lses[a] = _merge(outs[a], lses[a], o.astype(jnp.float32), lse)
             return outs, lses
 
@@ -135,7 +188,7 @@ def _ring_bwd(cp, how, residuals, d_out):
     more shift after the last step brings each device its own. Each step's shifts (the
     keys and values on, the last step's sum) travel while its blocks run."""
     q, k, v, out, lse, segments, window = residuals
-    h, (blocks, form) = q.shape[SEQ] // 2, how
+    h = q.shape[SEQ] // 2
     qs, outs, lses, d_outs = _halves(q), _halves(out), _halves(lse), _halves(d_out)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     kv, summed = (k, v), None  # summed: the gradients of the keys/values held, so far
@@ -144,10 +197,9 @@ def _ring_bwd(cp, how, residuals, d_out):
         """(dq with this step's share, (dk, dv) [b, 2h, g, hd] float32 of the held keys)."""
         dq, parts = list(dq), [[0.0, 0.0], [0.0, 0.0]]  # [dk, dv][key half]
         ks, vs = _halves(kv[0]), _halves(kv[1])
-        for a, b, qc, kc in _pairs(cp, step):
-            dq_a, dk_b, dv_b = flash_piece_grads(qs[a], ks[b], vs[b], (outs[a], lses[a]),
-                                                 d_outs[a], blocks,
-                                                 _pair_mask(segments, window, qc, kc, h), form)
+        for a, b, piece in how.pairs(cp, step, segments, window, h):
+            dq_a, dk_b, dv_b = piece.grads(qs[a], ks[b], vs[b], (outs[a], lses[a]),
+                                           d_outs[a])
             dq[a] = dq[a] + dq_a
             parts[0][b] = parts[0][b] + dk_b.astype(jnp.float32)
             parts[1][b] = parts[1][b] + dv_b.astype(jnp.float32)

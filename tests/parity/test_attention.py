@@ -127,13 +127,16 @@ def test_cudnn_wrapper_layout_and_masks_via_xla():
     pipeline=2, microbatches=4, schedule="circular", virtual_stages=2), dict(
     pipeline=2, microbatches=2, schedule="1f1b"), dict(pipeline=2, microbatches=2,
     schedule="zb_h1"), dict(tensor=2, sequence_parallel=True), dict(
-    pipeline=2, microbatches=2, schedule="1f1b", model=dict(sliding_window=5))],
-    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp", "window"])
+    pipeline=2, microbatches=2, schedule="1f1b", model=dict(sliding_window=5)), dict(
+    context=2, tensor=2, sequence_parallel=True)],
+    ids=["gpipe", "circular", "1f1b", "zb_h1", "sp", "window", "ring"])
 def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     """cuDNN's kernel cannot run here, but its JAX side can be traced with its GPU
     checks stubbed: gradients of the engine's step trace through every pipeline
     executor (which differentiate stages inside an outer differentiation and stash
-    residuals by type) and under sequence parallelism."""
+    residuals by type), under sequence parallelism, and in ring attention's pieces
+    (framework/model/fused_pieces.py: cuDNN's backward kernel handed the whole
+    attention's output and log-sum-exp)."""
     stub_cudnn_checks(monkeypatch)
     kw = dict(kw)  # window: one on every layer, cuDNN's own (local_window_size)
     model = dataclasses.replace(MODEL, attention="cudnn", dtype="bfloat16", **kw.pop("model", {}))
@@ -141,6 +144,8 @@ def test_cudnn_model_traces_in_every_schedule(kw, monkeypatch):
     state, tokens = eng.abstract_inputs(16, 16)
     jaxpr = jax.make_jaxpr(eng.loss_and_grads_fn())(state["params"], tokens)
     assert "dot_product_attention" in str(jaxpr)
+    if eng.parallel.context > 1:
+        assert "dot_product_attention_bwd" in str(jaxpr)
     if model.sliding_window:  # JAX hands cuDNN the window: the query and 4 keys before it
         assert "sliding_window_length=5" in str(jaxpr)
 

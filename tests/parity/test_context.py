@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from framework.analysis import audit, comm_model
 from framework.config import ModelConfig
 from framework.model.attention import dense_attention
+from framework.model import fused_pieces
 from framework.model.blockwise import Mask, ScoreForm
+from framework.model import ring_attention as ring_module
 from framework.model.ring_attention import ring_attention
 from framework.parallel.context import ContextParallel
 from tests.helpers import REPO, TRAIN, engine, engine_grads, max_rel_err, reference_grads, worst
@@ -29,8 +32,10 @@ SLOW = pytest.mark.slow
 def _ring_and_dense(c: int, permute: bool, attention: str, block: int, window=None,
                     form=None):
     """(ring's loss and q/k/v gradients, dense attention's) for a weighted sum of the
-    outputs of a 32-token sequence; `window`, `form`: a sliding window and a ScoreForm."""
-    b, n, g, r, hd = 2, 32, 2, 2, 8
+    outputs of a 32-token sequence; `window`, `form`: a sliding window and a ScoreForm.
+    `attention=cudnn` runs the fused ring with fused_pieces.REFERENCE in cuDNN's place
+    (the same calls in plain JAX: no cuDNN on CPU)."""
+    b, n, g, r, hd = 2, 48 if c == 3 else 32, 2, 2, 8  # n: 2c chunks
     keys = jax.random.split(jax.random.key(0), 4)
     q, w = (jax.random.normal(k_, (b, n, g, r, hd)) for k_ in keys[:2])
     k, v = (jax.random.normal(k_, (b, n, g, hd)) for k_ in keys[2:])
@@ -50,15 +55,28 @@ def _ring_and_dense(c: int, permute: bool, attention: str, block: int, window=No
     dense = lambda q, k, v: jnp.sum(dense_attention(q, k, v, mask=Mask(window=window), **plain)
                                     * w)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
-    return grad(ring), grad(dense)
+    with mock.patch.object(ring_module, "FUSED", fused_pieces.REFERENCE):
+        return grad(ring), grad(dense)
 
 
 @pytest.mark.parametrize("c,permute,attention,block", [
     (2, True, "dense", 512),
     pytest.param(4, True, "blockwise", 2, marks=pytest.mark.slow),
-    pytest.param(4, False, "blockwise", 3, marks=pytest.mark.slow), (2, False, "dense", 512)])
+    pytest.param(4, False, "blockwise", 3, marks=pytest.mark.slow), (2, False, "dense", 512),
+    (2, True, "cudnn", 512), pytest.param(4, False, "cudnn", 512, marks=pytest.mark.slow)])
 def test_ring_attention_is_dense_attention_on_the_whole_sequence(c, permute, attention, block):
     (loss, grads), (ref_loss, ref_grads) = _ring_and_dense(c, permute, attention, block)
+    assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) + 1e-4
+    for got, want in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+
+
+def test_the_fused_ring_runs_only_the_pairs_that_see_keys_at_the_models_scale():
+    """The fused ring (cuDNN's pieces, here their plain-JAX reference) at 3 devices: every
+    step past the first has a pair whose kind depends on the device; a model's own
+    score scale (Gemma 2's query_pre_attn_scalar) reaches the kernel."""
+    (loss, grads), (ref_loss, ref_grads) = _ring_and_dense(3, True, "cudnn", 512,
+                                                           form=ScoreForm(scale=0.3))
     assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss)) + 1e-4
     for got, want in zip(grads, ref_grads):
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))

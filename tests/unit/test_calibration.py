@@ -70,3 +70,16 @@ def test_an_unmeasured_device_is_predicted_at_its_peak():
     assert at_peak["rate"] == 1.0 and measured["rate"] < 1.0
     assert at_peak["compute"] == pytest.approx(measured["compute"] * measured["rate"])
     assert dataclasses.replace(planner.Hardware(1.0, 1.0)).device is None
+
+
+def test_a_kernel_never_measured_with_an_executor_takes_its_other_rows():
+    """The blockwise kernel was measured only in pipelined stages; a layout without a
+    pipeline that runs it (the 128k recipe before its ring ran cuDNN's pieces) took the
+    peak, and the planner ranked it ahead of cuDNN's. Now its rate is the kernel's
+    other rows'; cuDNN's without a pipeline stays the one-GPU row's."""
+    h200 = "NVIDIA H200"
+    blockwise = calibration.rate(h200, "blockwise", "full", calibration.SINGLE)
+    rows = [r for (k, _, _), r in calibration.RATES.items() if k == "blockwise"]
+    assert blockwise == pytest.approx(sum(rows) / len(rows))
+    assert blockwise < calibration.rate(h200, "cudnn", "full", calibration.SINGLE) == \
+        calibration.RATES["cudnn", "none", calibration.SINGLE]
