@@ -4,13 +4,14 @@
 # hydra, omegaconf, antlr4, copied from a machine where `pip install -e .` ran).
 # Writes under $OUT (default ./device_out) one log of every step, device_check.log
 # (tools/mock_gpu.py leaves out XLA:GPU's lines about the mock topology), and a JSON
-# file per mock_gpu step: seven files, within what a lent machine's call hands back.
+# file per mock_gpu step: nine files, within what a lent machine's call hands back.
 # Each step has its own time limit, so one failure does not cost the others.
 # Profiled steps run without CUDA graphs (framework/analysis/device_time.py: the profile
 # would not see inside them), about 2% slower than the same rows unprofiled.
 #   bash tools/device_check.sh [bench_s] [mock_1b_s] [none_s] [dots_s] [mock_8b_s] [moe_s]
 #                              [fp8_8b_s] [fp8_bench_s] [dots_8b_s] [fp8_nostats_s]
 #                              [fp8_delayed_s] [bench_dots28_s] [ring_pieces_s]
+#                              [ring_128k_s] [ring_128k_blockwise_s]
 #   (SKIP_BENCH=1: no 1. and no FP8 bench; FP8_ONLY=1: only 6., 8. and 9., e.g. as a second call:
 #   the limits of 1.-6. add up to more than one device call's 600 s)
 set -u
@@ -93,4 +94,15 @@ step mock_8b_fp8_nostats "${10:-70}" $PY tools/mock_gpu.py recipe=llama3_8b \
 # histories with current scaling, a second compile).
 step mock_8b_fp8_delayed "${11:-90}" $PY tools/mock_gpu.py recipe=llama3_8b \
   model.fp8=delayed model.fp8_stats=false --schedules 1f1b --stage last --steps 2
+# 10. One device's share of the 128k recipe (context 8 x tensor 8 on 64 GPUs: the ring's
+# shifts and the tensor rings are no-ops here), its ring on cuDNN's pieces as shipped
+# since 2026-12-02, then on the blockwise pieces it ran before (4.66 million kernels and
+# 11.5 TB of kernel traffic a step against 98,704 and 2.5 TB: the GPU compiler's
+# program, 2026-12-02). Its times mean something once 1c has passed (the pieces' numbers).
+if [ -z "${FP8_ONLY:-}" ]; then
+step mock_128k "${14:-150}" $PY tools/mock_gpu.py recipe=llama3_8b_128k --steps 2 \
+  --json "$OUT/mock_128k.json"
+step mock_128k_blockwise "${15:-200}" $PY tools/mock_gpu.py recipe=llama3_8b_128k \
+  model.attention=blockwise --steps 2 --json "$OUT/mock_128k_blockwise.json"
+fi
 exit 0
