@@ -54,6 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -223,11 +225,9 @@ class TensorParallel:
         block = lambda k: jax.lax.dynamic_slice_in_dim(x, ((i + k + 1) % t) * n, n, axis=SEQ)
         total = product(block(0), w)
         for k in range(1, t):
-            # the block's matmul waits for the last step's sum, so that XLA cannot merge
-            # the steps' matmuls (all of x is at hand) into one before the ring
-            xk, wk, _ = jax.lax.optimization_barrier((block(k), w, total))
             sent = ring_shift(total, self.axis, t, -1, self.permute)
-            arriving, part = _beside(sent, lambda: product(xk, wk))
+            arriving, part = _beside(sent, lambda k=k, total=total: _product_after(
+                product, block(k), w, total))
             total = arriving + part
         return checkpoint_name(total, EXITED)
 
@@ -240,6 +240,35 @@ class TensorParallel:
 
     def vocab_max(self, x):
         return jax.lax.pmax(x, self.axis) if self.splits("vocab") else x
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product_after(product, x, w, after):
+    """product(x, w), its matmul made to wait for `after` (a scattering ring's last sum),
+    so that XLA cannot merge the steps' matmuls (all of x is at hand) into one before
+    the ring. Its backward is product's at (x, w): it does not read `after`, so a
+    remat policy that keeps weight matmuls' outputs (`save_dots`) need not keep the
+    ring's per-step products to rebuild the chain of sums the wait ties in (it did:
+    t - 1 blocks of [b, s/t, d] a ring, which the tick executor's stash carried;
+    docs/performance.md, "A scattering ring's parts")."""
+    x, w, _ = jax.lax.optimization_barrier((x, w, after))
+    return product(x, w)
+
+
+def _product_after_forward(product, x, w, after):
+    return _product_after(product, x, w, after), (x, w)
+
+
+def _product_after_backward(product, inputs, dy):
+    """product's VJP, and `after`'s zero gradient (the shape of the sum: dy's) tied to
+    it as the forward's wait's transpose tied them: the backward's ring then runs each
+    step's matmuls beside its shift (left untied, the GPU compiler overlapped 60% of
+    llama3_8b's tensor bytes at 4 layers instead of 81%)."""
+    dx, dw = jax.vjp(product, *inputs)[1](dy)
+    return jax.lax.optimization_barrier((dx, dw, jnp.zeros_like(dy)))
+
+
+_product_after.defvjp(_product_after_forward, _product_after_backward)
 
 
 def _beside(sent, matmul):
