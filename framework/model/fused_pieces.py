@@ -45,7 +45,6 @@ class FusedKernel(NamedTuple):
     backward(q, k, v, out, lse, d_out, causal, scale) -> (dq, dk, dv), where out and
     lse are the whole attention's."""
 
-    name: str
     forward: Callable
     backward: Callable
 
@@ -78,7 +77,7 @@ def _cudnn_backward(q, k, v, out, lse, d_out, causal: bool, scale: float):
     return grads[:3]
 
 
-CUDNN = FusedKernel("cudnn", _cudnn_forward, _cudnn_backward)
+CUDNN = FusedKernel(_cudnn_forward, _cudnn_backward)
 
 
 def _scores(q, k, causal: bool, scale: float):
@@ -118,7 +117,7 @@ def _reference_backward(q, k, v, out, lse, d_out, causal: bool, scale: float):
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-REFERENCE = FusedKernel("reference", _reference_forward, _reference_backward)
+REFERENCE = FusedKernel(_reference_forward, _reference_backward)
 
 
 class FusedPiece(NamedTuple):

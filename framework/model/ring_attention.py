@@ -14,10 +14,11 @@ blockwise kernel of framework/model/blockwise.py (`flash_piece`) at its own posi
 where a pair wholly above the causal diagonal visits no key block; or, for
 `model.attention=cudnn` without document masks, windows or soft-caps, cuDNN's fused
 kernel (framework/model/fused_pieces.py), which runs only the pairs that see keys. Each
-device computes two chunk-pairs a step either way. The backward is a ring too (a custom VJP: memory linear in the sequence, only
-q, k, v, the output and the log-sum-exp kept): the keys and values go around again
-with their float32 gradients accumulating beside them, and after c shifts each device
-holds the gradients of its own.
+device computes two chunk-pairs a step either way. The backward is a ring too (a
+custom VJP: memory linear in the sequence, only q, k, v, the output and the
+log-sum-exp kept): the keys and values go around again with their float32 gradients
+accumulating beside them, and after c shifts each device holds the gradients of its
+own.
 
 Shapes: q [b, 2h, g, r, hd], k, v [b, 2h, g, hd] (h: a chunk's tokens; g kv heads of
 r queries each, as in attention.py). Document masks: every device has the whole
@@ -46,8 +47,8 @@ FUSED: FusedKernel = CUDNN  # the fused ring's kernel
 def ring_attention(q, k, v, cfg, cp, segments=None, window=None, form=None):
     """Causal attention of this device's queries over the whole sequence: for
     `attention=cudnn` without `segments`, `window` or a soft-cap, the `FUSED` kernel
-    per chunk pair (cuDNN's; the CPU tests put fused_pieces.REFERENCE there); else blockwise
-    with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
+    per chunk pair (cuDNN's; the CPU tests put fused_pieces.REFERENCE there); else
+    blockwise with `cfg.attention_block_q/kv` (block sizes that tile a chunk) or, for
     `attention=dense`, one block per chunk pair. `segments`: the whole sequence's
     document ids [b, n], or None; `window`: the sliding window (int or traced), or
     None; `form`: the scores' ScoreForm (None: plain)."""

@@ -53,7 +53,6 @@ RoPE reads and the ring attention runs on; and the MoE experts' split over `expe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from functools import partial
 
 import jax
