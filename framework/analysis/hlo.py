@@ -230,7 +230,7 @@ def _indexed_shares(op_name: str, n: int, scope_weights: dict[str, float]):
     k >= 1 the weights name `P_k` (a channel's switch over its send patterns,
     framework/parallel/pipeline/comm.py): [1 - their sum, w_1, ..., w_n-1]; None
     where there are no such weights."""
-    parts = op_name.split("/")
+    parts = _scopes(op_name)
     keys = [f"{parts[-2]}_{k}" for k in range(1, n)] if len(parts) > 1 else []
     if not any(key in scope_weights for key in keys):
         return None
@@ -238,12 +238,20 @@ def _indexed_shares(op_name: str, n: int, scope_weights: dict[str, float]):
     return [max(0.0, 1.0 - sum(shares)), *shares]
 
 
+def _scopes(op_name: str) -> list[str]:
+    """An op_name's path, each part by its own name: autodiff wraps a scope entered
+    under it (`jvp(cell_forward)`, `transpose(jvp(cell_forward))`), which names the
+    same scope as `cell_forward` (as `scope_weight` reads it)."""
+    return [next((name for name in reversed(_SCOPE_SPLIT.split(part)) if name), part)
+            for part in op_name.split("/")]
+
+
 def _enclosing(op_name: str, scope_weights: dict[str, float]) -> list[str]:
     """The weighted scopes that directly enclose a conditional (`.../cell_forward/
     on_last_stage/cond`: the tick executor's, `lowering.cond_fields`), not those a plain
     conditional further inside them sits in (a padded layer's skip in the layer scan:
     its branches are not the table's)."""
-    parts = op_name.split("/")[:-1]  # (the last: the conditional's own primitive)
+    parts = _scopes(op_name)[:-1]  # (the last: the conditional's own primitive)
     found = []
     while parts and parts[-1] in scope_weights:
         found.append(parts.pop())

@@ -221,3 +221,25 @@ def test_a_send_switch_counts_each_pattern_as_often_as_its_table_sends_it():
         runs[k] = {round(f, 6) for f, _, i in hlo.kernels(program, weights)
                    if any(i in program.computations[c] for c in inside)}
     assert runs[1] == {2.0} and runs[2] == {3.0} and runs[0] <= {5.0}
+
+
+def test_a_pipeline_conditional_under_autodiff_is_weighed_as_its_scope():
+    """Autodiff wraps the scopes it passes through (`jvp(cell_forward)/cond`,
+    `transpose(jvp(cell_forward))/cond`): a two-way conditional directly inside such a
+    wrapped weighted scope is still the table's, in the forward and in its transpose."""
+    from framework.analysis import hlo
+
+    def cell(x, i):
+        with jax.named_scope("cell_forward"):
+            return jax.lax.cond(i % 10 < 3, lambda x: jnp.sin(x) * 3.0,
+                                lambda x: jnp.cos(x) + 1.0, x).sum()
+
+    step = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.grad(cell)(x, i), x)
+    program = hlo.parse(jax.jit(step).lower(jnp.ones(64)).compile().as_text())
+    conds = [i for instrs in program.computations.values() for i in instrs
+             if i.opcode == "conditional"]
+    assert len(conds) == 2  # the forward's and its transpose's
+    shares = [{round(f, 6) for f, _, i in hlo.kernels(program, {"cell_forward": 0.3})
+               if any(i in program.computations[c] for c in program.reachable([b]))}
+              for cond in conds for b in cond.branches]
+    assert sorted(map(sorted, shares)) == [[3.0]] * 2 + [[7.0]] * 2
