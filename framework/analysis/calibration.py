@@ -88,7 +88,8 @@ RATES: dict[tuple[str, str, str], float] = {
     ("blockwise", "full", SPLIT): 0.3414,  # 1 row
 }
 # FP8 (issue 45): the same program with `model.fp8=tensorwise` and without, on the same
-# device and day (tools/device_check.sh: bench, mock_8b and mock_8b_fp8): (the FP8 row, the bfloat16
+# device and day (tools/device_check.sh: bench and bench_fp8; the 8B stage under full
+# remat, mock_8b_full and mock_8b_fp8 with parallel.remat=full): (the FP8 row, the bfloat16
 # step time). The FLOPs at the FP8 peak would promise 0.6x; per-tensor current scaling
 # reads each matmul input again for its amax and to quantize (docs/performance.md).
 FP8_MEASURED: tuple[tuple[Measured, float], ...] = (

@@ -87,16 +87,16 @@ def test_the_fused_ring_runs_only_the_pairs_that_see_keys_at_the_models_scale():
 @SLOW  # (15 s)
 def test_the_fused_rings_bfloat16_gradients_are_as_close_as_dense_attentions():
     """cuDNN's backward gives each chunk pair's dq, dk and dv in the inputs' dtype, which
-    the ring adds up in float32: in bfloat16 at 4 devices (7 pairs a query chunk's
-    keys) the ring's gradients are as far from float32 dense attention's as bfloat16
-    dense attention's are (docs/performance.md: up to 8 devices, within 1.5x; the
-    ring adding its pairs in bfloat16 would not be)."""
+    the ring adds up in float32: in bfloat16 at 4 devices the ring's gradients stay
+    within 1.5x of bfloat16 dense attention's error against float32 dense attention
+    (here 1.06 / 1.04 / 1.20x for dq / dk / dv; the ring adding its pairs in bfloat16
+    gave dv 2.8x; docs/performance.md has larger shapes up to 8 devices)."""
     (_, ring), (_, dense) = _ring_and_dense(4, False, "cudnn", 512, dtype=jnp.bfloat16)
-    _, (_, exact) = _ring_and_dense(4, False, "dense", 512)
+    _, (_, exact) = _ring_and_dense(4, False, "cudnn", 512)
     err = lambda grads: [float(jnp.max(jnp.abs(g.astype(jnp.float32) - e)) /
                                jnp.max(jnp.abs(e))) for g, e in zip(grads, exact)]
     for ring_err, dense_err in zip(err(ring), err(dense)):
-        assert ring_err <= 1.5 * dense_err + 1e-3, (err(ring), err(dense))
+        assert ring_err <= 1.5 * dense_err, (err(ring), err(dense))
 
 
 @SLOW  # (15 s; the fast tier <= 5 min: it keeps the plain rings)
