@@ -6,15 +6,14 @@ Memory per device (bytes): what XLA's buffer assignment holds at the step's peak
 
   params, optimizer  the parameters (`optim.param_dtype`) and AdamW's two moments
              (mu `optim.mu_dtype`, nu float32; `framework/engine/optim.py`; Muon's
-             matrices keep one moment, counted as AdamW's two),
-             each leaf's local shard by the engine's own layout and rules: layers split
-             over `pipe`, the rules' dims over `tensor` (`framework/parallel/rules.py`), with
-             ZeRO-1 one dim over `data` (`framework/parallel/data.py`). Plus the tokens.
+             matrices keep one moment, counted as AdamW's two), each leaf's local shard
+             by the engine's layout and rules: layers over `pipe`, the rules' dims over
+             `tensor` (`framework/parallel/rules.py`), ZeRO-1 one over `data`; the tokens.
   gradients  in the parameters' dtype, every parameter's local pre-ZeRO shape (with FSDP
              its stored shard: under the tick executor the accumulators alone); with
              ZeRO-1 also the all-gathered parameters (on TPUs the layers' in the compute
              dtype: its compiler casts them before the gather); autodiff's tick scan
-             (GPipe, circular) also a gradient accumulator of the stage's weights. The
+             (GPipe, circular) and its accumulation also a sum of the stage's weights'. The
              tick executor instead: its accumulators (the reductions after the loop
              reuse them) and one cell's fresh gradients of its chunk; as transients, with one chunk a rank the cell's add (old and
              new accumulators side by side with the leaf being added), with several
@@ -88,6 +87,7 @@ from framework.engine.step import tensor_parallel
 from framework.model import fp8
 from framework.model.prefix import dense_config, prefix_layers, stack_layers, unit_layers
 from framework.parallel.expert import ExpertParallel
+from framework.parallel.pipeline.autodiff import accumulates
 from framework.parallel.pipeline.table import AUTODIFF
 from framework.units import FP32, dtype_bytes
 
@@ -337,14 +337,16 @@ def _executor_terms(lay: Layout, platform: str | None, w: Weights, width: float,
         grads, backward = _tick_gradients(lay, state, grads, backward, w, width, gathered)
         head = head_bytes(lay, "1f1b", platform)
         return _tick_kept(state, v, gathered, lay.gathers_per_use), head, backward, grads
-    # autodiff: every forward tick's residuals, until the backward
-    res = _layer_residuals(lay, lay.layer_remat)
-    ticks = sched.forward_rows().n_ticks
+    # autodiff: every forward tick's residuals, until the backward; accumulating (no
+    # pipeline, `autodiff.accumulated`) one microbatch's, its gradients added to a sum
+    res, acc = _layer_residuals(lay, lay.layer_remat), accumulates(lay.program)
+    ticks, held = (1, 1) if acc else (sched.forward_rows().n_ticks, m)
     hidden = mb_rows * lay.hidden_seq * lay.model.d_model * dtype_bytes(lay.model.dtype)
-    kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * m, cast)
+    kept = _autodiff_kept(res, ticks, layers, mb_rows, v, w.stage, hidden * held, cast)
     # the first stage embeds every microbatch at once (a dense prefix: its residuals)
-    kept += m * _prefix(lay, lay.layer_remat)
-    head = head_bytes(lay, "per_microbatch" if m > 1 else "whole_batch", platform)
+    kept += held * _prefix(lay, lay.layer_remat)
+    head = head_bytes(lay, "per_microbatch" if held > 1 else "whole_batch", platform)
+    grads += acc * w.stage / (lay.parallel.data if lay.gathers_per_use else 1)
     backward = layer_backward
     if ticks > 1:  # the tick scan's backward: one tick's slice of the residual stack,
         backward += res.chunk(layers, mb_rows)  # and a gradient accumulator for the
@@ -378,10 +380,9 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
         # layer's float32 weights gathered at a time, their cast and gradient beside them
         grads = w.stored
         layer_backward += 3 * w.stage / (lay.chunks_per_rank * lay.chunk_layers)
-    if lay.program.combined:  # a combined cell: a layer's forward beside its backward,
-        # with its activations (as kept without remat; Mixtral's recipe on the GPU
-        # compiler, FSDP: +2.5 GiB compiled, +2.7 this term; its gathered weights fit in
-        # what the compiler frees)
+    if lay.program.combined:  # a combined cell: a layer's forward beside its backward, with
+        # its activations (as kept without remat; Mixtral's recipe on the GPU compiler, FSDP:
+        # +2.5 GiB compiled, +2.7 this term; its gathered weights fit in what it frees)
         layer_backward += _layer_forward(lay)
     kept, head, backward, grads = _executor_terms(lay, platform, w, stored_width, grads,
                                                   layer_backward, cast, gathered)

@@ -289,15 +289,16 @@ def enumerate_layouts(model: ModelConfig, train: TrainConfig, n_devices: int,
     MIN_CONTEXT_TOKENS of a sequence (`_contexts`); schedules: every registered one by
     default, those with virtual stages at each of `virtual_stages` (default:
     `_virtual_stages`); uneven stages (`auto`) where the layers do not divide the
-    pipeline's stages. Without a pipeline: one microbatch (GPipe at p = 1
-    keeps every microbatch's activations anyway). With one: powers of two from p (fewer
-    leave most of the pipeline idle) up to one row per microbatch."""
+    pipeline's stages. Without a pipeline: gradient accumulation over powers of two
+    microbatches from 1 (GPipe's table of one stage: `autodiff.accumulated`). With one:
+    powers of two from p (fewer leave most of the pipeline idle) up to one row per
+    microbatch."""
     schedules = schedule_names() if schedules is None else schedules
     out = []
     for p, tp, cp in _degrees(n_devices, _contexts(train.seq_len)):
         dp = n_devices // (p * tp * cp)
         micro = _powers_of_two(p, train.global_batch_size // dp)
-        options = [("gpipe", 1, 1)] if p == 1 else [
+        options = [("gpipe", m, 1) for m in micro] if p == 1 else [
             (s, m, v) for s in schedules for m in micro
             for v in (_virtual_stages(model, p, virtual_stages)
                       if uses_virtual_stages(s) else (1,))]

@@ -69,6 +69,20 @@ def test_memory_prediction_within_15_percent_of_compiled(kw):
     assert abs(predicted["total"] / measured - 1) <= 0.15
 
 
+def test_gradient_accumulation_keeps_one_microbatch():
+    """Without a pipeline the microbatches accumulate, one's forward and backward at a
+    time (`autodiff.accumulated`): the compiled peak falls with their number (autodiff
+    of GPipe's tick loop kept every microbatch's residuals: m = 4 compiled to what m = 1
+    did), and the memory model follows it within 15%."""
+    peaks = {m: compiled_peak_bytes(ParallelConfig(data=2, microbatches=m)) for m in (1, 4)}
+    predicted = memory_model.predict_memory(MODEL, ParallelConfig(data=2, microbatches=4),
+                                            TRAIN)["total"]
+    print({m: f"{b / 2**20:.1f} MiB" for m, b in peaks.items()},
+          f"predicted at 4: {predicted / 2**20:.1f} MiB")
+    assert peaks[4] < 0.75 * peaks[1]
+    assert abs(predicted / peaks[4] - 1) <= 0.15
+
+
 def temp_bytes(sched, m, v=1):
     """Compiled temp memory at pipeline=4 with a fixed microbatch of 2 sequences."""
     train = dataclasses.replace(PARITY_TRAIN, global_batch_size=2 * m, seq_len=32)

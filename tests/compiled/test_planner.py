@@ -50,7 +50,9 @@ def test_enumeration_is_valid_and_covers_the_layouts():
                      (2, 2, 2, 8, "1f1b", 1, True, False), (2, 4, 1, 2, "circular", 2, False, False),
                      (1, 2, 4, 1, "gpipe", 1, False, False), (8, 1, 1, 16, "1f1b", 1, False, False),
                      (2, 4, 1, 4, "interleaved_1f1b", 2, False, False),
-                     (4, 2, 1, 4, "zb_h1", 1, True, False), (2, 2, 2, 4, "zb_v", 1, False, True)]:
+                     (4, 2, 1, 4, "zb_h1", 1, True, False), (2, 2, 2, 4, "zb_v", 1, False, True),
+                     (1, 2, 4, 8, "gpipe", 1, True, False),  # gradient accumulation
+                     (1, 4, 2, 2, "gpipe", 1, False, True)]:
         assert expected in keys, expected
     assert not any(k[7] and k[1] == 1 for k in keys)  # FSDP needs more than one replica
     assert not any(k[2] == 8 for k in keys)  # n_kv_heads = 4 cannot be split 8 ways

@@ -1,4 +1,5 @@
-"""Executor for GPipe and circular tables: runs the forward rows, autodiff the rest.
+"""Executor for GPipe and circular tables: runs the forward rows, autodiff the rest;
+without a pipeline, gradient accumulation over the microbatches (`accumulated`).
 
 Every rank runs the same tick loop over the table's forward rows: on an F cell it
 applies its layer chunk to its input (the embedded microbatch on the first stage, else
@@ -90,10 +91,47 @@ def head_loss_by_microbatch(fns: StageFns, params, y_mb, targets_mb):
 
 def loss_and_grads(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
     """(this rank's loss share, gradients like params) by autodiff of `forward`; None
-    for an integer leaf's (the E4M3 bits of ZeRO-1's FP8 gathers: no gradient)."""
+    for an integer leaf's (the E4M3 bits of ZeRO-1's FP8 gathers: no gradient).
+    Without a pipeline, several microbatches accumulate (`accumulates`)."""
+    if accumulates(prog):
+        return accumulated(prog, fns, params, inputs, targets, docs)
     loss, grads = jax.value_and_grad(forward, argnums=2, allow_int=True)(
         prog, fns, params, inputs, targets, docs)
     return loss, no_float0(grads)
+
+
+def accumulates(prog: Program) -> bool:
+    """One stage of one chunk (no pipeline) and several microbatches: gradient
+    accumulation, where autodiff of the tick loop would keep every microbatch's
+    residuals until its backward."""
+    return prog.schedule.n_global_stages == 1 and prog.schedule.n_microbatches > 1
+
+
+def accumulated(prog: Program, fns: StageFns, params, inputs, targets, docs=None):
+    """(loss, gradients) of one stage over m microbatches, each microbatch's forward
+    and backward in turn and their sums carried (gradient accumulation): one
+    microbatch's residuals alive at a time. Each microbatch's loss is its share of
+    the whole batch's mean (the head divides by the step's tokens), so the sums are
+    the step's. inputs, targets: [m, mb, seq]."""
+    weights = jax.tree.map(lambda a: a[0], params["chunks"])  # [Lc, ...], the one chunk
+    n_real, first = prog.real(0), prog.first(0, jax.tree.leaves(weights)[0].shape[0])
+
+    def one(params, ids, target, docs_mb):
+        x = fns.embed(params["embed"], ids, docs_mb)
+        with jax.named_scope(CELL):
+            y = fns.layers(jax.tree.map(lambda a: a[0], params["chunks"]), x,
+                           n_real=n_real, docs=docs_mb, first=first)
+        return fns.head_loss(params["head"], params["embed"], y, target)
+
+    grad = lambda i: no_float0(jax.value_and_grad(one, allow_int=True)(
+        params, inputs[i], targets[i], of_microbatch(docs, i)))
+    # zeros typed as the sums are (grad(0) traced for its types only: dead code). Every
+    # microbatch in the loop: a first one outside it, beside a loop of one trip that
+    # the compiler inlines, was scheduled together with it (both alive at once).
+    zeros = jax.tree.map(zeros_typed_like, grad(0))
+    with jax.named_scope(LOOP):
+        return jax.lax.fori_loop(0, inputs.shape[0], lambda i, total: jax.tree.map(
+            jnp.add, total, grad(i)), zeros)
 
 
 def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None, first=None):
