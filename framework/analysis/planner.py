@@ -355,11 +355,15 @@ def evaluate(model: ModelConfig, train: TrainConfig, par: ParallelConfig, hw: Ha
 
 def plan(model: ModelConfig, train: TrainConfig, base: ParallelConfig, n_devices: int,
          hw: Hardware, optim=None, **enumerate_kw) -> list[Plan]:
-    """Every valid layout with its predictions: fitting ones first, fastest first (then
-    the smallest memory)."""
+    """Every valid layout with its predictions: fitting ones first, fastest first, then
+    the fewer microbatches (at p 1 accumulating takes the time of one microbatch, and
+    each further one reads and writes the gradient sums and casts the weights again:
+    +1.0 GiB a row of kernel traffic for llama_1b_1gpu's 28 rows in 2, the GPU
+    compiler's count, docs/performance.md), then the smallest memory."""
     plans = [evaluate(model, train, par, hw, optim)
              for par in enumerate_layouts(model, train, n_devices, base, **enumerate_kw)]
-    return sorted(plans, key=lambda pl: (not pl.fits, pl.time["total"], pl.memory["total"]))
+    return sorted(plans, key=lambda pl: (not pl.fits, pl.time["total"],
+                                         pl.parallel.microbatches, pl.memory["total"]))
 
 
 def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:

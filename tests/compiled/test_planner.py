@@ -209,6 +209,21 @@ def test_verify_table_reads_a_layout_without_pipeline():
     assert " - " in plan_verify.table([row], "gpu:h100x1").splitlines()[3]
 
 
+def test_one_device_ranks_accumulation_by_memory_only_where_the_time_differs():
+    """Without a pipeline every number of microbatches takes the same predicted time
+    (no bubble): one microbatch ranks first where it fits, accumulation where only it
+    fits (the smaller memory)."""
+    roomy = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    plans = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, roomy)
+    assert [pl.parallel.microbatches for pl in plans][:2] == [1, 2]
+    assert plans[0].time["total"] == plans[1].time["total"]
+    assert plans[0].memory["total"] > plans[-1].memory["total"]  # (why it must be said)
+    tight = planner.Hardware(memory_bytes=plans[1].memory["total"], peak_flops=1e12,
+                             memory_fraction=1.0)
+    first = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, tight)[0]
+    assert first.fits and first.parallel.microbatches > 1
+
+
 @pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 3 s)
 def test_long_sequences_bring_context_layouts_whose_activations_shrink():
     """Context degrees enter the enumeration where each device keeps at least
