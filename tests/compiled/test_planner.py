@@ -209,7 +209,7 @@ def test_verify_table_reads_a_layout_without_pipeline():
     assert " - " in plan_verify.table([row], "gpu:h100x1").splitlines()[3]
 
 
-def test_one_device_ranks_accumulation_by_memory_only_where_the_time_differs():
+def test_one_device_ranks_one_microbatch_first_and_accumulation_where_only_it_fits():
     """Without a pipeline every number of microbatches takes the same predicted time
     (no bubble): one microbatch ranks first where it fits, accumulation where only it
     fits (the smaller memory)."""
@@ -217,7 +217,7 @@ def test_one_device_ranks_accumulation_by_memory_only_where_the_time_differs():
     plans = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, roomy)
     assert [pl.parallel.microbatches for pl in plans][:2] == [1, 2]
     assert plans[0].time["total"] == plans[1].time["total"]
-    assert plans[0].memory["total"] > plans[-1].memory["total"]  # (why it must be said)
+    assert plans[0].memory["total"] > plans[-1].memory["total"]  # (accumulating holds less)
     tight = planner.Hardware(memory_bytes=plans[1].memory["total"], peak_flops=1e12,
                              memory_fraction=1.0)
     first = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, tight)[0]

@@ -78,7 +78,7 @@ def test_fp8_experts_on_a_layout_equal_one_device(model, layout, tolerance):
     assert worst(max_rel_err(grads, ref_grads)) < tolerance
 
 
-@pytest.mark.slow  # ~40 s: four one-device programs
+@pytest.mark.slow  # ~20 s: four one-device programs
 def test_accumulating_fp8_experts_rounds_within_a_step():
     """GPipe's table on one device accumulates its microbatches (`autodiff.accumulated`):
     without FP8 it equals the 1F1B tick executor on one device to float32 rounding;

@@ -113,8 +113,8 @@ def accumulated(prog: Program, fns: StageFns, params, inputs, targets, docs=None
     microbatch's residuals alive at a time. Each microbatch's loss is its share of
     the whole batch's mean (the head divides by the step's tokens), so the sums are
     the step's. inputs, targets: [m, mb, seq]."""
-    weights = jax.tree.map(lambda a: a[0], params["chunks"])  # [Lc, ...], the one chunk
-    n_real, first = prog.real(0), prog.first(0, jax.tree.leaves(weights)[0].shape[0])
+    chunk_layers = jax.tree.leaves(params["chunks"])[0].shape[1]  # chunks: [1, Lc, ...]
+    n_real, first = prog.real(0), prog.first(0, chunk_layers)
 
     def one(params, ids, target, docs_mb):
         x = fns.embed(params["embed"], ids, docs_mb)
