@@ -45,8 +45,9 @@ def row(report: dict) -> str:
     overlap = (" / ".join("-" if s is None else f"{s:.0%}" for s in shares)
                if any(f"comm/overlapped_fraction/{a}" in report for a in AXES) else "-")
     seconds = report.get("compile_time_s")
+    m = report.get("accumulated_microbatches")
     schedule = report["schedule"] + (f", {report['sends']}" if "sends" in report else "") + (
-        ", combined" if report.get("combined_1f1b") else "")
+        ", combined" if report.get("combined_1f1b") else "") + (f", accumulated x{m}" if m else "")
     return (f"| {report.get('recipe') or '-'} | {report['target']} | "
             f"{report.get('mesh', '-')} | {schedule} | "
             f"{compiled_text} | {_gib(report.get('memory/device_bytes'))} | "

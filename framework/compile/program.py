@@ -133,6 +133,7 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     from framework.engine.build import DocumentMask, build_engine
     from framework.engine.validate import check_platform, validate
     from framework.parallel.mesh import make_mesh, mesh_name
+    from framework.parallel.pipeline.autodiff import accumulates
 
     found, platform, kind = devices_for(cfg, target)
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
@@ -145,7 +146,10 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     documents = DocumentMask(0, cfg.data.reset_positions) if cfg.data.document_mask else None
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, found), documents)
-    report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
+    if accumulates(engine.program):  # one stage: m microbatches in turn, nothing sent
+        report["accumulated_microbatches"] = engine.schedule.n_microbatches
+    if engine.schedule.n_global_stages > 1:
+        report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
     report["combined_1f1b"] = parallel.combined_1f1b  # each BW and the F after it as one cell
     report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
     report["pipeline/backward_parts"] = engine.schedule.parts

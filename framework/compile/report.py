@@ -17,6 +17,11 @@ def _axes(report: dict, prefix: str) -> list[str]:
     return sorted(k.rsplit("/", 1)[1] for k in report if k.startswith(prefix))
 
 
+def _accumulated(report: dict) -> str:
+    m = report.get("accumulated_microbatches")
+    return f", gradients accumulated over {m} microbatches" if m else ""
+
+
 def lines(report: dict) -> list[str]:
     """The report as the command prints it."""
     predicted, compiled = (report.get("memory/predicted_bytes_per_device"),
@@ -25,6 +30,7 @@ def lines(report: dict) -> list[str]:
     out = [f"{report['target']}: {report['n_devices']} x {report['device_kind']}, "
            f"{report['mesh']} ({report['schedule']}"
            f"{', ' + report['sends'] + ' sends' if 'sends' in report else ''}"
+           f"{_accumulated(report)}"
            f"{', combined 1F1B' if report.get('combined_1f1b') else ''}"
            f"{', ' + report['attention'] + ' attention' if 'attention' in report else ''}"
            f"), compiled in "

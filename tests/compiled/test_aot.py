@@ -120,6 +120,18 @@ def test_gpu_stage_to_stage_sends_overlap_the_cells(schedule):
     assert sync["comm/overlapped_fraction/pipe_sends"] == 0
 
 
+def test_one_stage_reports_its_accumulation_and_no_sends():
+    """Without a pipeline nothing is sent, and several microbatches accumulate the
+    gradients one at a time (`autodiff.accumulates`): the report says so, not which
+    way GPipe's stages would send."""
+    from framework.compile.report import lines
+
+    got = report("gpu:h100x1", "parallel.pipeline=1", "parallel.data=1", "parallel.tensor=1",
+                 "parallel.microbatches=2")
+    assert got["accumulated_microbatches"] == 2 and "sends" not in got
+    assert "(gpipe, gradients accumulated over 2 microbatches" in lines(got)[0]
+
+
 @pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 11 s)
 def test_a_gpu_run_checks_the_compiled_program_before_allocating():
     """The run's memory check on GPUs and TPUs (framework/analysis/memory_check.py,
