@@ -13,8 +13,10 @@ Gemma 2's layer; the mixtures of experts with their experts, top-k, widths, auxi
 losses, router (softmax or sigmoid, scaled or not; sigmoid with 4 or 8 experts routed to
 the best of 2 groups) and shared experts (in half, gated or not, with a dense layer
 before the MoE ones) drawn), sliding windows (a third; every layer or every other),
-soft-caps, the stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (a quarter,
-from a stream of their own; against the FP8 engine on one device, FP8_GRAD_TOLERANCE),
+soft-caps, the loss over the vocabulary in chunks of tokens (a third, from a stream of
+its own: `model.loss_chunk`), the stored parameter dtype (bfloat16 in a quarter), FP8
+matmuls (a quarter, from a stream of their own; against the FP8 engine on one device,
+FP8_GRAD_TOLERANCE),
 small shapes; for the tick executor's schedules, half with the dispatch of GPU compilers
 that copy what a conditional passes through, forced on CPU: `gpu-dispatch`), runs each
 one's loss and gradients twice on the same inputs, and compares the loss and every
@@ -286,6 +288,7 @@ def label(par, data=None, model=None, param_dtype="float32", apart=False) -> str
         extra += f" shared{m.shared_experts}" if m.enabled and m.shared_experts else ""
         extra += f" dense{m.first_dense}" if m.enabled and m.first_dense else ""
         extra += f" every{m.every}" if m.enabled and m.every > 1 else ""
+    extra += f" loss-chunk{model.loss_chunk}" if model is not None and model.loss_chunk else ""
     extra += " bf16-params" if param_dtype != "float32" else ""
     extra += {"none": "", "tensorwise": " fp8", "delayed": " fp8-delayed"}[
         model.fp8 if model is not None else "none"]
@@ -332,13 +335,15 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
     # the executor's dispatch from a stream of its own: a seed draws the configurations
     # it drew before the dispatch was drawn
     dispatch_rng = np.random.default_rng([seed, 1])
-    fp8_rng, regather_rng, delayed_rng = (np.random.default_rng([seed, k])  # (likewise)
-                                          for k in (2, 3, 4))
+    fp8_rng, regather_rng, delayed_rng, chunk_rng = (
+        np.random.default_rng([seed, k]) for k in (2, 3, 4, 5))  # (likewise)
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices), names)
         if fp8_rng.random() < fp8_share:
             model = _with_fp8(model, par, train, delayed_rng)
+        if chunk_rng.integers(3) == 0:  # the loss a chunk of tokens at a time
+            model = dataclasses.replace(model, loss_chunk=int(chunk_rng.choice([8, 24, 64])))
         if par.fsdp and regather_rng.integers(2):
             par = dataclasses.replace(par, fsdp_regather="step")
         apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,
