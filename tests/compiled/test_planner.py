@@ -148,6 +148,7 @@ def test_plan_command_line(capsys):
     out = capsys.readouterr().out
     assert "valid layouts" in out and " yes " in out and " NO " in out
     assert "the recipe's own layout (pp2-dp2-tp2-mb2)" in out
+    assert "with a pipeline: " in out and "without a pipeline: " in out
     assert plan.main(["recipe=llama_tiny_debug", "devices=8"]) == 2
     assert "device_memory_gb" in capsys.readouterr().err
     # Settings out of range: one line naming the setting, before anything is planned
@@ -158,6 +159,24 @@ def test_plan_command_line(capsys):
                           bad]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and bad.split("=")[0] in err and valid in err, err
+
+
+def test_the_plan_says_whether_a_pipeline_wins():
+    """Issue 43: the fastest fitting layout with a pipeline against the fastest without
+    one, by rank and step time; a layout that does not fit is never the verdict's."""
+    from tools import plan
+
+    def layout(pp, seconds, fits=True):
+        par = ParallelConfig(pipeline=pp, data=8 // pp, microbatches=4 if pp > 1 else 2)
+        return planner.Plan(par, {}, {"total": seconds}, fits, 1)
+
+    line = plan.pipeline_verdict([layout(1, 0.9, fits=False), layout(2, 1.0), layout(2, 1.1),
+                                  layout(1, 1.05)])
+    assert line == ("with a pipeline: pp2-dp4-tp1-mb4 ranks 2, 1000 ms; without a pipeline: "
+                    "pp1-dp8-tp1-mb2 ranks 4, 1050 ms: the pipeline is 5.0% faster")
+    assert plan.pipeline_verdict([layout(1, 1.0), layout(2, 1.2)]).endswith(
+        "the layout without one is 20.0% faster")
+    assert plan.pipeline_verdict([layout(2, 1.0)]).endswith("no layout without a pipeline fits")
 
 
 def test_uneven_stages_are_planned_and_the_head_stage_gets_fewer_layers():
