@@ -14,7 +14,7 @@ losses, router (softmax or sigmoid, scaled or not; sigmoid with 4 or 8 experts r
 the best of 2 groups) and shared experts (in half, gated or not, with a dense layer
 before the MoE ones) drawn), sliding windows (a third; every layer or every other),
 soft-caps, the loss over the vocabulary in chunks of tokens (a third, from a stream of
-its own: `model.loss_chunk`), the stored parameter dtype (bfloat16 in a quarter), FP8
+its own: `model.loss_chunk`), `save_dots_gathered` for half the `save_dots` (likewise), the stored parameter dtype (bfloat16 in a quarter), FP8
 matmuls (a quarter, from a stream of their own; against the FP8 engine on one device,
 FP8_GRAD_TOLERANCE),
 small shapes; for the tick executor's schedules, half with the dispatch of GPU compilers
@@ -335,8 +335,8 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
     # the executor's dispatch from a stream of its own: a seed draws the configurations
     # it drew before the dispatch was drawn
     dispatch_rng = np.random.default_rng([seed, 1])
-    fp8_rng, regather_rng, delayed_rng, chunk_rng = (
-        np.random.default_rng([seed, k]) for k in (2, 3, 4, 5))  # (likewise)
+    fp8_rng, regather_rng, delayed_rng, chunk_rng, gathered_rng = (
+        np.random.default_rng([seed, k]) for k in (2, 3, 4, 5, 6))  # (likewise)
     failures = []
     for i in range(cases):
         model, par, train, data, param_dtype = draw(rng, len(devices), names)
@@ -344,6 +344,8 @@ def search(seed: int, cases: int, devices, log=print, names: tuple = (),
             model = _with_fp8(model, par, train, delayed_rng)
         if chunk_rng.integers(3) == 0:  # the loss a chunk of tokens at a time
             model = dataclasses.replace(model, loss_chunk=int(chunk_rng.choice([8, 24, 64])))
+        if par.remat == "save_dots" and gathered_rng.integers(2):  # (f's gathers kept)
+            par = dataclasses.replace(par, remat="save_dots_gathered")
         if par.fsdp and regather_rng.integers(2):
             par = dataclasses.replace(par, fsdp_regather="step")
         apart = bool(dispatch_rng.integers(2)) and not resolved(model, par,

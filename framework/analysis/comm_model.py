@@ -246,22 +246,22 @@ def layer_tensor_bytes(model: ModelConfig, parallel: ParallelConfig,
 
 
 def _layer_units(model: ModelConfig, parallel: ParallelConfig, remat: Remat, split=False) -> float:
-    """One decoder layer's tensor collectives under `remat` (the layers'), in all-reduces
-    of A: 4 (f and g of the attention and the MLP, forward and backward). Without
-    sequence parallelism f is the identity in the forward, and full remat's recompute
-    sums the attention's g again: 5. With it each all-reduce's worth is a gather (f, a
-    gathering ring with collective matmuls) and a reduce-scatter (g, a ring of partial
-    sums), half each; a rematerialised layer's recompute gathers the attention's and
-    the MLP's inputs again (their weight gradients read them) and, under full remat
-    alone, sums the attention's g again (its output feeds the MLP's norm; save_dots
-    keeps it, `tensor.EXITED`; the MLP's is dead): 5.5 full, 5 save_dots (llama3_8b at 4
-    layers on the GPU compiler, 2026-12-02, MiB a step, 3,456 = 4 units + the head's
-    384: 4,608 full, 4,224 save_dots, 3,456 none, with or without collective matmuls;
-    without SP 4,224 full, 3,456 else). FP8's gathering rings carry one byte an element
-    (FP8, 1F1B: 3,456, 3,072, 2,688). `split` (`Layout.split_recomputes`): W runs the
-    backward's f and g transposes again, under full remat the recomputed forward's
-    too: 7 units save_dots, 9 full (docs/performance.md, "Zero-bubble's rings")."""
-    gathered, summed = int(remat.keeps_inputs_only), int(remat.recompute_forward)
+    """One decoder layer's tensor collectives under `remat`, in all-reduces of A: 4 (f and
+    g of the attention and the MLP, forward and backward). Without sequence parallelism
+    f is the identity in the forward, and full remat's recompute sums the attention's g
+    again: 5. With it each all-reduce's worth is a gather (f, a gathering ring with
+    collective matmuls) and a reduce-scatter (g, a ring of partial sums), half each; a
+    rematerialised layer's recompute gathers the attention's and the MLP's inputs again
+    (their weight gradients read them; save_dots_gathered keeps them: none's 4,
+    `Remat.regathers`) and, under full remat alone, sums the attention's g again (the
+    MLP's norm reads it; save_dots keeps it, `tensor.EXITED`): 5.5 full, 5 save_dots
+    (llama3_8b at 4 layers on the GPU compiler, 2026-12-02, MiB a step, 3,456 = 4 units
+    + the head's 384: 4,608 full, 4,224 save_dots, 3,456 none; without SP 4,224 full,
+    3,456 else). FP8's gathering rings carry one byte an element (FP8, 1F1B: 3,456,
+    3,072, 2,688). `split` (`Layout.split_recomputes`): W runs the backward's f and g
+    transposes again, under full remat the recomputed forward's too: 7 units save_dots,
+    9 full (docs/performance.md, "Zero-bubble's rings")."""
+    gathered, summed = int(remat.regathers), int(remat.recompute_forward)
     again = int(split and remat.keeps_inputs_only)  # W's backward (and recompute) again
     if not (parallel.sequence_parallel and parallel.tensor > 1):
         return 4 + summed + again * (2 + summed)

@@ -42,7 +42,7 @@ from framework import hardware
 from framework.units import memory_unit
 from framework.analysis import calibration, comm_model
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.resolved import resolved, with_exchange
+from framework.engine.resolved import REMATS, resolved, with_exchange
 from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
@@ -228,7 +228,8 @@ def measured_rate(lay, seq_len: int, hw: Hardware) -> float | None:
     if hw.device is None:
         return None
     kernel = kernel_for(lay.model, seq_len, hw.platform or "gpu")
-    return calibration.rate(hw.device, kernel, lay.layer_remat, executor_kind(lay))
+    return calibration.rate(hw.device, kernel, REMATS[lay.layer_remat].rated_as,
+                            executor_kind(lay))
 
 
 @dataclass

@@ -127,13 +127,27 @@ def comm_fields(compiled, engine, platform: str) -> dict:
     return out
 
 
+def schedule_fields(engine, parallel: ParallelConfig) -> dict:
+    """The report's fields of how the step runs its microbatches: the pipeline's sends
+    and table, or (one stage, several microbatches) the gradients' accumulation."""
+    from framework.parallel.pipeline.autodiff import accumulates
+
+    sched, out = engine.schedule, {}
+    if accumulates(engine.program):  # one stage: m microbatches in turn, nothing sent
+        out["accumulated_microbatches"] = sched.n_microbatches
+    if sched.n_global_stages > 1:
+        out["sends"] = "overlapped" if sched.overlap else "synchronous"
+    return {**out, "combined_1f1b": parallel.combined_1f1b,  # each BW and the next F as one
+            "pipeline/bubble_fraction_table": sched.bubble_fraction,
+            "pipeline/backward_parts": sched.parts}
+
+
 def compile_report(cfg: RunConfig, target: Target) -> dict:
     """Compiles the run's step for `target`; the report's fields (module docstring).
     Raises ConfigError (bad settings) or TooBig (the compiled program does not fit)."""
     from framework.engine.build import DocumentMask, build_engine
     from framework.engine.validate import check_platform, validate
     from framework.parallel.mesh import make_mesh, mesh_name
-    from framework.parallel.pipeline.autodiff import accumulates
 
     found, platform, kind = devices_for(cfg, target)
     parallel = validate(cfg.model, cfg.parallel, cfg.train, len(found))
@@ -146,14 +160,8 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     documents = DocumentMask(0, cfg.data.reset_positions) if cfg.data.document_mask else None
     engine = build_engine(cfg.model, parallel, cfg.optim, cfg.train.steps,
                           make_mesh(parallel, found), documents)
-    if accumulates(engine.program):  # one stage: m microbatches in turn, nothing sent
-        report["accumulated_microbatches"] = engine.schedule.n_microbatches
-    if engine.schedule.n_global_stages > 1:
-        report["sends"] = "overlapped" if engine.schedule.overlap else "synchronous"
-    report["combined_1f1b"] = parallel.combined_1f1b  # each BW and the F after it as one cell
-    report["pipeline/bubble_fraction_table"] = engine.schedule.bubble_fraction
-    report["pipeline/backward_parts"] = engine.schedule.parts
-    report["attention"] = engine.attention_kernel(cfg.train.seq_len)
+    report.update(schedule_fields(engine, parallel), attention=engine.attention_kernel(
+        cfg.train.seq_len))
     state, tokens = engine.abstract_inputs(cfg.train.global_batch_size, cfg.train.seq_len)
     start = time.perf_counter()
     try:

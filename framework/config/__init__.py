@@ -37,7 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": tuple(FAMILIES),  # one record per family: framework/config/model.py
     "model.activation": ("silu", "gelu_tanh"),  # the gated MLP's, framework/model/layers.py
     "model.fp8": ("none", "tensorwise", "delayed"),  # framework/model/fp8.py, fp8_delayed.py
-    "parallel.remat": ("none", "full", "save_dots"),  # per layer, framework/model/llama.py
+    "parallel.remat": ("none", "full", "save_dots", "save_dots_gathered"),  # per layer, framework/model/llama.py
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
     "optim.decay_shape": ("linear", "cosine", "sqrt"),  # wsd's final decay
@@ -109,7 +109,7 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1 | zb_v
     virtual_stages: int = 1  # layer chunks per pipeline rank (circular, interleaved_1f1b)
-    remat: str = "none"  # none | full | save_dots, applied per layer
+    remat: str = "none"  # none | full | save_dots | save_dots_gathered, per layer
     zero1: bool = False  # shard optimizer state + master params over `data`
     # FSDP (ZeRO-3): parameters, gradients and optimizer state sharded over `data`
     # through the step, each use gathering its weights (framework/parallel/data.py);

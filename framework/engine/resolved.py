@@ -49,12 +49,21 @@ class Remat:
     (input and weight gradients: each a forward's matmuls, Narayanan et al. 2021), 3
     under full remat (the forward first). save_dots also recomputes the attention
     scores and weighted values (batched dots, not saved), a small share of a forward:
-    rounded away in the cell count, charged by the planner (`framework/model/flops.py`)."""
+    rounded away in the cell count, charged by the planner (`framework/model/flops.py`).
+    save_dots_gathered keeps f's gathered sequence too (sequence parallelism): its
+    recompute gathers nothing again."""
 
     name: str
     recompute_forward: bool  # the whole layer forward again before its backward
     recompute_attention: bool  # the attention's batched dots again (save_dots)
     backward_in_f: int
+    keeps_gathered: bool = False  # f's gathered sequence (`tensor.GATHERED`)
+
+    @property
+    def regathers(self) -> bool:
+        """The backward's recompute gathers the sequence-parallel inputs of the weight
+        gradients' matmuls again (f: a gathering ring under collective matmuls)."""
+        return self.keeps_inputs_only and not self.keeps_gathered
 
     @property
     def rings_alone(self) -> bool:
@@ -62,7 +71,14 @@ class Remat:
         matmul beside them: the policy keeps the matmuls' outputs, not their gathered
         inputs (save_dots; the GPU compiler overlapped 81% of llama3_8b's tensor bytes
         under it, 99% under full remat, 2026-11-30)."""
-        return self.keeps_inputs_only and not self.recompute_forward
+        return self.regathers and not self.recompute_forward
+
+    @property
+    def rated_as(self) -> str:
+        """The remat whose measured stages give this one's compute rate
+        (framework/analysis/calibration.py): save_dots_gathered runs save_dots's
+        matmuls and kernels; what it saves is communication, which the planner counts."""
+        return "save_dots" if self.name == "save_dots_gathered" else self.name
 
     @property
     def keeps_inputs_only(self) -> bool:
@@ -73,6 +89,7 @@ class Remat:
 
 REMATS = {"none": Remat("none", False, False, 2),
           "save_dots": Remat("save_dots", False, True, 2),
+          "save_dots_gathered": Remat("save_dots_gathered", False, True, 2, keeps_gathered=True),
           "full": Remat("full", True, False, 3)}
 
 

@@ -1,7 +1,8 @@
 """A stack of decoder layers as a pipeline stage runs it: under `scan` (compile time
 independent of depth), each layer under its remat policy (Chen et al. 2016's gradient
 checkpointing: `full` keeps each layer's input only; `save_dots` keeps the weight
-matmuls' outputs), padding layers passed over (uneven stages), and the decode path with
+matmuls' outputs, `save_dots_gathered` their sequence-parallel inputs as gathered too),
+padding layers passed over (uneven stages), and the decode path with
 a KV cache per layer. The layer itself is `framework/model/llama.py`'s `Block`.
 """
 
@@ -34,11 +35,16 @@ def _weight_dots(prim, *avals, **params) -> bool:
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
 
 
+_DOTS_NAMES = (fp8.PRODUCT, loss.GRADS, tensor.EXITED)  # saved beside the weight matmuls
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
+        _weight_dots, jax.checkpoint_policies.save_only_these_names(*_DOTS_NAMES)),
+    # ... and the sequence-parallel inputs of the column-parallel matmuls as gathered
+    # (`tensor.GATHERED`): the recompute runs no gathering ring (f) again
+    "save_dots_gathered": jax.checkpoint_policies.save_from_both_policies(
         _weight_dots, jax.checkpoint_policies.save_only_these_names(
-            fp8.PRODUCT, loss.GRADS, tensor.EXITED)),
+            *_DOTS_NAMES, tensor.GATHERED)),
 }
 
 

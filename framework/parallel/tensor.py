@@ -73,6 +73,10 @@ SEQ = 1  # activations are [batch, seq, ...]
 # else it keeps the partial products ([b, s, d], or the ring's `tensor` blocks of
 # [b, s/tensor, d]) and sums them over the devices again in the backward.
 EXITED = "tensor_exit"
+# f's gathered sequence (`enter`'s all-gather, each block a gathering ring multiplies,
+# `gather_ring`), by name: `save_dots_gathered` saves it too, so the backward's
+# recompute does not gather the inputs of the weight gradients' matmuls again.
+GATHERED = "tensor_gathered"
 # Pairs of logical axes that must be split together (attention's fused q/k/v weight
 # and its output projection).
 SPLIT_TOGETHER = (("heads", "kv_heads"),)
@@ -161,7 +165,8 @@ class TensorParallel:
         """f before the block that splits `split`: x [b, s (/tensor with SP), d] ->
         [b, s, d]. An unsplit block gathers the sequence only if it needs every token."""
         if self._gather_sequence() and (self.splits(split) or whole_sequence):
-            return jax.lax.all_gather(x, self.axis, axis=SEQ, tiled=True)
+            return checkpoint_name(jax.lax.all_gather(x, self.axis, axis=SEQ, tiled=True),
+                                   GATHERED)
         return x
 
     def exit(self, y, split: str, whole_sequence: bool = False):
@@ -209,9 +214,9 @@ class TensorParallel:
         block, ys = x, []
         for _ in range(t - 1):
             sent = ring_shift(block, self.axis, t, 1, self.permute)
-            block, y = _beside(sent, lambda b=block: product(b, w))
+            block, y = _beside(sent, lambda b=block: product(checkpoint_name(b, GATHERED), w))
             ys.append(y)
-        ys.append(product(block, w))
+        ys.append(product(checkpoint_name(block, GATHERED), w))
         return jax.tree.map(lambda *blocks: _in_sequence(blocks, i, t), *ys)
 
     def scatter_ring(self, x, w, product):

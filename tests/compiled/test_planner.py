@@ -122,6 +122,27 @@ def test_a_split_backward_that_records_its_inputs_hides_no_ring():
     assert t(schedule="zb_v", remat="save_dots", collective_matmul=True)["comm_tensor"] < split
 
 
+def test_keeping_the_gathered_inputs_saves_the_recompute_its_rings():
+    """`save_dots_gathered` keeps sequence parallelism's gathered inputs: the recompute
+    gathers nothing again (none's 4 ring units a layer against save_dots's 5), its
+    rings are never alone, and its compute rate is save_dots's (the same matmuls), so
+    with collective matmuls the planner's step is save_dots's less the exposed rings."""
+    from framework.engine.resolved import REMATS
+
+    hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12, device="NVIDIA H200")
+    base = dict(pipeline=2, tensor=2, microbatches=4, sequence_parallel=True,
+                collective_matmul=True)
+    t = lambda remat: planner.predict_time(MODEL, ParallelConfig(**base, remat=remat), TRAIN, hw)
+    tensor = lambda remat: comm_model.expected_bytes(
+        MODEL, ParallelConfig(**base, remat=remat), TRAIN)["tensor"]
+    assert tensor("save_dots_gathered") == pytest.approx(tensor("none"))
+    assert tensor("save_dots_gathered") == pytest.approx(4 / 5 * tensor("save_dots"), rel=0.05)
+    assert not REMATS["save_dots_gathered"].rings_alone and REMATS["save_dots"].rings_alone
+    kept, dots = t("save_dots_gathered"), t("save_dots")
+    assert kept["rate"] == dots["rate"] and kept["compute"] == dots["compute"]
+    assert kept["comm_tensor"] < dots["comm_tensor"]
+
+
 def test_the_time_of_each_layout_counts_its_own_bytes():
     """The planner's communication bytes are cached per layout; a key that left out
     ZeRO-1 / FSDP and the microbatches gave FSDP (gathering per microbatch) ZeRO-1's

@@ -24,9 +24,13 @@ def ref():
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1",
                       remat="save_dots"), marks=pytest.mark.slow),
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
+         remat="save_dots_gathered"),  # the gathered blocks kept for the backward
+    pytest.param(dict(pipeline=1, data=2, tensor=4, microbatches=2, remat="save_dots_gathered",
+                      collective_matmul=False), marks=pytest.mark.slow),  # f's all-gather's
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_collective_matmul_parity(kw, ref):
-    loss, grads = engine_grads(engine(**kw, **CM))
+    loss, grads = engine_grads(engine(**{**CM, **kw}))
     assert abs(loss - float(ref[0])) <= 1e-5 * float(ref[0])
     assert worst(max_rel_err(grads, ref[1])) <= 1e-4
 
