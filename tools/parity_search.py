@@ -14,15 +14,15 @@ losses, router (softmax or sigmoid, scaled or not; sigmoid with 4 or 8 experts r
 the best of 2 groups) and shared experts (in half, gated or not, with a dense layer
 before the MoE ones) drawn), sliding windows (a third; every layer or every other),
 soft-caps, the loss over the vocabulary in chunks of tokens (a third, from a stream of
-its own: `model.loss_chunk`), `save_dots_gathered` for half the `save_dots` (likewise), the stored parameter dtype (bfloat16 in a quarter), FP8
-matmuls (a quarter, from a stream of their own; against the FP8 engine on one device,
-FP8_GRAD_TOLERANCE),
-small shapes; for the tick executor's schedules, half with the dispatch of GPU compilers
-that copy what a conditional passes through, forced on CPU: `gpu-dispatch`), runs each
-one's loss and gradients twice on the same inputs, and compares the loss and every
-gradient leaf of both runs with the single-device reference (framework/model/
-reference.py): relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients
-rounded per microbatch rather than once). A failure is printed as one line of
+its own: `model.loss_chunk`), `save_dots_gathered` for half the `save_dots` (likewise),
+the stored parameter dtype (bfloat16 in a quarter), FP8 matmuls (a quarter, from a
+stream of their own; against the FP8 engine on one device, FP8_GRAD_TOLERANCE), small
+shapes; for the tick executor's schedules, half with the dispatch of GPU compilers that
+copy what a conditional passes through, forced on CPU: `gpu-dispatch`), runs each one's
+loss and gradients twice on the same inputs, and compares the loss and every gradient
+leaf of both runs with the single-device reference (framework/model/reference.py):
+relative error at most 1e-4 (bfloat16 parameters: 2^-5, their gradients rounded per
+microbatch rather than once). A failure is printed as one line of
 `python -m framework.run` settings, e.g.
 
     FAIL zb_h1 pp4 dp1 tp2 mb8: 19.6 (run 2) ... | parallel.pipeline=4 parallel.data=1 ...

@@ -37,7 +37,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": tuple(FAMILIES),  # one record per family: framework/config/model.py
     "model.activation": ("silu", "gelu_tanh"),  # the gated MLP's, framework/model/layers.py
     "model.fp8": ("none", "tensorwise", "delayed"),  # framework/model/fp8.py, fp8_delayed.py
-    "parallel.remat": ("none", "full", "save_dots", "save_dots_gathered"),  # per layer, framework/model/llama.py
+    # per layer (framework/model/stack.py's REMAT_POLICIES)
+    "parallel.remat": ("none", "full", "save_dots", "save_dots_gathered"),
     "parallel.fsdp_regather": ("microbatch", "step"),  # framework/parallel/data.py
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),  # framework/engine/optim.py
     "optim.decay_shape": ("linear", "cosine", "sqrt"),  # wsd's final decay

@@ -58,6 +58,10 @@ class Remat:
     recompute_attention: bool  # the attention's batched dots again (save_dots)
     backward_in_f: int
     keeps_gathered: bool = False  # f's gathered sequence (`tensor.GATHERED`)
+    # the remat whose measured stages give this one's compute rate (`rated_as`), if not
+    # its own: save_dots_gathered runs save_dots's matmuls and kernels (what it saves is
+    # communication, which the planner counts)
+    measured_as: str = ""
 
     @property
     def regathers(self) -> bool:
@@ -75,10 +79,8 @@ class Remat:
 
     @property
     def rated_as(self) -> str:
-        """The remat whose measured stages give this one's compute rate
-        (framework/analysis/calibration.py): save_dots_gathered runs save_dots's
-        matmuls and kernels; what it saves is communication, which the planner counts."""
-        return "save_dots" if self.name == "save_dots_gathered" else self.name
+        """The remat under which framework/analysis/calibration.py looks up its rate."""
+        return self.measured_as or self.name
 
     @property
     def keeps_inputs_only(self) -> bool:
@@ -89,7 +91,8 @@ class Remat:
 
 REMATS = {"none": Remat("none", False, False, 2),
           "save_dots": Remat("save_dots", False, True, 2),
-          "save_dots_gathered": Remat("save_dots_gathered", False, True, 2, keeps_gathered=True),
+          "save_dots_gathered": Remat("save_dots_gathered", False, True, 2, keeps_gathered=True,
+                                      measured_as="save_dots"),
           "full": Remat("full", True, False, 3)}
 
 

@@ -2,8 +2,8 @@
 independent of depth), each layer under its remat policy (Chen et al. 2016's gradient
 checkpointing: `full` keeps each layer's input only; `save_dots` keeps the weight
 matmuls' outputs, `save_dots_gathered` their sequence-parallel inputs as gathered too),
-padding layers passed over (uneven stages), and the decode path with
-a KV cache per layer. The layer itself is `framework/model/llama.py`'s `Block`.
+padding layers passed over (uneven stages), and the decode path with a KV cache per
+layer. The layer itself is `framework/model/llama.py`'s `Block`.
 """
 
 from __future__ import annotations
