@@ -6,8 +6,9 @@ device or compiles anything: `tools/plan.py` is the command line.
 Step time (seconds), no overlap of computation and communication assumed, except for
 the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`) and the
 layers' tensor-parallel bytes under a collective matmul (`parallel.collective_matmul`):
-those are hidden behind the compute, up to its length (not the rings a `save_dots`
-recompute runs without their matmuls: `Remat.rings_alone`; none where a zero-bubble
+those are hidden behind the compute, up to its length (not the rings a recompute runs
+without their matmuls, `Remat.rings_alone`: a split backward's under `save_dots`, whose
+fused backward gathers again beside its weight gradients; none where a zero-bubble
 split backward records its weight ops' inputs, which runs no collective matmul:
 `Layout.records_weight_ops`).
 
@@ -158,7 +159,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         # of them where a split backward records the weight ops' inputs (no ring runs)
         bw = hw.bandwidth(TENSOR, parallel)
         alone = comm_model.recomputed_ring_share(model, parallel, lay.split_recomputes) \
-            if lay.remat.rings_alone else 0.0
+            if lay.remat.rings_alone(lay.split_recomputes) else 0.0
         rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
         hides = ring_hidden_share(model, tp, bw / hw.peak_flops) * (1 - alone)
         out["comm_tensor"] -= min(rings * hides, budget)

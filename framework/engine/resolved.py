@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh
 from framework import hardware
 from framework.config import ModelConfig, ParallelConfig
 from framework.model.flops import stage_flops_per_token
+from framework.model.stack import REGATHERING
 from framework.model.prefix import stack_layers
 from framework.parallel.data import gathers_per_use
 from framework.parallel.mesh import (CONTEXT, DATA, EXPERT, PIPE, TENSOR, batch_axes, degrees,
@@ -69,13 +70,16 @@ class Remat:
         gradients' matmuls again (f: a gathering ring under collective matmuls)."""
         return self.keeps_inputs_only and not self.keeps_gathered
 
-    @property
-    def rings_alone(self) -> bool:
+    def rings_alone(self, split: bool = False) -> bool:
         """A collective matmul's rings that the layer's recompute runs again have no
         matmul beside them: the policy keeps the matmuls' outputs, not their gathered
-        inputs (save_dots; the GPU compiler overlapped 81% of llama3_8b's tensor bytes
-        under it, 99% under full remat, 2026-11-30)."""
-        return self.regathers and not self.recompute_forward
+        inputs, and its backward does not gather them again itself beside the weight
+        gradients' matmuls (`stack.REGATHERING`, a fused backward's: save_dots since
+        2026-12-03; the GPU compiler overlapped 89% of llama3_8b's tensor bytes before,
+        99% after). `split`: a zero-bubble split backward's passes, which recompute
+        with the plain rings (`Layout.split_recomputes`)."""
+        return self.regathers and not self.recompute_forward and (
+            split or self.name not in REGATHERING)
 
     @property
     def rated_as(self) -> str:

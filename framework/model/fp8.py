@@ -258,16 +258,21 @@ def _gather_mm(eq, tp, x, w, bits, w_scale, given):
 def _gather_mm_fwd(eq, tp, x, w, bits, w_scale, given):
     x8, sx, w8, sw = _operands(x, w, (tp.whole_max, tp.weight_max), w_scale, given, bits)
     product = _scaled_dot(eq, sx * sw, x.dtype)
-    y, x8_all = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
-    return y, (x8_all, sx, _kept_weight(w, w8, w_scale, bits), sw, w_scale, given)
+    if tp.regather:  # the backward gathers x8's blocks again (`TensorParallel.regather`)
+        y, kept = tp.gather_ring(x8, w8, product), x8
+    else:  # it reads the blocks this ring passed: x8 gathered, [b, s, d]
+        y, kept = tp.gather_ring(x8, w8, lambda block, w8: (product(block, w8), block))
+    return y, (kept, sx, _kept_weight(w, w8, w_scale, bits), sw, w_scale, given)
 
 
 def _gather_mm_bwd(eq, tp, residuals, dy):  # dy [b, s, ...]
-    x8_all, sx, w8, sw, w_scale, given = residuals
+    x8, sx, w8, sw, w_scale, given = residuals
     dy8, sdy, w8 = *_gradient(dy, tp.whole_max, given), _e4m3(w8)
     for_x, for_w = _transposed(eq)
-    dx = tp.scatter_ring(dy8, w8, _scaled_dot(for_x, sdy * sw, dy.dtype))
-    dw = (_dot(for_w, x8_all, dy8) * (sx * sdy)).astype(dy.dtype)
+    for_dx = _scaled_dot(for_x, sdy * sw, dy.dtype)
+    dx, x8 = tp.gather_ring_grads(x8, w8, dy8, for_dx) if tp.regather else (
+        tp.scatter_ring(dy8, w8, for_dx), x8)  # (x8 gathered by the forward's ring)
+    dw = (_dot(for_w, x8, dy8) * (sx * sdy)).astype(dy.dtype)
     return (dx, dw, None) + _zeros(w_scale, given)
 
 

@@ -8,6 +8,7 @@ layer. The layer itself is `framework/model/llama.py`'s `Block`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,7 +36,8 @@ def _weight_dots(prim, *avals, **params) -> bool:
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
 
 
-_DOTS_NAMES = (fp8.PRODUCT, loss.GRADS, tensor.EXITED)  # saved beside the weight matmuls
+_DOTS_NAMES = (fp8.PRODUCT, loss.GRADS, tensor.EXITED,  # saved beside the weight matmuls
+               tensor.GATHERED_PRODUCT)
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
@@ -46,6 +48,11 @@ REMAT_POLICIES = {
         _weight_dots, jax.checkpoint_policies.save_only_these_names(
             *_DOTS_NAMES, tensor.GATHERED)),
 }
+
+# The policies that keep a gathering ring's products but not the blocks it passed: their
+# backward gathers the blocks again beside the weight gradient's matmuls
+# (`TensorParallel.regather`) rather than recompute the ring's sends alone.
+REGATHERING = ("save_dots",)
 
 
 def checkpointed(layer, remat: str, gather):
@@ -110,7 +117,7 @@ def apply_layers(cfg: ModelConfig, layers, x, stack: Stack = Stack(), n_real=Non
     over the layers instead of `scan_layers`'s `lax.scan` (`one(h, params, scanned_l)
     -> h'` is one layer, `one_layer`; the pipeline's stash writes each layer's residuals
     in place with it: `pipeline/stash.py`'s `scan_into`)."""
-    tp = stack.tp
+    tp = dataclasses.replace(stack.tp, regather=stack.remat in REGATHERING)
     fixed, windows = split_windows(layer_windows(cfg, jax.tree.leaves(layers)[0].shape[0],
                                                  first), x)
 

@@ -37,7 +37,11 @@ adds this device's product for one block to the sum passed in and passes it on, 
 after `tensor` steps each device holds the full sum of its own block. The same bytes as
 the all-gather and the reduce-scatter they replace, sent in `tensor - 1` pieces beside
 `tensor` matmuls of a block each; autodiff turns each ring into the other for the
-backward. The zero-bubble split backward's passes (which record or replay each weight
+backward. Under a remat policy that keeps the matmuls' outputs but not the blocks a
+gathering ring passed (`regather`: save_dots), the backward gathers them again itself
+in one ring with dx's partial sums, beside both gradients' block matmuls
+(`gather_ring_grads`), instead of a recompute that would send them with no matmul
+beside them. The zero-bubble split backward's passes (which record or replay each weight
 op's input and output whole) keep the plain collectives. On CPU devices the ring's
 shift is an all-gather and a pick (`permute=False`; why: `context.ring_shift`).
 
@@ -77,6 +81,10 @@ EXITED = "tensor_exit"
 # `gather_ring`), by name: `save_dots_gathered` saves it too, so the backward's
 # recompute does not gather the inputs of the weight gradients' matmuls again.
 GATHERED = "tensor_gathered"
+# A gathering ring's products in sequence order (`gather_matmul`'s output), by name: a
+# policy that keeps the weight matmuls' outputs keeps this too, so the backward's
+# recompute need not run the ring's steps again to put the kept products in order.
+GATHERED_PRODUCT = "tensor_gathered_product"
 # Pairs of logical axes that must be split together (attention's fused q/k/v weight
 # and its output projection).
 SPLIT_TOGETHER = (("heads", "kv_heads"),)
@@ -104,6 +112,11 @@ class TensorParallel:
     # The groups a step's batch is cut into for such statistics: data replicas x
     # microbatches (a per-group loss, MoE's load balance, is averaged over them).
     groups: int = 1
+    # A gathering ring's backward gathers x's blocks again beside the weight gradient's
+    # block matmuls (`_regathering`) instead of reading the blocks the forward passed:
+    # for a remat policy that keeps the matmuls' outputs but not the blocks, whose
+    # recompute would otherwise run the ring's sends again with no matmul beside them.
+    regather: bool = False
 
     def __post_init__(self):
         split = {name for name, mesh_axis in self.rules if mesh_axis == TENSOR}
@@ -198,12 +211,14 @@ class TensorParallel:
     def gather_matmul(self, eq: str, x, w):
         """einsum(eq, enter(x), w) as a ring (module docstring): x [b, s/tensor, d] ->
         y [b, s, ...]."""
-        return self.gather_ring(x, w, lambda block, w: jnp.einsum(eq, block, w))
+        if self.regather:
+            return checkpoint_name(_regathering(eq, self, x, w), GATHERED_PRODUCT)
+        return checkpoint_name(self.gather_ring(x, w, _einsum(eq)), GATHERED_PRODUCT)
 
     def matmul_scatter(self, eq: str, x, w):
         """exit(einsum(eq, x, w)) as a ring of partial sums: x [b, s, f] -> [b, s/tensor,
         d]."""
-        return self.scatter_ring(x, w, lambda block, w: jnp.einsum(eq, block, w))
+        return self.scatter_ring(x, w, _einsum(eq))
 
     def gather_ring(self, x, w, product):
         """product(block, w) of every sequence block of x, in sequence order: x [b,
@@ -235,6 +250,38 @@ class TensorParallel:
             total = arriving + part
         return checkpoint_name(total, EXITED)
 
+    def gather_ring_grads(self, x, w, dy, for_x, for_w=None):
+        """(dx, dw) of `gather_ring(x, w, product)` from dy [b, s, ...], having kept only
+        x [b, s/tensor, ...]: for_x(rows, w) and for_w(block, rows) are product's
+        transposes. One ring of `tensor` steps, both directions' bytes beside the
+        matmuls: step k sends on the x block it holds (device i + k's, arriving from i +
+        1) and dx's partial sum for block i + k (`scatter_ring`'s), while it adds its
+        weight gradient for the block it holds and its dx product for block i + k + 1.
+        Each of dy's blocks is sliced once for both of its matmuls. Without for_w:
+        (dx, x gathered [b, s, ...]), each block written in place as it passes, for one
+        weight gradient over the whole sequence after the ring (FP8's: its blocks'
+        float32 partial sums would cost more traffic than its E4M3 input gathered)."""
+        t, i = self.size, jax.lax.axis_index(self.axis)
+        n = x.shape[SEQ]
+        rows = lambda k: jax.lax.dynamic_slice_in_dim(dy, ((i + k) % t) * n, n, axis=SEQ)
+        own, held, total, dw, r_held, blocks = rows(0), x, None, None, None, []
+        for k in range(t):
+            r_held = own if k == 0 else r_held  # dy's rows of the block held (i + k)
+            r_next = own if k == t - 1 else rows(k + 1)
+            sends = (ring_shift(held, self.axis, t, -1, self.permute) if k < t - 1 else None,
+                     ring_shift(total, self.axis, t, -1, self.permute) if k else None)
+            if k:  # the step's matmuls wait for the sum they add to (`_product_after`'s
+                held, r_held, r_next, w, _ = jax.lax.optimization_barrier(  # reason)
+                    (held, r_held, r_next, w, total))
+            blocks.append(held)
+            parts = (for_x(r_next, w),) + (() if for_w is None else (for_w(held, r_held),))
+            sends, parts = jax.lax.optimization_barrier((sends, parts))
+            if for_w is not None:
+                dw = parts[1] if dw is None else dw + parts[1]
+            total = parts[0] if total is None else sends[1] + parts[0]
+            held, r_held = sends[0], r_next
+        return total, (_in_sequence(blocks, i, t, 1) if for_w is None else dw)
+
     def vocab_offset(self, local_size: int):
         """Index of this device's first vocabulary entry (vocabulary-parallel layers)."""
         return jax.lax.axis_index(self.axis) * local_size if self.splits("vocab") else 0
@@ -244,6 +291,33 @@ class TensorParallel:
 
     def vocab_max(self, x):
         return jax.lax.pmax(x, self.axis) if self.splits("vocab") else x
+
+
+def _einsum(eq: str):
+    return lambda block, w: jnp.einsum(eq, block, w)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _regathering(eq: str, tp: TensorParallel, x, w):
+    """tp.gather_ring(x, w, einsum(eq)), whose backward keeps only x (`regather`): dx is a
+    ring of partial sums of dy's blocks times w, dw the sum of each block's weight
+    gradient as x's blocks travel the ring again: one ring (`gather_ring_grads`)."""
+    return tp.gather_ring(x, w, _einsum(eq))
+
+
+def _regathering_forward(eq, tp, x, w):
+    return _regathering(eq, tp, x, w), (x, w)
+
+
+def _regathering_backward(eq, tp, inputs, dy):  # dy [b, s, ...]
+    x, w = inputs
+    for_x = lambda rows, w: jax.linear_transpose(lambda b: _einsum(eq)(b, w), x)(rows)[0]
+    for_w = lambda block, rows: jax.linear_transpose(
+        lambda v: _einsum(eq)(block, v), w)(rows)[0]
+    return tp.gather_ring_grads(x, w, dy, for_x, for_w)
+
+
+_regathering.defvjp(_regathering_forward, _regathering_backward)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -283,9 +357,9 @@ def _beside(sent, matmul):
     return jax.lax.optimization_barrier((sent, matmul()))
 
 
-def _in_sequence(blocks, i, t: int):
+def _in_sequence(blocks, i, t: int, step: int = -1):
     """A ring's products in sequence order: blocks[k] [b, s/t, ...] is sequence block
-    (i - k) mod t of [b, s, ...], each written in place at its offset. (Stacking them
+    (i + step * k) mod t of [b, s, ...], each written in place at its offset. (Stacking them
     and indexing the stack by that order was a gather, whose transpose in the backward
     scatter-added every layer's output gradient into a zeroed stack: llama3_8b's
     gate_up, 333 GiB a step of the GPU program's traffic; here the backward slices the
@@ -295,5 +369,6 @@ def _in_sequence(blocks, i, t: int):
     shape = first.shape[:SEQ] + (t * n,) + first.shape[SEQ + 1:]
     out = vma.like(jnp.zeros(shape, first.dtype), first)
     for k, block in enumerate(blocks):
-        out = jax.lax.dynamic_update_slice_in_dim(out, block, ((i - k) % t) * n, axis=SEQ)
+        out = jax.lax.dynamic_update_slice_in_dim(out, block, ((i + step * k) % t) * n,
+                                                  axis=SEQ)
     return out

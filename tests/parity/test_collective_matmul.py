@@ -26,6 +26,7 @@ def ref():
                       remat="save_dots"), marks=pytest.mark.slow),
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
          remat="save_dots_gathered"),  # the gathered blocks kept for the backward
+    dict(pipeline=1, data=2, tensor=4, microbatches=2, remat="save_dots"),  # gathered again
     pytest.param(dict(pipeline=1, data=2, tensor=4, microbatches=2, remat="save_dots_gathered",
                       collective_matmul=False), marks=pytest.mark.slow),  # f's all-gather's
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))

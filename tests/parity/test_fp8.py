@@ -48,6 +48,10 @@ LAYOUTS = [
     pytest.param(dict(pipeline=1, data=1, tensor=2, microbatches=2, sequence_parallel=True,
                       collective_matmul=True), marks=pytest.mark.slow),  # (12 s: the fast
     # tier <= 5 min; it keeps the once-a-step gathers below)
+    # ... under save_dots, whose backward gathers the E4M3 blocks again in one ring with
+    # dx's partial sums (`TensorParallel.gather_ring_grads`)
+    dict(pipeline=1, data=2, tensor=2, microbatches=2, sequence_parallel=True,
+         collective_matmul=True, remat="save_dots"),
     pytest.param(dict(pipeline=2, data=2, tensor=2, microbatches=2, schedule="1f1b",
                       sequence_parallel=True, collective_matmul=True, fsdp=True,
                       level1=True),
