@@ -176,7 +176,8 @@ def test_llama3_70b_on_64_h100s_1f1b_at_the_closed_form_bubble():
                          "parallel.tensor=8", "parallel.microbatches=16",
                          "parallel.schedule=1f1b", "parallel.virtual_stages=1",
                          "parallel.overlap_sends=false", "parallel.sequence_parallel=false",
-                         "parallel.collective_matmul=false", config="compile")
+                         "parallel.collective_matmul=false", "parallel.remat=full",
+                         config="compile")
     lay = resolved(cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.global_batch_size)
     assert lay.backward_parts == 3
     assert lay.program.schedule.bubble_fraction == pytest.approx(3 / 19)
@@ -190,21 +191,22 @@ def _70b(*overrides: str) -> dict:
 @pytest.mark.slow
 def test_llama3_70b_ships_with_its_sends_and_tensor_bytes_beside_matmuls():
     """The 70B recipe as shipped (pipeline 8 x data 2 x tensor 4, interleaved 1F1B over
-    5 chunks, overlapped sends, sequence parallelism with collective matmuls): every
-    stage-to-stage send runs beside a cell's matmuls and costs no more than 5% over
-    the same program sending synchronously; the collective matmul puts most tensor
+    5 chunks, overlapped sends, sequence parallelism with collective matmuls,
+    save_dots): every stage-to-stage send runs beside a cell's matmuls and costs no
+    more than 7% of memory over the same program sending synchronously (2026-12-03:
+    49.05 against 46.57 GiB, 5.3%; under full remat, as shipped until then, within 5%); the collective matmul puts most tensor
     bytes beside the layers' matmuls, where sequence parallelism's plain all-gathers
-    and reduce-scatters have none (framework/analysis/overlap.py's rule)."""
+    and reduce-scatters have few (framework/analysis/overlap.py's rule)."""
     shipped = _70b()
     assert shipped["fits"] and shipped["sends"] == "overlapped"
     assert shipped["comm/overlapped_fraction/pipe_sends"] >= 0.9
     sync = _70b("parallel.overlap_sends=false")
     assert sync["comm/overlapped_fraction/pipe_sends"] == 0
     assert (shipped["memory/compiled_bytes_per_device"]
-            <= 1.05 * sync["memory/compiled_bytes_per_device"])
+            <= 1.07 * sync["memory/compiled_bytes_per_device"])
     plain = _70b("parallel.collective_matmul=false")
     assert shipped["comm/overlapped_fraction/tensor"] >= 0.9  # 2026-11-26: 1.0
-    assert plain["comm/overlapped_fraction/tensor"] <= 0.3
+    assert plain["comm/overlapped_fraction/tensor"] <= 0.5  # 0.40 (save_dots), 0.3 full
 
 
 @pytest.mark.slow
