@@ -49,12 +49,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from framework.config import CHOICES, ModelConfig, not_one_of
 from framework.errors import ConfigError
-from framework.model.blockwise import (PLAIN, Blocks, Mask, ScoreForm, blockwise_attention,
+from framework.model.blockwise import (ATTENDED, PLAIN, Blocks, Mask, ScoreForm, blockwise_attention,
                                        zeros_varying_like)
 from framework.model.documents import visible
+from framework.model.fused_pieces import CAUSAL, CUDNN, REFERENCE, FusedPiece
 
 IMPLEMENTATIONS = CHOICES["model.attention"]
 # Up to this many keys `auto` picks dense on CPU/TPU (and on GPUs without cuDNN support).
@@ -215,6 +217,9 @@ def cudnn_attention(q, k, v, *, mask: Mask = Mask(), scale: float | None = None,
     aligned = (isinstance(mask.q_offset, int) and isinstance(mask.kv_offset, int)
                and mask.q_offset == mask.kv_offset and s == k.shape[1]
                and (window is None or isinstance(window, int)))
+    if aligned and window is None and mask.segments is None:  # plain causal: `_attended`
+        kernel = CUDNN if implementation == "cudnn" else REFERENCE
+        return _attended(FusedPiece(kernel, CAUSAL, scale or hd ** -0.5), q, k, v)
     if aligned:
         seen = None if mask.segments is None else visible(*mask.segments)[:, None]
     else:
@@ -262,6 +267,29 @@ def _fused_bwd(fused, residuals, d_out):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attended(piece: FusedPiece, q, k, v):
+    """Causal fused attention whose backward is cuDNN's backward kernel on the forward's
+    own output and log-sum-exp (JAX's VJP of the same call, its residuals ours: the
+    cuDNN calls of framework/model/fused_pieces.py), named `ATTENDED` so `save_dots`
+    keeps them: its backward then runs no attention forward at all, where `_fused`'s
+    runs one before the kernel and the recompute another. q [b, s, g, r, hd]."""
+    return _attended_fwd(piece, q, k, v)[0]
+
+
+def _attended_fwd(piece, q, k, v):
+    out, lse = (checkpoint_name(x, ATTENDED) for x in piece.forward(q, k, v))
+    return out, (q, k, v, out, lse)
+
+
+def _attended_bwd(piece, residuals, d_out):
+    q, k, v, out, lse = residuals
+    return piece.grads(q, k, v, (out, lse), d_out)
+
+
+_attended.defvjp(_attended_fwd, _attended_bwd)
 
 
 def kernel_for(model: ModelConfig, kv_len: int, platform: str) -> str:

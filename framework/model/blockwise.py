@@ -24,8 +24,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from framework.model.documents import visible
+
+# An attention kernel's output and log-sum-exp, the residuals of its backward, by name
+# (the blockwise, fused and ring kernels' custom VJPs): `save_dots` keeps them, so the
+# backward runs no forward of the attention again (framework/model/stack.py).
+ATTENDED = "attention_attended"
 
 
 @dataclass(frozen=True)
@@ -234,7 +240,7 @@ def _flash_forward(kernel: _Kernel, q, k, v, mask: Mask):
 
 
 def _flash_fwd(kernel: _Kernel, q, k, v, mask: Mask):
-    out, lse = _flash_forward(kernel, q, k, v, mask)
+    out, lse = (checkpoint_name(x, ATTENDED) for x in _flash_forward(kernel, q, k, v, mask))
     return out, (q, k, v, out, lse, mask)
 
 

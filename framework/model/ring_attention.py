@@ -35,8 +35,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from framework.model.blockwise import (PLAIN, Blocks, Mask, ScoreForm, flash_piece,
+from framework.model.blockwise import (ATTENDED, PLAIN, Blocks, Mask, ScoreForm, flash_piece,
                                        flash_piece_grads)
 from framework.model.fused_pieces import CAUSAL, CUDNN, FULL, FusedKernel, FusedPiece
 
@@ -178,7 +179,8 @@ def _ring_forward(cp, how, q, k, v, segments=None, window=None):
 
 
 def _ring_fwd(cp, how, q, k, v, segments=None, window=None):
-    out, lse = _ring_forward(cp, how, q, k, v, segments, window)
+    out, lse = (checkpoint_name(x, ATTENDED)
+                for x in _ring_forward(cp, how, q, k, v, segments, window))
     return out, (q, k, v, out, lse, segments, window)
 
 

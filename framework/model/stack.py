@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from framework.config import ModelConfig
 from framework.model import fp8, loss
+from framework.model.blockwise import ATTENDED
 from framework.model.documents import Documents
 from framework.model.layers import NO_TP, layer_windows, split_windows
 from framework.model.llama import Block, KVCache
@@ -37,7 +38,7 @@ def _weight_dots(prim, *avals, **params) -> bool:
 
 
 _DOTS_NAMES = (fp8.PRODUCT, loss.GRADS, tensor.EXITED,  # saved beside the weight matmuls
-               tensor.GATHERED_PRODUCT)
+               tensor.GATHERED_PRODUCT, ATTENDED)
 REMAT_POLICIES = {
     "full": None,  # save only each layer's input; recompute the rest in the backward
     "save_dots": jax.checkpoint_policies.save_from_both_policies(  # keep weight matmuls
