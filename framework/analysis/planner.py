@@ -7,10 +7,8 @@ Step time (seconds), no overlap of computation and communication assumed, except
 the pipeline's stage-to-stage sends when they overlap (`parallel.overlap_sends`) and the
 layers' tensor-parallel bytes under a collective matmul (`parallel.collective_matmul`):
 those are hidden behind the compute, up to its length (not the rings a recompute runs
-without their matmuls, `Remat.rings_alone`: a split backward's under `save_dots`, whose
-fused backward gathers again beside its weight gradients; none where a zero-bubble
-split backward records its weight ops' inputs, which runs no collective matmul:
-`Layout.records_weight_ops`).
+without their matmuls, `Remat.rings_alone`; none where a split backward records its
+weight ops' inputs and runs no collective matmul: `Layout.records_weight_ops`).
 
   compute    model FLOPs (PaLM 6N + attention, `framework/analysis/flops.py`) plus the forward
              that remat recomputes, at the given peak FLOP/s, split over data x tensor:
@@ -103,12 +101,11 @@ def _comm_bytes(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
 
 def ring_hidden_share(model: ModelConfig, tp: int, bytes_per_flop: float) -> float:
     """The share of a layer's collective-matmul transfers its matmuls can hide
-    (framework/parallel/tensor.py): each ring step sends a block of rows x d_model
-    while multiplying that block by this device's share of a weight, k columns (q/k/v,
-    gate/up) or k rows (attention output, down projection): matmul / transfer =
-    2 k / (bytes per element) x (link bytes/s) / (peak FLOP/s); a step whose matmul is
-    shorter hides that ratio of its transfer. The mean over the four weight ops (their
-    rings carry equal bytes). H100 (450 GB/s NVLink, 989 TFLOP/s): k >= 2,198 hides all."""
+    (framework/parallel/tensor.py): a ring step sends rows x d_model while multiplying
+    them by this device's k columns (q/k/v, gate/up) or rows (output, down) of a weight:
+    matmul / transfer = 2 k / (bytes per element) x (link bytes/s) / (peak FLOP/s), a
+    shorter matmul hiding that ratio; the mean over the four weight ops (equal bytes).
+    H100 (450 GB/s NVLink, 989 TFLOP/s): k >= 2,198 hides all."""
     itemsize = np.dtype(model.dtype).itemsize
     qkv = (model.n_heads + 2 * model.n_kv_heads) * model.head_dim
     ks = (qkv / tp, model.n_heads * model.head_dim / tp, 2 * model.d_ff / tp,
@@ -126,11 +123,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     sched = lay.program.schedule
     tokens = train.global_batch_size * train.seq_len
     rows = executed_rows(model, train.seq_len, hardware.expands_ragged_dot(hw.platform))
-    layers, head = hardware_flops_per_token(model, train.seq_len, lay.remat.recompute_forward,
-                                            lay.remat.recompute_attention, sched.split_backward,
-                                            rows)
-    # Lockstep ticks last as long as the slowest global stage's layers; the last stage's
-    # head adds what the slack of its fewer layers (uneven stages) does not absorb.
+    layers, head = _hardware_flops(model, lay, train.seq_len, hw, rows)
+    # ticks last as long as the slowest stage's layers, plus the head beyond its slack
     layers *= fp8_slowdown(model, train.seq_len, hw)
     unit_share, dense_share = layer_shares(model, train.seq_len, rows)  # (prefix.py's units)
     cost = [n * layers * unit_share for n in lay.stage_layer_counts]
@@ -153,10 +147,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         out["comm_pipe"] -= min(sends, budget)
         budget -= min(sends, budget)
     if parallel.collective_matmul and lay.sequence_parallel and not lay.records_weight_ops:
-        # the layers' rings run beside their blocks' matmuls: hidden where a block's
-        # matmul outlasts the block's transfer, up to the compute left; the rings a
-        # recompute runs without its matmuls (`Remat.rings_alone`) stay exposed, and all
-        # of them where a split backward records the weight ops' inputs (no ring runs)
+        # the rings hide where a block's matmul outlasts its transfer, up to the compute
+        # left; not those a recompute runs alone (`Remat.rings_alone`)
         bw = hw.bandwidth(TENSOR, parallel)
         alone = comm_model.recomputed_ring_share(model, parallel, lay.split_recomputes) \
             if lay.remat.rings_alone(lay.split_recomputes) else 0.0
@@ -177,14 +169,22 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     return out
 
 
+def _hardware_flops(model: ModelConfig, lay, seq_len: int, hw: Hardware, rows: float):
+    """(the layers', the head's) hardware FLOPs per token. Of the attention a fused
+    backward recomputes only the dense kernel's scores (the others' output and
+    log-sum-exp are kept, `blockwise.ATTENDED`); a split backward's passes run it again."""
+    sched = lay.program.schedule
+    again = kernel_for(model, seq_len, hw.platform or "gpu") == "dense" or sched.split_backward
+    return hardware_flops_per_token(model, seq_len, lay.remat.recompute_forward,
+                                    lay.remat.recompute_attention and again,
+                                    sched.split_backward, rows)
+
+
 def _combined_hidden(out: dict, lay, budget: float) -> None:
-    """`parallel.combined_1f1b`: the expert exchange of the combined cells
-    (`Program.fused_share` of them) runs beside the other microbatch's matmuls, hidden
-    up to the compute left (the GPU compiler put a matmul beside every all-to-all of
-    Mixtral's combined cells: docs/parallelism.md); the warm-up and cool-down cells, not
-    combined, stay exposed. Tensor parallelism's bytes are left exposed, as without
-    combining (the compiler overlapped 74% of Qwen3-30B-A3B's tensor bytes, combined,
-    40% without: not yet measured per cell)."""
+    """`parallel.combined_1f1b`: the combined cells' expert exchange (`Program.fused_share`)
+    runs beside the other microbatch's matmuls, hidden up to the compute left (the GPU
+    compiler put a matmul beside every all-to-all of Mixtral's: docs/parallelism.md);
+    the warm-up and cool-down cells' stays exposed, and tensor bytes as without."""
     hidden = min(out.get("comm_expert", 0.0) * lay.program.fused_share, budget)
     if hidden > 0:
         out["comm_expert"] -= hidden

@@ -48,15 +48,18 @@ class Remat:
     the policy). `backward_in_f`: a fused backward's cost in forwards, rounded to the
     whole cells a BW is cut into with synchronous sends (`Layout.backward_parts`): 2
     (input and weight gradients: each a forward's matmuls, Narayanan et al. 2021), 3
-    under full remat (the forward first). save_dots also recomputes the attention
-    scores and weighted values (batched dots, not saved), a small share of a forward:
-    rounded away in the cell count, charged by the planner (`framework/model/flops.py`).
+    under full remat (the forward first). save_dots also recomputes the dense kernel's
+    attention scores and weighted values (batched dots, not saved), a small share of a
+    forward: rounded away in the cell count, charged by the planner
+    (`framework/model/flops.py`); the fused, blockwise and ring kernels' output is kept.
     save_dots_gathered keeps f's gathered sequence too (sequence parallelism): its
     recompute gathers nothing again."""
 
     name: str
     recompute_forward: bool  # the whole layer forward again before its backward
-    recompute_attention: bool  # the attention's batched dots again (save_dots)
+    # the attention's batched dots again (save_dots): in a fused backward only the dense
+    # kernel's; the others' output and log-sum-exp are kept (`blockwise.ATTENDED`)
+    recompute_attention: bool
     backward_in_f: int
     keeps_gathered: bool = False  # f's gathered sequence (`tensor.GATHERED`)
     # the remat whose measured stages give this one's compute rate (`rated_as`), if not

@@ -50,7 +50,7 @@ def test_the_expert_rows_the_gpu_compiler_runs_are_the_planners(overrides, rows)
 
 @pytest.mark.parametrize("recipe,target,ratio,hidden,axis", [
     ("qwen3_30b_a3b", "gpu:h100x8", 0.10, 0.9, 0.8),
-    ("mixtral_8x7b", "gpu:h100x16", 0.10, 0.9, 0.7)])
+    ("mixtral_8x7b", "gpu:h100x16", 0.10, 0.85, 0.7)])
 def test_the_moe_recipes_fit_their_nodes_on_the_gpu_compiler(recipe, target, ratio, hidden,
                                                             axis):
     """The two MoE recipes (each the verified planner's pick, recipes/*.yaml) compile and
@@ -61,7 +61,9 @@ def test_the_moe_recipes_fit_their_nodes_on_the_gpu_compiler(recipe, target, rat
     `expert` axis's bytes (the exchange in 4 parts with combined cells: Qwen3 94% and
     83%, Mixtral 95% and 74%, whose axis also carries FSDP's per-microbatch gathers; in
     one part 75% / 68% and 87.5% / 70%: every all-to-all of a combined cell, none of
-    the warm-up and cool-down cells'; 67% and 50% of the exchange in separate cells)."""
+    the warm-up and cool-down cells'; 67% and 50% of the exchange in separate cells).
+    Mixtral's exchange 90% and 71% since 2026-12-03: cuDNN's backward no longer runs an
+    attention forward first, which some all-to-alls had run beside."""
     cfg = compose_recipe(recipe, f"target={target}", config="compile")
     report = program.compile_report(cfg, targets.parse(cfg.target))
     assert report["fits"]
