@@ -151,7 +151,7 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         # left; not those a recompute runs alone (`Remat.rings_alone`)
         bw = hw.bandwidth(TENSOR, parallel)
         alone = comm_model.recomputed_ring_share(model, parallel, lay.split_recomputes) \
-            if lay.remat.rings_alone(lay.split_recomputes) else 0.0
+            if lay.remat.rings_alone else 0.0
         rings = comm_model.layer_tensor_bytes(model, parallel, train) / bw
         hides = ring_hidden_share(model, tp, bw / hw.peak_flops) * (1 - alone)
         out["comm_tensor"] -= min(rings * hides, budget)

@@ -105,7 +105,9 @@ def test_a_split_backward_that_records_its_inputs_hides_no_ring():
     none (`Layout.records_weight_ops`; the GPU compiler overlapped 0% of llama3_8b's
     tensor bytes under ZB-V): the planner left them hidden and ranked ZB-V without
     remat (1.806 s) ahead of the 8B recipe's 1F1B (1.826 s). Under remat its W runs the
-    backward's rings again (`Layout.split_recomputes`), which are counted and hidden."""
+    backward's rings again (`Layout.split_recomputes`), which are counted and hidden as
+    a fused backward's are (the same layers: the GPU compiler overlapped 99% of the 8B
+    recipe's tensor bytes under ZB-V and ZB-H1 with save_dots, 2026-12-03)."""
     hw = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
     base = dict(pipeline=2, tensor=2, microbatches=4, sequence_parallel=True)
     par = lambda **kw: ParallelConfig(**base, **kw)
@@ -119,7 +121,9 @@ def test_a_split_backward_that_records_its_inputs_hides_no_ring():
         assert fused == pytest.approx(plain) if schedule == "zb_v" else fused < 0.9 * plain
     split = tensor(schedule="zb_v", remat="save_dots")  # B's and W's rings: 7 units of 5
     assert split == pytest.approx(7 / 5 * tensor(schedule="1f1b", remat="save_dots"), rel=0.05)
-    assert t(schedule="zb_v", remat="save_dots", collective_matmul=True)["comm_tensor"] < split
+    exposed = lambda schedule: t(schedule=schedule, remat="save_dots", collective_matmul=True)[
+        "comm_tensor"] / tensor(schedule=schedule, remat="save_dots")
+    assert 0 < exposed("zb_v") <= exposed("1f1b") < 0.1  # (1/7 of them alone: 0.17)
 
 
 def test_keeping_the_gathered_inputs_saves_the_recompute_its_rings():
@@ -137,8 +141,7 @@ def test_keeping_the_gathered_inputs_saves_the_recompute_its_rings():
         MODEL, ParallelConfig(**base, remat=remat), TRAIN)["tensor"]
     assert tensor("save_dots_gathered") == pytest.approx(tensor("none"))
     assert tensor("save_dots_gathered") == pytest.approx(4 / 5 * tensor("save_dots"), rel=0.05)
-    assert not REMATS["save_dots_gathered"].rings_alone() and not REMATS["save_dots"].rings_alone()
-    assert REMATS["save_dots"].rings_alone(split=True)  # a split backward's passes
+    assert not REMATS["save_dots_gathered"].rings_alone and not REMATS["save_dots"].rings_alone
     kept, dots = t("save_dots_gathered"), t("save_dots")
     assert kept["rate"] == dots["rate"] and kept["compute"] == dots["compute"]
     assert kept["comm_tensor"] < dots["comm_tensor"]

@@ -110,8 +110,6 @@ def test_fsdp_per_use_saves_the_chunked_losss_gradients_not_each_chunks_product(
     in the backward until 2026-12-02 (qwen3_30b_a3b at 8 layers, FP8 delayed, on
     gpu:h100x8: 18.77 -> 17.40 GiB compiled, 12% fewer bytes read and written). Read
     from the lowered step (StableHLO)."""
-    import re
-
     from tests.helpers import TRAIN
 
     model = dataclasses.replace(MODEL, loss_chunk=16)
