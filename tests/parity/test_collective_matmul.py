@@ -24,6 +24,8 @@ def ref():
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline=2, data=1, tensor=2, microbatches=4, schedule="zb_h1",
                       remat="save_dots"), marks=pytest.mark.slow),
+    # a split backward's B and W under save_dots: the stack's regathering rings (6 s)
+    dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="zb_v", remat="save_dots"),
     dict(pipeline=2, data=2, tensor=2, microbatches=4, schedule="1f1b",
          remat="save_dots_gathered"),  # the gathered blocks kept for the backward
     dict(pipeline=1, data=2, tensor=4, microbatches=2, remat="save_dots"),  # gathered again
