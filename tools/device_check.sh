@@ -118,8 +118,10 @@ LIMIT[mock_8b_gathered]=65; CMD[mock_8b_gathered]="$MOCK recipe=llama3_8b \
 # --verify target=gpu:h100x8, 2026-12-03): pp2-dp2-tp2, interleaved over 8 chunks a
 # rank, 16 microbatches of 1 x 4096, ZeRO-1: predicted 1519 ms a step against the
 # recipe's 1715 (pp2-tp4 1F1B: its bubble 11.1% against 0.8%), 35.3 GiB compiled per
-# H100. Its chunks are 2 layers: whether their cells run at the measured stages' rate
-# is what this row says, against mock_8b's 1F1B row (MFU: model FLOPs per device).
+# H100. Its chunks are 2 layers and its kernels move 42% more bytes a step (per-microbatch
+# float32 gradient accumulation, per-tick slices): whether its cells run at the measured
+# stages' rate is what this row says, against mock_8b's 1F1B row (MFU: model FLOPs per
+# device).
 LIMIT[mock_8b_planned]=85; CMD[mock_8b_planned]="$MOCK recipe=llama3_8b parallel.data=2 \
   parallel.tensor=2 parallel.microbatches=16 --schedules interleaved_1f1b:8 --stage last --steps 2"
 # Part 1, the most important first: the fused ring's numbers (the shipped 128k recipe's

@@ -26,7 +26,12 @@ and the idle ranks' pass-through 1 - w (`hlo.Program.runs`; since 2026-12-02, wh
 reads and writes per step (a fusion's inputs and outputs, a library call's operands
 and result, a collective's), with a fused parameter that is only sliced read as its
 slices and a buffer updated in place written as its update; the measure of a change
-that moves no FLOP (docs/performance.md, "Weights made once a step").
+that moves no FLOP (docs/performance.md, "Weights made once a step"). A buffer both
+sliced and updated in place by one kernel (a gradient accumulator's chunk read, added
+to and written back: `a.at[chunk].add(u)`) reads its slices and writes its update, and
+a scatter in place (the embedding's gradient into its table) reads and writes the
+rows it updates (its updates' bytes), not the buffer: until 2026-12-03 both counted
+the whole buffer, read and written (docs/performance.md, "What the traffic counts").
 """
 
 from __future__ import annotations
@@ -131,11 +136,26 @@ def _fusion_bytes(program: hlo.Program, comp: str) -> int:
         if instr.opcode != "parameter":
             continue
         at = _uses(uses, instr.name)
-        if at and all(u.opcode == "dynamic-slice" and k == 0 for u, k in at):
-            read += sum(type_bytes(u.result) for u, _ in at)
-        elif not (at and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in at)):
+        if at and all(k == 0 and u.opcode in _IN_PLACE for u, k in at):
+            read += sum(type_bytes(u.result) if u.opcode == "dynamic-slice" else
+                        _scattered(instrs, u) if u.opcode == "scatter" else 0 for u, _ in at)
+        else:
             read += type_bytes(instr.result)
     return read + sum(_written(instrs, name) for name in hlo.outputs(instrs))
+
+
+# What a fused kernel does to a buffer in place (its operand 0): reads a slice, writes
+# an update, or scatters updates into it (reading and writing the rows they touch)
+_IN_PLACE = ("dynamic-slice", "dynamic-update-slice", "scatter")
+
+
+def _scattered(instrs: dict, scatter: hlo.Instruction) -> int:
+    """Bytes of a scatter's updates (one operand, its indices, its updates), the rows of
+    the buffer it reads and writes in place; a variadic scatter: its whole result."""
+    args = hlo.operands(scatter)
+    if len(args) != 3 or args[2] not in instrs:
+        return type_bytes(scatter.result)
+    return type_bytes(instrs[args[2]].result)
 
 
 def _uses(uses: dict, name: str) -> list:
@@ -155,4 +175,13 @@ def _written(instrs: dict, name: str) -> int:
     if instr.opcode == "dynamic-update-slice":
         update = hlo.operands(instr)[1]
         return type_bytes(instrs[update].result) if update in instrs else 0
+    if instr.opcode == "scatter" and _is_parameter(instrs, hlo.operands(instr)[0]):
+        return _scattered(instrs, instr)  # (into a buffer of its own: written whole)
     return type_bytes(instrs[name].result)
+
+
+def _is_parameter(instrs: dict, name: str) -> bool:
+    """Whether `name` is a fused computation's parameter (through bitcasts)."""
+    while name in instrs and instrs[name].opcode == "bitcast":
+        name = hlo.operands(instrs[name])[0]
+    return name in instrs and instrs[name].opcode == "parameter"

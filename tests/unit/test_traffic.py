@@ -244,3 +244,55 @@ def test_a_pipeline_conditional_under_autodiff_is_weighed_as_its_scope():
                                   for c in program.reachable([branch]))}
     # lax.cond's branches are (false, true): the work 3 of 10 ticks, the idle branch 7
     assert [[runs(b) for b in cond.branches] for cond in conds] == [[{7.0}, {3.0}]] * 2
+
+
+ACCUMULATE = """HloModule jit_step
+
+%fused_accumulate (p0: f32[8,64], p1: f32[1,64], p2: s32[]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = f32[1,64]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %s = f32[1,64]{1,0} dynamic-slice(%p0, %p2, %p2), dynamic_slice_sizes={1,64}
+  %a = f32[1,64]{1,0} add(%s, %p1)
+  ROOT %u = f32[8,64]{1,0} dynamic-update-slice(%p0, %a, %p2, %p2)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}
+
+%fused_scatter (q0: f32[8,64], q1: s32[2,1], q2: f32[2,64]) -> f32[8,64] {
+  %q0 = f32[8,64]{1,0} parameter(0)
+  %q1 = s32[2,1]{1,0} parameter(1)
+  %q2 = f32[2,64]{1,0} parameter(2)
+  ROOT %r = f32[8,64]{1,0} scatter(%q0, %q1, %q2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (a: f32[8,64], u: f32[1,64], i: s32[], j: s32[2,1], r: f32[2,64]) -> f32[8,64] {
+  %a = f32[8,64]{1,0} parameter(0)
+  %u = f32[1,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %j = s32[2,1]{1,0} parameter(3)
+  %r = f32[2,64]{1,0} parameter(4)
+  %acc = f32[8,64]{1,0} fusion(%a, %u, %i), kind=kLoop, calls=%fused_accumulate
+  ROOT %emb = f32[8,64]{1,0} fusion(%acc, %j, %r), kind=kInput, calls=%fused_scatter
+}
+"""
+
+
+def test_an_accumulation_in_place_reads_and_writes_its_rows_not_the_buffer():
+    """`a.at[chunk].add(u)` in one kernel (the buffer sliced, added to and updated in
+    place: a gradient accumulator's chunk, interleaved 1F1B's [v, Lc, ...] stacks) reads
+    the slice and the addend and writes the slice; a scatter-add in place (the
+    embedding's gradient) reads its indices and updates, and reads and writes the rows
+    they touch. Until 2026-12-03 both counted the whole buffer read and written:
+    llama3_8b at pp2-dp2-tp2 interleaved over 8 chunks, 1,402 of its 4,156 GiB a step."""
+    row = 64 * 4
+    accumulate = row + row + 4 + row  # slice read, addend read, index, update written
+    scatter = 2 * 4 + 2 * row + 2 * row + 2 * row  # indices, updates, rows read, written
+    assert traffic.accessed_bytes(ACCUMULATE) == accumulate + scatter
+    whole = ACCUMULATE.replace("ROOT %u = f32[8,64]{1,0} dynamic-update-slice(%p0, %a, %p2, %p2)",
+                               "ROOT %u = f32[8,64]{1,0} add(%p0, %p0)")
+    assert traffic.accessed_bytes(whole) == (8 * row + row + 4 + 8 * row) + scatter
