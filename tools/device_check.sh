@@ -124,15 +124,23 @@ LIMIT[mock_8b_gathered]=65; CMD[mock_8b_gathered]="$MOCK recipe=llama3_8b \
 # device).
 LIMIT[mock_8b_planned]=85; CMD[mock_8b_planned]="$MOCK recipe=llama3_8b parallel.data=2 \
   parallel.tensor=2 parallel.microbatches=16 --schedules interleaved_1f1b:8 --stage last --steps 2"
+# The one-GPU bench with XLA's dynamic-slice fusion on: a cuBLAS GEMM may then write its
+# output straight into the layer scan's residual stack, where the program copies it
+# there now (gate_up and the gated product: 42 of its 535 GiB a step read and written,
+# the GPU compiler's count, whose deviceless GEMMs are Triton fusions the flag leaves
+# alone, 2026-12-03). Against bench's row: about 2% of the step at most.
+LIMIT[bench_dsf]=90; CMD[bench_dsf]="XLA_FLAGS='--xla_gpu_enable_dynamic_slice_fusion=true' \
+  $BENCH recipe=llama_1b_1gpu devices.platform=gpu --no-defaults --pairs 4 --rounds 2 --attention ''"
 # Part 1, the most important first: the fused ring's numbers (the shipped 128k recipe's
 # correctness), the changed 8B stage, the one-GPU levers, FP8's speed-up (500 s of limits).
-# Part 2: the 128k stage with either ring, the 1B stages (540 s). Part 3: the rest (580 s
-# of limits: the FP8 statistics' row last, skipped if the others take theirs;
+# Part 2: the 128k stage with either ring, the 1B stages (540 s). Part 3: the rest (670 s
+# of limits: the FP8 statistics' and the dynamic-slice fusion's rows last, skipped if
+# the others take theirs;
 # mock_8b_gathered by STEPS= only: save_dots_gathered is dominated since save_dots
 # gathers again beside its matmuls).
 PART1=ring_pieces,mock_8b,bench_dots28,mock_8b_fp8,mock_8b_fp8_delayed
 PART2=mock_128k,mock_128k_blockwise,mock_1b,mock_1b_none
-PART3=bench,bench_fp8,mock_1b_full,mock_8b_full,mock_8b_planned,mock_moe,mock_8b_fp8_nostats
+PART3=bench,bench_fp8,mock_1b_full,mock_8b_full,mock_8b_planned,mock_moe,mock_8b_fp8_nostats,bench_dsf
 ONLY=mock_8b_gathered  # by STEPS= only
 case "${PART:-1}" in 1) DEFAULT=$PART1 ;; 2) DEFAULT=$PART2 ;; 3) DEFAULT=$PART3 ;;
   *) echo "PART=${PART}: 1, 2 or 3"; exit 2 ;; esac
