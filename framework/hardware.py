@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework.units import GB, GIB
+from framework.units import GB, GIB, TB
 
 # Of a device's memory, the share XLA's buffers may fill: the runtime sets the GPU
 # allocator's XLA_PYTHON_CLIENT_MEM_FRACTION to it, the planner fits layouts into it.
@@ -30,10 +30,16 @@ class Accelerator:
     link_bytes: float = 450 * GB  # in-node link per device per direction (NVLink 4)
     network_bytes: float = 50 * GB  # between nodes, per device (one 400 Gb/s NDR link)
     per_node: int = GPUS_PER_HOST
+    memory_bandwidth: float | None = None  # HBM bytes/s per device (None: not known)
 
     def peak(self, dtype: str) -> float | None:
         return dict(self.peaks).get(dtype)
 
+
+# HBM bandwidth per chip, from the data sheets: H200 4.8 TB/s (HBM3e), H100 SXM 3.35 TB/s
+# and H100 PCIe 2.0 TB/s (HBM3/HBM2e), A100 80GB SXM 2,039 GB/s; TPU v5e 819 GB/s, v5p
+# 2,765 GB/s, v6e 1,640 GB/s, v4 1,200 GB/s. What the planner prices memory-bound
+# per-microbatch work at (framework/analysis/planner.py, `accumulation_seconds`).
 
 # FP8 (E4M3/E5M2) matmuls: the peak of Hopper's FP8 tensor cores. NVIDIA's H100 and
 # H200 data sheets give 3,958 TFLOP/s FP8 for the SXM parts and 3,026 for the H100 PCIe
@@ -41,17 +47,22 @@ class Accelerator:
 FP8 = "float8"
 _BF16, _F32 = "bfloat16", "float32"
 CATALOGUE: tuple[Accelerator, ...] = (
-    Accelerator("h200", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12))),
-    Accelerator("h100 pcie", ((_BF16, 756.0e12), (_F32, 378.0e12), (FP8, 1513.0e12))),
-    Accelerator("h100", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12))),  # SXM5
-    Accelerator("a100", ((_BF16, 312.0e12), (_F32, 156.0e12)), link_bytes=300 * GB),
-    Accelerator("tpu v5 lite", ((_BF16, 197.0e12),), 16 * GIB),  # v5e
-    Accelerator("tpu v5e", ((_BF16, 197.0e12),), 16 * GIB),
+    Accelerator("h200", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12)),
+                memory_bandwidth=4.8 * TB),
+    Accelerator("h100 pcie", ((_BF16, 756.0e12), (_F32, 378.0e12), (FP8, 1513.0e12)),
+                memory_bandwidth=2.0 * TB),
+    Accelerator("h100", ((_BF16, 989.4e12), (_F32, 494.7e12), (FP8, 1978.9e12)),  # SXM5
+                memory_bandwidth=3.35 * TB),
+    Accelerator("a100", ((_BF16, 312.0e12), (_F32, 156.0e12)), link_bytes=300 * GB,
+                memory_bandwidth=2.039 * TB),
+    Accelerator("tpu v5 lite", ((_BF16, 197.0e12),), 16 * GIB, memory_bandwidth=0.819 * TB),
+    Accelerator("tpu v5e", ((_BF16, 197.0e12),), 16 * GIB, memory_bandwidth=0.819 * TB),
     # v5p: the HBM its compiler reports ("available HBM (95.74G)")
-    Accelerator("tpu v5p", ((_BF16, 459.0e12),), int(95.74 * GIB)),
-    Accelerator("tpu v5", ((_BF16, 459.0e12),), int(95.74 * GIB)),  # v5p says "TPU v5"
-    Accelerator("tpu v6e", ((_BF16, 918.0e12),), 32 * GIB),  # Trillium
-    Accelerator("tpu v4", ((_BF16, 275.0e12),), 32 * GIB),
+    Accelerator("tpu v5p", ((_BF16, 459.0e12),), int(95.74 * GIB), memory_bandwidth=2.765 * TB),
+    Accelerator("tpu v5", ((_BF16, 459.0e12),), int(95.74 * GIB),  # v5p says "TPU v5"
+                memory_bandwidth=2.765 * TB),
+    Accelerator("tpu v6e", ((_BF16, 918.0e12),), 32 * GIB, memory_bandwidth=1.64 * TB),  # Trillium
+    Accelerator("tpu v4", ((_BF16, 275.0e12),), 32 * GIB, memory_bandwidth=1.2 * TB),
 )
 
 
@@ -63,6 +74,12 @@ def accelerator(device_kind: str) -> Accelerator | None:
     or None (CPU, unknown devices)."""
     kind = device_kind.lower()
     return next((a for a in CATALOGUE if a.key in kind), None)
+
+
+def memory_bandwidth(device_kind: str) -> float | None:
+    """HBM bytes/s of one device, or None if unknown."""
+    found = accelerator(device_kind)
+    return None if found is None else found.memory_bandwidth
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:

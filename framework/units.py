@@ -12,6 +12,7 @@ import math
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 GB = 1e9  # decimal: bandwidths (bytes/s) and vendors' data sheets
+TB = 1e12
 FP32 = 4  # bytes of a float32: gradient sums, logits, the optimizer's arithmetic
 
 

@@ -1,6 +1,7 @@
 """The planner's compute rates from the measured stages of
 framework/analysis/calibration.py: per row, the planner's FLOPs of the stage at the
-device's peak over its measured time; per (kernel, remat, executor) the mean, as
+device's peak over its measured time less its gradient accumulation's (priced at the
+device's memory bandwidth, `framework/analysis/accumulation.py`); per (kernel, remat, executor) the mean, as
 `RATES` holds it; and, with the rates in place, each row's predicted stage time
 against its measurement; then FP8's measured ratios to bfloat16 (`FP8_SLOWDOWN`'s rows).
 
@@ -22,8 +23,10 @@ start_cpu_only()  # nothing here runs on a device
 from tools.recipe import compose  # noqa: E402
 
 
-def stage_seconds(row, calibrated: bool) -> float:
-    """The planner's time of the row's stage (its head's rank, one step, no waits)."""
+def stage_seconds(row, calibrated: bool) -> tuple[float, float]:
+    """The planner's time of the row's stage (its head's rank, one step, no waits), and
+    of it the gradient accumulation's (memory-bound: at the device's bandwidth, not
+    at the compute rate)."""
     from framework import hardware
     from framework.analysis import planner
     from framework.engine.validate import validate
@@ -32,8 +35,10 @@ def stage_seconds(row, calibrated: bool) -> float:
     parallel = validate(cfg.model, cfg.parallel, cfg.train, cfg.parallel.n_devices)
     hw = planner.Hardware(memory_bytes=1.0, platform="gpu",
                           peak_flops=hardware.peak_flops(row.device, cfg.model.dtype),
-                          device=row.device if calibrated else None)
-    return planner.predict_time(cfg.model, parallel, cfg.train, hw, cfg.optim)["stage"]
+                          device=row.device if calibrated else None,
+                          memory_bandwidth=hardware.memory_bandwidth(row.device))
+    time = planner.predict_time(cfg.model, parallel, cfg.train, hw, cfg.optim)
+    return time["stage"], time["accumulate"]
 
 
 def main() -> int:
@@ -43,11 +48,12 @@ def main() -> int:
     print(f"{'program':<78} {'measured ms':>11} {'at peak ms':>10} {'share':>6} "
           f"{'predicted ms':>12} {'ratio':>6}")
     for row in MEASURED:
-        peak = stage_seconds(row, calibrated=False)
-        shares[row.kernel, row.remat, row.executor].append(peak / row.step_s)
-        predicted = stage_seconds(row, calibrated=True)
+        peak, added = stage_seconds(row, calibrated=False)
+        share = (peak - added) / (row.step_s - added)  # the compute's share of the peak
+        shares[row.kernel, row.remat, row.executor].append(share)
+        predicted = stage_seconds(row, calibrated=True)[0]
         print(f"{' '.join(row.program):<78} {row.step_s * 1e3:>11.0f} {peak * 1e3:>10.0f} "
-              f"{peak / row.step_s:>6.1%} {predicted * 1e3:>12.0f} "
+              f"{share:>6.1%} {predicted * 1e3:>12.0f} "
               f"{predicted / row.step_s:>6.2f}")
     print("\nRATES = {")
     for key, values in shares.items():

@@ -37,6 +37,7 @@ target's. Each compile takes minutes at 70B on a laptop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -120,6 +121,7 @@ def hardware(settings: dict, dtype: str, target=None):
         devices_per_node=settings.get("devices_per_node", known.per_node),
         axis_bandwidth=pinned,
         memory_fraction=settings.get("memory_fraction", catalogue.USABLE_FRACTION),
+        memory_bandwidth=known.memory_bandwidth,
         platform=target.platform if target is not None else "gpu",
         device=None if "peak_tflops" in settings else device)
 
@@ -175,12 +177,15 @@ def main(argv=None) -> int:
     print(planner.table(plans, settings.get("top", 20), settings.get("unfit", 5)))
     print("mem: predicted peak per device = state (parameters, AdamW moments, tokens) + "
           "grads + acts (kept residuals + the largest transient); step ms = compute "
-          "(bubble included) + tensor + pipe + data communication, no overlap assumed "
+          "(bubble included) + accum (the gradient accumulation's memory traffic at the "
+          "device's HBM bandwidth) + tensor + pipe + data communication, no overlap assumed "
           "but of overlapped stage-to-stage sends (parallel.overlap_sends) and of the "
           "collective matmuls' transfers their blocks' matmuls outlast "
           "(parallel.collective_matmul).")
     print(pipeline_verdict(plans))
-    mine = next((pl for pl in plans if pl.parallel == cfg.parallel), None)
+    own = cfg.parallel if cfg.parallel.data > 1 else dataclasses.replace(  # (one replica:
+        cfg.parallel, zero1=False, fsdp=False)  # nothing to shard, ranked as unsharded)
+    mine = next((pl for pl in plans if pl.parallel == own), None)
     if mine is not None:
         rank = plans.index(mine) + 1
         print(f"the recipe's own layout ({mesh_name(cfg.parallel)}) ranks {rank} of {len(plans)}: "

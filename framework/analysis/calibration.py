@@ -72,20 +72,22 @@ MEASURED: tuple[Measured, ...] = (
 )
 
 # (kernel, remat, executor kind) -> share of the peak the planner's FLOPs ran at: the
-# mean over MEASURED's rows of that key (tools/calibrate.py, 2026-11-30). One key holds
+# mean over MEASURED's rows of that key, each row's time less its gradient accumulation's
+# at the device's memory bandwidth (framework/analysis/accumulation.py: 12 ms of the 1B
+# 1F1B stage, 17 ms of the 8B's) (tools/calibrate.py, 2026-12-03). One key holds
 # ZB-H1 and ZB-V, whose planner FLOPs are the same: ZB-H1's stage ran 1.17x ZB-V's
 # (1B, full remat), so each is predicted 8-9% off, on either side.
 RATES: dict[tuple[str, str, str], float] = {
     ("cudnn", "none", SINGLE): 0.5108,  # 1 row
-    ("cudnn", "full", TICKS): 0.6862,  # 3 rows: 1B 1f1b, 1B interleaved, 8B 1f1b
-    ("cudnn", "full", SPLIT): 0.7183,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
-    ("cudnn", "none", TICKS): 0.5683,  # 1 row: 1B 1f1b
-    ("cudnn", "none", SPLIT): 0.5262,  # 1 row: 1B zb_v
-    ("cudnn", "save_dots", TICKS): 0.6090,  # 2 rows: 1B and 8B 1f1b
-    ("cudnn", "save_dots", SPLIT): 0.6106,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
-    ("cudnn", "full", AUTODIFF): 0.6036,  # 1 row
-    ("blockwise", "full", TICKS): 0.3763,  # 1 row
-    ("blockwise", "full", SPLIT): 0.3414,  # 1 row
+    ("cudnn", "full", TICKS): 0.6935,  # 3 rows: 1B 1f1b, 1B interleaved, 8B 1f1b
+    ("cudnn", "full", SPLIT): 0.7240,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
+    ("cudnn", "none", TICKS): 0.5746,  # 1 row: 1B 1f1b
+    ("cudnn", "none", SPLIT): 0.5316,  # 1 row: 1B zb_v
+    ("cudnn", "save_dots", TICKS): 0.5960,  # 2 rows: 1B and 8B 1f1b
+    ("cudnn", "save_dots", SPLIT): 0.6161,  # 3 rows: 1B zb_h1 and zb_v, 8B zb_v
+    ("cudnn", "full", AUTODIFF): 0.6096,  # 1 row
+    ("blockwise", "full", TICKS): 0.3783,  # 1 row
+    ("blockwise", "full", SPLIT): 0.3426,  # 1 row
 }
 # FP8 (issue 45): the same program with `model.fp8=tensorwise` and without, on the same
 # device and day (tools/device_check.sh: bench and bench_fp8; the 8B stage under full
@@ -139,3 +141,25 @@ def rate(device_kind: str | None, kernel: str, remat: str, executor: str) -> flo
     if not any(k == kernel and e == executor for k, _, e in RATES):
         near = [r for (k, _, _), r in RATES.items() if k == kernel] or near
     return sum(near) / len(near) if near else None
+
+
+def executor_kind(lay) -> str:
+    """The executor kind of a layout (`framework.engine.resolved.Layout`)."""
+    if lay.parallel.pipeline == 1:
+        return SINGLE
+    if lay.program.schedule.split_backward:
+        return SPLIT
+    return AUTODIFF if lay.program.autodiff else TICKS
+
+
+def layout_rate(lay, seq_len: int, device_kind: str | None, platform: str | None) -> float | None:
+    """The share of the peak a stage of this layout ran at on `device_kind` (None: not
+    measured): by its attention kernel as `auto` resolves on the platform, its remat
+    and its executor kind."""
+    from framework.engine.resolved import REMATS
+    from framework.model.attention import kernel_for
+
+    if device_kind is None:
+        return None
+    kernel = kernel_for(lay.model, seq_len, platform or "gpu")
+    return rate(device_kind, kernel, REMATS[lay.layer_remat].rated_as, executor_kind(lay))

@@ -76,9 +76,10 @@ def trace_per_device(lay: Layout, measure, pass_through: bool = True) -> None:
 def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
     """Bytes per device of the tick executor's own state before its first tick (its
     `Carry`: receive slots, stash, saved, gradient accumulators, pending sends), by
-    field, and of what a cell hands out of its conditional to be written after it
-    (`slot`: F's fresh stash slot, where it is not written in place, and the saved
-    buffers' entry). Measured, not recounted:
+    field, the accumulators a microbatch adds into (`accumulators`: the chunks', the
+    head's; `framework/analysis/accumulation.py`), and of what a cell hands out of its
+    conditional to be written after it (`slot`: F's fresh stash slot, where it is not
+    written in place, and the saved buffers' entry). Measured, not recounted:
     `jax.eval_shape` of the executor's `initial_carry` (`trace_per_device`).
     `pass_through`: as the target's compiler (`engine.step.passes_through`: on GPUs the
     stash has a spare slot)."""
@@ -90,6 +91,8 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
                                  jax.lax.axis_index(PIPE))
         carry = ticks.initial_carry(cells, like)
         found.update({k: nbytes(v) for k, v in carry._asdict().items()})
+        # (the chunks', the head's) accumulators a microbatch's backward adds into
+        found["accumulators"] = accumulator_bytes(carry.grads, lay.model)
         found["weights"], found["weight_casts"] = step_weights.copy_bytes(compute, params)
         # F's residuals (and the weight ops' inputs a split backward without remat
         # keeps) leave its conditional as one fresh slot only where the compiler copies
@@ -102,3 +105,12 @@ def measure_executor_state(lay: Layout, pass_through: bool = True) -> dict:
 
     trace_per_device(lay, measure, pass_through)
     return found
+
+
+def accumulator_bytes(carry_grads: dict, model: ModelConfig) -> tuple[float, float]:
+    """(the chunks', the head's) accumulator bytes of the tick executor's carry (the
+    embedding's counted with the head's where the two are tied: the head's gradient
+    is then added to the whole table)."""
+    head = nbytes(carry_grads.get("head", {}))
+    return nbytes(carry_grads["chunks"]), head + (nbytes(carry_grads.get("embed", {}))
+                                                  if model.tie_embeddings else 0)

@@ -107,7 +107,7 @@ class Weights:
 
 
 @lru_cache(maxsize=None)
-def _param_bytes(lay: Layout) -> Weights:
+def param_bytes(lay: Layout) -> Weights:
     shapes = abstract_train_params(lay.model, lay.parallel.pipeline, lay.chunks_per_rank,
                                    lay.stage_layers)
     degrees = {**lay.degrees, None: 1}
@@ -364,7 +364,7 @@ def predict_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainCon
     parallel = with_exchange(parallel, platform or jax.default_backend())  # as built
     lay = resolved(attention_traced(model, train.seq_len, platform), parallel,
                    train.seq_len, train.global_batch_size)
-    w = _param_bytes(lay)
+    w = param_bytes(lay)
     tpu = (platform or jax.default_backend()) == "tpu"
     cast = dtype_bytes(lay.model.dtype) / FP32 if tpu else None
     layer_backward = _layer_backward(lay, tpu)

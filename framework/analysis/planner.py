@@ -20,6 +20,9 @@ weight ops' inputs and runs no collective matmul: `Layout.records_weight_ops`).
              plus the LM head on the last stage, less the slack its fewer layers leave
              (uneven stages, `parallel.stage_layers`; even stages: all of it). Even
              stages: t = layer flops / (N * peak) / (1 - bubble) + head / (dp * tp * peak).
+  accumulate the gradient accumulation's memory traffic (framework/analysis/accumulation.py:
+             each microbatch's weight gradients added into the stored-dtype sums) at
+             the device's HBM bandwidth (`hardware.memory_bandwidth`; none unknown)
   comm       bytes per device per step on each mesh axis (`framework/analysis/comm_model.py`)
              over that axis's bandwidth; `tensor` is innermost on the mesh, so an axis
              uses the in-node link (NVLink) while the devices it spans fit in one node.
@@ -40,8 +43,9 @@ import numpy as np
 from framework import hardware
 from framework.units import memory_unit
 from framework.analysis import calibration, comm_model
+from framework.analysis.accumulation import accumulated_bytes
 from framework.config import ModelConfig, ParallelConfig, TrainConfig
-from framework.engine.resolved import REMATS, resolved, with_exchange
+from framework.engine.resolved import resolved, with_exchange
 from framework.engine.validate import check, combined_where_possible
 from framework.analysis.memory_model import predict_memory
 from framework.parallel.mesh import PIPE, TENSOR, degrees
@@ -74,6 +78,12 @@ class Hardware:
     #                              this process's backend; transients.logit_copies)
     device: str | None = None  # the device kind whose measured rates the compute time
     #                            takes (framework/analysis/calibration.py); None: peak
+    memory_bandwidth: float | None = None  # HBM bytes/s (None: `device`'s, if known)
+
+    @property
+    def hbm(self) -> float | None:
+        """HBM bytes/s per device: as given, else the catalogue's for `device`."""
+        return self.memory_bandwidth or (self.device and hardware.memory_bandwidth(self.device))
 
     def bandwidth(self, axis: str, parallel: ParallelConfig) -> float:
         pinned = dict(self.axis_bandwidth)
@@ -132,12 +142,13 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     cost[0] += prefix_layers(model) * layers * dense_share * (
         1.0 if lay.remat.recompute_forward else RECOMPUTED)
     head_beyond = max(0.0, cost[-1] + head - max(cost))
-    share = measured_rate(lay, train.seq_len, hw) or 1.0
+    share = calibration.layout_rate(lay, train.seq_len, hw.device, hw.platform) or 1.0
     # context: 1/cp of each sequence; at the measured share of the peak where known
     per_flop = tokens / (dp * cp * tp) / (hw.peak_flops * share)
     out = {"compute": sched.n_chunks * max(cost) * per_flop / (1 - sched.bubble_fraction)
            + head_beyond * per_flop}
     stored = optim.param_dtype if optim is not None else "float32"
+    out["accumulate"] = accumulated_bytes(lay, stored, hw.platform) / hw.hbm if hw.hbm else 0.0
     exchanged = with_exchange(parallel, hw.platform or "gpu")  # the expert exchange hw's runs
     for axis, nbytes in _comm_bytes(model, exchanged, train, stored).items():
         out[f"comm_{axis}"] = nbytes / hw.bandwidth(axis, parallel)
@@ -163,7 +174,8 @@ def predict_time(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     out["rate"] = share  # of the peak the compute term assumes (1: no measurement)
     # the cells of the head's rank, one step, without waits (what tools/mock_gpu.py times)
     head_rank = lay.program.stages.rank[-1]
-    out["stage"] = (sum(cost[g] for g in lay.program.stages.of[head_rank]) + head) * per_flop
+    out["stage"] = (sum(cost[g] for g in lay.program.stages.of[head_rank]) + head) * per_flop \
+        + out["accumulate"]
     ideal = model_flops_per_token(model, train.seq_len) * tokens / n / format_peak(model, hw)
     out["mfu"] = ideal / out["total"]
     return out
@@ -211,26 +223,6 @@ def fp8_slowdown(model: ModelConfig, seq_len: int, hw: Hardware) -> float:
     if measured is not None:
         return measured
     return share * hw.peak_flops / hw.fp8_peak_flops + (1 - share)
-
-
-def executor_kind(lay) -> str:
-    """The calibration's executor kind of a layout (framework/analysis/calibration.py)."""
-    if lay.parallel.pipeline == 1:
-        return calibration.SINGLE
-    if lay.program.schedule.split_backward:
-        return calibration.SPLIT
-    return calibration.AUTODIFF if lay.program.autodiff else calibration.TICKS
-
-
-def measured_rate(lay, seq_len: int, hw: Hardware) -> float | None:
-    """The share of the peak a stage of this layout ran at on `hw.device` (None: not
-    measured): by its attention kernel as `auto` resolves on the platform, its remat
-    and its executor kind."""
-    if hw.device is None:
-        return None
-    kernel = kernel_for(lay.model, seq_len, hw.platform or "gpu")
-    return calibration.rate(hw.device, kernel, REMATS[lay.layer_remat].rated_as,
-                            executor_kind(lay))
 
 
 @dataclass
@@ -377,7 +369,8 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
     head = (f"{'#':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'cp':>3} {'tp':>3} {'mb':>4} "
             f"{'schedule':<19} "
             f"{'shard':<5} {'mem ' + name:>8} {'state':>7} {'grads':>7} {'acts':>7} "
-            f"{'fits':<4} {'step ms':>9} {'compute':>9} {'tensor':>8} {'pipe':>8} "
+            f"{'fits':<4} {'step ms':>9} {'compute':>9} {'accum':>6} {'tensor':>8} "
+            f"{'pipe':>8} "
             f"{'data':>8} {'context':>8} {'expert':>8} {'bubble':>6} {'tokens/s':>11} "
             f"{'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -391,7 +384,7 @@ def table(plans: list[Plan], top: int = 20, unfit: int = 5) -> str:
             f"{par.microbatches:>4} {sched:<19} {sharding_name(par):<5} {gib('total'):>8.2f} "
             f"{gib('params', 'optimizer', 'tokens'):>7.2f} {gib('gradients'):>7.2f} "
             f"{gib('activations', 'transient'):>7.2f} {'yes' if pl.fits else 'NO':<4} "
-            f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} "
+            f"{t['total'] * 1e3:>9.4g} {t['compute'] * 1e3:>9.4g} {t['accumulate'] * 1e3:>6.3g} "
             f"{t['comm_tensor'] * 1e3:>8.3g} {t['comm_pipe'] * 1e3:>8.3g} "
             f"{t['comm_data'] * 1e3:>8.3g} {t['comm_context'] * 1e3:>8.3g} "
             f"{t.get('comm_expert', 0.0) * 1e3:>8.3g} "

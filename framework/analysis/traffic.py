@@ -92,16 +92,34 @@ def _written_out(program: hlo.Program, comp: str) -> set[str]:
     return out
 
 
-def accessed_bytes(text: str, scope_weights=None) -> float:
+def accessed_bytes(text: str, scope_weights=None, scope: str | None = None) -> float:
     """Bytes every kernel of a compiled program reads and writes, per step
-    (`scope_weights`: as `moved_bytes`')."""
+    (`scope_weights`: as `moved_bytes`'); with `scope`, only the kernels made of
+    operations inside that named scope (a fusion: any of its instructions)."""
+    return accessed_by_scope(text, scope_weights, () if scope is None else (scope,))[scope]
+
+
+def accessed_by_scope(text: str, scope_weights=None, scopes: tuple = ()) -> dict:
+    """`accessed_bytes` of the whole program (key None) and of each named scope in
+    `scopes`, from one reading of the program."""
     program = hlo.parse(text)
-    total = 0.0
+    out = dict.fromkeys((None, *scopes), 0.0)
     for factor, types, instr in hlo.kernels(program, scope_weights):
         callee = dict(instr.callees).get("calls") if instr.opcode == "fusion" else None
-        total += factor * (_fusion_bytes(program, callee) if callee else
+        nbytes = factor * (_fusion_bytes(program, callee) if callee else
                            _kernel_bytes(instr, types))
-    return total
+        for scope in out:
+            if scope is None or _in_scope(program, instr, callee, scope):
+                out[scope] += nbytes
+    return out
+
+
+def _in_scope(program: hlo.Program, instr: hlo.Instruction, callee, scope: str) -> bool:
+    """Whether a kernel holds an operation of the named scope `scope` (op_name
+    `.../scope/...`): the instruction's own, or one its fusion computes."""
+    inside = lambda i: f"/{scope}/" in f"/{i.op_name}"
+    return inside(instr) or (callee is not None and
+                             any(map(inside, program.computations[callee])))
 
 
 def _kernel_bytes(instr: hlo.Instruction, types: dict) -> int:

@@ -34,10 +34,11 @@ import time
 from framework.analysis.memory_check import TPU_REFUSED, compiled_bytes, hbm_oom
 from framework.analysis.gemms import fp8_share, matmul_flops
 from framework.analysis.kernels import kernels_per_step
-from framework.analysis.traffic import accessed_bytes, moved_bytes
+from framework.analysis.traffic import accessed_by_scope, moved_bytes
 from framework.compile.targets import Target, compile_devices, cudnn_of
 from framework.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from framework.errors import ConfigError
+from framework.parallel.pipeline.scopes import ACCUMULATE
 from framework.units import gib as _size
 
 
@@ -184,7 +185,9 @@ def compile_report(cfg: RunConfig, target: Target) -> dict:
     text, weights = compiled.as_text(), engine.program.scope_weights
     report.update({f"traffic/{kind}_bytes_per_step": nbytes  # copies, slices, updates
                    for kind, nbytes in moved_bytes(text, weights).items()})
-    report["traffic/accessed_bytes_per_step"] = accessed_bytes(text, weights)  # kernels'
+    accessed = accessed_by_scope(text, weights, (ACCUMULATE,))  # what the kernels touch:
+    report["traffic/accessed_bytes_per_step"] = accessed[None]  # all of them
+    report["traffic/accumulated_bytes_per_step"] = accessed[ACCUMULATE]  # the gradient sums'
     report.update({f"kernels/{kind}_per_step": n  # launches by kind (analysis/kernels.py)
                    for kind, n in kernels_per_step(text, weights).items()})
     report["flops/fp8_share_of_layer_matmuls"] = fp8_share(text)

@@ -54,7 +54,10 @@ def lines(report: dict) -> list[str]:
             for kind in ("copied", "sliced", "updated")))
     if "traffic/accessed_bytes_per_step" in report:
         out.append("read and written by the kernels per device per step: "
-                   f"{_gib(report['traffic/accessed_bytes_per_step'])}")
+                   f"{_gib(report['traffic/accessed_bytes_per_step'])}" + (
+                       f" (gradient accumulation "
+                       f"{_gib(report['traffic/accumulated_bytes_per_step'])})"
+                       if report.get("traffic/accumulated_bytes_per_step") else ""))
     if "kernels/gemm_per_step" in report:
         out.append(_kernels_line(report))
     if report.get("flops/fp8_share_of_layer_matmuls") is not None:

@@ -174,6 +174,11 @@ def test_plan_command_line(capsys):
     assert "valid layouts" in out and " yes " in out and " NO " in out
     assert "the recipe's own layout (pp2-dp2-tp2-mb2)" in out
     assert "with a pipeline: " in out and "without a pipeline: " in out
+    # ZeRO-1 with one data replica (the 8B recipe's) is ranked as the unsharded layout
+    assert plan.main(["recipe=llama_tiny_debug", "devices=8", "device_memory_gb=80", "top=1",
+                      "parallel.pipeline=4", "parallel.data=1", "parallel.microbatches=4",
+                      "parallel.zero1=true"]) == 0
+    assert "the recipe's own layout (pp4-dp1-tp2-mb4)" in capsys.readouterr().out
     assert plan.main(["recipe=llama_tiny_debug", "devices=8"]) == 2
     assert "device_memory_gb" in capsys.readouterr().err
     # Settings out of range: one line naming the setting, before anything is planned
@@ -266,6 +271,26 @@ def test_one_device_ranks_one_microbatch_first_and_accumulation_where_only_it_fi
                              memory_fraction=1.0)
     first = planner.plan(MODEL, TRAIN, ParallelConfig(), 1, tight)[0]
     assert first.fits and first.parallel.microbatches > 1
+
+
+def test_accumulation_costs_time_at_the_memory_bandwidth():
+    """Given the device's memory bandwidth, each accumulated microbatch's adds cost time
+    (framework/analysis/accumulation.py): without a pipeline one microbatch is faster
+    than two, and the term grows with the microbatches; a pipeline's term counts its
+    microbatches too. Without a bandwidth (nor a catalogued device) it is not priced."""
+    hbm = planner.Hardware(memory_bytes=1e12, peak_flops=1e12, memory_bandwidth=1e9)
+    t = lambda **kw: planner.predict_time(MODEL, ParallelConfig(**kw), TRAIN, hbm)
+    one, two, four = (t(microbatches=m) for m in (1, 2, 4))
+    assert one["accumulate"] == 0 < two["accumulate"] and one["total"] < two["total"]
+    assert four["accumulate"] == pytest.approx(2 * two["accumulate"])
+    pp = [t(pipeline=2, microbatches=m, schedule="1f1b") for m in (2, 4)]
+    assert pp[1]["accumulate"] == pytest.approx(2 * pp[0]["accumulate"])
+    assert pp[0]["stage"] > pp[0]["accumulate"] > 0  # (the head's rank's cells hold it)
+    plain = planner.Hardware(memory_bytes=1e12, peak_flops=1e12)
+    assert planner.predict_time(MODEL, ParallelConfig(microbatches=2), TRAIN,
+                                plain)["accumulate"] == 0
+    h100 = dataclasses.replace(plain, device="NVIDIA H100 80GB HBM3")
+    assert h100.hbm == 3.35e12
 
 
 @pytest.mark.slow  # fast tier <= 5 min (2026-11-28: 3 s)

@@ -20,7 +20,8 @@ from framework.parallel.pipeline.comm import (manual_axes, only_on, send, slots,
                                               zeros_typed_like)
 from framework.parallel.pipeline.kinds import ACT, F
 from framework.parallel.pipeline.program import Program
-from framework.parallel.pipeline.scopes import CELL, LOOP, ON_FIRST, ON_LAST, STAGE
+from framework.parallel.pipeline.scopes import (ACCUMULATE, CELL, LOOP, ON_FIRST, ON_LAST,
+                                                 STAGE)
 from framework.parallel.pipeline.stage import StageFns, no_float0, of_microbatch, skip_unless
 
 
@@ -130,8 +131,14 @@ def accumulated(prog: Program, fns: StageFns, params, inputs, targets, docs=None
     # the compiler inlines, was scheduled together with it (both alive at once).
     zeros = jax.tree.map(zeros_typed_like, grad(0))
     with jax.named_scope(LOOP):
-        return jax.lax.fori_loop(0, inputs.shape[0], lambda i, total: jax.tree.map(
-            jnp.add, total, grad(i)), zeros)
+        return jax.lax.fori_loop(0, inputs.shape[0], lambda i, total: _added(total, grad(i)),
+                                 zeros)
+
+
+def _added(total, grads):
+    """The step's sums += a microbatch's (loss, gradients)."""
+    with jax.named_scope(ACCUMULATE):
+        return jax.tree.map(jnp.add, total, grads)
 
 
 def stage_or_skip(layers, weights, x, busy, n_real=None, docs=None, first=None):

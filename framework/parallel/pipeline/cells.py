@@ -45,7 +45,7 @@ import jax
 from framework.parallel.pipeline.comm import only_on, slots, write_slot, zeros_typed_like
 from framework.parallel.pipeline.kinds import BW, B, CellKind, F, W
 from framework.parallel.pipeline.program import Program
-from framework.parallel.pipeline.scopes import ON_FIRST
+from framework.parallel.pipeline.scopes import ACCUMULATE, ON_FIRST
 from framework.parallel.pipeline.stage import StageFns, no_float0, of_microbatch
 from framework.parallel.pipeline.stash import scan_from, scan_fused, scan_into
 from framework.parallel.pipeline.tick_types import (CellIn, TickState, Types, layer_slice,
@@ -93,9 +93,10 @@ class Cells:
         accumulators' dtype: the stored one, `StageFns.weights`). An integer leaf has
         no gradient and no accumulator (None in both: `stage.no_float0`)."""
         v = jax.tree.leaves(grads["chunks"])[0].shape[0]
-        return dict(grads, chunks=jax.tree.map(
-            lambda a, u: a.at[0 if v == 1 else chunk, layers].add(u.astype(a.dtype)),
-            grads["chunks"], update))
+        with jax.named_scope(ACCUMULATE):
+            return dict(grads, chunks=jax.tree.map(
+                lambda a, u: a.at[0 if v == 1 else chunk, layers].add(u.astype(a.dtype)),
+                grads["chunks"], update))
 
     @property
     def keeps_inputs(self) -> bool:
@@ -278,4 +279,5 @@ class Cells:
 
 def add(tree, update):
     """tree + update, leaf by leaf, in the tree's dtypes (a gradient into its accumulator)."""
-    return jax.tree.map(lambda a, u: a + u.astype(a.dtype), tree, update)
+    with jax.named_scope(ACCUMULATE):
+        return jax.tree.map(lambda a, u: a + u.astype(a.dtype), tree, update)

@@ -11,6 +11,10 @@ LOOP = "pipeline_loop"  # the tick loop (autodiff: the forward loop; its transpo
 CELL = "cell"  # the per-tick dispatch on the cell's kind (its conditionals)
 STAGE = "stage_work"  # autodiff executor: a rank's busy branch (F cells)
 ON_FIRST, ON_LAST = "on_first_stage", "on_last_stage"  # embedding / head + loss
+# a microbatch's gradients added into the step's accumulators (the tick executor's cells,
+# accumulation without a pipeline): what the compiled program's traffic under it counts
+# is what the planner prices per microbatch (`planner.accumulation_seconds`)
+ACCUMULATE = "accumulate"
 
 
 def send_scope(channel, pattern: int) -> str:
